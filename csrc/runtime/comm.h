@@ -1,0 +1,122 @@
+// Shared device-side toolkit for every moe_ep kernel: the Comm argument block, the signal-slot map,
+// release/acquire flag helpers at system scope, and waits that time out and report rank + phase.
+//
+// Signals: every rank owns one symmetric uint64 array `signals` of kNumSignalSlots * kMaxRanks
+// entries. Entry [slot * kMaxRanks + src] on rank `dst` is written only by rank `src`, only for
+// `slot`. Values are epochs (1, 2, 3, ...) that only grow, so nothing is ever reset and a waiter
+// waits for `flag >= epoch`. Epochs live in device memory (Comm::epochs, one counter per slot
+// group), not on the host, so a captured CUDA graph replays with fresh epochs.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace moe_ep {
+
+constexpr int kMaxRanks = 8;
+
+// Signal slots (index into the per-rank signal array, times kMaxRanks, plus source rank).
+enum SignalSlot : int {
+  kSigNotify = 0,         // intranode: count exchange (also the dispatch start barrier)
+  kSigDispatchReady = 1,  // intranode: cached-dispatch start barrier
+  kSigDispatchDone = 2,   // intranode: all rows of this source have landed
+  kSigCombineReady = 3,   // intranode: combine start barrier
+  kSigCombineDone = 4,    // intranode: all combine rows of this source have landed
+  kSigLowLatencyFirst = 8,  // 8..15 belong to the low-latency kernels
+  kNumSignalSlots = 16,
+};
+
+// Epoch counters (device memory, uint64 each), one per protocol; same indices as the slots.
+constexpr int kNumEpochs = kNumSignalSlots;
+
+// Phases, named in timeout errors. Keep kPhaseNames in sync (used by the bindings).
+enum Phase : int {
+  kPhaseNone = 0,
+  kPhaseNotify = 1,            // dispatch: waiting for a peer's token counts
+  kPhaseDispatchBarrier = 2,   // dispatch: waiting for a peer to be ready to receive
+  kPhaseDispatchRecv = 3,      // dispatch: waiting for a peer's rows to land
+  kPhaseCombineBarrier = 4,    // combine: waiting for a peer to be ready to receive
+  kPhaseCombineRecv = 5,       // combine: waiting for a peer's rows to land
+  kPhaseLowLatencyDispatchRecv = 6,  // low-latency dispatch: waiting for a peer's rows/counts
+  kPhaseLowLatencyCombineRecv = 7,   // low-latency combine: waiting for a peer's rows
+  kPhaseLowLatencyBarrier = 8,       // low-latency: waiting for a peer to free its buffers
+  kNumPhases = 9,
+};
+
+// Written once by the first wait that times out; lives in host-mapped memory so the host reads it
+// without a device sync, and every other waiting thread sees `code != 0` and gives up too.
+struct ErrorState {
+  int code;   // 0 = fine, 1 = timeout
+  int rank;   // the rank that timed out
+  int phase;  // Phase
+  int peer;   // the rank it was waiting for
+};
+
+// Everything a kernel needs to talk to its peers. Built once per Buffer on the host.
+struct Comm {
+  int rank;
+  int nranks;
+  unsigned long long timeout_ns;
+  ErrorState* error;               // device address of the host-mapped ErrorState
+  unsigned long long* epochs;      // device-local counters [kNumEpochs]
+  uint64_t* signals[kMaxRanks];    // each rank's signal array, as addressed from this GPU
+};
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Acquire load at system scope: pairs with st_release_sys / red_release_sys on a peer GPU, so all
+// of that peer's writes before its release are visible to this thread after the load.
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Address of the flag that rank `src` writes at rank `dst` for `slot`.
+__device__ __forceinline__ uint64_t* signal_at(const Comm& c, int dst, int slot, int src) {
+  return c.signals[dst] + slot * kMaxRanks + src;
+}
+
+__device__ __forceinline__ bool comm_aborted(const Comm& c) {
+  return *reinterpret_cast<volatile int*>(&c.error->code) != 0;
+}
+
+__device__ __forceinline__ void report_timeout(const Comm& c, int phase, int peer) {
+  if (atomicCAS_system(&c.error->code, 0, 1) == 0) {
+    c.error->rank = c.rank;
+    c.error->phase = phase;
+    c.error->peer = peer;
+    __threadfence_system();
+  }
+}
+
+// Spin until *flag >= target. Returns false (after recording the error once) when the timeout
+// passes or another thread already gave up; callers then leave the kernel without hanging.
+__device__ __forceinline__ bool wait_geq(const Comm& c, const uint64_t* flag, uint64_t target,
+                                         int phase, int peer) {
+  if (ld_acquire_sys(flag) >= target) return true;
+  const uint64_t start = global_timer_ns();
+  for (uint32_t spin = 1;; ++spin) {
+    if (ld_acquire_sys(flag) >= target) return true;
+    if ((spin & 1023u) == 0) {
+      if (comm_aborted(c)) return false;
+      if (global_timer_ns() - start > c.timeout_ns) {
+        report_timeout(c, phase, peer);
+        return false;
+      }
+    }
+  }
+}
+
+}  // namespace moe_ep

@@ -1,0 +1,97 @@
+"""Result and handle types shared by every backend (the public contract of DESIGN.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class DispatchLayout:
+    """Where each token goes: counts per rank and per expert, and the token->rank mask."""
+
+    num_tokens_per_rank: torch.Tensor  # [R] int32: tokens (not token-expert pairs) sent to each rank
+    num_tokens_per_expert: torch.Tensor  # [E] int32: tokens that selected each expert (once per token)
+    is_token_in_rank: torch.Tensor  # [N, R] bool
+
+
+@dataclass
+class DispatchHandle:
+    """What combine (and a cached dispatch) needs to send rows back the way they came.
+
+    `recv_counts` is None in worst-case mode (no host sync); there, source s's rows sit at
+    [s * max_tokens_per_rank, s * max_tokens_per_rank + count) and the rest are padding.
+    """
+
+    buffer_id: int
+    num_tokens: int  # N on this rank
+    num_recv_rows: int  # rows of the dispatch output (R * max_tokens_per_rank in worst-case mode)
+    is_token_in_rank: torch.Tensor  # [N, R] bool
+    recv_counts: Optional[list[int]]  # rows received from each rank
+    src_rank: torch.Tensor  # [M] int32, -1 for padding rows
+    src_index: torch.Tensor  # [M] int32, -1 for padding rows
+    worst_case: bool = False
+    state: Any = None  # backend-private
+
+
+@dataclass
+class DispatchResult:
+    """Rows received by this rank, ordered by source rank then source token index."""
+
+    x: torch.Tensor  # [M, H] bf16, or e4m3 for FP8 dispatch
+    x_scales: Optional[torch.Tensor]  # [M, H / 128] float32 for FP8 dispatch
+    topk_idx: Optional[torch.Tensor]  # [M, K] int64 local expert ids, -1 where the expert is elsewhere
+    topk_weights: Optional[torch.Tensor]  # [M, K] float32, 0 where topk_idx is -1
+    tokens_per_expert: Optional[list[int]]  # [E_l], aligned up to expert_alignment; None in worst-case mode
+    tokens_per_expert_tensor: torch.Tensor  # [E_l] int32 on x's device, same values
+    src_rank: torch.Tensor  # [M] int32
+    src_index: torch.Tensor  # [M] int32
+    handle: DispatchHandle
+    event: Optional["EventHandle"] = None
+
+
+@dataclass
+class LowLatencyHandle:
+    """Where each low-latency row came from, for low_latency_combine."""
+
+    buffer_id: int
+    num_tokens: int
+    src_rank: torch.Tensor  # [E_l, R * T] int32 (valid below count[e])
+    src_index: torch.Tensor  # [E_l, R * T] int32
+    count: torch.Tensor  # [E_l] int32
+    state: Any = None  # backend-private
+
+
+@dataclass
+class LowLatencyDispatchResult:
+    """Expert-major receive buffers: local expert e holds count[e] rows, by source rank then index."""
+
+    x: torch.Tensor  # [E_l, R * T, H] bf16 or e4m3
+    x_scales: Optional[torch.Tensor]  # [E_l, R * T, H / 128] float32 when use_fp8
+    count: torch.Tensor  # [E_l] int32 on device
+    handle: LowLatencyHandle
+    hook: Optional[Callable[[], None]] = None
+
+
+@dataclass
+class LowLatencyCombineResult:
+    """Combined [N, H] bf16 rows; with return_recv_hook, valid only after hook() ran."""
+
+    x: torch.Tensor
+    hook: Optional[Callable[[], None]] = None
+
+
+@dataclass
+class EventHandle:
+    """A CUDA event recorded on the stream that did the work; wait() orders the current stream."""
+
+    event: Optional[torch.cuda.Event] = field(default=None)
+
+    def wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
