@@ -1,0 +1,39 @@
+"""moe_ep: expert-parallel dispatch/combine for Mixture-of-Experts models (see docs/api.md)."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from . import fp8
+from .buffer import Buffer
+from .types import (
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    EventHandle,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+    LowLatencyHandle,
+)
+
+__version__ = "0.1.0"
+
+# Imported on first use: the layer pulls in nn code, the timeout error lives with the NVSHMEM session.
+_LAZY = {
+    "TopKRouter": "moe_ep.router",
+    "RouterOutput": "moe_ep.router",
+    "MoE": "moe_ep.layer",
+    "CommTimeoutError": "moe_ep.backends.symmetric",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'moe_ep' has no attribute {name!r}")
+
+
+__all__ = [
+    "Buffer", "DispatchHandle", "DispatchLayout", "DispatchResult", "EventHandle", "LowLatencyCombineResult",
+    "LowLatencyDispatchResult", "LowLatencyHandle", "fp8", *_LAZY,
+]

@@ -1,0 +1,291 @@
+"""Pure torch.distributed backend: the oracle, the CPU default and the NCCL baseline.
+
+Every exchange is one `all_to_all_single` of packed byte rows (after a count exchange), so it
+runs on gloo (CPU) and NCCL (GPU) alike. Arithmetic follows docs/api.md to the bit.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import fp8
+from ..types import (
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    EventHandle,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+    LowLatencyHandle,
+)
+from .base import Backend
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """View a [M, ...] tensor as [M, nbytes] uint8 (no copy when contiguous)."""
+    row_bytes = t.element_size() * math.prod(t.shape[1:])
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
+
+
+def _pack(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, torch.dtype, tuple[int, ...]]]]:
+    """Concatenate per-row byte views; return the packed rows and how to unpack them."""
+    specs = [(_as_bytes(p).shape[1], p.dtype, tuple(p.shape[1:])) for p in parts]
+    return torch.cat([_as_bytes(p) for p in parts], dim=1), specs
+
+
+def _unpack(rows: torch.Tensor, specs: list[tuple[int, torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    out, col = [], 0
+    for nbytes, dtype, shape in specs:
+        part = rows[:, col : col + nbytes].clone(memory_format=torch.contiguous_format)  # clone: fresh storage, aligned
+        out.append(part.view(dtype).reshape(rows.shape[0], *shape))
+        col += nbytes
+    return out
+
+
+def _event(async_op: bool, device: torch.device) -> Optional[EventHandle]:
+    if not async_op:
+        return None
+    if device.type != "cuda":
+        return EventHandle(None)
+    ev = torch.cuda.Event()
+    ev.record()
+    return EventHandle(ev)
+
+
+class ReferenceBackend(Backend):
+    """All-to-all over the Buffer's process group; fresh tensors for every result."""
+
+    name = "reference"
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
+        recv = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv, send_counts, group=self.cfg.group)
+        return recv.tolist()
+
+    def _all_to_all_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        out = rows.new_empty((sum(recv_counts), rows.shape[1]))
+        dist.all_to_all_single(out, rows, recv_counts, send_counts, group=self.cfg.group)
+        return out
+
+    def _rank_mask(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """[N, R] bool: token n has at least one expert on rank r."""
+        r = self.cfg.world_size
+        owner = torch.where(topk_idx >= 0, topk_idx // self.cfg.num_local_experts, r)
+        mask = torch.zeros(topk_idx.shape[0], r + 1, dtype=torch.bool, device=topk_idx.device)
+        mask.scatter_(1, owner, True)
+        return mask[:, :r].contiguous()
+
+    def _local_ids(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this rank's local ids, -1 where the expert lives elsewhere."""
+        e_l, me = self.cfg.num_local_experts, self.cfg.rank
+        local = topk_idx - me * e_l
+        return torch.where((topk_idx >= 0) & (local >= 0) & (local < e_l), local, -1)
+
+    # ---- normal mode -----------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
+        e = self.cfg.num_experts
+        is_token_in_rank = self._rank_mask(topk_idx)
+        per_expert = torch.zeros(topk_idx.shape[0], e + 1, dtype=torch.bool, device=topk_idx.device)
+        per_expert.scatter_(1, torch.where(topk_idx >= 0, topk_idx, e), True)
+        return DispatchLayout(
+            num_tokens_per_rank=is_token_in_rank.sum(0, dtype=torch.int32),
+            num_tokens_per_expert=per_expert[:, :e].sum(0, dtype=torch.int32),
+            is_token_in_rank=is_token_in_rank,
+        )
+
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case,
+                 num_sms, previous_event, async_op) -> DispatchResult:
+        cfg = self.cfg
+        if previous_event is not None:
+            previous_event.wait()
+        cached = handle is not None
+        mask = handle.is_token_in_rank if cached else self._rank_mask(topk_idx)
+        worst_case = handle.worst_case if cached else worst_case
+        n = x.shape[0]
+        token_ids = torch.arange(n, device=x.device, dtype=torch.int32)
+        send_idx = torch.cat([token_ids[mask[:, r]] for r in range(cfg.world_size)]).long()
+        send_counts = mask.sum(0).to(torch.int64)
+        recv_counts = self._exchange_counts(send_counts)
+        parts = [x[send_idx]] + ([x_scales[send_idx]] if x_scales is not None else [])
+        parts.append(send_idx.to(torch.int32).unsqueeze(1))
+        if not cached:
+            parts += [topk_idx[send_idx], topk_weights[send_idx]]
+        rows, specs = _pack(parts)
+        got = _unpack(self._all_to_all_rows(rows, send_counts.tolist(), recv_counts), specs)
+        recv_x = got.pop(0)
+        recv_scales = got.pop(0) if x_scales is not None else None
+        recv_src_index = got.pop(0).squeeze(1)
+        recv_rank = torch.repeat_interleave(
+            torch.arange(cfg.world_size, device=x.device, dtype=torch.int32),
+            torch.tensor(recv_counts, device=x.device),
+        )
+        if cached:
+            recv_topk, recv_weights = None, None
+            tokens_per_expert_raw = handle.state["tokens_per_expert_raw"]
+        else:
+            recv_topk = self._local_ids(got[0])
+            recv_weights = torch.where(recv_topk >= 0, got[1], torch.zeros_like(got[1]))
+            hit = torch.zeros(recv_topk.shape[0], cfg.num_local_experts + 1, dtype=torch.bool, device=x.device)
+            hit.scatter_(1, torch.where(recv_topk >= 0, recv_topk, cfg.num_local_experts), True)
+            tokens_per_expert_raw = hit[:, : cfg.num_local_experts].sum(0).tolist()
+        tokens_per_expert = [-(-c // expert_alignment) * expert_alignment for c in tokens_per_expert_raw]
+
+        if worst_case:
+            t = cfg.max_tokens_per_rank
+            rows_at = torch.cat([
+                torch.arange(s * t, s * t + c, device=x.device) for s, c in enumerate(recv_counts)
+            ]).long()
+            m = cfg.world_size * t
+
+            def spread(v: Optional[torch.Tensor], fill: float) -> Optional[torch.Tensor]:
+                """Place the packed rows at their worst-case positions; padding gets `fill`."""
+                if v is None:
+                    return None
+                out = torch.full((m, *v.shape[1:]), fill, dtype=v.dtype, device=v.device)
+                out[rows_at] = v
+                return out
+
+            recv_x = spread(recv_x.view(torch.uint8), 0).view(recv_x.dtype)
+            recv_scales = spread(recv_scales, 0)
+            recv_topk = spread(recv_topk, -1)
+            recv_weights = spread(recv_weights, 0)
+            recv_rank = spread(recv_rank, -1)
+            recv_src_index = spread(recv_src_index, -1)
+
+        new_handle = handle if cached else DispatchHandle(
+            buffer_id=cfg.buffer_id,
+            num_tokens=n,
+            num_recv_rows=recv_x.shape[0],
+            is_token_in_rank=mask,
+            recv_counts=None if worst_case else recv_counts,
+            src_rank=recv_rank,
+            src_index=recv_src_index,
+            worst_case=worst_case,
+            state={"recv_counts": recv_counts, "tokens_per_expert_raw": tokens_per_expert_raw},
+        )
+        return DispatchResult(
+            x=recv_x,
+            x_scales=recv_scales,
+            topk_idx=recv_topk,
+            topk_weights=recv_weights,
+            tokens_per_expert=None if worst_case else tokens_per_expert,
+            tokens_per_expert_tensor=torch.tensor(tokens_per_expert, dtype=torch.int32, device=x.device),
+            src_rank=recv_rank,
+            src_index=recv_src_index,
+            handle=new_handle,
+            event=_event(async_op, x.device),
+        )
+
+    def combine(self, x, handle, *, num_sms, previous_event, async_op):
+        cfg = self.cfg
+        if previous_event is not None:
+            previous_event.wait()
+        recv_counts = handle.state["recv_counts"]
+        valid = handle.src_rank >= 0
+        rows = x[valid] if handle.worst_case else x
+        mask = handle.is_token_in_rank
+        send_back = mask.sum(0).tolist()
+        back = self._all_to_all_rows(_as_bytes(rows), recv_counts, send_back).view(torch.bfloat16)
+        acc = torch.zeros(handle.num_tokens, cfg.hidden, dtype=torch.float32, device=x.device)
+        start = 0
+        for r in range(cfg.world_size):
+            idx = mask[:, r].nonzero().squeeze(1)
+            acc[idx] = acc[idx] + back[start : start + idx.numel()].float()
+            start += idx.numel()
+        return acc.to(torch.bfloat16), _event(async_op, x.device)
+
+    # ---- low-latency mode -----------------------------------------------------------------
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, return_recv_hook):
+        cfg = self.cfg
+        e_l, slots = cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank
+        out_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+        out_x = torch.zeros(e_l, slots, cfg.hidden, dtype=out_dtype, device=x.device)
+        out_scales = torch.zeros(e_l, slots, cfg.num_scales, dtype=torch.float32, device=x.device) if use_fp8 else None
+        count = torch.zeros(e_l, dtype=torch.int32, device=x.device)
+        src_rank = torch.full((e_l, slots), -1, dtype=torch.int32, device=x.device)
+        src_index = torch.full((e_l, slots), -1, dtype=torch.int32, device=x.device)
+        handle = LowLatencyHandle(cfg.buffer_id, x.shape[0], src_rank, src_index, count)
+        x_in, topk_in = x.clone(), topk_idx.clone()
+
+        def receive() -> None:
+            payload = list(fp8.quantize(x_in, round_scale)) if use_fp8 else [x_in]
+            mask = self._rank_mask(topk_in)
+            token_ids = torch.arange(x_in.shape[0], device=x.device, dtype=torch.int32)
+            send_idx = torch.cat([token_ids[mask[:, r]] for r in range(cfg.world_size)]).long()
+            send_counts = mask.sum(0).to(torch.int64)
+            recv_counts = self._exchange_counts(send_counts)
+            rows, specs = _pack([p[send_idx] for p in payload] + [send_idx.to(torch.int32).unsqueeze(1), topk_in[send_idx]])
+            got = _unpack(self._all_to_all_rows(rows, send_counts.tolist(), recv_counts), specs)
+            recv_topk, recv_index = got[-1], got[-2].squeeze(1)
+            recv_rank = torch.repeat_interleave(
+                torch.arange(cfg.world_size, device=x.device, dtype=torch.int32),
+                torch.tensor(recv_counts, device=x.device),
+            )
+            # One entry per (row, distinct local expert), in (source rank, token) order; a stable
+            # sort by expert keeps that order inside each expert.
+            local = self._local_ids(recv_topk)
+            repeat = torch.zeros_like(local, dtype=torch.bool)
+            for k in range(1, cfg.num_topk):
+                repeat[:, k] = (local[:, k : k + 1] == local[:, :k]).any(dim=1)
+            pairs = ((local >= 0) & ~repeat).flatten().nonzero().squeeze(1)
+            experts = local.flatten()[pairs]
+            order = torch.argsort(experts, stable=True)
+            pairs, experts = pairs[order], experts[order]
+            per_expert = torch.bincount(experts, minlength=e_l)
+            first = torch.cumsum(per_expert, 0) - per_expert
+            slot = torch.arange(pairs.numel(), device=x.device) - first[experts]
+            row = pairs // cfg.num_topk
+            out_x[experts, slot] = got[0][row]
+            if use_fp8:
+                out_scales[experts, slot] = got[1][row]
+            count.copy_(per_expert.to(torch.int32))
+            src_rank[experts, slot] = recv_rank[row]
+            src_index[experts, slot] = recv_index[row]
+
+        if not return_recv_hook:
+            receive()
+        return LowLatencyDispatchResult(out_x, out_scales, count, handle, receive if return_recv_hook else None)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, return_recv_hook):
+        cfg = self.cfg
+        n, k_top = topk_idx.shape
+        out = torch.empty(n, cfg.hidden, dtype=torch.bfloat16, device=x.device)
+        x_in, topk_in, weights_in = x.clone(), topk_idx.clone(), topk_weights.clone()
+
+        def receive() -> None:
+            e_all, e_l = cfg.num_experts, cfg.num_local_experts
+            slots = torch.arange(x_in.shape[1], device=x.device)
+            valid = slots.unsqueeze(0) < handle.count.unsqueeze(1)  # [E_l, R*T]
+            experts, slot = valid.nonzero(as_tuple=True)
+            src = handle.src_rank[experts, slot].long()
+            token = handle.src_index[experts, slot].long()
+            # Rows go back to their source in (token, global expert) order.
+            key = (src * cfg.max_tokens_per_rank + token) * e_all + experts + cfg.rank * e_l
+            order = torch.argsort(key)
+            rows = x_in[experts[order], slot[order]]
+            send_counts = torch.bincount(src, minlength=cfg.world_size)
+            owner = torch.where(topk_in >= 0, topk_in // e_l, -1)
+            tokens = torch.arange(n, device=x.device).unsqueeze(1).expand(n, k_top)
+            pair_key = tokens * e_all + topk_in
+            keys = [torch.unique(pair_key[owner == r]) for r in range(cfg.world_size)]
+            back = self._all_to_all_rows(_as_bytes(rows), send_counts.tolist(), [k.numel() for k in keys])
+            back = back.view(torch.bfloat16)
+            gathered = torch.zeros(n, k_top, cfg.hidden, dtype=torch.bfloat16, device=x.device)
+            start = 0
+            for r in range(cfg.world_size):
+                tok, kk = (owner == r).nonzero(as_tuple=True)
+                gathered[tok, kk] = back[start + torch.searchsorted(keys[r], pair_key[tok, kk])]
+                start += keys[r].numel()
+            acc = torch.zeros(n, cfg.hidden, dtype=torch.float32, device=x.device)
+            for kk in range(k_top):
+                term = weights_in[:, kk, None] * gathered[:, kk].float()
+                acc = torch.where((topk_in[:, kk] >= 0).unsqueeze(1), acc + term, acc)
+            out.copy_(acc.to(torch.bfloat16))
+
+        if not return_recv_hook:
+            receive()
+        return LowLatencyCombineResult(out, receive if return_recv_hook else None)

@@ -1,0 +1,289 @@
+"""Buffer: the public communication object. Every input is validated here, once, before any backend
+runs; backends below trust what they get."""
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .backends.base import Backend, BufferConfig
+from .types import (
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    EventHandle,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+    LowLatencyHandle,
+)
+
+MAX_TOPK = 16
+DEFAULT_NUM_SMS = 24
+_buffer_ids = itertools.count(1)
+
+
+def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], shape: tuple[Optional[int], ...],
+                  device: torch.device) -> torch.Tensor:
+    """Type, dtype, rank, shape (None = any), device and contiguity of one input."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return t
+
+
+def _device_of(group: dist.ProcessGroup) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _pick_backend(name: str, device: torch.device) -> str:
+    if name in ("reference", "nvshmem"):
+        return name
+    if name != "auto":
+        raise ValueError(f"backend must be 'auto', 'reference' or 'nvshmem', got {name!r}")
+    if device.type != "cuda":
+        return "reference"
+    from . import _native
+
+    return "nvshmem" if _native.available()[0] else "reference"
+
+
+class Buffer:
+    """Expert-parallel dispatch/combine over a process group (see docs/api.md).
+
+    Creating a Buffer is collective over `group`; so are close() and every communication call.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, *, hidden: int, num_experts: int, num_topk: int,
+                 max_tokens_per_rank: int, backend: str = "auto", low_latency: bool = False,
+                 num_sms: Optional[int] = None, timeout_s: float = 100.0) -> None:
+        group = group if group is not None else dist.group.WORLD
+        if not dist.is_initialized():
+            raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
+        world = dist.get_world_size(group)
+        for name, value in (("hidden", hidden), ("num_experts", num_experts), ("num_topk", num_topk),
+                            ("max_tokens_per_rank", max_tokens_per_rank)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if hidden % 8 != 0:
+            raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
+        if num_experts % world != 0:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the group size ({world})")
+        if num_topk > MAX_TOPK:
+            raise ValueError(f"num_topk must be at most {MAX_TOPK}, got {num_topk}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        device = _device_of(group)
+        self.backend_name = _pick_backend(backend, device)
+        self.cfg = BufferConfig(
+            group=group, rank=dist.get_rank(group), world_size=world, hidden=hidden, num_experts=num_experts,
+            num_topk=num_topk, max_tokens_per_rank=max_tokens_per_rank, low_latency=bool(low_latency),
+            num_sms=self._check_num_sms(num_sms if num_sms is not None else DEFAULT_NUM_SMS, device, default=num_sms is None),
+            timeout_s=float(timeout_s), buffer_id=next(_buffer_ids), device=device,
+        )
+        self._backend: Optional[Backend] = self._make_backend()
+
+    def _make_backend(self) -> Backend:
+        if self.backend_name == "reference":
+            from .backends.reference import ReferenceBackend
+
+            return ReferenceBackend(self.cfg)
+        if self.cfg.device.type != "cuda":
+            raise RuntimeError("backend='nvshmem' needs a CUDA device and an NCCL process group; "
+                               f"this group runs on {self.cfg.device}")
+        from . import _native
+
+        ok, why = _native.available()
+        if not ok:
+            raise RuntimeError(f"backend='nvshmem' is unavailable: {why}")
+        from .backends.nvshmem import NvshmemBackend
+
+        return NvshmemBackend(self.cfg)
+
+    @staticmethod
+    def _check_num_sms(num_sms: int, device: torch.device, default: bool = False) -> int:
+        if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms <= 0:
+            raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
+        if device.type == "cuda":
+            available = torch.cuda.get_device_properties(device).multi_processor_count
+            if num_sms > available:
+                if default:
+                    return available
+                raise ValueError(f"num_sms ({num_sms}) exceeds the {available} SMs of {device}")
+        return num_sms
+
+    # ---- properties -------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.cfg.rank
+
+    @property
+    def group_size(self) -> int:
+        return self.cfg.world_size
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.cfg.num_local_experts
+
+    @property
+    def device(self) -> torch.device:
+        return self.cfg.device
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError("this Buffer is closed")
+        return self._backend
+
+    # ---- validation helpers -----------------------------------------------------------------
+    def _check_tokens(self, n: int, what: str) -> None:
+        if n > self.cfg.max_tokens_per_rank:
+            raise ValueError(f"{what} has {n} tokens, above max_tokens_per_rank={self.cfg.max_tokens_per_rank}")
+
+    def _check_topk_idx(self, topk_idx: object, n: Optional[int]) -> torch.Tensor:
+        cfg = self.cfg
+        t = _check_tensor("topk_idx", topk_idx, (torch.int64,), (n, cfg.num_topk), cfg.device)
+        self._check_tokens(t.shape[0], "topk_idx")
+        capturing = cfg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if t.numel() and not capturing:
+            lo, hi = int(t.min()), int(t.max())
+            if lo < -1 or hi >= cfg.num_experts:
+                raise ValueError(f"topk_idx values must lie in [-1, {cfg.num_experts}), got min {lo} and max {hi}")
+        return t
+
+    def _check_weights(self, topk_weights: object, n: int) -> torch.Tensor:
+        return _check_tensor("topk_weights", topk_weights, (torch.float32,), (n, self.cfg.num_topk), self.cfg.device)
+
+    def _check_x(self, x: object, fp8_ok: bool) -> torch.Tensor:
+        dtypes = (torch.bfloat16, torch.float8_e4m3fn) if fp8_ok else (torch.bfloat16,)
+        t = _check_tensor("x", x, dtypes, (None, self.cfg.hidden), self.cfg.device)
+        self._check_tokens(t.shape[0], "x")
+        return t
+
+    def _check_fp8_hidden(self) -> None:
+        if self.cfg.hidden % 128 != 0:
+            raise ValueError(f"FP8 needs hidden to be a multiple of 128, got {self.cfg.hidden}")
+
+    def _check_handle(self, handle: object, kind: type) -> None:
+        if not isinstance(handle, kind):
+            raise TypeError(f"handle must be a {kind.__name__}, got {type(handle).__name__}")
+        if handle.buffer_id != self.cfg.buffer_id:
+            raise ValueError("handle comes from another Buffer")
+
+    def _sms(self, num_sms: Optional[int]) -> int:
+        return self.cfg.num_sms if num_sms is None else self._check_num_sms(num_sms, self.cfg.device)
+
+    @staticmethod
+    def _check_event(previous_event: object) -> Optional[EventHandle]:
+        if previous_event is not None and not isinstance(previous_event, EventHandle):
+            raise TypeError(f"previous_event must be an EventHandle, got {type(previous_event).__name__}")
+        return previous_event
+
+    # ---- normal mode ------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
+        """Tokens per rank and per expert, and the token->rank mask."""
+        return self.backend.get_dispatch_layout(self._check_topk_idx(topk_idx, None))
+
+    def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, *, x_scales: Optional[torch.Tensor] = None,
+                 layout: Optional[DispatchLayout] = None, expert_alignment: int = 1,
+                 handle: Optional[DispatchHandle] = None, worst_case: bool = False, num_sms: Optional[int] = None,
+                 previous_event: Optional[EventHandle] = None, async_op: bool = False) -> DispatchResult:
+        """Send each token once to every rank holding one of its experts (docs/api.md)."""
+        cfg = self.cfg
+        x = self._check_x(x, fp8_ok=True)
+        n = x.shape[0]
+        if x.dtype == torch.float8_e4m3fn:
+            self._check_fp8_hidden()
+            if x_scales is None:
+                raise ValueError("FP8 dispatch needs x_scales [N, hidden / 128] float32")
+            _check_tensor("x_scales", x_scales, (torch.float32,), (n, cfg.num_scales), cfg.device)
+        elif x_scales is not None:
+            raise ValueError("x_scales is only for FP8 (torch.float8_e4m3fn) x")
+        if handle is not None:
+            self._check_handle(handle, DispatchHandle)
+            if topk_idx is not None or topk_weights is not None or layout is not None:
+                raise ValueError("a cached dispatch (handle=...) takes no topk_idx, topk_weights or layout")
+            if n != handle.num_tokens:
+                raise ValueError(f"x has {n} tokens but the handle was made for {handle.num_tokens}")
+        else:
+            if topk_idx is None or topk_weights is None:
+                raise ValueError("dispatch needs topk_idx and topk_weights (or a handle for a cached dispatch)")
+            self._check_topk_idx(topk_idx, n)
+            self._check_weights(topk_weights, n)
+            if layout is not None:
+                if not isinstance(layout, DispatchLayout):
+                    raise TypeError(f"layout must be a DispatchLayout, got {type(layout).__name__}")
+                _check_tensor("layout.is_token_in_rank", layout.is_token_in_rank, (torch.bool,),
+                              (n, cfg.world_size), cfg.device)
+        if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
+        return self.backend.dispatch(
+            x, x_scales, topk_idx, topk_weights, handle=handle, expert_alignment=expert_alignment,
+            worst_case=bool(worst_case), num_sms=self._sms(num_sms), previous_event=self._check_event(previous_event),
+            async_op=bool(async_op),
+        )
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, *, num_sms: Optional[int] = None,
+                previous_event: Optional[EventHandle] = None, async_op: bool = False):
+        """Sum each token's rows back on its source rank; returns out, or (out, event) when async_op."""
+        self._check_handle(handle, DispatchHandle)
+        x = _check_tensor("x", x, (torch.bfloat16,), (handle.num_recv_rows, self.cfg.hidden), self.cfg.device)
+        out, event = self.backend.combine(x, handle, num_sms=self._sms(num_sms),
+                                          previous_event=self._check_event(previous_event), async_op=bool(async_op))
+        return (out, event) if async_op else out
+
+    # ---- low-latency mode -------------------------------------------------------------------
+    def _check_low_latency(self) -> None:
+        if not self.cfg.low_latency:
+            raise ValueError("low-latency calls need a Buffer created with low_latency=True")
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool = False,
+                             round_scale: bool = False, return_recv_hook: bool = False) -> LowLatencyDispatchResult:
+        """Expert-major dispatch with fixed capacity and no host sync (docs/api.md)."""
+        self._check_low_latency()
+        x = self._check_x(x, fp8_ok=False)
+        self._check_topk_idx(topk_idx, x.shape[0])
+        if use_fp8:
+            self._check_fp8_hidden()
+        elif round_scale:
+            raise ValueError("round_scale applies only with use_fp8=True")
+        return self.backend.low_latency_dispatch(x, topk_idx, use_fp8=bool(use_fp8), round_scale=bool(round_scale),
+                                                 return_recv_hook=bool(return_recv_hook))
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, *, return_recv_hook: bool = False) -> LowLatencyCombineResult:
+        """Weighted sum of each token's expert outputs, ascending k, one rounding (docs/api.md)."""
+        cfg = self.cfg
+        self._check_low_latency()
+        self._check_handle(handle, LowLatencyHandle)
+        slots = cfg.world_size * cfg.max_tokens_per_rank
+        _check_tensor("x", x, (torch.bfloat16,), (cfg.num_local_experts, slots, cfg.hidden), cfg.device)
+        self._check_topk_idx(topk_idx, handle.num_tokens)
+        self._check_weights(topk_weights, handle.num_tokens)
+        return self.backend.low_latency_combine(x, topk_idx, topk_weights, handle,
+                                                return_recv_hook=bool(return_recv_hook))
+
+    # ---- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free communication resources (collective)."""
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,152 @@
+"""Brute-force expected results over all ranks' inputs, written as plain loops (independent of any backend)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from moe_ep import fp8
+
+
+@dataclass
+class Inputs:
+    """Every rank's inputs for one case, generated identically on every rank from a seed."""
+
+    x: list[torch.Tensor]  # per rank [N_r, H] bf16
+    topk_idx: list[torch.Tensor]  # per rank [N_r, K] int64
+    topk_weights: list[torch.Tensor]  # per rank [N_r, K] float32
+
+
+def make_inputs(seed: int, tokens: list[int], hidden: int, num_experts: int, num_topk: int,
+                routing: str = "random") -> Inputs:
+    """Fresh random rows and routing. routing: 'random' (distinct experts, ~15% -1), 'one_expert'
+    (every token picks expert num_experts // 2 once), 'skewed' (most picks in the first experts,
+    duplicates allowed)."""
+    g = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    for n in tokens:
+        x = (torch.randn(n, hidden, generator=g) * 2).to(torch.bfloat16)
+        if routing == "random":
+            scores = torch.rand(n, num_experts, generator=g)
+            idx = scores.topk(num_topk, dim=1).indices
+            idx = torch.where(torch.rand(n, num_topk, generator=g) < 0.15, -1, idx)
+        elif routing == "one_expert":
+            idx = torch.full((n, num_topk), -1, dtype=torch.int64)
+            idx[:, 0] = num_experts // 2
+        elif routing == "skewed":
+            idx = (torch.rand(n, num_topk, generator=g) ** 3 * num_experts).long()
+            idx = torch.where(torch.rand(n, num_topk, generator=g) < 0.1, -1, idx)
+        else:
+            raise ValueError(routing)
+        xs.append(x)
+        idxs.append(idx.to(torch.int64).contiguous())
+        ws.append(torch.rand(n, num_topk, generator=g, dtype=torch.float32))
+    return Inputs(xs, idxs, ws)
+
+
+def owners(idx_row: list[int], num_local: int) -> set[int]:
+    return {e // num_local for e in idx_row if e >= 0}
+
+
+def expected_layout(inp: Inputs, me: int, world: int, num_experts: int):
+    idx = inp.topk_idx[me].tolist()
+    num_local = num_experts // world
+    in_rank = torch.zeros(len(idx), world, dtype=torch.bool)
+    per_expert = torch.zeros(num_experts, dtype=torch.int32)
+    for n, row in enumerate(idx):
+        for r in owners(row, num_local):
+            in_rank[n, r] = True
+        for e in set(row) - {-1}:
+            per_expert[e] += 1
+    return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
+
+
+@dataclass
+class ExpectedDispatch:
+    x: torch.Tensor
+    scales: Optional[torch.Tensor]
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    src_rank: list[int]
+    src_index: list[int]
+    tokens_per_expert: list[int]  # not aligned
+
+
+def expected_dispatch(inp: Inputs, me: int, world: int, num_experts: int,
+                      scales: Optional[list[torch.Tensor]] = None) -> ExpectedDispatch:
+    num_local = num_experts // world
+    rows, srows, tk, tw, sr, si = [], [], [], [], [], []
+    for s in range(world):
+        for n, row in enumerate(inp.topk_idx[s].tolist()):
+            if me not in owners(row, num_local):
+                continue
+            rows.append(inp.x[s][n])
+            if scales is not None:
+                srows.append(scales[s][n])
+            local = [e - me * num_local if e >= 0 and e // num_local == me else -1 for e in row]
+            tk.append(local)
+            tw.append([float(w) if l >= 0 else 0.0 for w, l in zip(inp.topk_weights[s][n].tolist(), local)])
+            sr.append(s)
+            si.append(n)
+    h = inp.x[0].shape[1]
+    k = inp.topk_idx[0].shape[1]
+    per_expert = [sum(1 for row in tk if e in row) for e in range(num_local)]
+    return ExpectedDispatch(
+        x=torch.stack(rows) if rows else torch.empty(0, h, dtype=inp.x[0].dtype),
+        scales=(torch.stack(srows) if srows else torch.empty(0, h // 128)) if scales is not None else None,
+        topk_idx=torch.tensor(tk, dtype=torch.int64).reshape(-1, k),
+        topk_weights=torch.tensor(tw, dtype=torch.float32).reshape(-1, k),
+        src_rank=sr, src_index=si, tokens_per_expert=per_expert,
+    )
+
+
+def expected_combine(inp: Inputs, me: int, world: int, num_experts: int, row_of) -> torch.Tensor:
+    """out[i] = bf16(sum over receiving ranks r ascending of float(row_of(r, me, i))), from +0.0."""
+    num_local = num_experts // world
+    n, h = inp.x[me].shape
+    out = torch.zeros(n, h, dtype=torch.bfloat16)
+    for i, row in enumerate(inp.topk_idx[me].tolist()):
+        acc = torch.zeros(h, dtype=torch.float32)
+        for r in sorted(owners(row, num_local)):
+            acc = acc + row_of(r, me, i).float()
+        out[i] = acc.to(torch.bfloat16)
+    return out
+
+
+@dataclass
+class ExpectedLowLatency:
+    rows: list[list[torch.Tensor]]  # per local expert, rows in (src rank, token) order
+    scales: Optional[list[list[torch.Tensor]]]
+    src: list[list[tuple[int, int]]]  # per local expert: (src rank, src index)
+
+
+def expected_low_latency_dispatch(inp: Inputs, me: int, world: int, num_experts: int,
+                                  use_fp8: bool, round_scale: bool) -> ExpectedLowLatency:
+    num_local = num_experts // world
+    rows: list[list[torch.Tensor]] = [[] for _ in range(num_local)]
+    srows: list[list[torch.Tensor]] = [[] for _ in range(num_local)]
+    src: list[list[tuple[int, int]]] = [[] for _ in range(num_local)]
+    for s in range(world):
+        q, sc = fp8.quantize(inp.x[s], round_scale) if use_fp8 and inp.x[s].shape[0] else (inp.x[s], None)
+        for n, row in enumerate(inp.topk_idx[s].tolist()):
+            for e in sorted(set(row)):
+                if e >= 0 and e // num_local == me:
+                    rows[e - me * num_local].append(q[n])
+                    if use_fp8:
+                        srows[e - me * num_local].append(sc[n])
+                    src[e - me * num_local].append((s, n))
+    return ExpectedLowLatency(rows, srows if use_fp8 else None, src)
+
+
+def expected_low_latency_combine(inp: Inputs, me: int, world: int, num_experts: int, expert_row) -> torch.Tensor:
+    """out[n] = bf16(acc), acc = +0.0 then acc = acc + w[n,k] * float(expert_row(e, s, n, k)) for k ascending."""
+    n_tok, h = inp.x[me].shape
+    out = torch.zeros(n_tok, h, dtype=torch.bfloat16)
+    for n, row in enumerate(inp.topk_idx[me].tolist()):
+        acc = torch.zeros(h, dtype=torch.float32)
+        for k, e in enumerate(row):
+            if e >= 0:
+                acc = acc + inp.topk_weights[me][n, k] * expert_row(e, me, n, k).float()
+        out[n] = acc.to(torch.bfloat16)
+    return out
