@@ -1,0 +1,240 @@
+"""Bad input raises a clear ValueError/TypeError before any communication (one test per rule)."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_ep
+from tests._dist import run_workers
+
+H, E, K, T = 256, 8, 4, 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_rank_group():
+    """A one-rank gloo group in this process: validation never needs a peer."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def buf():
+    with moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference",
+                       low_latency=True) as b:
+        yield b
+
+
+def _inputs(n: int = 5):
+    x = torch.randn(n, H).to(torch.bfloat16)
+    idx = torch.randint(0, E, (n, K))
+    w = torch.rand(n, K)
+    return x, idx, w
+
+
+def test_valid_call_passes(buf):
+    x, idx, w = _inputs()
+    assert buf.dispatch(x, idx, w).x.shape == (5, H)
+
+
+def test_wrong_x_dtype(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(TypeError, match="x must have dtype"):
+        buf.dispatch(x.float(), idx, w)
+
+
+def test_wrong_topk_dtype(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(TypeError, match="topk_idx must have dtype"):
+        buf.dispatch(x, idx.int(), w)
+
+
+def test_wrong_weights_dtype(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(TypeError, match="topk_weights must have dtype"):
+        buf.dispatch(x, idx, w.double())
+
+
+def test_not_a_tensor(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(TypeError, match="topk_idx must be a torch.Tensor"):
+        buf.dispatch(x, idx.tolist(), w)
+
+
+def test_wrong_rank_of_tensor(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match=r"x must have shape \[\*, 256\]"):
+        buf.dispatch(x.view(5, 2, 128), idx, w)
+
+
+def test_hidden_mismatch(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match="x must have shape"):
+        buf.dispatch(x[:, :128].contiguous(), idx, w)
+
+
+def test_token_count_mismatch(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match="topk_idx must have shape"):
+        buf.dispatch(x, idx[:4], w)
+    with pytest.raises(ValueError, match="topk_weights must have shape"):
+        buf.dispatch(x, idx, w[:4])
+
+
+def test_topk_width_mismatch(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match=r"topk_idx must have shape \[5, 4\]"):
+        buf.dispatch(x, idx[:, :3].contiguous(), w)
+
+
+def test_non_contiguous(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        buf.dispatch(torch.randn(H, 5).to(torch.bfloat16).t(), idx, w)
+
+
+def test_expert_id_too_large(buf):
+    x, idx, w = _inputs()
+    idx[2, 1] = E
+    with pytest.raises(ValueError, match=r"topk_idx values must lie in \[-1, 8\)"):
+        buf.dispatch(x, idx, w)
+
+
+def test_expert_id_below_minus_one(buf):
+    x, idx, w = _inputs()
+    idx[0, 0] = -2
+    with pytest.raises(ValueError, match="topk_idx values must lie"):
+        buf.get_dispatch_layout(idx)
+
+
+def test_too_many_tokens(buf):
+    x, idx, w = _inputs(T + 1)
+    with pytest.raises(ValueError, match="above max_tokens_per_rank=16"):
+        buf.dispatch(x, idx, w)
+
+
+def test_hidden_not_multiple_of_8():
+    with pytest.raises(ValueError, match="hidden must be a multiple of 8"):
+        moe_ep.Buffer(hidden=100, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference")
+
+
+def test_topk_above_16():
+    with pytest.raises(ValueError, match="num_topk must be at most 16"):
+        moe_ep.Buffer(hidden=H, num_experts=32, num_topk=17, max_tokens_per_rank=T, backend="reference")
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be"):
+        moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="mpi")
+
+
+def test_fp8_needs_scales(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match="needs x_scales"):
+        buf.dispatch(x.to(torch.float8_e4m3fn), idx, w)
+
+
+def test_fp8_scales_shape(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match=r"x_scales must have shape \[5, 2\]"):
+        buf.dispatch(x.to(torch.float8_e4m3fn), idx, w, x_scales=torch.ones(5, 3))
+
+
+def test_scales_without_fp8(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match="x_scales is only for FP8"):
+        buf.dispatch(x, idx, w, x_scales=torch.ones(5, 2))
+
+
+def test_fp8_needs_hidden_multiple_of_128():
+    with moe_ep.Buffer(hidden=72, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference",
+                       low_latency=True) as b:
+        x = torch.randn(3, 72).to(torch.bfloat16)
+        with pytest.raises(ValueError, match="multiple of 128"):
+            b.low_latency_dispatch(x, torch.randint(0, E, (3, K)), use_fp8=True)
+
+
+def test_bad_expert_alignment(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match="expert_alignment must be a positive int"):
+        buf.dispatch(x, idx, w, expert_alignment=0)
+
+
+def test_handle_from_another_buffer(buf):
+    x, idx, w = _inputs()
+    other = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference")
+    handle = other.dispatch(x, idx, w).handle
+    with pytest.raises(ValueError, match="handle comes from another Buffer"):
+        buf.combine(torch.zeros(5, H, dtype=torch.bfloat16), handle)
+    other.close()
+
+
+def test_handle_of_another_mode(buf):
+    x, idx, w = _inputs()
+    ll_handle = buf.low_latency_dispatch(x, idx).handle
+    with pytest.raises(TypeError, match="handle must be a DispatchHandle"):
+        buf.combine(x, ll_handle)
+    normal = buf.dispatch(x, idx, w)
+    with pytest.raises(TypeError, match="handle must be a LowLatencyHandle"):
+        buf.low_latency_combine(torch.zeros(E, T, H, dtype=torch.bfloat16), idx, w, normal.handle)
+
+
+def test_combine_rows_mismatch(buf):
+    x, idx, w = _inputs()
+    got = buf.dispatch(x, idx, w)
+    with pytest.raises(ValueError, match=r"x must have shape \[5, 256\]"):
+        buf.combine(got.x[:4].contiguous(), got.handle)
+
+
+def test_cached_dispatch_takes_no_topk(buf):
+    x, idx, w = _inputs()
+    got = buf.dispatch(x, idx, w)
+    with pytest.raises(ValueError, match="takes no topk_idx"):
+        buf.dispatch(x, idx, w, handle=got.handle)
+
+
+def test_low_latency_needs_flag():
+    with moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference") as b:
+        x, idx, _ = _inputs()
+        with pytest.raises(ValueError, match="low_latency=True"):
+            b.low_latency_dispatch(x, idx)
+
+
+def test_low_latency_combine_shape(buf):
+    x, idx, w = _inputs()
+    d = buf.low_latency_dispatch(x, idx)
+    with pytest.raises(ValueError, match=r"x must have shape \[8, 16, 256\]"):
+        buf.low_latency_combine(d.x[:, :8].contiguous(), idx, w, d.handle)
+
+
+def test_closed_buffer():
+    b = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference")
+    b.close()
+    x, idx, w = _inputs()
+    with pytest.raises(RuntimeError, match="closed"):
+        b.dispatch(x, idx, w)
+
+
+def test_nvshmem_without_gpu_is_a_clear_error():
+    """On a gloo/CPU group the native backend cannot run; the error says why."""
+    with pytest.raises(RuntimeError, match="backend='nvshmem' needs a CUDA device"):
+        moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem")
+
+
+def _experts_not_divisible(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match=r"num_experts \(5\) must be divisible by the group size \(2\)"):
+        moe_ep.Buffer(hidden=H, num_experts=5, num_topk=K, max_tokens_per_rank=T, backend="reference")
+
+
+def test_experts_not_divisible_by_ranks():
+    run_workers(2, _experts_not_divisible)
+
+
+def test_auto_picks_reference_on_cpu(buf):
+    assert moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T).backend_name == "reference"
