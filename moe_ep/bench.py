@@ -1,0 +1,336 @@
+"""`torchrun --nproc-per-node R -m moe_ep.bench`: time dispatch/combine as shared/BENCH.md says.
+
+On GPUs (NCCL group): N1 (normal mode, native backend at several SM budgets, the reference backend
+on NCCL, and raw NCCL all_to_all_single moving the same bytes), L1 (low-latency) and optionally a
+hidden x tokens sweep. Without GPUs (gloo): the reference backend on a small case. Prints a table,
+writes JSON and a PNG plot.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import fp8
+from .buffer import Buffer
+
+# DeepEP V1 on our 2xH200, N1 (shared/BENCH.md): SMs -> (FP8 dispatch, BF16 dispatch, BF16 combine) us.
+DEEPEP_N1 = {8: (647.9, 972.6, 999.7), 16: (344.2, 500.4, 532.3), 24: (245.1, 343.7, 400.0), 32: (193.1, 292.7, 318.1)}
+# DeepEP V1 low-latency, EP2 (shared/BENCH.md): tokens -> (dispatch, combine) us.
+DEEPEP_L1 = {128: (30.5, 41.2), 256: (44.8, 72.0)}
+# NVLink limit per direction with int4 stores, 1024 threads, 4 loads in flight (shared/BENCH.md), GB/s.
+NVLINK_LIMIT_GBPS = {8: 349.0, 16: 343.0, 24: 346.0, 32: 349.0}
+NVLINK_LIMIT_ANY_GBPS = 365.0  # 132 SMs through nvshmem_ptr
+
+
+@dataclass
+class Row:
+    """One measured configuration (times are medians in microseconds, max over ranks)."""
+
+    case: str
+    op: str
+    backend: str
+    sms: Optional[int]
+    tokens: int
+    hidden: int
+    call_us: float
+    kernel_us: Optional[float]
+    recv_bytes: int
+    remote_bytes: int
+    deepep_us: Optional[float] = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.recv_bytes / (self.call_us * 1e3)
+
+    @property
+    def remote_gbps(self) -> float:
+        return self.remote_bytes / (self.call_us * 1e3)
+
+
+class Timer:
+    """Median time of a collective call: CUDA events on GPU (L2 flushed before each call), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device, warmup: int, iters: int) -> None:
+        self.device, self.warmup, self.iters = device, warmup, iters
+        self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+
+    def _align(self) -> None:
+        if self.flush_buf is not None:
+            self.flush_buf.zero_()
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    def call_us(self, fn: Callable[[], object]) -> float:
+        for _ in range(self.warmup):
+            self._align()
+            fn()
+        samples = []
+        for _ in range(self.iters):
+            self._align()
+            if self.flush_buf is None:
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e6)
+            else:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3)
+        return _max_over_ranks(statistics.median(samples))
+
+    def split_us(self, send: Callable[[], object]) -> tuple[float, float]:
+        """Median times of a hooked call's send half (the call) and receive half (its hook())."""
+        sends, recvs = [], []
+        for i in range(self.warmup + self.iters):
+            self._align()
+            if self.flush_buf is None:
+                t0 = time.perf_counter()
+                result = send()
+                t1 = time.perf_counter()
+                result.hook()
+                t2 = time.perf_counter()
+                times = ((t1 - t0) * 1e6, (t2 - t1) * 1e6)
+            else:
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                ev[0].record()
+                result = send()
+                ev[1].record()
+                result.hook()
+                ev[2].record()
+                ev[2].synchronize()
+                times = (ev[0].elapsed_time(ev[1]) * 1e3, ev[1].elapsed_time(ev[2]) * 1e3)
+            if i >= self.warmup:
+                sends.append(times[0])
+                recvs.append(times[1])
+        return _max_over_ranks(statistics.median(sends)), _max_over_ranks(statistics.median(recvs))
+
+    def kernel_us(self, fn: Callable[[], object], calls: int = 10) -> Optional[float]:
+        """Device time per call of every kernel and copy except the L2 flush (torch.profiler)."""
+        if self.flush_buf is None:
+            return None
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                self._align()
+                fn()
+            torch.cuda.synchronize()
+        total = 0.0
+        for ev in prof.key_averages():
+            if ev.device_type == torch.autograd.DeviceType.CUDA and "fill" not in ev.key.lower():
+                total += ev.self_device_time_total
+        return _max_over_ranks(total / calls)
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device="cuda" if torch.cuda.is_available() and
+                     dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def n1_inputs(tokens: int, hidden: int, experts: int, topk: int, device: torch.device, seed: int):
+    """BENCH.md's routing: topk of |randn| + 1 scores; random bf16 rows; random weights."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)
+    scores = torch.randn(tokens, experts, generator=g, device=device).abs() + 1
+    topk_idx = torch.topk(scores, topk, dim=1).indices
+    weights = torch.rand(tokens, topk, generator=g, device=device)
+    return x, topk_idx, weights
+
+
+def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: list[Optional[int]],
+                 with_fp8: bool, deepep: bool) -> list[Row]:
+    """Whole-call and kernel-only times of BF16/FP8 dispatch and BF16 combine on one Buffer."""
+    cfg = buf.cfg
+    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, cfg.device, seed=cfg.rank)
+    q, scales = fp8.quantize(x)
+    rows: list[Row] = []
+    probe = buf.dispatch(x, idx, w)
+    recv = probe.x.shape[0]
+    remote = int((probe.src_rank != cfg.rank).sum())
+    row_bf16, row_fp8 = 2 * cfg.hidden, cfg.hidden + 4 * cfg.num_scales
+    y = probe.x
+    for sms in sms_list:
+        ref = DEEPEP_N1.get(sms) if deepep else None
+        ops = [("dispatch_bf16", lambda: buf.dispatch(x, idx, w, num_sms=sms), row_bf16, ref[1] if ref else None)]
+        if with_fp8:
+            ops.append(("dispatch_fp8", lambda: buf.dispatch(q, idx, w, x_scales=scales, num_sms=sms), row_fp8,
+                        ref[0] if ref else None))
+        ops.append(("combine_bf16", lambda: buf.combine(y, probe.handle, num_sms=sms), row_bf16, ref[2] if ref else None))
+        for op, fn, row_bytes, ref_us in ops:
+            rows.append(Row(case, op, buf.backend_name, sms, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
+                            recv * row_bytes, remote * row_bytes, ref_us))
+    return rows
+
+
+def bench_nccl_a2a(buf: Buffer, timer: Timer, case: str, tokens: int) -> Row:
+    """Raw all_to_all_single moving the rows a BF16 dispatch moves (own rows included)."""
+    cfg = buf.cfg
+    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, cfg.device, seed=cfg.rank)
+    layout = buf.get_dispatch_layout(idx)
+    send = layout.num_tokens_per_rank.tolist()
+    recv_t = torch.empty_like(layout.num_tokens_per_rank)
+    dist.all_to_all_single(recv_t, layout.num_tokens_per_rank)
+    recv = recv_t.tolist()
+    inp = torch.randn(sum(send), cfg.hidden, device=cfg.device).to(torch.bfloat16)
+    out = torch.empty(sum(recv), cfg.hidden, dtype=torch.bfloat16, device=cfg.device)
+    fn = lambda: dist.all_to_all_single(out, inp, recv, send)  # noqa: E731
+    remote = sum(r for s, r in enumerate(recv) if s != cfg.rank)
+    return Row(case, "all_to_all_single", "nccl", None, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
+               sum(recv) * 2 * cfg.hidden, remote * 2 * cfg.hidden)
+
+
+def bench_low_latency(buf: Buffer, timer: Timer, tokens: int) -> list[Row]:
+    """L1: FP8 dispatch and BF16 combine, whole calls and the hook's send/receive halves."""
+    cfg = buf.cfg
+    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, cfg.device, seed=cfg.rank)
+    d = buf.low_latency_dispatch(x, idx, use_fp8=True)
+    y = torch.randn(d.x.shape, device=cfg.device).to(torch.bfloat16)
+    pairs = int(d.count.sum())
+    row_fp8, row_bf16 = cfg.hidden + 4 * cfg.num_scales, 2 * cfg.hidden
+    ref = DEEPEP_L1.get(tokens)
+    rows = []
+
+    def add(op: str, fn: Callable[[], object], row_bytes: int, ref_us: Optional[float]) -> None:
+        rows.append(Row("L1", op, buf.backend_name, None, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
+                        pairs * row_bytes, 0, ref_us))
+
+    add("ll_dispatch_fp8", lambda: buf.low_latency_dispatch(x, idx, use_fp8=True), row_fp8, ref[0] if ref else None)
+    add("ll_combine_bf16", lambda: buf.low_latency_combine(y, idx, w, d.handle), row_bf16, ref[1] if ref else None)
+    halves = [
+        ("ll_dispatch_fp8", lambda: buf.low_latency_dispatch(x, idx, use_fp8=True, return_recv_hook=True), row_fp8),
+        ("ll_combine_bf16", lambda: buf.low_latency_combine(y, idx, w, d.handle, return_recv_hook=True), row_bf16),
+    ]
+    for op, send, row_bytes in halves:
+        send_us, recv_us = timer.split_us(send)
+        for half, us in (("send", send_us), ("recv", recv_us)):
+            rows.append(Row("L1", f"{op}_{half}", buf.backend_name, None, tokens, cfg.hidden, us, None,
+                            pairs * row_bytes, 0))
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    head = f"{'case':<6} {'op':<22} {'backend':<9} {'SMs':>4} {'tokens':>6} {'hidden':>6} {'call us':>9} " \
+           f"{'kernel us':>9} {'GB/s':>7} {'remote':>7} {'%link':>6} {'DeepEP':>8} {'speedup':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        limit = NVLINK_LIMIT_GBPS.get(r.sms or 0, NVLINK_LIMIT_ANY_GBPS)
+        link = f"{100 * r.remote_gbps / limit:5.1f}%" if r.remote_bytes and r.case != "cpu" else "     -"
+        kern = f"{r.kernel_us:9.1f}" if r.kernel_us is not None else "        -"
+        ref = f"{r.deepep_us:8.1f}" if r.deepep_us else "       -"
+        speed = f"{r.deepep_us / r.call_us:6.2f}x" if r.deepep_us else "      -"
+        print(f"{r.case:<6} {r.op:<22} {r.backend:<9} {r.sms or '-':>4} {r.tokens:>6} {r.hidden:>6} {r.call_us:9.1f} "
+              f"{kern} {r.gbps:7.1f} {r.remote_gbps:7.1f} {link} {ref} {speed}")
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """N1 times per SM budget against DeepEP, and the sweep's bandwidth per token count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n1 = [r for r in rows if r.case == "N1" and r.sms]
+    sweep = [r for r in rows if r.case == "sweep"]
+    fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(13 if sweep else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
+    for op, color in (("dispatch_bf16", "C0"), ("dispatch_fp8", "C1"), ("combine_bf16", "C2")):
+        pts = sorted((r.sms, r.call_us, r.deepep_us) for r in n1 if r.op == op)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=f"moe_ep {op}")
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=color, alpha=0.6, label=f"DeepEP {op}")
+    ax.set(xlabel="SMs", ylabel="us per call (lower is better)", title="N1: EP2, 4096 tokens, hidden 7168, top-8/256")
+    ax.legend(fontsize=7)
+    if sweep:
+        ax = axes[0][1]
+        for hidden in sorted({r.hidden for r in sweep}):
+            for op, style in (("dispatch_bf16", "o-"), ("combine_bf16", "s--")):
+                pts = sorted((r.tokens, r.gbps) for r in sweep if r.hidden == hidden and r.op == op)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{op} H={hidden}")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="tokens per rank", ylabel="GB/s (received bytes / call time)", title="sweep (native)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="auto", help="comma list of n1,l1,sweep,cpu (auto: n1,l1 on GPU, cpu otherwise)")
+    p.add_argument("--sms", default="8,16,24,32", help="SM budgets for the native backend")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
+    args = p.parse_args()
+
+    use_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if use_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if use_gpu else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
+    cases = (["n1", "l1"] if use_gpu else ["cpu"]) if args.cases == "auto" else args.cases.split(",")
+    timer = Timer(device, args.warmup, args.iters)
+    sms_list = [int(s) for s in args.sms.split(",")]
+    rows: list[Row] = []
+
+    if "cpu" in cases:
+        with Buffer(hidden=2048, num_experts=64, num_topk=8, max_tokens_per_rank=512, backend="reference",
+                    low_latency=True) as buf:
+            rows += bench_normal(buf, timer, "cpu", 512, [None], with_fp8=True, deepep=False)
+    if "n1" in cases:
+        with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=4096) as buf:
+            rows += bench_normal(buf, timer, "N1", 4096, sms_list, with_fp8=True, deepep=world == 2)
+        with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=4096, backend="reference") as buf:
+            rows += bench_normal(buf, timer, "N1", 4096, [None], with_fp8=True, deepep=False)
+            rows.append(bench_nccl_a2a(buf, timer, "N1", 4096))
+    if "l1" in cases:
+        for tokens in (128, 256):
+            with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=tokens, low_latency=True) as buf:
+                rows += bench_low_latency(buf, timer, tokens)
+    if "sweep" in cases:
+        for hidden in (2048, 4096, 7168):
+            with Buffer(hidden=hidden, num_experts=256, num_topk=8, max_tokens_per_rank=16384) as buf:
+                for tokens in (128, 512, 2048, 4096, 8192, 16384):
+                    rows += bench_normal(buf, timer, "sweep", tokens, [None], with_fp8=False, deepep=False)
+
+    if rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "world_size": world,
+            "device": torch.cuda.get_device_name() if use_gpu else "cpu",
+            "torch": torch.__version__,
+            "timing": f"median of {args.iters} calls after {args.warmup} warm-up"
+                      + (", L2 flushed (256 MB) between calls" if use_gpu else ", host clock"),
+        }
+        stem = "bench_" + "_".join(cases)
+        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [
+            {**asdict(r), "gbps": r.gbps, "remote_gbps": r.remote_gbps} for r in rows]}, indent=1))
+        try:
+            plot(rows, out / f"{stem}.png")
+        except ImportError:
+            print("matplotlib is not installed: no plot written")
+        print(f"# {meta['device']} x{world}, {meta['date']}, {meta['timing']}")
+        print_table(rows)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
