@@ -41,6 +41,11 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], shape: 
     return t
 
 
+def _on_cpu(cfg: BufferConfig) -> bool:
+    """On CPU a host-side check costs no device sync."""
+    return cfg.device.type != "cuda"
+
+
 def _device_of(group: dist.ProcessGroup) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -151,12 +156,14 @@ class Buffer:
         if n > self.cfg.max_tokens_per_rank:
             raise ValueError(f"{what} has {n} tokens, above max_tokens_per_rank={self.cfg.max_tokens_per_rank}")
 
-    def _check_topk_idx(self, topk_idx: object, n: Optional[int]) -> torch.Tensor:
+    def _check_topk_idx(self, topk_idx: object, n: Optional[int], check_values: bool = True) -> torch.Tensor:
+        """Shape/dtype always; the value range too unless that would need a host sync (graph
+        capture, low-latency calls)."""
         cfg = self.cfg
         t = _check_tensor("topk_idx", topk_idx, (torch.int64,), (n, cfg.num_topk), cfg.device)
         self._check_tokens(t.shape[0], "topk_idx")
         capturing = cfg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if t.numel() and not capturing:
+        if t.numel() and check_values and not capturing:
             lo, hi = int(t.min()), int(t.max())
             if lo < -1 or hi >= cfg.num_experts:
                 raise ValueError(f"topk_idx values must lie in [-1, {cfg.num_experts}), got min {lo} and max {hi}")
@@ -169,6 +176,8 @@ class Buffer:
         dtypes = (torch.bfloat16, torch.float8_e4m3fn) if fp8_ok else (torch.bfloat16,)
         t = _check_tensor("x", x, dtypes, (None, self.cfg.hidden), self.cfg.device)
         self._check_tokens(t.shape[0], "x")
+        if t.data_ptr() % 16:
+            raise ValueError("x must start at a 16-byte aligned address (kernels move 16-byte vectors)")
         return t
 
     def _check_fp8_hidden(self) -> None:
@@ -254,7 +263,7 @@ class Buffer:
         """Expert-major dispatch with fixed capacity and no host sync (docs/api.md)."""
         self._check_low_latency()
         x = self._check_x(x, fp8_ok=False)
-        self._check_topk_idx(topk_idx, x.shape[0])
+        self._check_topk_idx(topk_idx, x.shape[0], check_values=_on_cpu(self.cfg))
         if use_fp8:
             self._check_fp8_hidden()
         elif round_scale:
@@ -270,8 +279,10 @@ class Buffer:
         self._check_handle(handle, LowLatencyHandle)
         slots = cfg.world_size * cfg.max_tokens_per_rank
         _check_tensor("x", x, (torch.bfloat16,), (cfg.num_local_experts, slots, cfg.hidden), cfg.device)
-        self._check_topk_idx(topk_idx, handle.num_tokens)
+        self._check_topk_idx(topk_idx, handle.num_tokens, check_values=_on_cpu(cfg))
         self._check_weights(topk_weights, handle.num_tokens)
+        if x.data_ptr() % 16:
+            raise ValueError("x must start at a 16-byte aligned address (kernels move 16-byte vectors)")
         return self.backend.low_latency_combine(x, topk_idx, topk_weights, handle,
                                                 return_recv_hook=bool(return_recv_hook))
 

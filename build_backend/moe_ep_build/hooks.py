@@ -1,0 +1,90 @@
+"""PEP 517 backend: setuptools.build_meta, plus the build requirements of moe_ep._C.
+
+When nvcc is present the build also needs pybind11, ninja and the NVSHMEM wheel matching nvcc's CUDA
+major version. That wheel is pinned to the version the target environment already has (torch pins
+one exactly), so the module is compiled against the same NVSHMEM it will load; see
+`nvshmem_requirement`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from typing import Optional
+
+from setuptools import build_meta as _setuptools
+from setuptools.build_meta import *  # noqa: F401,F403  (every hook not overridden below)
+
+from .toolchain import find_cuda
+
+NVSHMEM_VERSION_ENV = "MOE_EP_NVSHMEM_VERSION"
+
+# Run by the target environment's interpreter: the installed version of the NVSHMEM wheel, else the
+# version the installed torch requires, else nothing.
+_TARGET_ENV_QUERY = r"""
+import importlib.metadata as md, re, sys
+dist = sys.argv[1]
+norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+try:
+    print(md.version(dist))
+except md.PackageNotFoundError:
+    try:
+        reqs = md.requires("torch") or []
+    except md.PackageNotFoundError:
+        reqs = []
+    for req in reqs:
+        m = re.match(r"\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;,]+)", req)
+        if m and norm(m[1]) == norm(dist):
+            print(m[2])
+            break
+"""
+
+
+def _target_env_version(dist: str) -> Optional[str]:
+    """The NVSHMEM version the environment being installed into has or needs.
+
+    pip runs this backend in an isolated environment whose PYTHONPATH hides the target's packages;
+    the same interpreter without that PYTHONPATH sees them.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", _TARGET_ENV_QUERY, dist], capture_output=True, text=True,
+                         env=env, check=False).stdout.strip()
+    return out or None
+
+
+def nvshmem_requirement(dist: str) -> str:
+    """`dist==V` with V from $MOE_EP_NVSHMEM_VERSION or the target environment, else plain `dist`."""
+    version = os.environ.get(NVSHMEM_VERSION_ENV) or _target_env_version(dist)
+    return f"{dist}=={version}" if version else dist
+
+
+def _native_requirements() -> list[str]:
+    cuda = find_cuda()
+    if cuda is None:
+        return []
+    return ["pybind11>=2.12", "ninja", nvshmem_requirement(cuda.nvshmem_dist)]
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return _setuptools.get_requires_for_build_wheel(config_settings) + _native_requirements()
+
+
+def get_requires_for_build_editable(config_settings=None):
+    return _setuptools.get_requires_for_build_editable(config_settings) + _native_requirements()
+
+
+def _say_if_pure_python() -> None:
+    if find_cuda() is None:
+        print("moe_ep: no nvcc ($CUDA_HOME/bin/nvcc or on PATH): installing without moe_ep._C "
+              "(reference backend only)", file=sys.stderr)
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    _say_if_pure_python()
+    return _setuptools.build_wheel(wheel_directory, config_settings, metadata_directory)
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+    _say_if_pure_python()
+    return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)

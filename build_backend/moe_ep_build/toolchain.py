@@ -1,0 +1,104 @@
+"""Finds what moe_ep._C is built with: nvcc and its CUDA version, the GPU archs, the NVSHMEM wheel."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+ARCH_ENV = "MOE_EP_CUDA_ARCH"
+DEFAULT_ARCHS = ("90",)
+
+
+@dataclass(frozen=True)
+class Cuda:
+    """The CUDA compiler and the toolkit version it reports."""
+
+    nvcc: Path
+    version: tuple[int, int]
+
+    @property
+    def nvshmem_dist(self) -> str:
+        """The NVSHMEM wheel built for this CUDA major version."""
+        return f"nvidia-nvshmem-cu{self.version[0]}"
+
+
+@dataclass(frozen=True)
+class Nvshmem:
+    """An installed nvidia-nvshmem-cu1X wheel: its version, headers and libraries."""
+
+    dist: str
+    dist_version: str
+    root: Path
+    header_version: tuple[int, int, int]
+
+    @property
+    def include_dir(self) -> Path:
+        return self.root / "include"
+
+    @property
+    def device_library(self) -> Path:
+        return self.root / "lib" / "libnvshmem_device.a"
+
+    @property
+    def host_library(self) -> Path:
+        """The wheel ships only the SONAME file, so the link passes it to the linker by path."""
+        return self.root / "lib" / "libnvshmem_host.so.3"
+
+
+def find_nvcc() -> Optional[Path]:
+    """$CUDA_HOME/bin/nvcc, else nvcc on PATH, else None."""
+    home = os.environ.get("CUDA_HOME")
+    if home and (Path(home) / "bin" / "nvcc").is_file():
+        return Path(home) / "bin" / "nvcc"
+    found = shutil.which("nvcc")
+    return Path(found) if found else None
+
+
+def find_cuda() -> Optional[Cuda]:
+    """The CUDA toolkit to build with, or None when there is no nvcc."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return None
+    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"release (\d+)\.(\d+)", out)
+    if match is None:
+        raise RuntimeError(f"cannot read the CUDA version from `{nvcc} --version`:\n{out}")
+    return Cuda(nvcc=nvcc, version=(int(match[1]), int(match[2])))
+
+
+def cuda_archs() -> list[str]:
+    """SM versions to compile for: $MOE_EP_CUDA_ARCH (e.g. "90;100" or "90a"), default sm_90."""
+    raw = os.environ.get(ARCH_ENV, "")
+    archs = [a for a in re.split(r"[;,\s]+", raw) if a] or list(DEFAULT_ARCHS)
+    bad = [a for a in archs if not re.fullmatch(r"\d{2,3}[af]?", a)]
+    if bad:
+        raise ValueError(f"{ARCH_ENV}={raw!r}: expected SM versions like '90' or '90;100', got {bad}")
+    return archs
+
+
+def find_nvshmem(dist: str) -> Optional[Nvshmem]:
+    """The installed NVSHMEM wheel `dist` (headers and libraries), or None when it is not installed."""
+    try:
+        distribution = importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    root = Path(str(distribution.locate_file("nvidia/nvshmem"))).resolve()
+    return Nvshmem(dist=dist, dist_version=distribution.version, root=root,
+                   header_version=header_version(root / "include"))
+
+
+def header_version(include_dir: Path) -> tuple[int, int, int]:
+    """NVSHMEM_VENDOR_{MAJOR,MINOR,PATCH}_VERSION from the NVSHMEM headers."""
+    text = (include_dir / "non_abi" / "nvshmem_version.h").read_text()
+    parts = []
+    for part in ("MAJOR", "MINOR", "PATCH"):
+        match = re.search(rf"#define\s+NVSHMEM_VENDOR_{part}_VERSION\s+(\d+)", text)
+        if match is None:
+            raise RuntimeError(f"NVSHMEM_VENDOR_{part}_VERSION not found in {include_dir}")
+        parts.append(int(match[1]))
+    return parts[0], parts[1], parts[2]

@@ -1,0 +1,391 @@
+// Normal-mode (training / prefill) dispatch and combine over NVLink: host-side parameters, the
+// symmetric workspace layout and the kernel launchers.
+//
+// The first part is plain C++ (no device code, no comm.h) so that intranode_bindings.cpp compiles
+// with the host compiler; the part under __CUDACC__ holds the device code shared by layout.cu,
+// notify.cu, dispatch.cu and combine.cu.
+//
+// Symmetric memory, two allocations per Buffer with the same layout on every rank. "Slot s" of a
+// region on rank d holds what rank s wrote there; only rank s writes slot s.
+// Workspace (WorkspaceLayout):
+//   counts    [R][count_stride] int32  row 0: tokens s sends to d; then d's E_l local experts' token
+//                                      counts among them (notify.cu)
+//   data      [R][T][2H bytes]         dispatch: the rows s sends to d, at the position of each token
+//                                      among s's tokens for d (so slot s is already in final order),
+//                                      packed at the row size (2H bf16, H e4m3); combine: bf16 rows
+//                                      [T][H] that d returns to s, at s's original token index
+//   topk      [R][T][K] int64          dispatch metadata, same positions as the rows: topk_idx as
+//   weights   [R][T][K] float32        local expert ids of d (-1 elsewhere) and weights (0 there),
+//   src_index [R][T] int32             the source token index,
+//   scales    [R][T][H/128] float32    FP8 scales
+// Row flags, uint64 [2][R][T]: [0][s][p] is raised by source s once dispatch row p of slot s (and its
+// metadata) has landed, [1][s][i] once combine row i of slot s has; the value is the call's epoch
+// (epoch counters kSigDispatchDone / kSigCombineDone), so flags only grow and are never reset.
+// Dispatch rows and combine rows share `data`: every call starts with a barrier whose signal a rank
+// sends only after its stream finished the previous call, so the two uses never overlap.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace moe_ep {
+namespace intranode {
+
+constexpr int kMaxPeers = 8;  // == comm.h kMaxRanks (checked in the .cu files)
+constexpr int kMaxTopk = 16;
+constexpr int kSignalWords = 16 * kMaxPeers;  // uint64 flags per rank: comm.h kNumSignalSlots * kMaxRanks
+constexpr int kEpochCounters = 16;            // comm.h kNumEpochs
+
+// The fixed dimensions of one Buffer.
+struct Dims {
+  int rank;
+  int nranks;       // R
+  int max_tokens;   // T
+  int hidden;       // H
+  int num_topk;     // K
+  int num_experts;  // E (E_l = E / R per rank)
+};
+
+// Byte offsets of the regions inside one rank's workspace (see the top of this file).
+struct WorkspaceLayout {
+  uint64_t counts;
+  uint64_t data;
+  uint64_t topk;
+  uint64_t weights;
+  uint64_t src_index;
+  uint64_t scales;
+  uint64_t total;       // bytes of the whole workspace
+  uint64_t slot_bytes;  // bytes of one source's slot in `data`: T * 2H
+  int count_stride;     // int32 entries per counts row: 1 + E_l, rounded up to 4
+};
+
+inline WorkspaceLayout workspace_layout(const Dims& d) {
+  const auto align = [](uint64_t bytes) { return (bytes + 255) / 256 * 256; };
+  const uint64_t R = d.nranks, T = d.max_tokens, H = d.hidden, K = d.num_topk;
+  WorkspaceLayout w{};
+  w.count_stride = (1 + d.num_experts / d.nranks + 3) / 4 * 4;
+  w.slot_bytes = T * 2 * H;
+  uint64_t at = 0;
+  const auto take = [&](uint64_t bytes) { const uint64_t start = at; at += align(bytes); return start; };
+  w.counts = take(R * w.count_stride * sizeof(int32_t));
+  w.data = take(R * w.slot_bytes);
+  w.topk = take(R * T * K * sizeof(int64_t));
+  w.weights = take(R * T * K * sizeof(float));
+  w.src_index = take(R * T * sizeof(int32_t));
+  w.scales = take(R * T * (H / 128) * sizeof(float));
+  w.total = at;
+  return w;
+}
+
+// Everything the kernels need that stays fixed for a Buffer: device addresses as seen from this GPU.
+struct Context {
+  Dims dims;
+  WorkspaceLayout ws;
+  unsigned long long timeout_ns;
+  uintptr_t error;                   // ErrorState*, device address of host-mapped memory
+  uintptr_t epochs;                  // unsigned long long[kNumEpochs], device (slots 0..4 are ours)
+  uintptr_t signals[kMaxPeers];      // every rank's signal array
+  uintptr_t workspace[kMaxPeers];    // every rank's workspace
+  uintptr_t row_flags[kMaxPeers];    // every rank's row flags
+  uintptr_t block_counters;          // int32[4], zero between kernels: blocks done ([0] dispatch,
+                                     // [1] combine), next receive work item ([2] dispatch, [3] combine)
+  uintptr_t layout_scratch;          // int32[R + E]: tokens per rank, then per expert (notify)
+};
+
+// get_dispatch_layout: one block over topk_idx [N, K] int64.
+struct LayoutArgs {
+  uintptr_t topk_idx;           // [N, K] int64
+  int num_tokens;               // N
+  uintptr_t tokens_per_rank;    // out [R] int32
+  uintptr_t tokens_per_expert;  // out [E] int32 (a token naming an expert twice counts once)
+  uintptr_t is_token_in_rank;   // out [N, R] bool
+  uintptr_t pos;                // out [N, R] int32: rank of token n among those sent to r, else -1; or 0
+};
+
+// Layout plus count exchange (the start barrier of a dispatch). recv_info layout, int32:
+//   [0, R) rows from each source; [R, 2R) first output row of each source's rows (worst case: s*T);
+//   [2R, 2R + E_l) received rows per local expert (not aligned).
+struct NotifyArgs {
+  uintptr_t topk_idx;           // [N, K] int64
+  int num_tokens;
+  uintptr_t is_token_in_rank;   // out [N, R] bool
+  uintptr_t pos;                // out [N, R] int32
+  uintptr_t recv_info;          // out [2R + E_l] int32, device
+  uintptr_t tokens_per_expert;  // out [E_l] int32, device: recv_info's counts aligned up
+  uintptr_t host_info;          // out [R + E_l] int32 host-mapped (rows per source, raw per expert), or 0
+  int expert_alignment;
+  bool worst_case;
+};
+
+struct DispatchArgs {
+  uintptr_t x;                  // [N, row_bytes]
+  uintptr_t x_scales;           // [N, num_scales] float32, or 0
+  uintptr_t topk_idx;           // [N, K] int64, 0 for a cached dispatch
+  uintptr_t topk_weights;       // [N, K] float32, 0 for a cached dispatch
+  uintptr_t pos;                // [N, R] int32 from notify
+  uintptr_t recv_info;          // from notify
+  int num_tokens;
+  int row_bytes;                // 2H (bf16) or H (e4m3)
+  int num_scales;               // H / 128 for FP8, else 0
+  uintptr_t out_x;              // [M, row_bytes]
+  uintptr_t out_scales;         // [M, num_scales] float32, or 0
+  uintptr_t out_topk_idx;       // [M, K] int64, 0 for a cached dispatch
+  uintptr_t out_topk_weights;   // [M, K] float32, 0 for a cached dispatch
+  uintptr_t out_src_rank;       // [M] int32, 0 for a cached dispatch (the handle has it)
+  uintptr_t out_src_index;      // [M] int32, 0 for a cached dispatch
+  bool worst_case;              // M = R * T, source s at [s * T, s * T + count_s), the rest padding
+  bool cached;                  // reuse pos / recv_info of an earlier dispatch; no topk in or out
+  int num_blocks;
+};
+
+struct CombineArgs {
+  uintptr_t x;                  // [M, H] bf16, the rows this rank received in the dispatch
+  int num_rows;                 // M
+  uintptr_t src_rank;           // [M] int32, -1 for padding
+  uintptr_t src_index;          // [M] int32
+  uintptr_t is_token_in_rank;   // [N, R] bool of this rank's tokens
+  uintptr_t pos;                // [N, R] int32
+  uintptr_t recv_info;          // the dispatch's
+  int num_tokens;               // N
+  uintptr_t out;                // [N, H] bf16
+  int num_blocks;
+};
+
+void launch_layout(const Context& c, const LayoutArgs& a, uintptr_t stream);
+void launch_notify(const Context& c, const NotifyArgs& a, uintptr_t stream);
+void launch_dispatch(const Context& c, const DispatchArgs& a, uintptr_t stream);
+void launch_combine(const Context& c, const CombineArgs& a, uintptr_t stream);
+
+}  // namespace intranode
+}  // namespace moe_ep
+
+#if defined(__CUDACC__)
+// Device-side pieces shared by the intranode .cu files.
+#include <cuda_runtime.h>
+
+#include "runtime/comm.h"
+#include "runtime/error_check.h"
+
+namespace moe_ep {
+namespace intranode {
+
+static_assert(kMaxPeers == kMaxRanks, "intranode.h kMaxPeers must equal comm.h kMaxRanks");
+static_assert(kSignalWords == kNumSignalSlots * kMaxRanks, "intranode.h kSignalWords must match comm.h");
+static_assert(kEpochCounters == kNumEpochs, "intranode.h kEpochCounters must equal comm.h kNumEpochs");
+
+constexpr int kThreads = 1024;  // dispatch / combine block size: enough loads in flight per SM
+constexpr int kWarps = kThreads / 32;
+constexpr int kSendWarps = 24;  // warps per block that send first; the others receive from the start
+constexpr int kLayoutThreads = 1024;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+enum RowFlagKind : int { kDispatchRows = 0, kCombineRows = 1 };
+
+// What every intranode kernel receives (by value, as a __grid_constant__ parameter).
+struct DeviceContext {
+  Comm comm;
+  Dims dims;
+  WorkspaceLayout ws;
+  char* workspace[kMaxRanks];
+  uint64_t* row_flags[kMaxRanks];
+  int* block_counters;
+  int* layout_scratch;
+
+  __device__ __forceinline__ char* region(int r, uint64_t offset) const { return workspace[r] + offset; }
+
+  // The flag at rank `dst` that source `src` raises for row `row` of its slot.
+  __device__ __forceinline__ uint64_t* row_flag(int dst, int kind, int src, int row) const {
+    return row_flags[dst] + ((size_t)kind * comm.nranks + src) * dims.max_tokens + row;
+  }
+};
+
+inline DeviceContext make_device_context(const Context& c) {
+  DeviceContext d{};
+  d.comm.rank = c.dims.rank;
+  d.comm.nranks = c.dims.nranks;
+  d.comm.timeout_ns = c.timeout_ns;
+  d.comm.error = reinterpret_cast<ErrorState*>(c.error);
+  d.comm.epochs = reinterpret_cast<unsigned long long*>(c.epochs);
+  for (int r = 0; r < kMaxRanks; ++r) {
+    d.comm.signals[r] = reinterpret_cast<uint64_t*>(c.signals[r]);
+    d.workspace[r] = reinterpret_cast<char*>(c.workspace[r]);
+    d.row_flags[r] = reinterpret_cast<uint64_t*>(c.row_flags[r]);
+  }
+  d.dims = c.dims;
+  d.ws = c.ws;
+  d.block_counters = reinterpret_cast<int*>(c.block_counters);
+  d.layout_scratch = reinterpret_cast<int*>(c.layout_scratch);
+  return d;
+}
+
+// Throws with the kernel's name when the launch failed.
+inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+// ---- Dispatch layout, computed by one block (the layout kernel and the notify kernel inline it) ----
+// Every thread of the block must call compute_layout; it ends with a barrier, after which the
+// outputs are visible to the whole block. Two passes over topk_idx [N, K]:
+//  1. Tokens per expert, kExpertChunk experts at a time: the block zeroes a shared-memory counter per
+//     expert of the chunk, every thread adds 1 (shared atomics) for each expert its token names for
+//     the first time in its row (a token naming an expert twice counts once), then the counters are
+//     written out. One chunk covers E <= 8192; larger E repeats the pass per chunk.
+//  2. Tokens per rank and positions, kLayoutThreads tokens per step, thread t owning token
+//     step + t: each thread builds its token's rank bitmask; per rank, a warp ballot gives the
+//     token's offset inside its warp and the warp's total; warp r then scans rank r's totals over
+//     the 32 warps (adding the running total `carry[r]` of earlier steps), and every thread writes
+//     is_token_in_rank and pos = carry + warp offset + lane offset. Barriers separate the ballot,
+//     the scan and the reads of its result, so each step's shared arrays are reused safely.
+constexpr int kLayoutWarps = kLayoutThreads / 32;
+constexpr int kExpertChunk = 8192;
+static_assert(kLayoutWarps == 32, "the per-rank scan runs one lane per warp");
+
+// The token's expert ids in registers (unused entries -1); K <= kMaxTopk.
+struct TokenExperts {
+  int id[kMaxTopk];
+
+  __device__ __forceinline__ TokenExperts(const int64_t* topk_idx, int n, int num_topk) {
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k) id[k] = k < num_topk ? static_cast<int>(topk_idx[(size_t)n * num_topk + k]) : -1;
+  }
+
+  // Whether entry k is the first occurrence of its expert in the row.
+  __device__ __forceinline__ bool first(int k) const {
+    bool first = true;
+#pragma unroll
+    for (int j = 0; j < kMaxTopk; ++j) first &= !(j < k && id[j] == id[k]);
+    return first;
+  }
+};
+
+__device__ __forceinline__ void compute_layout(const LayoutArgs& a, int num_topk, int num_experts, int nranks) {
+  __shared__ int expert_count[kExpertChunk];
+  __shared__ int warp_total[kLayoutWarps][kMaxRanks];
+  __shared__ int warp_first[kLayoutWarps][kMaxRanks];
+  __shared__ int carry[kMaxRanks];
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int num_tokens = a.num_tokens, num_local = num_experts / nranks;
+  const auto* topk_idx = reinterpret_cast<const int64_t*>(a.topk_idx);
+  auto* tokens_per_expert = reinterpret_cast<int*>(a.tokens_per_expert);
+
+  // 1. tokens per expert
+  for (int e0 = 0; e0 < num_experts; e0 += kExpertChunk) {
+    const int width = min(kExpertChunk, num_experts - e0);
+    for (int i = tid; i < width; i += kLayoutThreads) expert_count[i] = 0;
+    __syncthreads();
+    for (int n = tid; n < num_tokens; n += kLayoutThreads) {
+      const TokenExperts t(topk_idx, n, num_topk);
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k) {
+        const int e = t.id[k] - e0;  // -1 entries land below 0
+        if (e >= 0 && e < width && t.first(k)) atomicAdd(&expert_count[e], 1);
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < width; i += kLayoutThreads) tokens_per_expert[e0 + i] = expert_count[i];
+    __syncthreads();
+  }
+
+  // 2. tokens per rank, is_token_in_rank, pos
+  auto* in_rank = reinterpret_cast<bool*>(a.is_token_in_rank);
+  auto* pos = reinterpret_cast<int*>(a.pos);
+  if (tid < nranks) carry[tid] = 0;
+  for (int step = 0; step < num_tokens; step += kLayoutThreads) {
+    const int n = step + tid;
+    unsigned ranks = 0;
+    if (n < num_tokens) {
+      const TokenExperts t(topk_idx, n, num_topk);
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k)
+        if (t.id[k] >= 0) ranks |= 1u << (t.id[k] / num_local);
+    }
+    int before[kMaxRanks];  // tokens of lower lanes of this warp that go to rank r
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      const unsigned votes = __ballot_sync(kFullMask, (ranks >> r) & 1u);
+      before[r] = __popc(votes & ((1u << lane) - 1u));
+      if (lane == 0 && r < nranks) warp_total[warp][r] = __popc(votes);
+    }
+    __syncthreads();
+    if (warp < nranks) {  // warp r: exclusive scan of rank r's warp totals, plus the carry
+      const int r = warp;
+      const int mine = warp_total[lane][r];
+      int inclusive = mine;
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const int up = __shfl_up_sync(kFullMask, inclusive, d);
+        if (lane >= d) inclusive += up;
+      }
+      const int base = carry[r];
+      warp_first[lane][r] = base + inclusive - mine;
+      __syncwarp();
+      if (lane == 31) carry[r] = base + inclusive;
+    }
+    __syncthreads();
+    if (n < num_tokens) {
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r) {
+        if (r >= nranks) break;
+        const bool sent = (ranks >> r) & 1u;
+        in_rank[(size_t)n * nranks + r] = sent;
+        if (pos != nullptr) pos[(size_t)n * nranks + r] = sent ? warp_first[warp][r] + before[r] : -1;
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < nranks) reinterpret_cast<int*>(a.tokens_per_rank)[tid] = carry[tid];
+  __syncthreads();
+}
+
+// Threads r < R (r != rank) of the calling block store `epoch` into their flag at peer r.
+__device__ __forceinline__ void signal_peers(const Comm& c, int slot, uint64_t epoch) {
+  const int r = threadIdx.x;
+  if (r < c.nranks && r != c.rank) st_release_sys(signal_at(c, r, slot, c.rank), epoch);
+}
+
+// One thread stores `epoch` into its flag at every peer.
+__device__ __forceinline__ void signal_peers_from_one_thread(const Comm& c, int slot, uint64_t epoch) {
+  for (int r = 0; r < c.nranks; ++r)
+    if (r != c.rank) st_release_sys(signal_at(c, r, slot, c.rank), epoch);
+}
+
+// Thread r of the block waits for peer r's flag >= epoch (acquire), then the whole block joins.
+// Returns false in every thread when any wait gave up (timeout or an earlier error).
+__device__ __forceinline__ bool wait_peers(const Comm& c, int slot, uint64_t epoch, int phase) {
+  bool ok = true;
+  const int r = threadIdx.x;
+  if (r < c.nranks && r != c.rank) ok = wait_geq(c, signal_at(c, c.rank, slot, r), epoch, phase, r);
+  return __syncthreads_and(ok) != 0;
+}
+
+// End of a kernel. Every thread fences, then thread 0 counts the block in; returns true (in thread 0
+// of the last block to arrive only) once all gridDim.x blocks have arrived, i.e. once no thread of
+// the grid will read the epochs or take work items again (fence / counter / fence). That thread
+// resets the counter for the next kernel.
+__device__ __forceinline__ bool arrive_last(int* counter) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x != 0) return false;
+  if (atomicAdd(counter, 1) != static_cast<int>(gridDim.x) - 1) return false;
+  __threadfence();
+  *counter = 0;
+  return true;
+}
+
+// The next receive work item of the grid for the calling warp (lane 0 takes it, all lanes get it).
+__device__ __forceinline__ int take_work_item(int* counter) {
+  int item = 0;
+  if (threadIdx.x % 32 == 0) item = atomicAdd(counter, 1);
+  return __shfl_sync(kFullMask, item, 0);
+}
+
+// 16-byte load of data that stays constant during the kernel (kernel inputs): skips L1.
+__device__ __forceinline__ int4 ld_nc_int4(const int4* p) {
+  int4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+}  // namespace intranode
+}  // namespace moe_ep
+#endif  // __CUDACC__

@@ -1,0 +1,220 @@
+// Low-latency combine: each rank pushes every expert output row it holds back to the rank that owns
+// the token, then every rank sums its tokens' rows in ascending k.
+//
+// What travels: one bf16 row per (token, distinct expert), written at the owner into the combine
+// staging slot (token, first k naming that expert). No partial sums per (token, rank): the result
+// is bf16(((0 + w0*r0) + w1*r1) + ...) in ascending k and float addition is not associative, so a
+// partial sum made on an expert's rank is exact only where it is a prefix of that chain (or the
+// whole chain). It would also need the weights, which only the owner has (one more round trip), and
+// a float32 partial costs the bytes of two bf16 rows, so it would pay only for a prefix of three or
+// more experts on one remote rank, which random top-k routing rarely produces. So rows travel and
+// the owner does every multiply and add in the fixed order. For the L1 shape (top-8 of 256, 2 ranks)
+// that is ~4 remote rows per token: 128 tokens send 7.3 MB each way, ~19-21 us at 350-390 GB/s.
+//
+// Protocol (one call = combine_send_kernel, then combine_recv_kernel, same stream; with the
+// receive hook the second launch is deferred to hook()):
+//
+// combine_send_kernel — grid (P, E_l), 512 threads; block (p, e) serves local expert e.
+//   Reads the call's epoch e = epochs[10] + 1 and uses set e & 1. All blocks together first copy
+//   this rank's topk_idx / topk_weights into a private stash (the receive half may run later, after
+//   the caller reused its tensors). Then each warp takes rows m = p + P * r < count[e] and copies
+//   y[e][m] (2H bytes, 8 int4 loads in flight per lane) to rank src_rank[e][m]'s combine staging
+//   [set][src_index][src_k] through its peer pointer. finish_send (low_latency.h): system fence,
+//   grid-wide done counter, the last block releases flag = e into slot 10 + (e & 1) at every rank,
+//   writes epochs[10] = e and resets the counter.
+// combine_recv_kernel — grid (max(N, 1), ceil(H / 8 / 256)), 256 threads; thread = 8 channels of
+//   token n. Reads e = epochs[10]. Threads r < R wait (acquire; timeout -> ErrorState, phase
+//   LowLatencyCombineRecv) for rank r's flag >= e; a barrier hands the staged rows to the block.
+//   Threads k < K put the stashed id, weight and first-k slot of k in shared memory. Each thread
+//   loads its 16 bytes of every valid k's row (all loads in flight), then acc = +0.0 and, for k
+//   ascending with id != -1, acc = __fadd_rn(acc, __fmul_rn(w, float(row))): explicit roundings,
+//   so no FMA can be contracted; bf16 round-to-nearest-even once at the end.
+//
+// Reuse of a staging set: rank s writes set (e & 1) at rank d in its combine send of epoch e; d
+// last read it in its combine receive of e - 2, which precedes d's send of e - 1, whose flag s waits
+// for in its receive of e - 1, before its send of e (every receive waits for every rank). This
+// needs a combine's receive half to run before the next combine's send half; the engine enforces
+// that hook() is called before the next low_latency_combine. The stash is single: the send of the
+// next combine follows this combine's receive in the stream.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/low_latency.h"
+
+namespace moe_ep {
+namespace ll {
+namespace {
+
+constexpr int kSendThreads = 512;
+constexpr int kRecvThreads = 256;
+
+struct CombineSendArgs {
+  Comm comm;
+  uint8_t* payload[kMaxRanks];  // each rank's combine payload area (set 0), as addressed here
+  const int4* y;                // [E_l, R*T, H] bf16
+  const int* src_rank;
+  const int* src_index;
+  const int* src_k;
+  const int* count;
+  const int64_t* topk_idx;  // [N, K] of this rank's tokens
+  const float* topk_weights;
+  int64_t* stash_idx;       // [T*K]
+  float* stash_weights;     // [T*K]
+  int num_tokens;
+  int num_topk;
+  int hidden;
+  int max_tokens;
+  int* done;
+};
+
+struct CombineRecvArgs {
+  Comm comm;
+  const int4* payload;  // this rank's combine payload area
+  const int64_t* stash_idx;
+  const float* stash_weights;
+  uint4* out;  // [N, H] bf16
+  int num_tokens;
+  int num_topk;
+  int hidden;
+  int max_tokens;
+};
+
+// Send half; protocol in the file comment (combine_send_kernel).
+__global__ void __launch_bounds__(kSendThreads, 2) combine_send_kernel(const CombineSendArgs a) {
+  const Comm& c = a.comm;
+  const unsigned long long epoch = c.epochs[kEpochCombine] + 1;
+  const int set = static_cast<int>(epoch & 1);
+  const int block = blockIdx.y * gridDim.x + blockIdx.x;
+  const int stash_n = a.num_tokens * a.num_topk;
+  for (int i = block * blockDim.x + threadIdx.x; i < stash_n; i += gridDim.x * gridDim.y * blockDim.x) {
+    a.stash_idx[i] = a.topk_idx[i];
+    a.stash_weights[i] = a.topk_weights[i];
+  }
+
+  const int e = blockIdx.y, p = blockIdx.x, parts = gridDim.x;
+  const int capacity = c.nranks * a.max_tokens;
+  const size_t expert_row0 = static_cast<size_t>(e) * capacity;
+  const int rows = a.count[e];
+  const int row_int4 = a.hidden / 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int r = warp;; r += warps) {
+    const int m = p + parts * r;
+    if (m >= rows) break;
+    const int s = a.src_rank[expert_row0 + m];
+    const int t = a.src_index[expert_row0 + m];
+    const int k = a.src_k[expert_row0 + m];
+    int4* dst = reinterpret_cast<int4*>(a.payload[s]) +
+                ((static_cast<size_t>(set) * a.max_tokens + t) * a.num_topk + k) * row_int4;
+    warp_copy_int4(dst, a.y + (expert_row0 + m) * row_int4, row_int4, lane);
+  }
+  finish_send(c, a.done, kSigCombine + set, epoch, kEpochCombine, epoch);
+}
+
+// Receive half; protocol in the file comment (combine_recv_kernel).
+// kSlots >= num_topk: rows held in registers per thread (kSlots = 8 fits 4 blocks per SM, so the
+// L1 shape, 128 tokens x 4 blocks, runs in one wave).
+template <int kSlots>
+__global__ void __launch_bounds__(kRecvThreads, kSlots <= 8 ? 4 : 1) combine_recv_kernel(const CombineRecvArgs a) {
+  __shared__ float weight[kMetaEntries];
+  __shared__ int slot_k[kMetaEntries];  // staging slot of k (first k with the same expert), -1 if none
+  __shared__ int ok;
+  const Comm& c = a.comm;
+  const unsigned long long epoch = c.epochs[kEpochCombine];
+  const int set = static_cast<int>(epoch & 1);
+  const int n = blockIdx.x;
+  if (threadIdx.x < kMetaEntries && n < a.num_tokens) {
+    const int k = threadIdx.x;
+    const int64_t* idx = a.stash_idx + static_cast<size_t>(n) * a.num_topk;
+    int first = -1;
+    if (k < a.num_topk && idx[k] >= 0) {
+      first = k;
+      for (int q = k - 1; q >= 0; --q)
+        if (idx[q] == idx[k]) first = q;
+    }
+    slot_k[k] = first;
+    weight[k] = k < a.num_topk ? a.stash_weights[static_cast<size_t>(n) * a.num_topk + k] : 0.0f;
+  }
+  if (!wait_all_sources(c, kSigCombine + set, epoch, kPhaseLowLatencyCombineRecv, nullptr, &ok)) return;
+
+  const int row_int4 = a.hidden / 8;
+  const int i = blockIdx.y * blockDim.x + threadIdx.x;
+  if (n >= a.num_tokens || i >= row_int4) return;
+  const int4* token_rows = a.payload + (static_cast<size_t>(set) * a.max_tokens + n) * a.num_topk * row_int4;
+  int4 v[kSlots];
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k)
+    if (k < a.num_topk && slot_k[k] >= 0) v[k] = token_rows[static_cast<size_t>(slot_k[k]) * row_int4 + i];
+  float acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) {
+    if (k >= a.num_topk || slot_k[k] < 0) continue;
+    const unsigned w[4] = {static_cast<unsigned>(v[k].x), static_cast<unsigned>(v[k].y),
+                           static_cast<unsigned>(v[k].z), static_cast<unsigned>(v[k].w)};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float x = __uint_as_float(j & 1 ? (w[j >> 1] & 0xffff0000u) : (w[j >> 1] << 16));
+      acc[j] = __fadd_rn(acc[j], __fmul_rn(weight[k], x));
+    }
+  }
+  unsigned packed[4];
+#pragma unroll
+  for (int h = 0; h < 4; ++h) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(acc[2 * h], acc[2 * h + 1]);  // .x -> low half
+    packed[h] = *reinterpret_cast<const unsigned*>(&b);
+  }
+  a.out[static_cast<size_t>(n) * row_int4 + i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+}  // namespace
+
+void combine_send(const LowLatencyParams& p, uintptr_t y, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k,
+                  uintptr_t count, uintptr_t topk_idx, uintptr_t topk_weights, int num_tokens, uintptr_t stream) {
+  CombineSendArgs a{};
+  a.comm = make_comm(p);
+  for (int r = 0; r < p.nranks; ++r) a.payload[r] = reinterpret_cast<uint8_t*>(p.sym[r] + p.combine_payload_offset);
+  a.y = reinterpret_cast<const int4*>(y);
+  a.src_rank = reinterpret_cast<const int*>(src_rank);
+  a.src_index = reinterpret_cast<const int*>(src_index);
+  a.src_k = reinterpret_cast<const int*>(src_k);
+  a.count = reinterpret_cast<const int*>(count);
+  a.topk_idx = reinterpret_cast<const int64_t*>(topk_idx);
+  a.topk_weights = reinterpret_cast<const float*>(topk_weights);
+  a.stash_idx = reinterpret_cast<int64_t*>(p.combine_stash);
+  a.stash_weights = reinterpret_cast<float*>(p.combine_stash + sizeof(int64_t) * p.max_tokens * p.num_topk);
+  a.num_tokens = num_tokens;
+  a.num_topk = p.num_topk;
+  a.hidden = p.hidden;
+  a.max_tokens = p.max_tokens;
+  a.done = reinterpret_cast<int*>(p.done_counters) + 1;
+  const dim3 grid(p.blocks_per_expert, p.num_local_experts);
+  combine_send_kernel<<<grid, kSendThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
+  check_launch("combine send kernel launch");
+}
+
+void combine_recv(const LowLatencyParams& p, uintptr_t out, int num_tokens, uintptr_t stream) {
+  CombineRecvArgs a{};
+  a.comm = make_comm(p);
+  a.payload = reinterpret_cast<const int4*>(p.sym[p.rank] + p.combine_payload_offset);
+  a.stash_idx = reinterpret_cast<const int64_t*>(p.combine_stash);
+  a.stash_weights = reinterpret_cast<const float*>(p.combine_stash + sizeof(int64_t) * p.max_tokens * p.num_topk);
+  a.out = reinterpret_cast<uint4*>(out);
+  a.num_tokens = num_tokens;
+  a.num_topk = p.num_topk;
+  a.hidden = p.hidden;
+  a.max_tokens = p.max_tokens;
+  const int row_int4 = p.hidden / 8;
+  // With N == 0 one block still waits for every rank's flag: that wait is a link of the buffer
+  // reuse chain above (this rank's next send must follow the other ranks' receives).
+  const dim3 grid(num_tokens > 0 ? num_tokens : 1, (row_int4 + kRecvThreads - 1) / kRecvThreads);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (p.num_topk <= 8)
+    combine_recv_kernel<8><<<grid, kRecvThreads, 0, s>>>(a);
+  else
+    combine_recv_kernel<kMetaEntries><<<grid, kRecvThreads, 0, s>>>(a);
+  check_launch("combine receive kernel launch");
+}
+
+}  // namespace ll
+}  // namespace moe_ep

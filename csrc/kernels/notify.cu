@@ -1,0 +1,97 @@
+// Notify: the dispatch layout plus the count exchange, which is also the start barrier of a dispatch.
+//
+// Protocol: one block of kLayoutThreads threads.
+//  1. compute_layout (layout.cu): is_token_in_rank and pos for the dispatch, tokens per rank and per
+//     expert into Context::layout_scratch.
+//  2. epoch = epochs[kSigNotify] + 1. For every rank d (this one included), the block writes row
+//     [me] of d's counts region: the number of tokens it sends to d, then its token counts for d's
+//     E_l local experts. Every thread fences at system scope, the block joins, then thread d stores
+//     `epoch` (release) into its kSigNotify flag at d.
+//  3. Thread s waits until source s's kSigNotify flag at this rank reaches `epoch` (acquire); the
+//     block joins. Thread 0 then derives rows per source and the first output row of each source
+//     (prefix sums, or s * T in worst-case mode), the other threads sum the per-local-expert counts
+//     over the sources; results go to recv_info and tokens_per_expert (device) and, when asked, to
+//     host-mapped memory that the host reads after one stream synchronisation.
+//  4. Thread 0 stores `epoch` back into epochs[kSigNotify] (kernels on the stream see it next call).
+//
+// Why this also guards the other regions: a rank runs its notify only after its stream finished the
+// previous call, which consumed everything peers wrote into its workspace; a peer writes rows into
+// this rank's workspace only after it has seen this rank's notify (or ready) flag for the new call.
+// The counts region itself is safe too: a peer writes the next counts only after its dispatch kernel
+// saw this rank's dispatch-done flag, which this rank raises after this kernel finished reading them.
+// On a timeout the outputs are zero (no rows, offsets s * T or 0), so later kernels touch no memory
+// out of bounds; the host raises CommTimeoutError.
+#include "kernels/intranode.h"
+
+namespace moe_ep {
+namespace intranode {
+
+namespace {
+
+__global__ void __launch_bounds__(kLayoutThreads, 1)
+notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ NotifyArgs a) {
+  const Comm& comm = ctx.comm;
+  const int tid = threadIdx.x, me = comm.rank, R = comm.nranks;
+  const int num_local = ctx.dims.num_experts / R, T = ctx.dims.max_tokens, stride = ctx.ws.count_stride;
+  int* tokens_per_rank = ctx.layout_scratch;
+  int* tokens_per_expert = ctx.layout_scratch + R;
+
+  // 1. layout
+  LayoutArgs layout;
+  layout.topk_idx = a.topk_idx;
+  layout.num_tokens = a.num_tokens;
+  layout.tokens_per_rank = reinterpret_cast<uintptr_t>(tokens_per_rank);
+  layout.tokens_per_expert = reinterpret_cast<uintptr_t>(tokens_per_expert);
+  layout.is_token_in_rank = a.is_token_in_rank;
+  layout.pos = a.pos;
+  compute_layout(layout, ctx.dims.num_topk, ctx.dims.num_experts, R);
+
+  // 2. my counts into row [me] of every rank's counts region, then the flags
+  const uint64_t epoch = comm.epochs[kSigNotify] + 1;
+  const int row = 1 + num_local;
+  for (int i = tid; i < R * row; i += kLayoutThreads) {
+    const int d = i / row, j = i % row;
+    const int value = j == 0 ? tokens_per_rank[d] : tokens_per_expert[d * num_local + j - 1];
+    reinterpret_cast<int*>(ctx.region(d, ctx.ws.counts))[me * stride + j] = value;
+  }
+  __threadfence_system();
+  __syncthreads();
+  signal_peers(comm, kSigNotify, epoch);
+
+  // 3. everyone's counts for this rank
+  const bool ok = wait_peers(comm, kSigNotify, epoch, kPhaseNotify);
+  const int* counts = reinterpret_cast<const int*>(ctx.region(me, ctx.ws.counts));
+  auto* recv_info = reinterpret_cast<int*>(a.recv_info);
+  auto* aligned = reinterpret_cast<int*>(a.tokens_per_expert);
+  auto* host_info = reinterpret_cast<int*>(a.host_info);
+  if (tid == 0) {
+    int first = 0;
+    for (int s = 0; s < R; ++s) {
+      const int rows = ok ? __ldcg(counts + s * stride) : 0;
+      recv_info[s] = rows;
+      recv_info[R + s] = a.worst_case ? s * T : first;
+      if (host_info != nullptr) host_info[s] = rows;
+      first += rows;
+    }
+  }
+  for (int e = tid; e < num_local; e += kLayoutThreads) {
+    int raw = 0;
+    for (int s = 0; ok && s < R; ++s) raw += __ldcg(counts + s * stride + 1 + e);
+    recv_info[2 * R + e] = raw;
+    aligned[e] = (raw + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment;
+    if (host_info != nullptr) host_info[R + e] = raw;
+  }
+
+  // 4. next epoch (every thread read `epoch` before the barrier inside wait_peers)
+  if (tid == 0) comm.epochs[kSigNotify] = epoch;
+}
+
+}  // namespace
+
+void launch_notify(const Context& c, const NotifyArgs& a, uintptr_t stream) {
+  notify_kernel<<<1, kLayoutThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(make_device_context(c), a);
+  check_launch("moe_ep intranode notify kernel");
+}
+
+}  // namespace intranode
+}  // namespace moe_ep

@@ -1,0 +1,50 @@
+// Python bindings of the runtime (register_runtime, called from bindings.cpp). Calls that block on
+// peers or on the device release the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "runtime/runtime.h"
+
+namespace py = pybind11;
+namespace rt = moe_ep::runtime;
+
+void register_runtime(py::module_& m) {
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+
+  m.def(
+      "get_unique_id",
+      [] {
+        std::string id;
+        {
+          py::gil_scoped_release no_gil;
+          id = rt::unique_id();
+        }
+        return py::bytes(id);
+      },
+      "A fresh NVSHMEM unique id (bytes) for init(); created by one rank and sent to the others.");
+  m.def("init", &rt::init, py::arg("uid"), py::arg("rank"), py::arg("nranks"), py::arg("device"),
+        py::arg("heap_bytes"), release_gil(),
+        "Collective: initialise NVSHMEM as PE `rank` of `nranks` on CUDA device `device`, with a symmetric "
+        "heap of `heap_bytes` (NVSHMEM_SYMMETRIC_SIZE; NVSHMEM_DISABLE_NVLS defaults to 1).");
+  m.def("finalize", &rt::finalize, release_gil(),
+        "Collective: finalise NVSHMEM (no-op when not initialised); init() may be called again later.");
+  m.def("is_initialized", &rt::is_initialized, "Whether NVSHMEM is initialised in this process.");
+  m.def("my_pe", &rt::my_pe, "This process's NVSHMEM PE.");
+  m.def("n_pes", &rt::n_pes, "The number of NVSHMEM PEs.");
+  m.def("sym_malloc", &rt::sym_malloc, py::arg("nbytes"), release_gil(),
+        "Collective: allocate `nbytes` (> 0) zero-filled bytes on the symmetric heap; returns the device address.");
+  m.def("sym_free", &rt::sym_free, py::arg("ptr"), release_gil(),
+        "Collective: free a sym_malloc allocation once every PE has stopped using it.");
+  m.def("peer_ptr", &rt::peer_ptr, py::arg("ptr"), py::arg("pe"),
+        "Address of symmetric allocation `ptr` at PE `pe` as seen from this GPU (nvshmem_ptr); 0 when "
+        "`pe` is not reachable by loads and stores.");
+  m.def("barrier_all", &rt::barrier_all, release_gil(), "Collective: host-side barrier over all PEs.");
+  m.def("build_version", &rt::build_version, "NVSHMEM version (major, minor, patch) of the headers at build time.");
+  m.def("runtime_version", &rt::runtime_version, "NVSHMEM version (major, minor, patch) of the loaded host library.");
+  m.def("alloc_error_state", &rt::alloc_error_state,
+        "Allocate a zeroed host-mapped ErrorState (runtime/comm.h); returns (host_ptr, device_ptr).");
+  m.def("free_error_state", &rt::free_error_state, py::arg("host_ptr"), release_gil(),
+        "Free an ErrorState from alloc_error_state().");
+  m.def("phase_names", &rt::phase_names, "Names of the comm.h Phase values, by index.");
+  m.def("sm_count", &rt::sm_count, py::arg("device"), "Number of SMs of CUDA device `device`.");
+}

@@ -1,0 +1,205 @@
+"""Low-latency (decode) dispatch/combine on the native kernels (csrc/kernels/low_latency_*.cu).
+
+Fixed-capacity expert-major receive buffers, no host synchronisation (both calls capture into a CUDA
+graph), in-kernel FP8 cast, and an optional receive hook that splits each call into a send half and
+a receive half. The NvshmemBackend creates one LowLatencyEngine per low_latency Buffer and forwards
+the low-latency calls to it.
+
+Lifetimes: dispatch results are views of two alternating output sets, so a result (x, x_scales,
+count and its handle) stays valid until the second low_latency_dispatch after it: at most two
+dispatch results may be held at once. A CUDA graph replays into the set it captured. Combine
+results are fresh tensors. With return_recv_hook=True the hook must run before the next call of
+the same kind (the buffer-reuse protocol in the kernels relies on it); the engine enforces that.
+Issue all calls of one Buffer on one stream; a hook launches on the stream of its call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from .. import _native
+from ..types import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
+from .base import BufferConfig
+
+if TYPE_CHECKING:
+    from .symmetric import ErrorWatch, NvshmemSession, SymmetricTensor
+
+META_ENTRIES = 16  # int16 expert ids per staged token: csrc/kernels/low_latency.h kMetaEntries
+ALIGN = 256
+HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding of this one allocation
+MAX_BLOCKS_PER_EXPERT = 32  # per-expert kernels: about one block per SM in total (one wave)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class SymmetricLayout:
+    """Byte offsets of the areas in the one symmetric allocation (each holds both buffer sets)."""
+
+    dispatch_payload: int  # [2][R][T][2H] bytes: bf16 row, or e4m3 row + H/128 float32 scales
+    dispatch_meta: int  # [2][R][T][16] int16 local expert ids
+    combine_payload: int  # [2][T][K][H] bf16
+    total: int
+
+    @classmethod
+    def of(cls, cfg: BufferConfig) -> "SymmetricLayout":
+        r, t, h, k = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden, cfg.num_topk
+        meta = _align(2 * r * t * 2 * h)
+        combine = _align(meta + 2 * r * t * META_ENTRIES * 2)
+        return cls(0, meta, combine, _align(combine + 2 * t * k * h * 2))
+
+
+@dataclass(frozen=True)
+class LowLatencyState:
+    """Backend-private part of a LowLatencyHandle: per row, the first k of its token naming the expert
+    (where combine stages that row at the token's rank)."""
+
+    src_k: torch.Tensor  # [E_l, R * T] int32
+
+
+@dataclass(frozen=True)
+class _OutputSet:
+    """One of the two alternating sets of dispatch outputs (ordinary device memory)."""
+
+    x_bf16: torch.Tensor  # [E_l, R*T, H]
+    x_fp8: torch.Tensor  # [E_l, R*T, H] e4m3, aliasing the first half of x_bf16's storage
+    scales: Optional[torch.Tensor]  # [E_l, R*T, H/128] float32, None when hidden % 128 != 0
+    src_rank: torch.Tensor  # [E_l, R*T] int32
+    src_index: torch.Tensor
+    src_k: torch.Tensor
+    count: torch.Tensor  # [E_l] int32
+
+    @classmethod
+    def allocate(cls, cfg: BufferConfig) -> "_OutputSet":
+        e_l, slots, h, dev = cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank, cfg.hidden, cfg.device
+        x_bf16 = torch.empty(e_l, slots, h, dtype=torch.bfloat16, device=dev)
+        x_fp8 = x_bf16.view(-1).view(torch.uint8)[: e_l * slots * h].view(torch.float8_e4m3fn).view(e_l, slots, h)
+        scales = torch.empty(e_l, slots, h // 128, dtype=torch.float32, device=dev) if h % 128 == 0 else None
+
+        def rows() -> torch.Tensor:
+            return torch.empty(e_l, slots, dtype=torch.int32, device=dev)
+
+        return cls(x_bf16, x_fp8, scales, rows(), rows(), rows(), torch.zeros(e_l, dtype=torch.int32, device=dev))
+
+
+@dataclass
+class _Hook:
+    """The receive half of one call: runs once, on the stream of its call."""
+
+    engine: "LowLatencyEngine"
+    kind: str  # "dispatch" or "combine"
+    launch: Callable[[int], None]
+    stream: int
+    ran: bool = False
+
+    def __call__(self) -> None:
+        self.engine._receive(self)
+
+
+class LowLatencyEngine:
+    """Runs the low-latency kernels of one Buffer; owns its symmetric staging and output sets."""
+
+    def __init__(self, cfg: BufferConfig, session: NvshmemSession, signals: SymmetricTensor,
+                 epochs: torch.Tensor, error: ErrorWatch) -> None:
+        self.cfg = cfg
+        self._session = session
+        self._signals, self._epochs, self._error = signals, epochs, error  # kept alive: the kernels use them
+        self._native: Any = _native.load()
+        layout = SymmetricLayout.of(cfg)
+        self._sym: Optional[SymmetricTensor] = session.alloc((layout.total,), torch.uint8)
+        self._sets = [_OutputSet.allocate(cfg), _OutputSet.allocate(cfg)]
+        self._done_counters = torch.zeros(2, dtype=torch.int32, device=cfg.device)
+        t_k = cfg.max_tokens_per_rank * cfg.num_topk
+        self._stash = torch.zeros(t_k * (8 + 4), dtype=torch.uint8, device=cfg.device)  # int64 ids, float32 weights
+        sms = torch.cuda.get_device_properties(cfg.device).multi_processor_count
+        self._ctx = self._native.LowLatencyContext(
+            rank=cfg.rank, nranks=cfg.world_size, num_local_experts=cfg.num_local_experts, num_topk=cfg.num_topk,
+            hidden=cfg.hidden, max_tokens=cfg.max_tokens_per_rank, timeout_s=cfg.timeout_s,
+            error=error.device_ptr, epochs=epochs.data_ptr(), signals=list(signals.peer_ptrs),
+            sym=list(self._sym.peer_ptrs), dispatch_payload_offset=layout.dispatch_payload,
+            dispatch_meta_offset=layout.dispatch_meta, combine_payload_offset=layout.combine_payload,
+            done_counters=self._done_counters.data_ptr(), combine_stash=self._stash.data_ptr(),
+            blocks_per_expert=max(1, min(MAX_BLOCKS_PER_EXPERT, sms // cfg.num_local_experts)),
+        )
+        torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
+        self._dispatches = 0
+        self._pending: dict[str, Optional[_Hook]] = {"dispatch": None, "combine": None}
+
+    @staticmethod
+    def heap_bytes(cfg: BufferConfig) -> int:
+        """Symmetric heap bytes this engine allocates for `cfg` (call before acquiring the session)."""
+        return SymmetricLayout.of(cfg).total + HEAP_SLACK
+
+    def _begin(self, kind: str) -> int:
+        """Checks for a recorded kernel timeout and an unfinished hook; returns the current stream."""
+        self._error.check()
+        if self._sym is None:
+            raise RuntimeError("this low-latency engine is closed")
+        if self._pending[kind] is not None:
+            raise RuntimeError(f"call the hook of the previous low_latency_{kind} before the next low_latency_{kind}")
+        return torch.cuda.current_stream(self.cfg.device).cuda_stream
+
+    def _finish(self, kind: str, launch: Callable[[int], None], stream: int, return_recv_hook: bool) -> Optional[_Hook]:
+        """Launches the receive half now, or returns it as the hook."""
+        if not return_recv_hook:
+            launch(stream)
+            return None
+        hook = _Hook(self, kind, launch, stream)
+        self._pending[kind] = hook
+        return hook
+
+    def _receive(self, hook: _Hook) -> None:
+        """Runs a hook's receive half once."""
+        if hook.ran:
+            raise RuntimeError(f"this low_latency_{hook.kind} hook already ran")
+        self._error.check()
+        hook.launch(hook.stream)
+        hook.ran = True
+        self._pending[hook.kind] = None
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool, round_scale: bool,
+                 return_recv_hook: bool) -> LowLatencyDispatchResult:
+        """Send each token once per destination rank; expand into expert-major rows on receipt."""
+        stream = self._begin("dispatch")
+        out = self._sets[self._dispatches % 2]
+        self._dispatches += 1
+        n = x.shape[0]
+        self._ctx.dispatch_send(x.data_ptr(), topk_idx.data_ptr(), n, use_fp8, round_scale, stream)
+        scales_ptr = out.scales.data_ptr() if use_fp8 and out.scales is not None else 0
+
+        def receive(s: int) -> None:
+            self._ctx.dispatch_recv(out.x_bf16.data_ptr(), scales_ptr, out.src_rank.data_ptr(),
+                                    out.src_index.data_ptr(), out.src_k.data_ptr(), out.count.data_ptr(), use_fp8, s)
+
+        hook = self._finish("dispatch", receive, stream, return_recv_hook)
+        handle = LowLatencyHandle(buffer_id=self.cfg.buffer_id, num_tokens=n, src_rank=out.src_rank,
+                                  src_index=out.src_index, count=out.count, state=LowLatencyState(out.src_k))
+        return LowLatencyDispatchResult(x=out.x_fp8 if use_fp8 else out.x_bf16, x_scales=out.scales if use_fp8 else None,
+                                        count=out.count, handle=handle, hook=hook)
+
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
+                *, return_recv_hook: bool) -> LowLatencyCombineResult:
+        """Send expert outputs back to their tokens' ranks; reduce them there in ascending k."""
+        stream = self._begin("combine")
+        n = topk_idx.shape[0]
+        out = torch.empty(n, self.cfg.hidden, dtype=torch.bfloat16, device=self.cfg.device)
+        self._ctx.combine_send(x.data_ptr(), handle.src_rank.data_ptr(), handle.src_index.data_ptr(),
+                               handle.state.src_k.data_ptr(), handle.count.data_ptr(), topk_idx.data_ptr(),
+                               topk_weights.data_ptr(), n, stream)
+
+        def receive(s: int) -> None:
+            self._ctx.combine_recv(out.data_ptr(), n, s)
+
+        return LowLatencyCombineResult(x=out, hook=self._finish("combine", receive, stream, return_recv_hook))
+
+    def close(self) -> None:
+        """Frees the symmetric staging (collective); waits for this rank's kernels first."""
+        if self._sym is None:
+            return
+        torch.cuda.current_stream(self.cfg.device).synchronize()
+        self._session.free(self._sym)
+        self._sym = None

@@ -1,0 +1,219 @@
+"""Native backend: normal-mode dispatch/combine on the NVLink kernels (csrc/kernels/intranode.h and
+notify.cu, dispatch.cu, combine.cu), low-latency calls forwarded to LowLatencyEngine.
+
+A normal dispatch is: one kernel computing the layout and exchanging counts with every peer (the
+start barrier), one host synchronisation to learn how many rows arrive, the dispatch kernel (peer
+stores over NVLink) and copy-engine copies of the peers' rows into fresh output tensors. In
+worst-case mode the output has R * T rows, so the host never waits and the calls capture into a CUDA
+graph. Every call runs on the current stream; all calls of one Buffer must be ordered on the device
+(one stream, or events between streams), because each call reuses the Buffer's symmetric workspace
+once the peers have signalled that they finished the previous call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .. import _native
+from ..types import (
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    EventHandle,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+    LowLatencyHandle,
+)
+from .base import Backend, BufferConfig
+from .symmetric import NvshmemSession
+
+HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding, per allocation
+
+
+@dataclass(frozen=True)
+class DispatchState:
+    """Backend-private part of a DispatchHandle: what combine and a cached dispatch reuse."""
+
+    pos: torch.Tensor  # [N, R] int32: row of token n among the tokens sent to rank r, -1 if not sent
+    recv_info: torch.Tensor  # [2R + E_l] int32: rows per source, first output row per source, raw rows per expert
+    tokens_per_expert: Optional[list[int]]  # raw received rows per local expert; None in worst-case mode
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _aligned(counts: list[int], alignment: int) -> list[int]:
+    return [-(-c // alignment) * alignment for c in counts]
+
+
+def _event(async_op: bool, stream: torch.cuda.Stream) -> Optional[EventHandle]:
+    if not async_op:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return EventHandle(event)
+
+
+class NvshmemBackend(Backend):
+    """Device-initiated NVLink dispatch/combine through NVSHMEM peer addresses."""
+
+    name = "nvshmem"
+
+    def __init__(self, cfg: BufferConfig) -> None:
+        super().__init__(cfg)
+        native = _native.load()
+        r, e = cfg.world_size, cfg.num_experts
+        workspace_bytes = native.intranode_workspace_bytes(r, cfg.max_tokens_per_rank, cfg.hidden, cfg.num_topk, e)
+        heap_bytes = workspace_bytes + native.SIGNAL_WORDS * 8 + 2 * HEAP_SLACK
+        engine_cls: Any = None
+        if cfg.low_latency:
+            from .low_latency import LowLatencyEngine
+
+            engine_cls = LowLatencyEngine
+            heap_bytes += engine_cls.heap_bytes(cfg)
+
+        self._epochs = torch.zeros(native.NUM_EPOCHS, dtype=torch.int64, device=cfg.device)
+        self._block_counters = torch.zeros(2, dtype=torch.int32, device=cfg.device)
+        self._layout_scratch = torch.empty(r + e, dtype=torch.int32, device=cfg.device)
+        torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
+        self._session: Optional[NvshmemSession] = NvshmemSession.acquire(cfg.group, cfg.device, heap_bytes)
+        self._signals = self._session.alloc((native.SIGNAL_WORDS,), torch.int64)
+        self._workspace = self._session.alloc((workspace_bytes,), torch.uint8)
+        self._error = self._session.error_state(cfg.timeout_s)
+        unreachable = [p for p, addr in enumerate(self._workspace.peer_ptrs) if addr == 0]
+        if unreachable:
+            self._session.release()
+            raise RuntimeError(f"moe_ep rank {cfg.rank}: ranks {unreachable} are not reachable by NVLink loads/stores "
+                               "(nvshmem_ptr is 0); the nvshmem backend needs every rank of the group in one node")
+        self._ctx = native.IntranodeContext(
+            rank=cfg.rank, nranks=r, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, num_topk=cfg.num_topk,
+            num_experts=e, timeout_s=cfg.timeout_s, error=self._error.device_ptr, epochs=self._epochs.data_ptr(),
+            block_counters=self._block_counters.data_ptr(), layout_scratch=self._layout_scratch.data_ptr(),
+            signals=list(self._signals.peer_ptrs), workspace=list(self._workspace.peer_ptrs),
+        )
+        self._low_latency = (engine_cls(cfg, self._session, self._signals, self._epochs, self._error)
+                             if engine_cls is not None else None)
+
+    # ---- normal mode -----------------------------------------------------------------------
+    def _stream(self, previous_event: Optional[EventHandle]) -> torch.cuda.Stream:
+        """Raises a timeout recorded by an earlier kernel, orders after previous_event; the current stream."""
+        self._error.check()
+        if previous_event is not None:
+            previous_event.wait()
+        return torch.cuda.current_stream(self.cfg.device)
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
+        cfg, n = self.cfg, topk_idx.shape[0]
+        per_rank = torch.empty(cfg.world_size, dtype=torch.int32, device=cfg.device)
+        per_expert = torch.empty(cfg.num_experts, dtype=torch.int32, device=cfg.device)
+        in_rank = torch.empty(n, cfg.world_size, dtype=torch.bool, device=cfg.device)
+        self._ctx.layout(topk_idx.data_ptr(), n, per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(),
+                         torch.cuda.current_stream(cfg.device).cuda_stream)
+        return DispatchLayout(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank)
+
+    def _notify(self, topk_idx: torch.Tensor, expert_alignment: int, worst_case: bool,
+                stream: torch.cuda.Stream) -> tuple[torch.Tensor, DispatchState, Optional[list[int]], torch.Tensor]:
+        """Layout + count exchange; waits for the counts unless worst_case.
+
+        Returns is_token_in_rank, the handle state, rows per source (None in worst-case mode) and the
+        aligned tokens per local expert on the device."""
+        cfg, n, r = self.cfg, topk_idx.shape[0], self.cfg.world_size
+        dev = cfg.device
+        in_rank = torch.empty(n, r, dtype=torch.bool, device=dev)
+        pos = torch.empty(n, r, dtype=torch.int32, device=dev)
+        recv_info = torch.empty(2 * r + cfg.num_local_experts, dtype=torch.int32, device=dev)
+        tokens_per_expert = torch.empty(cfg.num_local_experts, dtype=torch.int32, device=dev)
+        self._ctx.notify(topk_idx.data_ptr(), n, in_rank.data_ptr(), pos.data_ptr(), recv_info.data_ptr(),
+                         tokens_per_expert.data_ptr(), expert_alignment, worst_case, stream.cuda_stream)
+        if worst_case:
+            return in_rank, DispatchState(pos, recv_info, None), None, tokens_per_expert
+        stream.synchronize()
+        self._error.check()
+        recv_counts, raw = self._ctx.host_info()
+        return in_rank, DispatchState(pos, recv_info, raw), recv_counts, tokens_per_expert
+
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, num_sms,
+                 previous_event, async_op) -> DispatchResult:
+        cfg = self.cfg
+        dev, r, h, k = cfg.device, cfg.world_size, cfg.hidden, cfg.num_topk
+        stream = self._stream(previous_event)
+        n, fp8 = x.shape[0], x.dtype == torch.float8_e4m3fn
+        cached = handle is not None
+        if cached:
+            state: DispatchState = handle.state
+            worst_case, in_rank, recv_counts = handle.worst_case, handle.is_token_in_rank, handle.recv_counts
+            raw_device = state.recv_info[2 * r:]
+            tokens_per_expert_tensor = torch.div(raw_device + (expert_alignment - 1), expert_alignment,
+                                                 rounding_mode="floor") * expert_alignment
+        else:
+            in_rank, state, recv_counts, tokens_per_expert_tensor = self._notify(topk_idx, expert_alignment,
+                                                                                 worst_case, stream)
+        m = r * cfg.max_tokens_per_rank if worst_case else sum(recv_counts)
+        out_x = torch.empty(m, h, dtype=x.dtype, device=dev)
+        out_scales = torch.empty(m, cfg.num_scales, dtype=torch.float32, device=dev) if fp8 else None
+        if cached:
+            out_topk_idx = out_topk_weights = None
+            src_rank, src_index = handle.src_rank, handle.src_index
+        else:
+            out_topk_idx = torch.empty(m, k, dtype=torch.int64, device=dev)
+            out_topk_weights = torch.empty(m, k, dtype=torch.float32, device=dev)
+            src_rank = torch.empty(m, dtype=torch.int32, device=dev)
+            src_index = torch.empty(m, dtype=torch.int32, device=dev)
+        self._ctx.dispatch(
+            x.data_ptr(), _ptr(x_scales), _ptr(topk_idx), _ptr(topk_weights), state.pos.data_ptr(),
+            state.recv_info.data_ptr(), n, h * x.element_size(), cfg.num_scales if fp8 else 0, out_x.data_ptr(),
+            _ptr(out_scales), _ptr(out_topk_idx), _ptr(out_topk_weights), 0 if cached else src_rank.data_ptr(),
+            0 if cached else src_index.data_ptr(), recv_counts, worst_case, cached, num_sms, stream.cuda_stream,
+        )
+        new_handle = handle if cached else DispatchHandle(
+            buffer_id=cfg.buffer_id, num_tokens=n, num_recv_rows=m, is_token_in_rank=in_rank,
+            recv_counts=recv_counts, src_rank=src_rank, src_index=src_index, worst_case=worst_case, state=state,
+        )
+        return DispatchResult(
+            x=out_x, x_scales=out_scales, topk_idx=out_topk_idx, topk_weights=out_topk_weights,
+            tokens_per_expert=None if worst_case else _aligned(state.tokens_per_expert, expert_alignment),
+            tokens_per_expert_tensor=tokens_per_expert_tensor, src_rank=src_rank, src_index=src_index,
+            handle=new_handle, event=_event(async_op, stream),
+        )
+
+    def combine(self, x, handle, *, num_sms, previous_event, async_op):
+        cfg = self.cfg
+        stream = self._stream(previous_event)
+        state: DispatchState = handle.state
+        n = handle.num_tokens
+        out = torch.empty(n, cfg.hidden, dtype=torch.bfloat16, device=cfg.device)
+        self._ctx.combine(x.data_ptr(), x.shape[0], handle.src_rank.data_ptr(), handle.src_index.data_ptr(),
+                          handle.is_token_in_rank.data_ptr(), state.pos.data_ptr(), state.recv_info.data_ptr(), n,
+                          out.data_ptr(), num_sms, stream.cuda_stream)
+        return out, _event(async_op, stream)
+
+    # ---- low-latency mode ------------------------------------------------------------------
+    def _engine(self) -> Any:
+        if self._low_latency is None:
+            raise RuntimeError("this Buffer was created without low_latency=True")
+        return self._low_latency
+
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale,
+                             return_recv_hook) -> LowLatencyDispatchResult:
+        return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+                                       return_recv_hook=return_recv_hook)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *,
+                            return_recv_hook) -> LowLatencyCombineResult:
+        return self._engine().combine(x, topk_idx, topk_weights, handle, return_recv_hook=return_recv_hook)
+
+    # ---- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Collective: waits for this rank's kernels, frees the symmetric memory and the session."""
+        if self._session is None:
+            return
+        torch.cuda.synchronize(self.cfg.device)
+        if self._low_latency is not None:
+            self._low_latency.close()
+            self._low_latency = None
+        self._ctx.close()
+        self._session.release()
+        self._session = None

@@ -1,0 +1,228 @@
+"""NVSHMEM for the native backends: one process-wide session (bootstrap over a torch.distributed group,
+symmetric heap) shared by every Buffer, zero-copy torch views of symmetric memory, and the host-mapped
+error state that turns a kernel's timeout into CommTimeoutError."""
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from types import ModuleType
+from typing import ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _native
+
+# NVSHMEM takes its own symmetric buffers (teams, barriers, collectives) from the heap at init;
+# the heap is sized as the callers' needs plus this, rounded up to the granularity below.
+HEAP_HEADROOM_BYTES = 256 << 20
+HEAP_GRANULARITY_BYTES = 2 << 20
+
+
+class CommTimeoutError(RuntimeError):
+    """A kernel stopped waiting for a peer; names this rank, the peer, the phase and the timeout."""
+
+    def __init__(self, rank: int, peer: int, phase: str, timeout_s: Optional[float]) -> None:
+        self.rank, self.peer, self.phase, self.timeout_s = rank, peer, phase, timeout_s
+        after = f" after {timeout_s:.1f} s" if timeout_s is not None else ""
+        super().__init__(f"moe_ep rank {rank}: timed out{after} in phase '{phase}' waiting for rank {peer}")
+
+    def __reduce__(self):
+        return CommTimeoutError, (self.rank, self.peer, self.phase, self.timeout_s)
+
+
+class _ErrorState(ctypes.Structure):
+    """Host view of comm.h's ErrorState (same fields, same order)."""
+
+    _fields_ = [("code", ctypes.c_int), ("rank", ctypes.c_int), ("phase", ctypes.c_int), ("peer", ctypes.c_int)]
+
+
+class ErrorWatch:
+    """One host-mapped ErrorState: kernels get `device_ptr` (Comm::error) and record the first timeout in it."""
+
+    def __init__(self, native: ModuleType, timeout_s: Optional[float] = None) -> None:
+        self._native = native
+        self._host_ptr, self.device_ptr = native.alloc_error_state()
+        self._state = _ErrorState.from_address(self._host_ptr)
+        self._phase_names: list[str] = native.phase_names()
+        self.timeout_s = timeout_s
+
+    def check(self) -> None:
+        """Raises CommTimeoutError if a kernel recorded a timeout, and clears the record.
+
+        Call it after the kernels that may time out have finished (a kernel writes `code` first).
+        """
+        if self._host_ptr == 0 or self._state.code == 0:
+            return
+        rank, phase, peer = self._state.rank, self._state.phase, self._state.peer
+        ctypes.memset(self._host_ptr, 0, ctypes.sizeof(_ErrorState))
+        name = self._phase_names[phase] if 0 <= phase < len(self._phase_names) else f"unknown phase {phase}"
+        raise CommTimeoutError(rank, peer, name, self.timeout_s)
+
+    def close(self) -> None:
+        """Frees the ErrorState (once no kernel uses it); later checks are no-ops."""
+        if self._host_ptr:
+            self._native.free_error_state(self._host_ptr)
+            self._host_ptr, self.device_ptr, self._state = 0, 0, None
+
+
+class _DeviceMemory:
+    """Raw device bytes offered to torch through __cuda_array_interface__ (version 3)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "strides": None, "version": 3,
+            "stream": None,
+        }
+
+
+def device_view(ptr: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A torch tensor over existing device memory at `ptr` (no copy; the caller keeps the memory alive).
+
+    The bytes go through __cuda_array_interface__ as uint8 and are reinterpreted in torch, since the
+    interface cannot express bf16 or fp8.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = torch.as_tensor(_DeviceMemory(ptr, nbytes), device=device)
+    if nbytes and (raw.data_ptr() != ptr or raw.device != device):
+        raise RuntimeError(f"torch did not view device memory 0x{ptr:x} in place on {device} "
+                           f"(got 0x{raw.data_ptr():x} on {raw.device})")
+    return raw.view(dtype).view(shape)
+
+
+@dataclass
+class SymmetricTensor:
+    """A symmetric-heap allocation: this rank's torch view and its address at every rank."""
+
+    tensor: torch.Tensor  # zero-copy torch view of this rank's symmetric allocation
+    ptr: int  # its device address
+    peer_ptrs: list[int]  # address of the same allocation at every rank, as seen from this GPU (own at [rank])
+
+
+@dataclass
+class _Heap:
+    """The process-wide NVSHMEM state that sessions share."""
+
+    native: ModuleType
+    ranks: tuple[int, ...]  # global ranks of the group NVSHMEM was started over, in group order
+    device: torch.device
+    capacity: int  # NVSHMEM_SYMMETRIC_SIZE it was started with
+    reserved: int = 0  # sum of the open sessions' heap_bytes
+    holders: int = 0  # open sessions
+
+
+def _cuda_device(device: torch.device) -> torch.device:
+    device = torch.device(device)
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _native_for_session() -> ModuleType:
+    """moe_ep._C, or a RuntimeError naming everything that rules NVSHMEM out on this machine."""
+    reasons = []
+    if not torch.cuda.is_available():
+        reasons.append("no CUDA device is available (torch.cuda.is_available() is False)")
+    ok, why = _native.available()
+    if not ok:
+        reasons.append(why)
+    if reasons:
+        raise RuntimeError("moe_ep: cannot start an NVSHMEM session: " + "; ".join(reasons))
+    return _native.load()
+
+
+class NvshmemSession:
+    """One Buffer's share of the process-wide NVSHMEM state.
+
+    The first acquire bootstraps NVSHMEM over the group; later ones share it while its heap has room.
+    Every acquire, release, alloc and free is collective: all ranks of the group call them in the
+    same order with the same sizes.
+    """
+
+    _heap: ClassVar[Optional[_Heap]] = None
+
+    def __init__(self, heap: _Heap, rank: int, heap_bytes: int) -> None:
+        self._shared = heap
+        self._heap_bytes = heap_bytes
+        self._allocations: list[SymmetricTensor] = []
+        self._watches: list[ErrorWatch] = []
+        self._released = False
+        self.rank = rank
+        self.nranks = len(heap.ranks)
+        self.device = heap.device
+
+    @classmethod
+    def acquire(cls, group: Optional[dist.ProcessGroup], device: torch.device, heap_bytes: int) -> NvshmemSession:
+        """Collective: a session over `group` on `device` whose allocations take up to `heap_bytes`."""
+        native = _native_for_session()
+        group = group if group is not None else dist.group.WORLD
+        device = _cuda_device(device)
+        ranks = tuple(dist.get_process_group_ranks(group))
+        heap = cls._heap
+        if heap is not None:
+            if heap.ranks != ranks or heap.device != device:
+                raise RuntimeError(
+                    f"moe_ep: NVSHMEM already runs over ranks {list(heap.ranks)} on {heap.device} in this process; "
+                    f"close its {heap.holders} Buffer(s) before using ranks {list(ranks)} on {device}")
+            if heap.reserved + heap_bytes > heap.capacity:
+                raise RuntimeError(
+                    f"moe_ep: the NVSHMEM heap has {heap.capacity} bytes, {heap.reserved} of them reserved by "
+                    f"{heap.holders} open Buffer(s), and this Buffer needs {heap_bytes}: close the other Buffers "
+                    "(the heap is then started again at the size needed)")
+        else:
+            heap = cls._start(native, group, ranks, device, heap_bytes)
+        heap.holders += 1
+        heap.reserved += heap_bytes
+        return cls(heap, dist.get_rank(group), heap_bytes)
+
+    @classmethod
+    def _start(cls, native: ModuleType, group: dist.ProcessGroup, ranks: tuple[int, ...], device: torch.device,
+               heap_bytes: int) -> _Heap:
+        """Bootstraps NVSHMEM: group rank 0 creates the unique id, every rank initialises from it."""
+        rank = dist.get_rank(group)
+        capacity = -(-(heap_bytes + HEAP_HEADROOM_BYTES) // HEAP_GRANULARITY_BYTES) * HEAP_GRANULARITY_BYTES
+        with torch.cuda.device(device):
+            uid = [native.get_unique_id() if rank == 0 else None]
+            dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
+            native.init(uid[0], rank, len(ranks), device.index, capacity)
+        cls._heap = _Heap(native=native, ranks=ranks, device=device, capacity=capacity)
+        return cls._heap
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricTensor:
+        """Collective: a zero-filled symmetric tensor; freed by free() or at release()."""
+        native = self._shared.native
+        nbytes = math.prod(shape) * dtype.itemsize
+        with torch.cuda.device(self.device):
+            ptr = native.sym_malloc(max(nbytes, 1))
+        peer_ptrs = [native.peer_ptr(ptr, pe) for pe in range(self.nranks)]
+        tensor = SymmetricTensor(device_view(ptr, tuple(shape), dtype, self.device), ptr, peer_ptrs)
+        self._allocations.append(tensor)
+        return tensor
+
+    def free(self, t: SymmetricTensor) -> None:
+        """Collective: frees `t` once every rank has stopped using it; its tensor must not be used after."""
+        self._allocations = [a for a in self._allocations if a is not t]
+        with torch.cuda.device(self.device):
+            self._shared.native.sym_free(t.ptr)
+
+    def error_state(self, timeout_s: Optional[float] = None) -> ErrorWatch:
+        """A fresh ErrorWatch (freed at release); `timeout_s` is what its errors report waiting for."""
+        watch = ErrorWatch(self._shared.native, timeout_s)
+        self._watches.append(watch)
+        return watch
+
+    def release(self) -> None:
+        """Collective: frees this session's allocations and error states; the last release finalizes NVSHMEM."""
+        if self._released:
+            return
+        self._released = True
+        for t in list(self._allocations):
+            self.free(t)
+        for watch in self._watches:
+            watch.close()
+        heap = self._shared
+        heap.holders -= 1
+        heap.reserved -= self._heap_bytes
+        if heap.holders == 0:
+            with torch.cuda.device(self.device):
+                heap.native.finalize()
+            NvshmemSession._heap = None

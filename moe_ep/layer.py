@@ -1,0 +1,146 @@
+"""MoE: router -> dispatch -> grouped SwiGLU experts (weighted in their epilogue) -> combine.
+
+Everything crosses ranks through one `moe_ep.Buffer`, so the layer runs on every backend. The
+Buffer fixes hidden size, expert count and top-k; this rank owns experts
+[rank * E_l, (rank + 1) * E_l). The router and the optional shared expert are replicated (train them
+data-parallel); expert weights exist only on their owner.
+
+Two modes, which every rank of the group must pick alike:
+- "normal" (training, prefill): differentiable dispatch/combine (moe_ep.autograd).
+- "low_latency" (decode, no autograd): expert-major buffers; the router weights are applied by
+  low_latency_combine instead of the experts' epilogue. Needs a Buffer made with low_latency=True.
+mode=None picks low-latency when the Buffer has it, autograd is off and no rank has more than
+`low_latency_max_tokens` tokens (one small all-reduce decides it; pass the mode to avoid it, e.g.
+under CUDA-graph capture).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import autograd, fp8
+from .buffer import Buffer
+from .experts import GroupedExperts
+from .router import RouterOutput, TopKRouter
+
+MODES = ("normal", "low_latency")
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU MLP, used as the shared expert."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, *, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.w1 = nn.Linear(hidden, ffn_hidden, **kw)
+        self.w3 = nn.Linear(hidden, ffn_hidden, **kw)
+        self.w2 = nn.Linear(ffn_hidden, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Expert-parallel MoE feed-forward over `buffer`'s group; x [..., H] -> [..., H] in x's dtype.
+
+    Router options are TopKRouter's. `dtype` is the experts' compute dtype (float32, or bf16 for the
+    grouped-GEMM path on sm90); communication is always bf16. After each forward, `last_routing`
+    holds the RouterOutput and `aux_loss` its two losses summed (add it to the training loss).
+    With expert_bias=True, call update_expert_bias() once per optimizer step (collective).
+    """
+
+    def __init__(self, buffer: Buffer, ffn_hidden: int, *, score_func: str = "softmax", num_groups: int = 1,
+                 topk_groups: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, expert_bias: bool = False,
+                 bias_update_rate: float = 1e-3, capacity_factor: Optional[float] = None,
+                 shared_ffn_hidden: int = 0, low_latency_max_tokens: int = 128, low_latency_fp8: bool = False,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        cfg = buffer.cfg
+        if low_latency_fp8 and cfg.hidden % fp8.BLOCK != 0:
+            raise ValueError(f"low_latency_fp8 needs hidden to be a multiple of {fp8.BLOCK}, got {cfg.hidden}")
+        self.buffer = buffer
+        self.hidden, self.num_experts, self.top_k = cfg.hidden, cfg.num_experts, cfg.num_topk
+        self.low_latency_max_tokens = low_latency_max_tokens
+        self.low_latency_fp8 = low_latency_fp8
+        self.router = TopKRouter(
+            cfg.hidden, cfg.num_experts, cfg.num_topk, score_func=score_func, num_groups=num_groups,
+            topk_groups=topk_groups, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
+            aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, expert_bias=expert_bias,
+            bias_update_rate=bias_update_rate, capacity_factor=capacity_factor,
+            aux_loss_group=cfg.group if cfg.world_size > 1 else None, device=cfg.device,
+        )
+        e_l = cfg.num_local_experts
+        self.experts = GroupedExperts(cfg.num_experts, e_l, cfg.rank * e_l, cfg.hidden, ffn_hidden,
+                                      dtype=dtype, device=cfg.device)
+        self.shared = (SwiGLU(cfg.hidden, shared_ffn_hidden, dtype=dtype, device=cfg.device)
+                       if shared_ffn_hidden else None)
+        self.expert_load: Optional[torch.Tensor]
+        self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.int64, device=cfg.device)
+                             if expert_bias else None, persistent=False)
+        self.last_routing: Optional[RouterOutput] = None
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """Balancing loss + z-loss of the last forward (coefficients applied)."""
+        if self.last_routing is None:
+            raise RuntimeError("aux_loss is only available after a forward pass")
+        return self.last_routing.aux_loss + self.last_routing.z_loss
+
+    def _pick_mode(self, num_tokens: int) -> str:
+        cfg = self.buffer.cfg
+        if not cfg.low_latency or torch.is_grad_enabled():
+            return "normal"
+        most = torch.tensor([num_tokens], device=cfg.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=cfg.group)
+        return "low_latency" if int(most.item()) <= self.low_latency_max_tokens else "normal"
+
+    def _normal(self, x: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+        d = autograd.dispatch(self.buffer, x.to(torch.bfloat16).contiguous(), routing.topk_idx,
+                              routing.topk_weights)
+        y = self.experts(d.x, d.topk_idx, d.topk_weights)
+        return autograd.combine(self.buffer, y.to(torch.bfloat16), d.handle)
+
+    def _low_latency(self, x: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or routing.topk_weights.requires_grad):
+            raise RuntimeError("low-latency mode has no backward: run it under torch.no_grad() "
+                               "or use mode='normal'")
+        res = self.buffer.low_latency_dispatch(x.to(torch.bfloat16).contiguous(), routing.topk_idx,
+                                               use_fp8=self.low_latency_fp8)
+        rows = fp8.dequantize(res.x, res.x_scales) if self.low_latency_fp8 else res.x
+        y = self.experts.forward_padded(rows, res.count).to(torch.bfloat16)
+        return self.buffer.low_latency_combine(y, routing.topk_idx, routing.topk_weights, res.handle).x
+
+    def forward(self, x: torch.Tensor, mode: Optional[str] = None) -> torch.Tensor:
+        """Route, dispatch, run the local experts, combine; plus the shared expert when present."""
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} or None, got {mode!r}")
+        if x.shape[-1] != self.hidden:
+            raise ValueError(f"x must have {self.hidden} features in its last dimension, got {list(x.shape)}")
+        tokens = x.reshape(-1, self.hidden)
+        routing = self.router(tokens)
+        self.last_routing = routing
+        if self.training and self.expert_load is not None:
+            self.expert_load += routing.tokens_per_expert
+        mode = mode or self._pick_mode(tokens.shape[0])
+        out = self._low_latency(tokens, routing) if mode == "low_latency" else self._normal(tokens, routing)
+        out = out.to(x.dtype)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        return out.view(x.shape)
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """Sum the load seen since the last call over the group, step the router's bias, reset."""
+        if self.expert_load is None:
+            raise RuntimeError("this MoE was built without expert_bias=True")
+        load = self.expert_load.clone()
+        if self.buffer.cfg.world_size > 1:
+            dist.all_reduce(load, group=self.buffer.cfg.group)
+        self.router.update_expert_bias(load)
+        self.expert_load.zero_()

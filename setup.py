@@ -1,0 +1,64 @@
+"""Builds moe_ep. With nvcc present it compiles moe_ep._C from csrc/ (nvcc + ninja + pybind11 against
+the NVSHMEM wheel, no libtorch) and pins that exact NVSHMEM wheel as a runtime requirement; without
+nvcc it installs the pure-Python package, which then runs on the reference backend."""
+from __future__ import annotations
+
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "build_backend"))
+
+from moe_ep_build import ninja_build, toolchain  # noqa: E402
+
+CUDA = toolchain.find_cuda()
+NVSHMEM = toolchain.find_nvshmem(CUDA.nvshmem_dist) if CUDA else None
+BUILD_INFO = "_build_info.json"
+
+
+class BuildNative(build_ext):
+    """Builds moe_ep._C with ninja (see moe_ep_build.ninja_build) instead of setuptools' compilers.
+
+    Objects live in build/native-<python tag>/ of the source tree, so rebuilds are incremental. Every
+    build also leaves _C and its build info in the source package: `python -m pytest` run from the
+    checkout imports moe_ep from there, so it tests the module just built.
+    """
+
+    def run(self) -> None:
+        super().run()
+        if not self.inplace:  # in-place and editable builds have copied already
+            self.copy_extensions_to_source()
+
+    def build_extension(self, ext: Extension) -> None:
+        if NVSHMEM is None:
+            raise RuntimeError(f"nvcc ({CUDA.nvcc}, CUDA {CUDA.version[0]}.{CUDA.version[1]}) was found but "
+                               f"{CUDA.nvshmem_dist} is not installed: pip install {CUDA.nvshmem_dist}")
+        output = Path(self.get_ext_fullpath(ext.name)).resolve()
+        tag = sysconfig.get_config_var("EXT_SUFFIX").split(".")[1]
+        build = ninja_build.NativeBuild(cuda=CUDA, nvshmem=NVSHMEM, archs=toolchain.cuda_archs(),
+                                        csrc=ROOT / "csrc", build_dir=ROOT / "build" / f"native-{tag}",
+                                        output=output)
+        ninja_build.run(build)
+        ninja_build.write_build_info(build, output.parent / BUILD_INFO)
+
+    def copy_extensions_to_source(self) -> None:
+        """The build info goes next to _C in the source package too."""
+        super().copy_extensions_to_source()
+        package_dir = ROOT / self.get_finalized_command("build_py").get_package_dir("moe_ep")
+        shutil.copyfile(Path(self.build_lib) / "moe_ep" / BUILD_INFO, package_dir / BUILD_INFO)
+
+
+install_requires = ["torch", "numpy"]
+if NVSHMEM is not None:
+    install_requires.append(f"{NVSHMEM.dist}=={NVSHMEM.dist_version}")
+
+setup(
+    install_requires=install_requires,
+    ext_modules=[Extension("moe_ep._C", sources=[])] if CUDA else [],
+    cmdclass={"build_ext": BuildNative},
+)

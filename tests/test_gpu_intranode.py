@@ -1,0 +1,337 @@
+"""Native normal-mode dispatch/combine against the reference backend on the same inputs (2 GPUs, NCCL).
+
+One spawn runs every case: per Buffer shape, a native Buffer (backend="nvshmem") and a reference
+Buffer see identical inputs; layouts, dispatch outputs (rows via integer views, scales, local expert
+ids, weights, source info, per-expert counts) and combine outputs must be bitwise equal, and so must
+cached dispatches (combine's backward). Token counts differ per rank (0, 1, 77, 4096), hidden sizes
+include 2880 (not a multiple of 128), K runs 1 / 8 / 16, routings include -1 entries, duplicates
+and every token on one expert; FP8 dispatch, expert_alignment, worst-case mode and several SM
+budgets are covered. Before each native call the caching allocator's free blocks and the native
+Buffer's symmetric workspace are poisoned, so rows or metadata a call fails to write cannot pass.
+Then 1000 calls with changing inputs compared by hashes, a CUDA graph of a worst-case dispatch +
+combine replayed 20 times with fresh inputs, and a timeout that names its phase.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_ep
+from moe_ep import fp8
+from tests._dist import requires_gpus, run_workers
+
+pytestmark = requires_gpus(2)
+
+WORLD = 2
+POISON = 0x7F
+STRESS_CALLS = 1000
+GRAPH_REPLAYS = 20
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class Case:
+    seed: int
+    tokens: tuple[int, int]  # tokens on rank 0, rank 1
+    routing: str  # random | skewed | one_expert | none
+    fp8: bool = False
+    alignment: int = 1
+    worst_case: bool = False
+    num_sms: Optional[int] = None
+
+
+# (hidden, experts, topk, max_tokens_per_rank) -> cases run on one pair of Buffers
+SHAPES: dict[tuple[int, int, int, int], list[Case]] = {
+    (7168, 256, 8, 4096): [
+        Case(1, (4096, 4096), "random"),
+        Case(2, (4096, 77), "random", fp8=True, alignment=128),
+        Case(3, (0, 1), "random", num_sms=8),
+        Case(4, (77, 0), "one_expert", worst_case=True),
+        Case(5, (4096, 4096), "random", fp8=True, worst_case=True, num_sms=32),
+        Case(6, (1, 4096), "skewed", alignment=7, num_sms=1),
+    ],
+    (2880, 16, 16, 128): [
+        Case(7, (77, 1), "random"),
+        Case(8, (0, 0), "random"),
+        Case(9, (1, 77), "skewed", alignment=4, worst_case=True),
+        Case(10, (77, 77), "one_expert", num_sms=3),
+        Case(11, (128, 0), "none"),
+    ],
+    (2048, 16, 1, 4096): [
+        Case(12, (4096, 0), "random"),
+        Case(13, (1, 4096), "random", fp8=True, worst_case=True, num_sms=16),
+        Case(14, (77, 4096), "skewed", alignment=64),
+        Case(15, (4096, 77), "one_expert", fp8=True),
+    ],
+    (2048, 256, 16, 77): [
+        Case(16, (77, 77), "skewed", fp8=True, alignment=3),
+        Case(17, (0, 77), "random", worst_case=True, num_sms=2),
+    ],
+}
+STRESS_SHAPE = (2048, 256, 8, 256)
+GRAPH_SHAPE = (2048, 16, 8, 128)
+
+
+# ---- inputs -----------------------------------------------------------------------------------
+def _x(n: int, hidden: int, g: torch.Generator) -> torch.Tensor:
+    return (torch.randn(n, hidden, generator=g, device="cuda") * 2).to(torch.bfloat16)
+
+
+def _topk(kind: str, n: int, experts: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Expert ids: distinct with ~15% -1 ('random'), duplicates toward low ids ('skewed'), every
+    entry on one expert (a duplicate-only row), or all -1 ('none')."""
+    if kind == "random":
+        idx = torch.rand(n, experts, generator=g, device="cuda").topk(k, dim=1).indices
+        drop = torch.rand(n, k, generator=g, device="cuda") < 0.15
+    elif kind == "skewed":
+        idx = (torch.rand(n, k, generator=g, device="cuda") ** 3 * experts).long()
+        drop = torch.rand(n, k, generator=g, device="cuda") < 0.1
+    elif kind == "one_expert":
+        idx = torch.full((n, k), experts // 2 + 1, dtype=torch.int64, device="cuda")
+        drop = torch.zeros(n, k, dtype=torch.bool, device="cuda")
+    else:
+        idx = torch.zeros(n, k, dtype=torch.int64, device="cuda")
+        drop = torch.ones(n, k, dtype=torch.bool, device="cuda")
+    return torch.where(drop, -1, idx).contiguous()
+
+
+def _payload(x: torch.Tensor, use_fp8: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    if not use_fp8:
+        return x, None
+    if x.shape[0] == 0:
+        return x.to(torch.float8_e4m3fn), torch.empty(0, x.shape[1] // 128, device="cuda")
+    return fp8.quantize(x)
+
+
+# ---- poisoning --------------------------------------------------------------------------------
+def _poison_allocator() -> None:
+    """Fill free blocks of the caching allocator, which fresh outputs are carved from, with POISON."""
+    blocks = [torch.empty(size, dtype=torch.uint8, device="cuda").fill_(POISON)
+              for size in (320 << 20, 96 << 20, 24 << 20, 3 << 20, 1 << 20, 256 << 10, 32 << 10, 2 << 10, 512)]
+    del blocks
+
+
+def _poison_workspace(buf: moe_ep.Buffer) -> None:
+    """Poison the native Buffer's symmetric workspace while no rank is inside a call."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.backend._workspace.tensor.fill_(POISON)
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+# ---- comparisons ------------------------------------------------------------------------------
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _same(got: Optional[torch.Tensor], want: Optional[torch.Tensor], what: str,
+          rows: Optional[torch.Tensor] = None) -> None:
+    """Bitwise equality (optionally only on the rows where `rows` is True)."""
+    if want is None:
+        assert got is None, f"{what}: expected None"
+        return
+    assert got is not None and got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: {None if got is None else (got.dtype, tuple(got.shape))} != {(want.dtype, tuple(want.shape))}"
+    a, b = _bits(got), _bits(want)
+    if rows is not None:
+        a, b = a[rows], b[rows]
+    if not torch.equal(a, b):
+        bad = (a != b).reshape(a.shape[0], -1).any(1).nonzero().flatten()[:8].tolist() if a.dim() else []
+        raise AssertionError(f"{what}: differs (first rows {bad})")
+
+
+def _same_dispatch(got, want, what: str) -> None:
+    valid = want.src_rank >= 0  # padding rows of worst-case mode carry unspecified x
+    _same(got.src_rank, want.src_rank, f"{what}: src_rank")
+    _same(got.src_index, want.src_index, f"{what}: src_index")
+    _same(got.x, want.x, f"{what}: x", rows=valid)
+    _same(got.x_scales, want.x_scales, f"{what}: x_scales", rows=valid if want.x_scales is not None else None)
+    _same(got.topk_idx, want.topk_idx, f"{what}: topk_idx")
+    _same(got.topk_weights, want.topk_weights, f"{what}: topk_weights")
+    assert got.tokens_per_expert == want.tokens_per_expert, \
+        f"{what}: tokens_per_expert {got.tokens_per_expert} != {want.tokens_per_expert}"
+    _same(got.tokens_per_expert_tensor, want.tokens_per_expert_tensor, f"{what}: tokens_per_expert_tensor")
+    gh, wh = got.handle, want.handle
+    assert (gh.num_tokens, gh.num_recv_rows, gh.recv_counts, gh.worst_case) == \
+        (wh.num_tokens, wh.num_recv_rows, wh.recv_counts, wh.worst_case), f"{what}: handle fields"
+    _same(gh.is_token_in_rank, wh.is_token_in_rank, f"{what}: handle.is_token_in_rank")
+
+
+# ---- eager cases ------------------------------------------------------------------------------
+def _run_case(nat: moe_ep.Buffer, ref: moe_ep.Buffer, shape, case: Case, rank: int) -> None:
+    hidden, experts, k, _ = shape
+    what = f"shape={shape} case={case}"
+    g = torch.Generator(device="cuda").manual_seed(case.seed * 1009 + rank)
+    n = case.tokens[rank]
+    x, idx = _x(n, hidden, g), _topk(case.routing, n, experts, k, g)
+    w = torch.rand(n, k, generator=g, device="cuda")
+    xin, scales = _payload(x, case.fp8)
+    kw = dict(x_scales=scales, expert_alignment=case.alignment, worst_case=case.worst_case)
+
+    _poison_allocator()
+    got_layout, want_layout = nat.get_dispatch_layout(idx), ref.get_dispatch_layout(idx)
+    for field in ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"):
+        _same(getattr(got_layout, field), getattr(want_layout, field), f"{what}: layout.{field}")
+
+    _poison_workspace(nat)
+    _poison_allocator()
+    got = nat.dispatch(xin, idx, w, num_sms=case.num_sms, **kw)
+    want = ref.dispatch(xin, idx, w, **kw)
+    _same_dispatch(got, want, f"{what}: dispatch")
+
+    m = want.x.shape[0]
+    y = _x(m, hidden, g)
+    _poison_workspace(nat)
+    _poison_allocator()
+    _same(nat.combine(y, got.handle, num_sms=case.num_sms), ref.combine(y, want.handle), f"{what}: combine")
+
+    # combine's backward: a cached dispatch of another tensor, bf16 or FP8 like the original
+    grad, grad_scales = _payload(_x(n, hidden, g), case.fp8)
+    _poison_workspace(nat)
+    _poison_allocator()
+    got_c = nat.dispatch(grad, x_scales=grad_scales, handle=got.handle, expert_alignment=case.alignment + 1,
+                         num_sms=case.num_sms)
+    want_c = ref.dispatch(grad, x_scales=grad_scales, handle=want.handle, expert_alignment=case.alignment + 1)
+    _same_dispatch(got_c, want_c, f"{what}: cached dispatch")
+
+    # the same calls ordered by events: previous_event in, async_op out
+    before = torch.cuda.Event()
+    before.record()
+    got_a = nat.dispatch(xin, idx, w, num_sms=case.num_sms, previous_event=moe_ep.EventHandle(before),
+                         async_op=True, **kw)
+    got_a.event.wait()
+    _same_dispatch(got_a, want, f"{what}: async dispatch")
+    out_a, event = nat.combine(y, got_a.handle, async_op=True, previous_event=got_a.event)
+    event.wait()
+    _same(out_a, ref.combine(y, want.handle), f"{what}: async combine")
+
+
+# ---- stress: many calls, changing inputs, hashes ------------------------------------------------
+def _hash(t: Optional[torch.Tensor], rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Position-weighted int64 sum of the tensor's bits (rows where `rows` is False count as 0)."""
+    if t is None:
+        return torch.zeros((), dtype=torch.int64, device="cuda")
+    v = _bits(t).to(torch.int64)
+    if rows is not None:
+        v = torch.where(rows.view(-1, *([1] * (v.dim() - 1))), v, 0)
+    v = v.reshape(-1)
+    return (v * torch.arange(1, v.numel() + 1, device="cuda")).sum()
+
+
+def _dispatch_hash(res) -> torch.Tensor:
+    valid = res.src_rank >= 0
+    parts = [_hash(res.x, valid), _hash(res.x_scales, valid), _hash(res.topk_idx), _hash(res.topk_weights),
+             _hash(res.src_rank), _hash(res.src_index), _hash(res.tokens_per_expert_tensor)]
+    return torch.stack(parts)
+
+
+def _stress(rank: int) -> None:
+    hidden, experts, k, t = STRESS_SHAPE
+    common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t)
+    g = torch.Generator(device="cuda").manual_seed(777 + rank)
+    shared = torch.Generator().manual_seed(4242)  # the same call sequence on both ranks
+    routings = ["random", "skewed", "random", "one_expert", "none"]
+    with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **common) as nat, \
+            moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
+        diffs = torch.zeros(STRESS_CALLS, 3, dtype=torch.int64, device="cuda")
+        for it in range(STRESS_CALLS):
+            use_fp8, worst = it % 3 == 1, it % 4 == 3
+            sms = int(torch.randint(1, 33, (1,), generator=shared))
+            n = int(torch.randint(0, t + 1, (1,), generator=g, device="cuda"))
+            x = _x(n, hidden, g)
+            idx = _topk(routings[it % len(routings)], n, experts, k, g)
+            w = torch.rand(n, k, generator=g, device="cuda")
+            xin, scales = _payload(x, use_fp8)
+            got = nat.dispatch(xin, idx, w, x_scales=scales, worst_case=worst, num_sms=sms)
+            want = ref.dispatch(xin, idx, w, x_scales=scales, worst_case=worst)
+            diffs[it, 0] = (_dispatch_hash(got) != _dispatch_hash(want)).sum()
+            y = _x(want.x.shape[0], hidden, g)
+            diffs[it, 1] = _hash(nat.combine(y, got.handle, num_sms=sms)) - _hash(ref.combine(y, want.handle))
+            if it % 5 == 0:
+                grad = _x(n, hidden, g)
+                diffs[it, 2] = (_dispatch_hash(nat.dispatch(grad, handle=got.handle, num_sms=sms))
+                                != _dispatch_hash(ref.dispatch(grad, handle=want.handle))).sum()
+        bad = diffs.any(1).nonzero().flatten().tolist()
+        assert not bad, f"stress: calls {bad[:10]} differ from the reference (dispatch, combine, cached): " \
+                        f"{diffs[bad[:10]].tolist()}"
+
+
+# ---- CUDA graph of worst-case dispatch + combine ------------------------------------------------
+def _graph(rank: int) -> None:
+    hidden, experts, k, t = GRAPH_SHAPE
+    common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t)
+    n = (t, 77)[rank]
+    g = torch.Generator(device="cuda").manual_seed(99 + rank)
+    x = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
+    idx = torch.empty(n, k, dtype=torch.int64, device="cuda")
+    w = torch.empty(n, k, dtype=torch.float32, device="cuda")
+
+    def refill(routing: str) -> None:
+        x.copy_(_x(n, hidden, g))
+        idx.copy_(_topk(routing, n, experts, k, g))
+        w.copy_(torch.rand(n, k, generator=g, device="cuda"))
+
+    def step(buf: moe_ep.Buffer):
+        res = buf.dispatch(x, idx, w, worst_case=True, expert_alignment=4)
+        y = (res.x.float() * 1.5 - 0.25).to(torch.bfloat16)
+        return res, buf.combine(y, res.handle)
+
+    with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **common) as nat, \
+            moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
+        refill("random")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(nat)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got, out = step(nat)
+        for replay in range(GRAPH_REPLAYS):
+            refill(["random", "skewed", "one_expert", "none"][replay % 4])
+            graph.replay()
+            want, want_out = step(ref)
+            what = f"graph replay {replay}"
+            _same_dispatch(got, want, what)
+            _same(out, want_out, f"{what}: combine")
+
+
+# ---- timeout ----------------------------------------------------------------------------------
+def _timeout(rank: int) -> None:
+    """Rank 0 dispatches alone: its count exchange gives up and names the phase and the silent peer."""
+    with moe_ep.Buffer(dist.group.WORLD, hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=16,
+                       backend="nvshmem", timeout_s=1.0) as buf:
+        if rank == 0:
+            idx = torch.tensor([[0, 5]] * 4, device="cuda")
+            with pytest.raises(moe_ep.CommTimeoutError, match="token counts") as err:
+                buf.dispatch(torch.ones(4, 256, dtype=torch.bfloat16, device="cuda"), idx,
+                             torch.ones(4, 2, device="cuda"))
+            assert (err.value.rank, err.value.peer) == (0, 1)
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
+def _worker(rank: int, world: int) -> None:
+    assert world == WORLD
+    for shape, cases in SHAPES.items():
+        hidden, experts, k, t = shape
+        common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t)
+        with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **common) as nat, \
+                moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
+            assert nat.backend_name == "nvshmem"
+            for case in cases:
+                _run_case(nat, ref, shape, case, rank)
+    _stress(rank)
+    _graph(rank)
+    _timeout(rank)
+
+
+def test_intranode_matches_reference() -> None:
+    run_workers(WORLD, _worker, backend="nccl", timeout_s=1800)

@@ -1,0 +1,85 @@
+"""The NVSHMEM runtime on 2 GPUs: bootstrap over a torch.distributed group, zero-filled symmetric
+tensors, a write through a peer pointer seen by its owner, shared sessions, a heap that is too small,
+timeout reports, and three session lifetimes (init, finalize, init again) in one process."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import requires_gpus, run_workers
+
+pytestmark = requires_gpus(2)
+
+HEAP_BYTES = 64 << 20
+
+
+def _one_session(rank: int, world_size: int, round_: int) -> None:
+    from moe_ep import _native
+    from moe_ep.backends.symmetric import CommTimeoutError, NvshmemSession, device_view
+
+    native = _native.load()
+    device = torch.device("cuda", rank)
+    group = dist.group.WORLD
+    session = NvshmemSession.acquire(group, device, HEAP_BYTES)
+    assert native.is_initialized()
+    assert (native.my_pe(), native.n_pes()) == (rank, world_size) == (session.rank, session.nranks)
+
+    rows, hidden = 37 + 11 * round_, 96
+    x = session.alloc((rows, hidden), torch.bfloat16)
+    assert x.tensor.shape == (rows, hidden) and x.tensor.dtype == torch.bfloat16 and x.tensor.device == device
+    assert x.tensor.data_ptr() == x.ptr and x.peer_ptrs[rank] == x.ptr
+    assert all(p != 0 for p in x.peer_ptrs), "GPUs of one node must reach each other's symmetric heap"
+    assert torch.count_nonzero(x.tensor.view(torch.int16)).item() == 0, "sym_malloc must zero-fill"
+
+    # Every rank draws the same random payload; rank 0 stores it into rank 1's allocation through the
+    # peer address (a torch copy kernel on rank 0's GPU), rank 1 reads it through its own view.
+    gen = torch.Generator().manual_seed(1000 + round_)
+    payload = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16).to(device)
+    if rank == 0:
+        peer = device_view(x.peer_ptrs[1], (rows, hidden), torch.bfloat16, device)
+        peer.copy_(payload)
+        torch.cuda.synchronize(device)
+    native.barrier_all()
+    if rank == 1:
+        assert torch.equal(x.tensor, payload)
+    else:
+        assert torch.count_nonzero(x.tensor.view(torch.int16)).item() == 0, "rank 0's own copy was not written"
+
+    flags = session.alloc((16,), torch.int64)
+    assert torch.count_nonzero(flags.tensor).item() == 0
+    session.free(flags)
+
+    second = NvshmemSession.acquire(group, device, 1 << 20)
+    assert (second.rank, second.nranks, second.device) == (rank, world_size, device)
+    with pytest.raises(RuntimeError, match="heap has"):
+        NvshmemSession.acquire(group, device, 1 << 40)
+    second.release()
+    assert native.is_initialized(), "NVSHMEM must stay up while a session is open"
+
+    watch = session.error_state(timeout_s=2.5)
+    assert watch.device_ptr != 0
+    watch.check()
+    state = ctypes.cast(watch._host_ptr, ctypes.POINTER(ctypes.c_int * 4)).contents
+    state[1], state[2], state[3] = rank, 3, 1 - rank
+    state[0] = 1
+    with pytest.raises(CommTimeoutError, match=rf"^moe_ep rank {rank}: timed out after 2.5 s in phase "
+                                               rf"'dispatch: waiting for a peer's rows to land' waiting for rank {1 - rank}$"):
+        watch.check()
+    watch.check()
+
+    assert native.sm_count(rank) == torch.cuda.get_device_properties(rank).multi_processor_count
+    session.release()
+    session.release()
+    assert not native.is_initialized()
+
+
+def _three_lifetimes(rank: int, world_size: int) -> None:
+    for round_ in range(3):
+        _one_session(rank, world_size, round_)
+
+
+def test_nvshmem_runtime_on_two_gpus() -> None:
+    run_workers(2, _three_lifetimes, backend="nccl")

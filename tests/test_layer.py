@@ -1,0 +1,365 @@
+"""MoE layer (reference backend, gloo, CPU, R = 1, 2, 4) against a dense single-process reference.
+
+The reference runs every expert locally on the same weights (all experts, gathered from a seeded
+generator) with plain per-expert loops, and its gradients are summed over ranks for the experts.
+
+Tolerances: the layer computes in float32 but communicates in bf16 (the Buffer's contract), so
+x is rounded to bf16 before the experts (the reference does the same), each rank's partial output
+is rounded to bf16 before combine and the sum again after it, and gradients crossing ranks are
+rounded to bf16 once per crossing. bf16 keeps 8 significant bits (relative rounding error at most
+2^-9 ~ 0.2%); a value passes at most ~3 roundings and sums over experts/tokens can cancel, so
+errors are compared against the largest magnitude of the reference: max|got - want| <= 2% of
+max|want|. Routing (integer) must match exactly. Low-latency FP8 (3 mantissa bits) gets 10%.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import moe_ep
+from moe_ep import MoE, TopKRouter
+from moe_ep.experts import GroupedExperts, grouped_mm_supported
+from moe_ep.layer import SwiGLU
+from tests._dist import requires_gpus, run_workers
+
+TOL = 2e-2
+FP8_TOL = 1e-1
+
+
+@dataclass
+class Case:
+    seed: int
+    tokens: list[int]  # per rank, cycled over ranks
+    hidden: int
+    experts: int
+    topk: int
+    ffn: int
+    router: dict = field(default_factory=dict)
+    shared: int = 0
+
+    def n(self, rank: int) -> int:
+        return self.tokens[rank % len(self.tokens)]
+
+
+GRAD_CASES = [
+    Case(1, [23, 17, 0, 9], 32, 8, 2, 48, dict(aux_loss_coef=0.01, z_loss_coef=1e-3)),
+    Case(2, [19, 31, 12, 0], 64, 16, 4, 32,
+         dict(score_func="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=2.5, expert_bias=True),
+         shared=24),
+    Case(3, [21, 8, 14, 30], 16, 8, 1, 24, dict(capacity_factor=1.0)),  # K = 1, overflow dropped
+    Case(4, [11, 0, 7, 13], 16, 8, 8, 16, dict(norm_topk_prob=False, aux_loss_coef=0.02)),  # 3K > H
+    Case(5, [16, 16, 16, 16], 32, 8, 3, 40, dict(score_func="sigmoid", expert_bias=True, capacity_factor=0.8,
+                                                  aux_loss_coef=0.01)),
+]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = TOL) -> None:
+    assert got.shape == want.shape, f"{what}: shape {list(got.shape)} != {list(want.shape)}"
+    got, want = got.detach().float(), want.detach().float()
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    err = float((got - want).abs().max()) if want.numel() else 0.0
+    assert err <= tol * scale + 1e-7, f"{what}: max error {err:.3e}, reference max {scale:.3e}"
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """p.grad, or zeros where nothing on this rank reached p (a rank with no tokens)."""
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _full_expert_weights(case: Case, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every expert's weights [E, ...] from the case seed: the same on every rank."""
+    g = torch.Generator().manual_seed(1000 + case.seed)
+    s = case.hidden ** -0.5
+    return {
+        "w1": (torch.randn(case.experts, case.ffn, case.hidden, generator=g) * s).to(device),
+        "w3": (torch.randn(case.experts, case.ffn, case.hidden, generator=g) * s).to(device),
+        "w2": (torch.randn(case.experts, case.hidden, case.ffn, generator=g) * case.ffn ** -0.5).to(device),
+    }
+
+
+def _build(case: Case, buf: moe_ep.Buffer, dtype: torch.dtype = torch.float32) -> tuple[MoE, dict]:
+    """MoE with a spread-out router, random bias, and all experts' weights loaded through a state
+    dict that holds every global expert (each rank keeps its own)."""
+    torch.manual_seed(case.seed)
+    moe = MoE(buf, case.ffn, shared_ffn_hidden=case.shared, dtype=dtype, **case.router)
+    full = _full_expert_weights(case, buf.device)
+    state = moe.state_dict()
+    state["router.weight"] = torch.randn(case.experts, case.hidden, generator=torch.Generator().manual_seed(case.seed)).to(buf.device)
+    if moe.router.expert_bias is not None:
+        state["router.expert_bias"] = (torch.rand(case.experts, generator=torch.Generator().manual_seed(7)) * 0.1).to(buf.device)
+    for e in range(case.experts):
+        for name, w in full.items():
+            state[f"experts.{e}.{name}"] = w[e]
+    moe.load_state_dict(state)
+    return moe, full
+
+
+def _dense(x: torch.Tensor, routing: moe_ep.RouterOutput, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """sum_k weight[n, k] * SwiGLU_{idx[n, k]}(bf16(x[n])), one expert at a time."""
+    xb = x.to(torch.bfloat16).to(x.dtype)
+    out = torch.zeros_like(x)
+    for k in range(routing.topk_idx.shape[1]):
+        idx = routing.topk_idx[:, k]
+        for e in idx.unique().tolist():
+            if e < 0:
+                continue
+            rows = (idx == e).nonzero().squeeze(1)
+            h = F.silu(xb[rows] @ w["w1"][e].t()) * (xb[rows] @ w["w3"][e].t())
+            y = (h @ w["w2"][e].t()) * routing.topk_weights[rows, k].unsqueeze(1)
+            out = out.index_add(0, rows, y)
+    return out
+
+
+def _reference_modules(case: Case, moe: MoE, group: Optional[dist.ProcessGroup]) -> tuple[TopKRouter, Optional[SwiGLU]]:
+    router = TopKRouter(case.hidden, case.experts, case.topk, aux_loss_group=group, device=moe.buffer.device,
+                        **case.router)
+    router.load_state_dict(moe.router.state_dict())
+    shared = None
+    if moe.shared is not None:
+        shared = SwiGLU(case.hidden, case.shared, device=moe.buffer.device)
+        shared.load_state_dict(moe.shared.state_dict())
+    return router, shared
+
+
+def _inputs(case: Case, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * case.seed + rank)
+    n = case.n(rank)
+    return torch.randn(n, case.hidden, generator=g).to(device), torch.randn(n, case.hidden, generator=g).to(device)
+
+
+def _grad_case(rank: int, world: int, case: Case, backend: str = "reference", dtype: torch.dtype = torch.float32,
+               tol: float = TOL) -> None:
+    """Forward and every gradient (x, router, experts, shared expert) against the dense reference."""
+    max_tokens = max(case.n(r) for r in range(world)) or 1
+    buf = moe_ep.Buffer(None, hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+                        max_tokens_per_rank=max_tokens, backend=backend)
+    moe, full = _build(case, buf, dtype)
+    group = dist.group.WORLD if world > 1 else None
+    ref_router, ref_shared = _reference_modules(case, moe, group)
+    x0, grad_out = _inputs(case, rank, buf.device)
+
+    x = x0.clone().requires_grad_(True)
+    out = moe(x, mode="normal")
+    routing = moe.last_routing
+    ((out * grad_out).sum() + moe.aux_loss).backward()
+
+    xr = x0.clone().requires_grad_(True)
+    wr = {k: v.clone().requires_grad_(True) for k, v in full.items()}
+    r = ref_router(xr)
+    want = _dense(xr, r, wr) + (ref_shared(xr) if ref_shared is not None else 0)
+    ((want * grad_out).sum() + r.aux_loss + r.z_loss).backward()
+
+    assert torch.equal(routing.topk_idx, r.topk_idx)
+    assert int(routing.num_dropped) == int(r.num_dropped)
+    torch.testing.assert_close(routing.aux_loss.detach(), r.aux_loss.detach())
+    _close(out, want, "output", tol)
+    _close(_grad(x), _grad(xr), "x.grad", tol)
+    _close(_grad(moe.router.weight), _grad(ref_router.weight), "router.weight.grad", tol)
+    if ref_shared is not None:
+        for name, p in ref_shared.named_parameters():
+            _close(_grad(moe.shared.get_parameter(name)), _grad(p), f"shared.{name}.grad", tol)
+    lo, e_l = moe.experts.first_expert, moe.experts.num_local_experts
+    for name, w in wr.items():
+        total = _grad(w).clone()
+        dist.all_reduce(total)  # every rank's tokens contribute to every expert
+        _close(_grad(getattr(moe.experts, name)), total[lo : lo + e_l], f"experts.{name}.grad", tol)
+    buf.close()
+
+
+def _state_dict_case(rank: int, world: int, singles: list[dist.ProcessGroup]) -> None:
+    """Per-expert keys under global ids; a merged checkpoint loads at EP=1 and back at EP=R."""
+    case = GRAD_CASES[1]
+    buf = moe_ep.Buffer(None, hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+                        max_tokens_per_rank=64, backend="reference")
+    moe, full = _build(case, buf)
+    e_l = case.experts // world
+    state = moe.state_dict()
+    expert_keys = {k for k in state if k.startswith("experts.")}
+    assert expert_keys == {f"experts.{e}.{n}" for e in range(rank * e_l, (rank + 1) * e_l) for n in ("w1", "w2", "w3")}
+    for e in range(rank * e_l, (rank + 1) * e_l):
+        assert torch.equal(state[f"experts.{e}.w2"], full["w2"][e])
+    parts: list = [None] * world
+    dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()})
+    merged = {k: v for part in parts for k, v in part.items()}
+    assert len([k for k in merged if k.startswith("experts.")]) == 3 * case.experts
+
+    x, _ = _inputs(case, rank, buf.device)
+    with torch.no_grad():
+        out = moe(x, mode="normal")
+        # EP=1 on a one-rank group: holds all experts, loads the merged checkpoint
+        buf1 = moe_ep.Buffer(singles[rank], hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+                             max_tokens_per_rank=64, backend="reference")
+        torch.manual_seed(99)
+        moe1 = MoE(buf1, case.ffn, shared_ffn_hidden=case.shared, **case.router)
+        moe1.load_state_dict(merged)
+        _close(moe1(x, mode="normal"), out, "EP=1 from a merged EP=R checkpoint")
+        # and back: a freshly initialised EP=R layer takes its experts from the EP=1 state
+        torch.manual_seed(98)
+        again = MoE(buf, case.ffn, shared_ffn_hidden=case.shared, **case.router)
+        again.load_state_dict(moe1.state_dict())
+        assert torch.equal(again(x, mode="normal"), out)
+    # a checkpoint without this rank's experts reports them missing; foreign keys are unexpected
+    partial = {k: v for k, v in merged.items() if not k.startswith(f"experts.{rank * e_l}.")}
+    partial["experts.999.w1"] = merged["experts.0.w1"]
+    result = again.load_state_dict(partial, strict=False)
+    assert sorted(result.missing_keys) == [f"experts.{rank * e_l}.{n}" for n in ("w1", "w2", "w3")]
+    assert result.unexpected_keys == ["experts.999.w1"]
+    buf1.close()
+    buf.close()
+
+
+def _low_latency_case(rank: int, world: int, use_fp8: bool) -> None:
+    """Decode path: auto mode picks it only without autograd and for few tokens; results match."""
+    case = Case(6, [5, 9, 0, 3], 128 if use_fp8 else 32, 8, 2, 24, dict(score_func="sigmoid"), shared=16)
+    buf = moe_ep.Buffer(None, hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+                        max_tokens_per_rank=16, backend="reference", low_latency=True)
+    moe, full = _build(case, buf)
+    moe.low_latency_fp8 = use_fp8
+    ll_calls = []
+    original = buf.low_latency_dispatch
+
+    def counting(*args, **kwargs):
+        ll_calls.append(1)
+        return original(*args, **kwargs)
+
+    buf.low_latency_dispatch = counting
+    x, _ = _inputs(case, rank, buf.device)
+    ref_router, ref_shared = _reference_modules(case, moe, None)
+    with torch.no_grad():
+        r = ref_router(x)
+        want = _dense(x, r, full) + ref_shared(x)
+        out_auto = moe(x)
+        assert len(ll_calls) == 1, "auto mode should pick low-latency under no_grad with few tokens"
+        _close(out_auto, want, "low-latency output", FP8_TOL if use_fp8 else TOL)
+        out_normal = moe(x, mode="normal")
+        _close(out_normal, want, "normal output")
+        moe.low_latency_max_tokens = 6  # rank 1 has 9 tokens: every rank must fall back to normal
+        moe(x)
+        assert len(ll_calls) == (1 if world > 1 else 2)
+        moe.low_latency_max_tokens = 128
+    moe(x.requires_grad_(True))  # autograd on: normal mode
+    assert len(ll_calls) == (1 if world > 1 else 2)
+    with pytest.raises(RuntimeError, match="no backward"):
+        moe(x, mode="low_latency")
+    buf.close()
+
+
+def _balancing_case(rank: int, world: int) -> None:
+    """Aux loss over the group equals the whole batch's; the bias update is identical on every rank."""
+    case = Case(7, [12], 32, 8, 2, 16, dict(aux_loss_coef=0.05, expert_bias=True, bias_update_rate=0.01))
+    buf = moe_ep.Buffer(None, hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+                        max_tokens_per_rank=16, backend="reference")
+    moe, _ = _build(case, buf)
+    x, _ = _inputs(case, rank, buf.device)
+    moe.train()
+    moe(x)
+    everyone = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(everyone, x)
+    single = TopKRouter(case.hidden, case.experts, case.topk, **case.router)
+    single.load_state_dict(moe.router.state_dict())
+    whole = single(torch.cat(everyone))
+    mean_aux = moe.last_routing.aux_loss.detach().clone()
+    dist.all_reduce(mean_aux)
+    torch.testing.assert_close(mean_aux / world, whole.aux_loss.detach())
+    bias_before = moe.router.expert_bias.clone()
+    moe.update_expert_bias()
+    load = whole.tokens_per_expert.float()
+    torch.testing.assert_close(moe.router.expert_bias, bias_before + 0.01 * torch.sign(load.mean() - load))
+    biases = [torch.empty_like(moe.router.expert_bias) for _ in range(world)]
+    dist.all_gather(biases, moe.router.expert_bias)
+    assert all(torch.equal(b, biases[0]) for b in biases)
+    assert int(moe.expert_load.sum()) == 0
+    buf.close()
+
+
+def _worker(rank: int, world: int) -> None:
+    singles = [dist.new_group([r]) for r in range(world)]
+    for case in GRAD_CASES:
+        _grad_case(rank, world, case)
+    _state_dict_case(rank, world, singles)
+    _low_latency_case(rank, world, use_fp8=False)
+    _low_latency_case(rank, world, use_fp8=True)
+    _balancing_case(rank, world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_layer(world: int) -> None:
+    run_workers(world, _worker)
+
+
+def test_bad_mode_and_shape() -> None:
+    run_workers(1, _bad_input_worker)
+
+
+def _bad_input_worker(rank: int, world: int) -> None:
+    buf = moe_ep.Buffer(None, hidden=16, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
+    moe = MoE(buf, 8)
+    with pytest.raises(ValueError, match="mode"):
+        moe(torch.randn(3, 16), mode="fast")
+    with pytest.raises(ValueError, match="features"):
+        moe(torch.randn(3, 8))
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        moe(torch.randn(9, 16))
+    with pytest.raises(ValueError, match="low_latency_fp8"):
+        MoE(buf, 8, low_latency_fp8=True)
+    with pytest.raises(RuntimeError, match="aux_loss"):
+        MoE(buf, 8).aux_loss
+    buf.close()
+
+
+# ---- GPU: the grouped-GEMM path and the native backend ------------------------------------------
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.skipif(not _sm90(), reason="torch._grouped_mm path needs CUDA sm90")
+def test_grouped_mm_matches_loop() -> None:
+    torch.manual_seed(0)
+    experts = GroupedExperts(8, 4, 0, 128, 256, dtype=torch.bfloat16, device=torch.device("cuda"))
+    with torch.no_grad():
+        for w in experts.parameters():
+            w.normal_(std=0.05)
+    x = torch.randn(300, 128, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(-1, 4, (300, 2), device="cuda")
+    weights = torch.rand(300, 2, device="cuda")
+    assert grouped_mm_supported(x)
+    grouped = experts(x, idx, weights)
+    g = torch.randn_like(grouped)
+    (grouped * g).sum().backward()
+    grads = [p.grad.clone() for p in experts.parameters()]
+    experts.zero_grad()
+    loop = _loop_forward(experts, x, idx, weights)
+    (loop * g).sum().backward()
+    _close(grouped, loop, "grouped output", 2e-2)
+    for got, p in zip(grads, experts.parameters()):
+        _close(got, p.grad, "grouped grad", 3e-2)
+
+
+def _loop_forward(experts: GroupedExperts, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], experts.hidden, device=x.device)
+    for k in range(idx.shape[1]):
+        for e in range(experts.num_local_experts):
+            rows = (idx[:, k] == e).nonzero().squeeze(1)
+            xe = x[rows]
+            h = F.silu(xe @ experts.w1[e].t()) * (xe @ experts.w3[e].t())
+            out = out.index_add(0, rows, (h @ experts.w2[e].t()).float() * w[rows, k, None])
+    return out
+
+
+def _gpu_worker(rank: int, world: int) -> None:
+    for case in GRAD_CASES:
+        _grad_case(rank, world, case, backend="auto")
+    _grad_case(rank, world, Case(8, [200, 150], 128, 16, 4, 256, dict(aux_loss_coef=0.01)), backend="auto",
+               dtype=torch.bfloat16, tol=5e-2)
+    _low_latency_case(rank, world, use_fp8=False)
+    _low_latency_case(rank, world, use_fp8=True)
+
+
+@requires_gpus(2)
+def test_layer_gpu() -> None:
+    run_workers(2, _gpu_worker, backend="nccl")

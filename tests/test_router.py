@@ -1,0 +1,220 @@
+"""TopKRouter against hand computations: plain-Python loops over tokens and experts (single process)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moe_ep import TopKRouter
+
+
+def _logits(router: TopKRouter, x: torch.Tensor) -> list[list[float]]:
+    w, xs = router.weight.detach().double().tolist(), x.double().tolist()
+    return [[sum(a * b for a, b in zip(row, we)) for we in w] for row in xs]
+
+
+def _hand_route(router: TopKRouter, x: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
+    """Selection and weights for every token, one token and one expert at a time."""
+    e, k = router.num_experts, router.top_k
+    bias = router.expert_bias.tolist() if router.expert_bias is not None else [0.0] * e
+    per_group = e // router.num_groups
+    ids, weights = [], []
+    for logits in _logits(router, x):
+        if router.score_func == "softmax":
+            top = max(logits)
+            exps = [math.exp(v - top) for v in logits]
+            scores = [v / sum(exps) for v in exps]
+        else:
+            scores = [1 / (1 + math.exp(-v)) for v in logits]
+        choice = [s + b for s, b in zip(scores, bias)]
+        allowed = set(range(e))
+        if router.num_groups > 1:
+            group_score = []
+            for g in range(router.num_groups):
+                members = sorted(choice[g * per_group : (g + 1) * per_group], reverse=True)
+                group_score.append(sum(members[:2]))
+            best = sorted(range(router.num_groups), key=lambda g: -group_score[g])[: router.topk_groups]
+            allowed = {g * per_group + i for g in best for i in range(per_group)}
+        picked = sorted(allowed, key=lambda j: -choice[j])[:k]
+        w = [scores[j] for j in picked]
+        if router.norm_topk_prob and k > 1:
+            w = [v / sum(w) for v in w]
+        ids.append(picked)
+        weights.append([v * router.routed_scaling_factor for v in w])
+    return ids, weights
+
+
+def _make(seed: int, hidden: int, num_tokens: int, **kw) -> tuple[TopKRouter, torch.Tensor]:
+    torch.manual_seed(seed)
+    router = TopKRouter(hidden, **kw)
+    with torch.no_grad():
+        router.weight.normal_(std=0.5)  # spread scores so that ties cannot happen
+        if router.expert_bias is not None:
+            router.expert_bias.uniform_(-0.3, 0.3)
+    return router, torch.randn(num_tokens, hidden)
+
+
+CONFIGS = [
+    dict(num_experts=8, top_k=2),
+    dict(num_experts=8, top_k=1),
+    dict(num_experts=16, top_k=4, norm_topk_prob=False, routed_scaling_factor=2.5),
+    dict(num_experts=16, top_k=4, score_func="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=2.5),
+    dict(num_experts=12, top_k=3, score_func="sigmoid", num_groups=3, topk_groups=1, expert_bias=True),
+    dict(num_experts=8, top_k=2, score_func="softmax", num_groups=4, topk_groups=3, expert_bias=True),
+    dict(num_experts=6, top_k=2, score_func="sigmoid", num_groups=6, topk_groups=2),  # one expert per group
+]
+
+
+@pytest.mark.parametrize("i", range(len(CONFIGS)))
+def test_selection_and_weights(i: int) -> None:
+    router, x = _make(i, 24, 37, **CONFIGS[i])
+    out = router(x)
+    ids, weights = _hand_route(router, x)
+    assert out.topk_idx.dtype == torch.int64 and out.topk_weights.dtype == torch.float32
+    assert out.topk_idx.shape == out.topk_weights.shape == (37, router.top_k)
+    assert out.topk_idx.tolist() == ids
+    torch.testing.assert_close(out.topk_weights, torch.tensor(weights, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+    counts = [sum(row.count(j) for row in ids) for j in range(router.num_experts)]
+    assert out.tokens_per_expert.tolist() == counts
+    assert int(out.num_dropped) == 0
+    assert float(out.aux_loss) == 0.0 and float(out.z_loss) == 0.0
+
+
+def test_bias_steers_selection_only() -> None:
+    router, x = _make(11, 16, 20, num_experts=8, top_k=2, score_func="sigmoid", expert_bias=True)
+    with torch.no_grad():
+        router.expert_bias.zero_()
+        router.expert_bias[5] = 100.0  # expert 5 always wins selection
+    out = router(x)
+    assert (out.topk_idx[:, 0] == 5).all()
+    s = torch.sigmoid(x @ router.weight.detach().t())
+    chosen = s.gather(1, out.topk_idx)
+    torch.testing.assert_close(out.topk_weights, chosen / chosen.sum(1, keepdim=True))
+
+
+def test_aux_and_z_loss() -> None:
+    for score_func in ("softmax", "sigmoid"):
+        router, x = _make(3, 16, 29, num_experts=8, top_k=2, score_func=score_func,
+                          aux_loss_coef=0.03, z_loss_coef=0.002)
+        out = router(x)
+        ids, _ = _hand_route(router, x)
+        logits = _logits(router, x)
+        n, e, k = len(ids), 8, 2
+        probs = []
+        for row in logits:
+            if score_func == "softmax":
+                exps = [math.exp(v) for v in row]
+                probs.append([v / sum(exps) for v in exps])
+            else:
+                sig = [1 / (1 + math.exp(-v)) for v in row]
+                probs.append([v / sum(sig) for v in sig])
+        f = [sum(r.count(j) for r in ids) / (n * k) for j in range(e)]
+        p = [sum(pr[j] for pr in probs) / n for j in range(e)]
+        aux = 0.03 * e * sum(a * b for a, b in zip(f, p))
+        z = 0.002 * sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits) / n
+        assert out.aux_loss.item() == pytest.approx(aux, rel=1e-5)
+        assert out.z_loss.item() == pytest.approx(z, rel=1e-5)
+        (out.aux_loss + out.z_loss).backward()
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_losses_on_empty_batch() -> None:
+    router, _ = _make(4, 16, 0, num_experts=8, top_k=2, aux_loss_coef=0.01, z_loss_coef=0.001, capacity_factor=1.0,
+                      num_groups=2, expert_bias=True)
+    out = router(torch.zeros(0, 16))
+    assert out.topk_idx.shape == (0, 2) and out.aux_loss.item() == 0.0 and out.z_loss.item() == 0.0
+    assert int(out.num_dropped) == 0
+
+
+def test_capacity_drops_overflow_in_priority_order() -> None:
+    n, e, k, cf = 13, 4, 2, 1.0
+    router, x = _make(5, 16, n, num_experts=e, top_k=k)
+    ids, weights = _hand_route(router, x)
+    router.capacity_factor = cf
+    out = router(x)
+    capacity = math.ceil(cf * n * k / e)
+    kept = [[-1] * k for _ in range(n)]
+    used = [0] * e
+    for kk in range(k):  # first choices of all tokens, then second choices
+        for t in range(n):
+            j = ids[t][kk]
+            if used[j] < capacity:
+                used[j] += 1
+                kept[t][kk] = j
+    dropped = sum(row.count(-1) for row in kept)
+    assert dropped > 0, "the case must overflow some expert"
+    assert out.topk_idx.tolist() == kept
+    assert int(out.num_dropped) == dropped
+    want_w = [[w if j >= 0 else 0.0 for w, j in zip(wr, kr)] for wr, kr in zip(weights, kept)]
+    torch.testing.assert_close(out.topk_weights, torch.tensor(want_w, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+    # tokens_per_expert is the requested load, before dropping
+    assert out.tokens_per_expert.tolist() == [sum(r.count(j) for r in ids) for j in range(e)]
+
+
+def test_capacity_with_everything_on_one_expert() -> None:
+    router = TopKRouter(8, 4, 1, capacity_factor=2.0)
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[2, 0] = 5.0
+    x = torch.zeros(10, 8)
+    x[:, 0] = 1.0
+    out = router(x)
+    capacity = math.ceil(2.0 * 10 / 4)
+    assert out.topk_idx.squeeze(1).tolist() == [2] * capacity + [-1] * (10 - capacity)
+    assert int(out.num_dropped) == 10 - capacity
+    assert (out.topk_weights.squeeze(1)[capacity:] == 0).all()
+
+
+def test_expert_bias_update_is_sign_based() -> None:
+    router = TopKRouter(8, 4, 1, expert_bias=True, bias_update_rate=0.01)
+    load = torch.tensor([10, 2, 4, 4])  # mean 5
+    router.update_expert_bias(load)
+    assert router.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
+    router.update_expert_bias(torch.tensor([5, 5, 9, 1]))
+    assert router.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.02])
+    assert "expert_bias" in router.state_dict()
+    with pytest.raises(RuntimeError, match="expert_bias"):
+        TopKRouter(8, 4, 1).update_expert_bias(load)
+
+
+def test_bias_update_balances_a_skewed_router() -> None:
+    torch.manual_seed(0)
+    router = TopKRouter(16, 8, 2, score_func="sigmoid", expert_bias=True, bias_update_rate=0.02)
+    with torch.no_grad():
+        router.weight.normal_(std=0.3)
+        router.weight[0] += 1.0  # expert 0 is favoured
+    x = torch.randn(512, 16) + 0.5
+    before = router(x).tokens_per_expert.float()
+    for _ in range(100):
+        router.update_expert_bias(router(x).tokens_per_expert)
+    after = router(x).tokens_per_expert.float()
+    assert after.max() - after.min() < (before.max() - before.min()) / 3
+
+
+def test_gradient_reaches_gate_through_weights() -> None:
+    router, x = _make(7, 16, 9, num_experts=8, top_k=2, score_func="sigmoid", routed_scaling_factor=2.0)
+    x.requires_grad_(True)
+    out = router(x)
+    g = torch.randn_like(out.topk_weights)
+    (out.topk_weights * g).sum().backward()
+    # the same weights through a hand-written graph of the chosen experts
+    w = router.weight.detach().clone().requires_grad_(True)
+    xr = x.detach().clone().requires_grad_(True)
+    s = torch.sigmoid(xr @ w.t()).gather(1, out.topk_idx)
+    ((s / s.sum(1, keepdim=True) * 2.0) * g).sum().backward()
+    torch.testing.assert_close(router.weight.grad, w.grad)
+    torch.testing.assert_close(x.grad, xr.grad)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(num_experts=8, top_k=2, score_func="relu"), "score_func"),
+    (dict(num_experts=8, top_k=9), "top_k"),
+    (dict(num_experts=8, top_k=2, num_groups=3), "num_groups"),
+    (dict(num_experts=8, top_k=2, num_groups=4, topk_groups=5), "topk_groups"),
+    (dict(num_experts=8, top_k=5, num_groups=4, topk_groups=2), "exceeds"),
+    (dict(num_experts=8, top_k=2, capacity_factor=0.0), "capacity_factor"),
+])
+def test_bad_arguments(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TopKRouter(16, **kw)
