@@ -68,6 +68,10 @@ def _combine_values(buffer: Buffer, handle: DispatchHandle, values: torch.Tensor
 
 
 class _Dispatch(torch.autograd.Function):
+    """Buffer.dispatch forward; combine of the row and weight gradients backward. The full
+    DispatchResult (handle, counts) is handed out through the `out` list, as autograd passes only
+    tensors through apply()."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: torch.Tensor, topk_idx: torch.Tensor, buffer: Buffer,
                 out: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,6 +92,8 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
+    """Buffer.combine forward; cached dispatch of the output gradient backward."""
+
     @staticmethod
     def forward(ctx, y: torch.Tensor, buffer: Buffer, handle: DispatchHandle) -> torch.Tensor:
         ctx.buffer, ctx.handle = buffer, handle

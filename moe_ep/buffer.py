@@ -41,6 +41,13 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], shape: 
     return t
 
 
+def _check_aligned(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The kernels move rows as 16-byte vectors."""
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address, got {t.data_ptr():#x}")
+    return t
+
+
 def _on_cpu(cfg: BufferConfig) -> bool:
     """On CPU a host-side check costs no device sync."""
     return cfg.device.type != "cuda"
@@ -176,9 +183,7 @@ class Buffer:
         dtypes = (torch.bfloat16, torch.float8_e4m3fn) if fp8_ok else (torch.bfloat16,)
         t = _check_tensor("x", x, dtypes, (None, self.cfg.hidden), self.cfg.device)
         self._check_tokens(t.shape[0], "x")
-        if t.data_ptr() % 16:
-            raise ValueError("x must start at a 16-byte aligned address (kernels move 16-byte vectors)")
-        return t
+        return _check_aligned("x", t)
 
     def _check_fp8_hidden(self) -> None:
         if self.cfg.hidden % 128 != 0:
@@ -249,6 +254,7 @@ class Buffer:
         """Sum each token's rows back on its source rank; returns out, or (out, event) when async_op."""
         self._check_handle(handle, DispatchHandle)
         x = _check_tensor("x", x, (torch.bfloat16,), (handle.num_recv_rows, self.cfg.hidden), self.cfg.device)
+        _check_aligned("x", x)
         out, event = self.backend.combine(x, handle, num_sms=self._sms(num_sms),
                                           previous_event=self._check_event(previous_event), async_op=bool(async_op))
         return (out, event) if async_op else out
@@ -281,8 +287,7 @@ class Buffer:
         _check_tensor("x", x, (torch.bfloat16,), (cfg.num_local_experts, slots, cfg.hidden), cfg.device)
         self._check_topk_idx(topk_idx, handle.num_tokens, check_values=_on_cpu(cfg))
         self._check_weights(topk_weights, handle.num_tokens)
-        if x.data_ptr() % 16:
-            raise ValueError("x must start at a 16-byte aligned address (kernels move 16-byte vectors)")
+        _check_aligned("x", x)
         return self.backend.low_latency_combine(x, topk_idx, topk_weights, handle,
                                                 return_recv_hook=bool(return_recv_hook))
 

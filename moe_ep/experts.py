@@ -89,7 +89,7 @@ class GroupedExperts(nn.Module):
         rows = pairs // k
         xs = x[rows].to(self.w1.dtype)
         counts = torch.bincount(expert, minlength=self.num_local_experts)
-        if grouped_mm_supported(xs):
+        if grouped_mm_supported(xs) and xs.shape[0] > 0:
             y = self._swiglu_grouped(xs, counts)
         else:
             y = self._swiglu_loop(xs, counts.tolist())

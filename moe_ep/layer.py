@@ -131,7 +131,7 @@ class MoE(nn.Module):
         out = self._low_latency(tokens, routing) if mode == "low_latency" else self._normal(tokens, routing)
         out = out.to(x.dtype)
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            out = out + self.shared(tokens.to(self.shared.w1.weight.dtype)).to(x.dtype)
         return out.view(x.shape)
 
     @torch.no_grad()

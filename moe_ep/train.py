@@ -15,8 +15,8 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass, fields
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,40 +34,46 @@ MODEL_FIELDS = ("seq_len", "dim", "layers", "heads", "experts", "top_k", "ffn", 
                 "num_groups", "topk_groups", "capacity_factor", "expert_bias_rate", "dtype", "seed")
 
 
+def _flag(default: Any, help: str, choices: Optional[tuple[str, ...]] = None) -> Any:
+    """A TrainConfig field with its command-line help (and allowed values)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class TrainConfig:
-    """Every command-line flag of `python -m moe_ep.train` (defaults: ~1 minute on 2 CPU cores, 2 ranks)."""
+    """Every command-line flag of `python -m moe_ep.train` (defaults: about a minute on 2 CPU cores, 2 ranks)."""
 
-    steps: int = 150  # optimizer steps in total (a resumed run continues up to this number)
-    batch: int = 16  # sequences per step over all ranks (divisible by the number of ranks)
-    seq_len: int = 64
-    dim: int = 64  # model width = the Buffer's hidden size
-    layers: int = 2
-    heads: int = 4
-    experts: int = 8  # routed experts per MoE layer (divisible by the number of ranks)
-    top_k: int = 2
-    ffn: int = 128  # hidden size of each expert
-    shared_ffn: int = 0  # hidden size of the shared expert (0: none)
-    score_func: str = "softmax"
-    num_groups: int = 1
-    topk_groups: int = 1
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 1e-3
-    expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing with this bias update rate
-    capacity_factor: Optional[float] = None
-    lr: float = 3e-3
-    warmup: int = 10
-    weight_decay: float = 0.0
-    clip: float = 1.0  # global gradient-norm clip (0: off)
-    seed: int = 0
-    backend: str = "auto"  # Buffer backend: auto | reference | nvshmem
-    device: str = "auto"  # auto (cuda when present) | cpu | cuda
-    dtype: str = "auto"  # compute dtype: auto (bf16 on cuda, float32 on cpu) | float32 | bfloat16
-    ckpt: str = "checkpoints/moe_ep"  # checkpoint root: {ckpt}/step{N}/rank{r}-of-{R}.pt
-    resume: bool = False
-    save_every: int = 0  # also checkpoint every this many steps (0: only at the end)
-    log_every: int = 10  # print a log line every this many steps
-    progress: bool = True  # progress bar on rank 0
+    steps: int = _flag(300, "optimizer steps in total (a resumed run continues up to this number)")
+    batch: int = _flag(32, "sequences per step over all ranks (divisible by the number of ranks)")
+    seq_len: int = _flag(64, "characters per sequence")
+    dim: int = _flag(96, "model width, the Buffer's hidden size (multiple of 8)")
+    layers: int = _flag(2, "transformer blocks, each with an MoE feed-forward")
+    heads: int = _flag(4, "attention heads")
+    experts: int = _flag(8, "routed experts per MoE layer (divisible by the number of ranks)")
+    top_k: int = _flag(2, "experts per token")
+    ffn: int = _flag(192, "hidden size of each expert")
+    shared_ffn: int = _flag(0, "hidden size of the shared expert (0: none)")
+    score_func: str = _flag("softmax", "router scores", ("softmax", "sigmoid"))
+    num_groups: int = _flag(1, "expert groups for group-limited routing")
+    topk_groups: int = _flag(1, "groups each token may route into")
+    aux_loss_coef: float = _flag(0.01, "load-balancing loss coefficient")
+    z_loss_coef: float = _flag(1e-3, "router z-loss coefficient")
+    expert_bias_rate: float = _flag(0.0, "aux-loss-free balancing: expert-bias update rate (0: off)")
+    capacity_factor: Optional[float] = _flag(None, "drop selections beyond this multiple of the even load per expert")
+    lr: float = _flag(6e-3, "peak learning rate (AdamW)")
+    warmup: int = _flag(10, "linear warm-up steps, then cosine decay to a tenth of --lr")
+    weight_decay: float = _flag(0.0, "AdamW weight decay")
+    clip: float = _flag(1.0, "global gradient-norm clip (0: off)")
+    seed: int = _flag(0, "seed of the data and of the initial weights")
+    backend: str = _flag("auto", "Buffer backend", ("auto", "reference", "nvshmem"))
+    device: str = _flag("auto", "auto: CUDA with NCCL when present, else CPU with gloo", ("auto", "cpu", "cuda"))
+    dtype: str = _flag("auto", "compute dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+                       ("auto", "float32", "bfloat16"))
+    ckpt: str = _flag("checkpoints/moe_ep", "checkpoint root: {ckpt}/step{N}/rank{r}-of-{R}.pt")
+    resume: bool = _flag(False, "continue from the latest complete checkpoint under --ckpt")
+    save_every: int = _flag(0, "also checkpoint every this many steps (0: only at the end)")
+    log_every: int = _flag(10, "print a log line every this many steps")
+    progress: bool = _flag(True, "progress bar on rank 0")
 
 
 # ---- model ------------------------------------------------------------------------------------
@@ -234,12 +240,35 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def train_step(cfg: TrainConfig, model: MoELM, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+               targets: torch.Tensor, world: int) -> tuple[float, float, int, float]:
+    """Forward, backward, gradient sync, optimizer step, expert-bias step. Returns the next-character
+    loss and router loss averaged over ranks, the selections dropped by capacity on all ranks, and
+    the gradient norm."""
+    logits = model(inputs)
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    aux = sum(m.aux_loss for m in model.moe_layers())
+    optimizer.zero_grad(set_to_none=True)
+    (ce + aux).backward()
+    grad_norm = sync_gradients(model, world, cfg.clip)
+    optimizer.step()
+    if cfg.expert_bias_rate > 0:
+        for m in model.moe_layers():
+            m.update_expert_bias()
+    dropped = sum(m.last_routing.num_dropped for m in model.moe_layers())
+    stats = torch.stack([ce.detach(), aux.detach().float(), dropped.float().to(ce.device)])
+    dist.all_reduce(stats)
+    return stats[0].item() / world, stats[1].item() / world, int(stats[2].item()), grad_norm
+
+
 def train(cfg: TrainConfig) -> list[float]:
     """Run the training loop on the initialised default process group; returns the loss (mean
     next-character cross-entropy over the global batch) of every step, resumed ones included."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if cfg.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {cfg.steps}")
+    if cfg.dim % cfg.heads:
+        raise ValueError(f"--dim ({cfg.dim}) must be divisible by --heads ({cfg.heads})")
     if cfg.batch % world:
         raise ValueError(f"--batch ({cfg.batch}) must be divisible by the number of ranks ({world})")
     device, dtype = _resolve(cfg)
@@ -258,9 +287,8 @@ def train(cfg: TrainConfig) -> list[float]:
         tqdm.write(f"moe_ep.train: {world} rank(s), backend {buffer.backend_name}, {device}, {dtype}, "
                    f"{params:,} parameters on rank 0, {tokens_per_step} tokens/step, steps {start}..{cfg.steps}")
     path = step_dir(cfg, start)
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=rank != 0 or not cfg.progress,
-               unit="step", dynamic_ncols=True)
-    try:
+    with tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=rank != 0 or not cfg.progress,
+              unit="step", dynamic_ncols=True) as bar:
         for step in bar:
             t0 = time.perf_counter()
             inputs, targets = corpus.batch(step, cfg.batch, cfg.seq_len)
@@ -268,20 +296,7 @@ def train(cfg: TrainConfig) -> list[float]:
             inputs, targets = inputs[rows].to(device), targets[rows].to(device)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(cfg, step)
-            logits = model(inputs)
-            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            aux = sum(m.aux_loss for m in model.moe_layers())
-            optimizer.zero_grad(set_to_none=True)
-            (ce + aux).backward()
-            sync_gradients(model, world, cfg.clip)
-            optimizer.step()
-            if cfg.expert_bias_rate > 0:
-                for m in model.moe_layers():
-                    m.update_expert_bias()
-            stats = torch.stack([ce.detach().float(), aux.detach().float(),
-                                 sum(m.last_routing.num_dropped for m in model.moe_layers()).float().to(device)])
-            dist.all_reduce(stats)
-            loss, aux_mean, dropped = stats[0].item() / world, stats[1].item() / world, int(stats[2].item())
+            loss, aux_mean, dropped, grad_norm = train_step(cfg, model, optimizer, inputs, targets, world)
             losses.append(loss)
             tok_s = tokens_per_step / (time.perf_counter() - t0)
             postfix = {"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}"}
@@ -289,13 +304,12 @@ def train(cfg: TrainConfig) -> list[float]:
                 postfix["dropped"] = dropped
             bar.set_postfix(postfix)
             if rank == 0 and (step + 1) % cfg.log_every == 0:
-                tqdm.write(f"step {step + 1:5d} | loss {loss:.4f} | aux {aux_mean:.4f} | {tok_s:,.0f} tok/s"
+                tqdm.write(f"step {step + 1:5d} | loss {loss:.4f} | aux {aux_mean:.4f} | grad norm {grad_norm:.3f} | "
+                           f"{tok_s:,.0f} tok/s"
                            + (f" | dropped {dropped}" if cfg.capacity_factor is not None else ""))
             if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
                 path = save_checkpoint(cfg, rank, world, step + 1, model, optimizer, losses)
-    finally:
-        bar.close()
-        buffer.close()
+    buffer.close()  # collective: only on the success path, where every rank gets here
     if rank == 0:
         tqdm.write(f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; checkpoint {path}")
     return losses
@@ -308,12 +322,12 @@ def parse_args(argv: Optional[list[str]] = None) -> TrainConfig:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
+        kw = {"default": value, "help": f.metadata["help"] + " (default: %(default)s)"}
         if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-        elif f.name == "capacity_factor":
-            parser.add_argument(flag, type=float, default=value)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         else:
-            parser.add_argument(flag, type=type(value), default=value)
+            parser.add_argument(flag, type=float if f.name == "capacity_factor" else type(value),
+                                choices=f.metadata["choices"], **kw)
     return TrainConfig(**vars(parser.parse_args(argv)))
 
 

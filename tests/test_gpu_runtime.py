@@ -14,11 +14,18 @@ from tests._dist import requires_gpus, run_workers
 pytestmark = requires_gpus(2)
 
 HEAP_BYTES = 64 << 20
+CUDA_MEMCPY_DEFAULT = 4
+
+
+def _cudart() -> ctypes.CDLL:
+    """The CUDA runtime library torch loaded, for a raw cudaMemcpy to a peer address."""
+    torch.cuda.init()
+    return ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
 
 
 def _one_session(rank: int, world_size: int, round_: int) -> None:
     from moe_ep import _native
-    from moe_ep.backends.symmetric import CommTimeoutError, NvshmemSession, device_view
+    from moe_ep.backends.symmetric import CommTimeoutError, NvshmemSession
 
     native = _native.load()
     device = torch.device("cuda", rank)
@@ -34,14 +41,16 @@ def _one_session(rank: int, world_size: int, round_: int) -> None:
     assert all(p != 0 for p in x.peer_ptrs), "GPUs of one node must reach each other's symmetric heap"
     assert torch.count_nonzero(x.tensor.view(torch.int16)).item() == 0, "sym_malloc must zero-fill"
 
-    # Every rank draws the same random payload; rank 0 stores it into rank 1's allocation through the
-    # peer address (a torch copy kernel on rank 0's GPU), rank 1 reads it through its own view.
+    # Every rank draws the same random payload; rank 0 copies it into rank 1's allocation through the
+    # peer address (cudaMemcpy on rank 0's GPU), rank 1 reads it through its own torch view.
     gen = torch.Generator().manual_seed(1000 + round_)
     payload = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16).to(device)
     if rank == 0:
-        peer = device_view(x.peer_ptrs[1], (rows, hidden), torch.bfloat16, device)
-        peer.copy_(payload)
-        torch.cuda.synchronize(device)
+        cudart = _cudart()
+        nbytes = payload.numel() * payload.element_size()
+        assert cudart.cudaMemcpy(ctypes.c_void_p(x.peer_ptrs[1]), ctypes.c_void_p(payload.data_ptr()),
+                                 ctypes.c_size_t(nbytes), CUDA_MEMCPY_DEFAULT) == 0
+        assert cudart.cudaDeviceSynchronize() == 0
     native.barrier_all()
     if rank == 1:
         assert torch.equal(x.tensor, payload)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import moe_ep
 from moe_ep import MoE, TopKRouter
+from moe_ep.autograd import _split_bf16
 from moe_ep.experts import GroupedExperts, grouped_mm_supported
 from moe_ep.layer import SwiGLU
 from tests._dist import requires_gpus, run_workers
@@ -89,9 +90,10 @@ def _build(case: Case, buf: moe_ep.Buffer, dtype: torch.dtype = torch.float32) -
     moe = MoE(buf, case.ffn, shared_ffn_hidden=case.shared, dtype=dtype, **case.router)
     full = _full_expert_weights(case, buf.device)
     state = moe.state_dict()
-    state["router.weight"] = torch.randn(case.experts, case.hidden, generator=torch.Generator().manual_seed(case.seed)).to(buf.device)
+    g = torch.Generator().manual_seed(case.seed)
+    state["router.weight"] = torch.randn(case.experts, case.hidden, generator=g).to(buf.device)
     if moe.router.expert_bias is not None:
-        state["router.expert_bias"] = (torch.rand(case.experts, generator=torch.Generator().manual_seed(7)) * 0.1).to(buf.device)
+        state["router.expert_bias"] = (torch.rand(case.experts, generator=g) * 0.1).to(buf.device)
     for e in range(case.experts):
         for name, w in full.items():
             state[f"experts.{e}.{name}"] = w[e]
@@ -213,11 +215,11 @@ def _state_dict_case(rank: int, world: int, singles: list[dist.ProcessGroup]) ->
     buf.close()
 
 
-def _low_latency_case(rank: int, world: int, use_fp8: bool) -> None:
+def _low_latency_case(rank: int, world: int, use_fp8: bool, backend: str = "reference") -> None:
     """Decode path: auto mode picks it only without autograd and for few tokens; results match."""
     case = Case(6, [5, 9, 0, 3], 128 if use_fp8 else 32, 8, 2, 24, dict(score_func="sigmoid"), shared=16)
     buf = moe_ep.Buffer(None, hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
-                        max_tokens_per_rank=16, backend="reference", low_latency=True)
+                        max_tokens_per_rank=16, backend=backend, low_latency=True)
     moe, full = _build(case, buf)
     moe.low_latency_fp8 = use_fp8
     ll_calls = []
@@ -277,26 +279,8 @@ def _balancing_case(rank: int, world: int) -> None:
     buf.close()
 
 
-def _worker(rank: int, world: int) -> None:
-    singles = [dist.new_group([r]) for r in range(world)]
-    for case in GRAD_CASES:
-        _grad_case(rank, world, case)
-    _state_dict_case(rank, world, singles)
-    _low_latency_case(rank, world, use_fp8=False)
-    _low_latency_case(rank, world, use_fp8=True)
-    _balancing_case(rank, world)
-
-
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_layer(world: int) -> None:
-    run_workers(world, _worker)
-
-
-def test_bad_mode_and_shape() -> None:
-    run_workers(1, _bad_input_worker)
-
-
-def _bad_input_worker(rank: int, world: int) -> None:
+def _bad_input_case() -> None:
+    """Wrong mode, width or token count fail with a clear error before any communication."""
     buf = moe_ep.Buffer(None, hidden=16, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
     moe = MoE(buf, 8)
     with pytest.raises(ValueError, match="mode"):
@@ -310,6 +294,31 @@ def _bad_input_worker(rank: int, world: int) -> None:
     with pytest.raises(RuntimeError, match="aux_loss"):
         MoE(buf, 8).aux_loss
     buf.close()
+
+
+def _worker(rank: int, world: int) -> None:
+    singles = [dist.new_group([r]) for r in range(world)]
+    for case in GRAD_CASES:
+        _grad_case(rank, world, case)
+    _state_dict_case(rank, world, singles)
+    _low_latency_case(rank, world, use_fp8=False)
+    _low_latency_case(rank, world, use_fp8=True)
+    _balancing_case(rank, world)
+    if world == 1:
+        _bad_input_case()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_layer(world: int) -> None:
+    run_workers(world, _worker)
+
+
+def test_bf16_split_is_exact() -> None:
+    """The three bf16 terms that carry router-weight gradients through combine add back to the float32."""
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(4096, generator=g) * torch.exp(torch.randn(4096, generator=g) * 8)
+    terms = _split_bf16(v).float()
+    assert torch.equal((terms[:, 0] + terms[:, 1]) + terms[:, 2], v)
 
 
 # ---- GPU: the grouped-GEMM path and the native backend ------------------------------------------
@@ -356,8 +365,8 @@ def _gpu_worker(rank: int, world: int) -> None:
         _grad_case(rank, world, case, backend="auto")
     _grad_case(rank, world, Case(8, [200, 150], 128, 16, 4, 256, dict(aux_loss_coef=0.01)), backend="auto",
                dtype=torch.bfloat16, tol=5e-2)
-    _low_latency_case(rank, world, use_fp8=False)
-    _low_latency_case(rank, world, use_fp8=True)
+    _low_latency_case(rank, world, use_fp8=False, backend="auto")
+    _low_latency_case(rank, world, use_fp8=True, backend="auto")
 
 
 @requires_gpus(2)

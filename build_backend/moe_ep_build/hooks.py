@@ -3,20 +3,30 @@
 When nvcc is present the build also needs pybind11, ninja and the NVSHMEM wheel matching nvcc's CUDA
 major version. That wheel is pinned to the version the target environment already has (torch pins
 one exactly), so the module is compiled against the same NVSHMEM it will load; see
-`nvshmem_requirement`.
+`nvshmem_requirement`. Without nvcc the build says, in one line, that it installs without _C.
 """
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from typing import Optional
 
 from setuptools import build_meta as _setuptools
-from setuptools.build_meta import *  # noqa: F401,F403  (every hook not overridden below)
+from setuptools.build_meta import (  # hooks served by setuptools unchanged
+    build_sdist,
+    get_requires_for_build_sdist,
+    prepare_metadata_for_build_editable,
+    prepare_metadata_for_build_wheel,
+)
 
 from .toolchain import find_cuda
+
+__all__ = [
+    "build_editable", "build_sdist", "build_wheel", "get_requires_for_build_editable",
+    "get_requires_for_build_sdist", "get_requires_for_build_wheel", "prepare_metadata_for_build_editable",
+    "prepare_metadata_for_build_wheel",
+]
 
 NVSHMEM_VERSION_ENV = "MOE_EP_NVSHMEM_VERSION"
 

@@ -1,21 +1,25 @@
 // Combine: each received row goes back to the rank it came from, which sums a token's rows in
 // float32 in ascending rank order (from +0.0, one rounding to bf16), bit for bit like the reference.
 //
-// Protocol (grid = num_blocks blocks of kThreads; same stream as the dispatch that made the handle):
+// Protocol (grid = num_blocks blocks of kThreads; same stream as the dispatch that made the handle).
+// epoch = epochs[kSigCombineDone] + 1 numbers this call's row flags.
 //  0. Start barrier: block 0's thread r stores ready_epoch into its kSigCombineReady flag at peer r;
 //     every block waits for all peers' flags (a peer raises it only after its stream finished the
 //     previous call, so its data region is free: no peer is still reducing or copying from it).
-//  1. Send. Warp w of the grid owns received rows w, w + W, ...: a row from peer s = src_rank[j]
-//     (padding rows, src_rank -1, and this rank's own rows are skipped) is stored, kUnroll int4 per
-//     lane in flight, into row src_index[j] of slot [me] of s's data region (NVLink).
-//  2. arrive_last: system-scope fences, the last block stores done_epoch (release) into its
-//     kSigCombineDone flag at every peer and advances the device epochs.
-//  3. Reduce. Every block waits for all peers' kSigCombineDone >= done_epoch (acquire). Warp w owns
-//     tokens w, w + W, ...: lane r < R reads is_token_in_rank[i][r]; for each chunk of the row the
-//     warp adds, for r ascending, rank r's row (own: x[first[me] + pos[i][me]]; peer: data slot [r]
-//     row i, read with ld.cg) into float32 accumulators with __fadd_rn (never contracted), rounds
-//     once with __float2bfloat16_rn and stores out[i]. Tokens that went nowhere get +0.
-// A timeout leaves the kernel early (after counting the block in) and suppresses the done flags.
+//  1. Send (warps 0..kSendWarps-1 of every block). Sending warp w owns received rows w, w + W, ...:
+//     a row from peer s = src_rank[j] (padding rows, src_rank -1, and this rank's own rows are
+//     skipped) is stored, kSendUnroll int4 per lane in flight, into row i = src_index[j] of slot [me]
+//     of s's data region (NVLink); then __syncwarp and lane 0 stores `epoch` with release semantics
+//     into row flag [combine][me][i] at s.
+//  2. Reduce (the other warps from the start, the sending warps once their rows are done). Warps take
+//     tokens i = 0, 1, ... of this rank from a grid-wide counter. Lane r < R reads
+//     is_token_in_rank[i][r]; lanes of peer sources wait for their row flag to reach `epoch`
+//     (acquire; __syncwarp hands the order to the whole warp). Then, chunk by chunk, the warp adds
+//     rank r's row for r ascending (own: x[first[me] + pos[i][me]]; peer: data slot [r] row i, read
+//     through L2) into float32 accumulators with __fadd_rn (never contracted), rounds once with
+//     __float2bfloat16_rn and stores out[i]. Tokens that went nowhere get +0.
+//  3. arrive_last: the last block resets the work counter and advances the device epochs.
+// A timeout leaves the loops early (every block still arrives, so epochs stay in step).
 #include <cuda_bf16.h>
 
 #include "kernels/intranode.h"
@@ -49,107 +53,124 @@ __device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
   return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
 }
 
-__global__ void __launch_bounds__(kThreads, 1)
-combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ CombineArgs a) {
-  const Comm& comm = ctx.comm;
-  const int me = comm.rank, R = comm.nranks;
-  const int lane = threadIdx.x % 32;
-  const int warp = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
-  const int row_bytes = 2 * ctx.dims.hidden, vecs = row_bytes / 16;
-  const char* x = reinterpret_cast<const char*>(a.x);
-  const uint64_t ready_epoch = comm.epochs[kSigCombineReady] + 1;
-  const uint64_t done_epoch = comm.epochs[kSigCombineDone] + 1;
-
-  // 0. start barrier
-  if (blockIdx.x == 0) signal_peers(comm, kSigCombineReady, ready_epoch);
-  const bool ok = wait_peers(comm, kSigCombineReady, ready_epoch, kPhaseCombineBarrier);
-
-  // 1. send rows back
-  if (ok) {
-    const auto* src_rank = reinterpret_cast<const int*>(a.src_rank);
-    const auto* src_index = reinterpret_cast<const int*>(a.src_index);
-    for (int j = warp; j < a.num_rows; j += num_warps) {
-      const int s = src_rank[j];
-      if (s < 0 || s == me) continue;
-      const int4* src = reinterpret_cast<const int4*>(x + (size_t)j * row_bytes);
-      int4* dst = reinterpret_cast<int4*>(ctx.region(s, ctx.ws.data) + me * ctx.ws.slot_bytes +
-                                          (size_t)src_index[j] * row_bytes);
-      for (int first = 0; first < vecs; first += 32 * kSendUnroll) {
-        int4 v[kSendUnroll];
+// Row j of x back to its source rank s at index src_index[j], then its row flag.
+__device__ __forceinline__ void send_row(const DeviceContext& ctx, const CombineArgs& a, int j, int s,
+                                         uint64_t epoch, int lane) {
+  const int me = ctx.comm.rank, row_bytes = 2 * ctx.dims.hidden, vecs = row_bytes / 16;
+  const int i = reinterpret_cast<const int*>(a.src_index)[j];
+  const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + (size_t)j * row_bytes);
+  int4* dst = reinterpret_cast<int4*>(ctx.region(s, ctx.ws.data) + me * ctx.ws.slot_bytes + (size_t)i * row_bytes);
+  for (int first = 0; first < vecs; first += 32 * kSendUnroll) {
+    int4 v[kSendUnroll];
 #pragma unroll
-        for (int u = 0; u < kSendUnroll; ++u) {
-          const int i = first + u * 32 + lane;
-          if (i < vecs) v[u] = ld_nc_int4(src + i);
-        }
+    for (int u = 0; u < kSendUnroll; ++u) {
+      const int k = first + u * 32 + lane;
+      if (k < vecs) v[u] = ld_nc_int4(src + k);
+    }
 #pragma unroll
-        for (int u = 0; u < kSendUnroll; ++u) {
-          const int i = first + u * 32 + lane;
-          if (i < vecs) dst[i] = v[u];
-        }
-      }
+    for (int u = 0; u < kSendUnroll; ++u) {
+      const int k = first + u * 32 + lane;
+      if (k < vecs) dst[k] = v[u];
     }
   }
+  __syncwarp();
+  if (lane == 0) st_release_sys(ctx.row_flag(s, kCombineRows, me, i), epoch);
+}
 
-  // 2. publish
-  if (arrive_last(ctx.block_counters + 1)) {
-    if (!comm_aborted(comm)) signal_peers_from_one_thread(comm, kSigCombineDone, done_epoch);
-    comm.epochs[kSigCombineReady] = ready_epoch;
-    comm.epochs[kSigCombineDone] = done_epoch;
-  }
-  if (!ok) return;
+// out[i] = bf16(sum over the ranks r that received token i, ascending, of float(their row)).
+// Returns false when a wait for a peer's row gave up.
+__device__ __forceinline__ bool reduce_token(const DeviceContext& ctx, const CombineArgs& a, int i, uint64_t epoch,
+                                             int lane) {
+  const int me = ctx.comm.rank, R = ctx.comm.nranks, row_bytes = 2 * ctx.dims.hidden, vecs = row_bytes / 16;
+  const bool sent = lane < R && reinterpret_cast<const bool*>(a.is_token_in_rank)[(size_t)i * R + lane];
+  const unsigned sources = __ballot_sync(kFullMask, sent);
+  bool ok = true;
+  if (sent && lane != me) ok = wait_geq(ctx.comm, ctx.row_flag(me, kCombineRows, lane, i), epoch, kPhaseCombineRecv, lane);
+  __syncwarp();
+  if (!__all_sync(kFullMask, ok)) return false;
 
-  // 3. reduce
-  if (!wait_peers(comm, kSigCombineDone, done_epoch, kPhaseCombineRecv)) return;
-  const auto* in_rank = reinterpret_cast<const bool*>(a.is_token_in_rank);
-  const auto* pos = reinterpret_cast<const int*>(a.pos);
-  const int first_mine = reinterpret_cast<const int*>(a.recv_info)[R + me];
-  const char* data = ctx.region(me, ctx.ws.data);
-  int4* out = reinterpret_cast<int4*>(a.out);
-  for (int i = warp; i < a.num_tokens; i += num_warps) {
-    const bool sent = lane < R && in_rank[(size_t)i * R + lane];
-    const unsigned sources = __ballot_sync(kFullMask, sent);
-    const char* row = nullptr;  // lane r: rank r's row for token i
-    if (sent) {
-      row = lane == me ? x + ((size_t)first_mine + pos[(size_t)i * R + me]) * row_bytes
-                       : data + lane * ctx.ws.slot_bytes + (size_t)i * row_bytes;
+  const char* row = nullptr;  // lane r: rank r's row for token i
+  if (sent) {
+    if (lane == me) {
+      const int first_mine = reinterpret_cast<const int*>(a.recv_info)[R + me];
+      const int p = reinterpret_cast<const int*>(a.pos)[(size_t)i * R + me];
+      row = reinterpret_cast<const char*>(a.x) + ((size_t)first_mine + p) * row_bytes;
+    } else {
+      row = ctx.region(me, ctx.ws.data) + lane * ctx.ws.slot_bytes + (size_t)i * row_bytes;
     }
-    for (int first = 0; first < vecs; first += 32 * kReduceUnroll) {
-      float acc[kReduceUnroll][8];
+  }
+  int4* out = reinterpret_cast<int4*>(a.out) + (size_t)i * vecs;
+  for (int first = 0; first < vecs; first += 32 * kReduceUnroll) {
+    float acc[kReduceUnroll][8];
 #pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u)
+    for (int u = 0; u < kReduceUnroll; ++u)
 #pragma unroll
-        for (int h = 0; h < 8; ++h) acc[u][h] = 0.f;
-      // two sources at a time: both loads in flight, then added in rank order
-      for (unsigned m = sources; m != 0;) {
-        const int r0 = __ffs(m) - 1;
-        m &= m - 1;
-        const int r1 = __ffs(m) - 1;  // -1 when r0 was the last source
-        m &= m - 1;
-        const int4* src0 = reinterpret_cast<const int4*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), r0));
-        const int4* src1 = reinterpret_cast<const int4*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), max(r1, 0)));
-        int4 v0[kReduceUnroll], v1[kReduceUnroll];
+      for (int h = 0; h < 8; ++h) acc[u][h] = 0.f;
+    // two sources at a time: both loads in flight, then added in rank order
+    for (unsigned m = sources; m != 0;) {
+      const int r0 = __ffs(m) - 1;
+      m &= m - 1;
+      const int r1 = __ffs(m) - 1;  // -1 when r0 was the last source
+      m &= m - 1;
+      const auto* src0 = reinterpret_cast<const int4*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), r0));
+      const auto* src1 = reinterpret_cast<const int4*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), max(r1, 0)));
+      int4 v0[kReduceUnroll], v1[kReduceUnroll];
 #pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u) {
-          const int k = first + u * 32 + lane;
-          if (k < vecs) {
-            v0[u] = __ldcg(src0 + k);
-            if (r1 >= 0) v1[u] = __ldcg(src1 + k);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u) {
-          if (first + u * 32 + lane < vecs) {
-            add_bf16x8(acc[u], v0[u]);
-            if (r1 >= 0) add_bf16x8(acc[u], v1[u]);
-          }
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        const int k = first + u * 32 + lane;
+        if (k < vecs) {
+          v0[u] = __ldcg(src0 + k);
+          if (r1 >= 0) v1[u] = __ldcg(src1 + k);
         }
       }
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; ++u) {
-        const int k = first + u * 32 + lane;
-        if (k < vecs) out[(size_t)i * vecs + k] = round_bf16x8(acc[u]);
+        if (first + u * 32 + lane < vecs) {
+          add_bf16x8(acc[u], v0[u]);
+          if (r1 >= 0) add_bf16x8(acc[u], v1[u]);
+        }
       }
     }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      const int k = first + u * 32 + lane;
+      if (k < vecs) out[k] = round_bf16x8(acc[u]);
+    }
+  }
+  return true;
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ CombineArgs a) {
+  const Comm& comm = ctx.comm;
+  const int me = comm.rank;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint64_t ready_epoch = comm.epochs[kSigCombineReady] + 1;
+  const uint64_t epoch = comm.epochs[kSigCombineDone] + 1;
+
+  // 0. start barrier
+  if (blockIdx.x == 0) signal_peers(comm, kSigCombineReady, ready_epoch);
+  if (wait_peers(comm, kSigCombineReady, ready_epoch, kPhaseCombineBarrier)) {
+    // 1. send rows back
+    if (warp < kSendWarps) {
+      const auto* src_rank = reinterpret_cast<const int*>(a.src_rank);
+      for (int j = blockIdx.x * kSendWarps + warp; j < a.num_rows; j += gridDim.x * kSendWarps) {
+        const int s = src_rank[j];
+        if (s >= 0 && s != me) send_row(ctx, a, j, s, epoch, lane);
+      }
+    }
+    // 2. reduce this rank's tokens
+    for (;;) {
+      const int i = take_work_item(ctx.block_counters + 3);
+      if (i >= a.num_tokens || !reduce_token(ctx, a, i, epoch, lane)) break;
+    }
+  }
+
+  // 3. bookkeeping for the next call
+  if (arrive_last(ctx.block_counters + 1)) {
+    ctx.block_counters[3] = 0;
+    comm.epochs[kSigCombineReady] = ready_epoch;
+    comm.epochs[kSigCombineDone] = epoch;
   }
 }
 

@@ -5,11 +5,11 @@
 // with the host compiler; the part under __CUDACC__ holds the device code shared by layout.cu,
 // notify.cu, dispatch.cu and combine.cu.
 //
-// Symmetric memory, two allocations per Buffer with the same layout on every rank. "Slot s" of a
-// region on rank d holds what rank s wrote there; only rank s writes slot s.
+// Symmetric memory of a Buffer besides its comm.h signal array: two allocations with the same layout
+// on every rank. "Slot s" of a region on rank d holds what rank s wrote there; only rank s writes it.
 // Workspace (WorkspaceLayout):
-//   counts    [R][count_stride] int32  row 0: tokens s sends to d; then d's E_l local experts' token
-//                                      counts among them (notify.cu)
+//   counts    [2][R][count_stride]     int32; set [notify epoch % 2], row s: tokens s sends to d, then
+//                                      d's E_l local experts' token counts among them (notify.cu)
 //   data      [R][T][2H bytes]         dispatch: the rows s sends to d, at the position of each token
 //                                      among s's tokens for d (so slot s is already in final order),
 //                                      packed at the row size (2H bf16, H e4m3); combine: bf16 rows
@@ -66,7 +66,7 @@ inline WorkspaceLayout workspace_layout(const Dims& d) {
   w.slot_bytes = T * 2 * H;
   uint64_t at = 0;
   const auto take = [&](uint64_t bytes) { const uint64_t start = at; at += align(bytes); return start; };
-  w.counts = take(R * w.count_stride * sizeof(int32_t));
+  w.counts = take(2 * R * w.count_stride * sizeof(int32_t));
   w.data = take(R * w.slot_bytes);
   w.topk = take(R * T * K * sizeof(int64_t));
   w.weights = take(R * T * K * sizeof(float));

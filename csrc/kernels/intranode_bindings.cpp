@@ -6,7 +6,6 @@
 
 #include <cuda_runtime.h>
 
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -26,12 +25,14 @@ class IntranodeContext {
  public:
   IntranodeContext(int rank, int nranks, int max_tokens, int hidden, int num_topk, int num_experts, double timeout_s,
                    uintptr_t error, uintptr_t epochs, uintptr_t block_counters, uintptr_t layout_scratch,
-                   const std::vector<uintptr_t>& signals, const std::vector<uintptr_t>& workspace) {
+                   const std::vector<uintptr_t>& signals, const std::vector<uintptr_t>& workspace,
+                   const std::vector<uintptr_t>& row_flags) {
     if (nranks < 1 || nranks > kMaxPeers || rank < 0 || rank >= nranks)
       throw std::invalid_argument("IntranodeContext: rank " + std::to_string(rank) + " of " + std::to_string(nranks) +
                                   " (at most " + std::to_string(kMaxPeers) + " ranks)");
-    if (static_cast<int>(signals.size()) != nranks || static_cast<int>(workspace.size()) != nranks)
-      throw std::invalid_argument("IntranodeContext: need one signal and one workspace address per rank");
+    if (static_cast<int>(signals.size()) != nranks || static_cast<int>(workspace.size()) != nranks ||
+        static_cast<int>(row_flags.size()) != nranks)
+      throw std::invalid_argument("IntranodeContext: need one signal, workspace and row-flag address per rank");
     ctx_.dims = Dims{rank, nranks, max_tokens, hidden, num_topk, num_experts};
     ctx_.ws = workspace_layout(ctx_.dims);
     ctx_.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
@@ -42,6 +43,7 @@ class IntranodeContext {
     for (int r = 0; r < nranks; ++r) {
       ctx_.signals[r] = signals[r];
       ctx_.workspace[r] = workspace[r];
+      ctx_.row_flags[r] = row_flags[r];
     }
     host_info_entries_ = nranks + num_experts / nranks;
     MOE_EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_info_), host_info_entries_ * sizeof(int),
@@ -87,8 +89,7 @@ class IntranodeContext {
   void dispatch(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t pos,
                 uintptr_t recv_info, int num_tokens, int row_bytes, int num_scales, uintptr_t out_x,
                 uintptr_t out_scales, uintptr_t out_topk_idx, uintptr_t out_topk_weights, uintptr_t out_src_rank,
-                uintptr_t out_src_index, const std::optional<std::vector<int>>& host_counts, bool worst_case,
-                bool cached, int num_blocks, uintptr_t stream) const {
+                uintptr_t out_src_index, bool worst_case, bool cached, int num_blocks, uintptr_t stream) const {
     DispatchArgs a{};
     a.x = x;
     a.x_scales = x_scales;
@@ -105,13 +106,6 @@ class IntranodeContext {
     a.out_topk_weights = out_topk_weights;
     a.out_src_rank = out_src_rank;
     a.out_src_index = out_src_index;
-    if (host_counts.has_value()) {
-      if (static_cast<int>(host_counts->size()) != ctx_.dims.nranks)
-        throw std::invalid_argument("IntranodeContext.dispatch: host_counts needs one entry per rank");
-      for (int s = 0; s < ctx_.dims.nranks; ++s) a.host_counts[s] = (*host_counts)[s];
-    } else if (!worst_case) {
-      throw std::invalid_argument("IntranodeContext.dispatch: host_counts is required outside worst-case mode");
-    }
     a.worst_case = worst_case;
     a.cached = cached;
     a.num_blocks = num_blocks;
@@ -153,17 +147,17 @@ void register_intranode(py::module_& m) {
   py::class_<IntranodeContext>(m, "IntranodeContext",
                                "Fixed device addresses of one Buffer's normal-mode kernels, and their launchers.")
       .def(py::init<int, int, int, int, int, int, double, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
-                    const std::vector<uintptr_t>&, const std::vector<uintptr_t>&>(),
+                    const std::vector<uintptr_t>&, const std::vector<uintptr_t>&, const std::vector<uintptr_t>&>(),
            py::arg("rank"), py::arg("nranks"), py::arg("max_tokens"), py::arg("hidden"), py::arg("num_topk"),
            py::arg("num_experts"), py::arg("timeout_s"), py::arg("error"), py::arg("epochs"),
-           py::arg("block_counters"), py::arg("layout_scratch"), py::arg("signals"), py::arg("workspace"))
+           py::arg("block_counters"), py::arg("layout_scratch"), py::arg("signals"), py::arg("workspace"),
+           py::arg("row_flags"))
       .def("close", &IntranodeContext::close, "Free the host-mapped count mailbox.")
       .def("layout", &IntranodeContext::layout, "Launch the layout kernel (get_dispatch_layout).")
       .def("notify", &IntranodeContext::notify,
            "Launch layout + count exchange (start of a dispatch); fills pos, recv_info, tokens_per_expert.")
       .def("host_info", &IntranodeContext::host_info,
            "(rows per source, rows per local expert) written by the last non-worst-case notify.")
-      .def("dispatch", &IntranodeContext::dispatch,
-           "Launch the dispatch kernel and the copy-engine copies of the peers' rows.")
+      .def("dispatch", &IntranodeContext::dispatch, "Launch the dispatch kernel.")
       .def("combine", &IntranodeContext::combine, "Launch the combine kernel.");
 }

@@ -1,12 +1,12 @@
 // Notify: the dispatch layout plus the count exchange, which is also the start barrier of a dispatch.
 //
 // Protocol: one block of kLayoutThreads threads.
-//  1. compute_layout (layout.cu): is_token_in_rank and pos for the dispatch, tokens per rank and per
+//  1. compute_layout (kernels/intranode.h): is_token_in_rank and pos for the dispatch, tokens per rank and per
 //     expert into Context::layout_scratch.
 //  2. epoch = epochs[kSigNotify] + 1. For every rank d (this one included), the block writes row
-//     [me] of d's counts region: the number of tokens it sends to d, then its token counts for d's
-//     E_l local experts. Every thread fences at system scope, the block joins, then thread d stores
-//     `epoch` (release) into its kSigNotify flag at d.
+//     [me] of counts set [epoch % 2] at d: the number of tokens it sends to d, then its token counts
+//     for d's E_l local experts. Every thread fences at system scope, the block joins, then thread d
+//     stores `epoch` (release) into its kSigNotify flag at d.
 //  3. Thread s waits until source s's kSigNotify flag at this rank reaches `epoch` (acquire); the
 //     block joins. Thread 0 then derives rows per source and the first output row of each source
 //     (prefix sums, or s * T in worst-case mode), the other threads sum the per-local-expert counts
@@ -14,11 +14,12 @@
 //     host-mapped memory that the host reads after one stream synchronisation.
 //  4. Thread 0 stores `epoch` back into epochs[kSigNotify] (kernels on the stream see it next call).
 //
-// Why this also guards the other regions: a rank runs its notify only after its stream finished the
+// Why this guards the other regions: a rank runs its notify only after its stream finished the
 // previous call, which consumed everything peers wrote into its workspace; a peer writes rows into
 // this rank's workspace only after it has seen this rank's notify (or ready) flag for the new call.
-// The counts region itself is safe too: a peer writes the next counts only after its dispatch kernel
-// saw this rank's dispatch-done flag, which this rank raises after this kernel finished reading them.
+// The counts are written before that wait, so they alternate between two sets: a peer can start its
+// next notify while this rank still reads the current set (when no rows flowed between them), but
+// it cannot get two calls ahead, since that next notify waits for this rank's next flag.
 // On a timeout the outputs are zero (no rows, offsets s * T or 0), so later kernels touch no memory
 // out of bounds; the host raises CommTimeoutError.
 #include "kernels/intranode.h"
@@ -48,11 +49,12 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
 
   // 2. my counts into row [me] of every rank's counts region, then the flags
   const uint64_t epoch = comm.epochs[kSigNotify] + 1;
+  const int set = static_cast<int>(epoch % 2) * R;  // first row of this call's counts set
   const int row = 1 + num_local;
   for (int i = tid; i < R * row; i += kLayoutThreads) {
     const int d = i / row, j = i % row;
     const int value = j == 0 ? tokens_per_rank[d] : tokens_per_expert[d * num_local + j - 1];
-    reinterpret_cast<int*>(ctx.region(d, ctx.ws.counts))[me * stride + j] = value;
+    reinterpret_cast<int*>(ctx.region(d, ctx.ws.counts))[(set + me) * stride + j] = value;
   }
   __threadfence_system();
   __syncthreads();
@@ -60,7 +62,7 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
 
   // 3. everyone's counts for this rank
   const bool ok = wait_peers(comm, kSigNotify, epoch, kPhaseNotify);
-  const int* counts = reinterpret_cast<const int*>(ctx.region(me, ctx.ws.counts));
+  const int* counts = reinterpret_cast<const int*>(ctx.region(me, ctx.ws.counts)) + set * stride;
   auto* recv_info = reinterpret_cast<int*>(a.recv_info);
   auto* aligned = reinterpret_cast<int*>(a.tokens_per_expert);
   auto* host_info = reinterpret_cast<int*>(a.host_info);

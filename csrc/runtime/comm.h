@@ -18,9 +18,9 @@ constexpr int kMaxRanks = 8;
 enum SignalSlot : int {
   kSigNotify = 0,         // intranode: count exchange (also the dispatch start barrier)
   kSigDispatchReady = 1,  // intranode: cached-dispatch start barrier
-  kSigDispatchDone = 2,   // intranode: all rows of this source have landed
+  kSigDispatchDone = 2,   // intranode: epoch counter only (numbers the per-row flags)
   kSigCombineReady = 3,   // intranode: combine start barrier
-  kSigCombineDone = 4,    // intranode: all combine rows of this source have landed
+  kSigCombineDone = 4,    // intranode: epoch counter only (numbers the per-row flags)
   kSigLowLatencyFirst = 8,  // 8..15 belong to the low-latency kernels
   kNumSignalSlots = 16,
 };

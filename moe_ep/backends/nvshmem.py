@@ -1,13 +1,14 @@
 """Native backend: normal-mode dispatch/combine on the NVLink kernels (csrc/kernels/intranode.h and
 notify.cu, dispatch.cu, combine.cu), low-latency calls forwarded to LowLatencyEngine.
 
-A normal dispatch is: one kernel computing the layout and exchanging counts with every peer (the
-start barrier), one host synchronisation to learn how many rows arrive, the dispatch kernel (peer
-stores over NVLink) and copy-engine copies of the peers' rows into fresh output tensors. In
-worst-case mode the output has R * T rows, so the host never waits and the calls capture into a CUDA
-graph. Every call runs on the current stream; all calls of one Buffer must be ordered on the device
-(one stream, or events between streams), because each call reuses the Buffer's symmetric workspace
-once the peers have signalled that they finished the previous call.
+A normal dispatch is one kernel that computes the layout and exchanges counts with every peer (the
+start barrier), one host synchronisation to learn how many rows arrive, then the dispatch kernel,
+whose warps store rows into the peers' symmetric workspace over NVLink while other warps copy the
+rows that already landed here (per-row flags) into fresh output tensors. In worst-case mode the
+output has R * T rows, so the host never waits and the calls capture into a CUDA graph. Every call
+runs on the current stream; all calls of one Buffer must be ordered on the device (one stream, or
+events between streams), because each call reuses the Buffer's symmetric memory once the peers have
+signalled that they finished the previous call. After a CommTimeoutError the Buffer is unusable.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from .base import Backend, BufferConfig
 from .symmetric import NvshmemSession
 
 HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding, per allocation
+NUM_ALLOCATIONS = 3  # signals, workspace, row flags
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,10 @@ class NvshmemBackend(Backend):
         super().__init__(cfg)
         native = _native.load()
         r, e = cfg.world_size, cfg.num_experts
-        workspace_bytes = native.intranode_workspace_bytes(r, cfg.max_tokens_per_rank, cfg.hidden, cfg.num_topk, e)
-        heap_bytes = workspace_bytes + native.SIGNAL_WORDS * 8 + 2 * HEAP_SLACK
+        t = cfg.max_tokens_per_rank
+        workspace_bytes = native.intranode_workspace_bytes(r, t, cfg.hidden, cfg.num_topk, e)
+        row_flags_shape = (2, r, t)  # [dispatch | combine][source][row] uint64 (kernels/intranode.h)
+        heap_bytes = workspace_bytes + (native.SIGNAL_WORDS + 2 * r * t) * 8 + NUM_ALLOCATIONS * HEAP_SLACK
         engine_cls: Any = None
         if cfg.low_latency:
             from .low_latency import LowLatencyEngine
@@ -76,12 +80,13 @@ class NvshmemBackend(Backend):
             heap_bytes += engine_cls.heap_bytes(cfg)
 
         self._epochs = torch.zeros(native.NUM_EPOCHS, dtype=torch.int64, device=cfg.device)
-        self._block_counters = torch.zeros(2, dtype=torch.int32, device=cfg.device)
+        self._block_counters = torch.zeros(4, dtype=torch.int32, device=cfg.device)
         self._layout_scratch = torch.empty(r + e, dtype=torch.int32, device=cfg.device)
         torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
         self._session: Optional[NvshmemSession] = NvshmemSession.acquire(cfg.group, cfg.device, heap_bytes)
         self._signals = self._session.alloc((native.SIGNAL_WORDS,), torch.int64)
         self._workspace = self._session.alloc((workspace_bytes,), torch.uint8)
+        self._row_flags = self._session.alloc(row_flags_shape, torch.int64)
         self._error = self._session.error_state(cfg.timeout_s)
         unreachable = [p for p, addr in enumerate(self._workspace.peer_ptrs) if addr == 0]
         if unreachable:
@@ -93,6 +98,7 @@ class NvshmemBackend(Backend):
             num_experts=e, timeout_s=cfg.timeout_s, error=self._error.device_ptr, epochs=self._epochs.data_ptr(),
             block_counters=self._block_counters.data_ptr(), layout_scratch=self._layout_scratch.data_ptr(),
             signals=list(self._signals.peer_ptrs), workspace=list(self._workspace.peer_ptrs),
+            row_flags=list(self._row_flags.peer_ptrs),
         )
         self._low_latency = (engine_cls(cfg, self._session, self._signals, self._epochs, self._error)
                              if engine_cls is not None else None)
@@ -144,8 +150,8 @@ class NvshmemBackend(Backend):
         cached = handle is not None
         if cached:
             state: DispatchState = handle.state
-            worst_case, in_rank, recv_counts = handle.worst_case, handle.is_token_in_rank, handle.recv_counts
-            raw_device = state.recv_info[2 * r:]
+            worst_case, recv_counts = handle.worst_case, handle.recv_counts
+            raw_device = state.recv_info[2 * r:]  # received rows per local expert, from the original dispatch
             tokens_per_expert_tensor = torch.div(raw_device + (expert_alignment - 1), expert_alignment,
                                                  rounding_mode="floor") * expert_alignment
         else:
@@ -166,7 +172,7 @@ class NvshmemBackend(Backend):
             x.data_ptr(), _ptr(x_scales), _ptr(topk_idx), _ptr(topk_weights), state.pos.data_ptr(),
             state.recv_info.data_ptr(), n, h * x.element_size(), cfg.num_scales if fp8 else 0, out_x.data_ptr(),
             _ptr(out_scales), _ptr(out_topk_idx), _ptr(out_topk_weights), 0 if cached else src_rank.data_ptr(),
-            0 if cached else src_index.data_ptr(), recv_counts, worst_case, cached, num_sms, stream.cuda_stream,
+            0 if cached else src_index.data_ptr(), worst_case, cached, num_sms, stream.cuda_stream,
         )
         new_handle = handle if cached else DispatchHandle(
             buffer_id=cfg.buffer_id, num_tokens=n, num_recv_rows=m, is_token_in_rank=in_rank,
