@@ -8,11 +8,11 @@ out=${OUT:-out}; mkdir -p "$out"
 stages=${*:-build info tests bench train}
 has() { [[ " $stages " == *" $1 "* ]]; }
 if has build; then
-  pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 || { tail -60 "$out/build.log"; exit 1; }
+  python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 || { tail -60 "$out/build.log"; exit 1; }
   echo "build ok"
 fi
-has info && python -m moe_ep.info 2>&1 | tee "$out/info.txt"
-has tests && timeout ${TEST_TIMEOUT:-420} python -m pytest -q -rs ${TESTS:-tests} 2>&1 | tee "$out/tests.log" | tail -40
+has info && python3 -m moe_ep.info 2>&1 | tee "$out/info.txt"
+has tests && timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -rs ${TESTS:-tests} 2>&1 | tee "$out/tests.log" | tail -40
 has bench && timeout ${BENCH_TIMEOUT:-300} torchrun --nproc-per-node 2 -m moe_ep.bench --out "$out" ${BENCH_ARGS:-} 2>&1 \
   | grep -v "^W1" | tee "$out/bench.log" | tail -40
 has train && timeout 240 torchrun --nproc-per-node 2 -m moe_ep.train ${TRAIN_ARGS:-} 2>&1 | tee "$out/train.log" | tail -15

@@ -118,7 +118,9 @@ class Timer:
         return _max_over_ranks(statistics.median(sends)), _max_over_ranks(statistics.median(recvs))
 
     def kernel_us(self, fn: Callable[[], object], calls: int = 10) -> Optional[float]:
-        """Device time per call of every kernel and copy except the L2 flush (torch.profiler)."""
+        """Device time per call of every kernel and copy the call launched (torch.profiler); the L2
+        flush and the aligning barrier are left out. The per-kernel split goes to `last_kernels`."""
+        self.last_kernels: dict[str, float] = {}
         if self.flush_buf is None:
             return None
         from torch.profiler import ProfilerActivity, profile
@@ -128,11 +130,22 @@ class Timer:
                 self._align()
                 fn()
             torch.cuda.synchronize()
-        total = 0.0
         for ev in prof.key_averages():
-            if ev.device_type == torch.autograd.DeviceType.CUDA and "fill" not in ev.key.lower():
-                total += ev.self_device_time_total
-        return _max_over_ranks(total / calls)
+            name = ev.key.lower()
+            if ev.device_type == torch.autograd.DeviceType.CUDA and "fill" not in name and "allreduce" not in name:
+                self.last_kernels[ev.key[:60]] = ev.self_device_time_total / calls
+        return _max_over_ranks(sum(self.last_kernels.values()))
+
+    def graph_us(self, fn: Callable[[], object]) -> Optional[float]:
+        """Median time of replaying fn captured in a CUDA graph (no host time inside)."""
+        if self.flush_buf is None:
+            return None
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return self.call_us(graph.replay)
 
 
 def _max_over_ranks(value: float) -> float:
@@ -173,7 +186,7 @@ def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: li
         ops.append(("combine_bf16", lambda: buf.combine(y, probe.handle, num_sms=sms), row_bf16, ref[2] if ref else None))
         for op, fn, row_bytes, ref_us in ops:
             rows.append(Row(case, op, buf.backend_name, sms, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
-                            recv * row_bytes, remote * row_bytes, ref_us))
+                            recv * row_bytes, remote * row_bytes, ref_us, extra={"kernels": timer.last_kernels}))
     return rows
 
 
@@ -207,6 +220,8 @@ def bench_low_latency(buf: Buffer, timer: Timer, tokens: int) -> list[Row]:
 
     def add(op: str, fn: Callable[[], object], row_bytes: int, ref_us: Optional[float]) -> None:
         rows.append(Row("L1", op, buf.backend_name, None, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
+                        pairs * row_bytes, 0, ref_us, extra={"kernels": timer.last_kernels}))
+        rows.append(Row("L1", op + "_graph", buf.backend_name, None, tokens, cfg.hidden, timer.graph_us(fn), None,
                         pairs * row_bytes, 0, ref_us))
 
     # Combine first: a low-latency dispatch result (and its handle) stays valid for two dispatches only.
@@ -237,6 +252,15 @@ def print_table(rows: list[Row]) -> None:
         speed = f"{r.deepep_us / r.call_us:6.2f}x" if r.deepep_us else "      -"
         print(f"{r.case:<6} {r.op:<22} {r.backend:<9} {r.sms or '-':>4} {r.tokens:>6} {r.hidden:>6} {r.call_us:9.1f} "
               f"{kern} {r.gbps:7.1f} {r.remote_gbps:7.1f} {link} {ref} {speed}")
+
+
+def print_kernels(rows: list[Row]) -> None:
+    """Rank 0's device time per kernel for each measured call (from the profiler)."""
+    for r in rows:
+        kernels = r.extra.get("kernels")
+        if kernels:
+            split = ", ".join(f"{name} {us:.1f}" for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]))
+            print(f"  {r.case} {r.op} {r.backend} sms={r.sms or '-'}: {split}")
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -330,6 +354,8 @@ def main() -> None:
             print("matplotlib is not installed: no plot written")
         print(f"# {meta['device']} x{world}, {meta['date']}, {meta['timing']}")
         print_table(rows)
+        print("device time per kernel (us, rank 0):")
+        print_kernels(rows)
     dist.destroy_process_group()
 
 
