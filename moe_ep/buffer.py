@@ -171,7 +171,7 @@ class Buffer:
         self._check_tokens(t.shape[0], "topk_idx")
         capturing = cfg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if t.numel() and check_values and not capturing:
-            lo, hi = int(t.min()), int(t.max())
+            lo, hi = torch.stack(torch.aminmax(t)).tolist()  # one reduction, one host sync
             if lo < -1 or hi >= cfg.num_experts:
                 raise ValueError(f"topk_idx values must lie in [-1, {cfg.num_experts}), got min {lo} and max {hi}")
         return t

@@ -2,9 +2,9 @@
 notify.cu, dispatch.cu, combine.cu), low-latency calls forwarded to LowLatencyEngine.
 
 A normal dispatch is one kernel that computes the layout and exchanges counts with every peer (the
-start barrier), one host synchronisation to learn how many rows arrive, then the dispatch kernel,
-whose warps store rows into the peers' symmetric workspace over NVLink while other warps copy the
-rows that already landed here (per-row flags) into fresh output tensors. In worst-case mode the
+start barrier), then at once the dispatch kernel, whose warps store rows into the peers' symmetric
+workspace over NVLink while other warps copy the rows that already landed here (per-row flags) into
+fresh output tensors; the host waits for the counts only to size the result, while the rows move. In worst-case mode the
 output has R * T rows, so the host never waits and the calls capture into a CUDA graph. Every call
 runs on the current stream; all calls of one Buffer must be ordered on the device (one stream, or
 events between streams), because each call reuses the Buffer's symmetric memory once the peers have
@@ -121,11 +121,9 @@ class NvshmemBackend(Backend):
         return DispatchLayout(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank)
 
     def _notify(self, topk_idx: torch.Tensor, expert_alignment: int, worst_case: bool,
-                stream: torch.cuda.Stream) -> tuple[torch.Tensor, DispatchState, Optional[list[int]], torch.Tensor]:
-        """Layout + count exchange; waits for the counts unless worst_case.
-
-        Returns is_token_in_rank, the handle state, rows per source (None in worst-case mode) and the
-        aligned tokens per local expert on the device."""
+                stream: torch.cuda.Stream) -> tuple[torch.Tensor, DispatchState, torch.Tensor]:
+        """Launch layout + count exchange. Returns is_token_in_rank, the handle state (its
+        tokens_per_expert still unknown to the host) and the aligned tokens per local expert on the device."""
         cfg, n, r = self.cfg, topk_idx.shape[0], self.cfg.world_size
         dev = cfg.device
         in_rank = torch.empty(n, r, dtype=torch.bool, device=dev)
@@ -134,20 +132,19 @@ class NvshmemBackend(Backend):
         tokens_per_expert = torch.empty(cfg.num_local_experts, dtype=torch.int32, device=dev)
         self._ctx.notify(topk_idx.data_ptr(), n, in_rank.data_ptr(), pos.data_ptr(), recv_info.data_ptr(),
                          tokens_per_expert.data_ptr(), expert_alignment, worst_case, stream.cuda_stream)
-        if worst_case:
-            return in_rank, DispatchState(pos, recv_info, None), None, tokens_per_expert
-        stream.synchronize()
-        self._error.check()
-        recv_counts, raw = self._ctx.host_info()
-        return in_rank, DispatchState(pos, recv_info, raw), recv_counts, tokens_per_expert
+        return in_rank, DispatchState(pos, recv_info, None), tokens_per_expert
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, num_sms,
                  previous_event, async_op) -> DispatchResult:
+        """Notify, then the dispatch kernel straight away: it reads the counts on the device, so the
+        host waits for the counts (to size the result) while rows already move. Outputs are
+        allocated with R * T rows and returned as views of the first M."""
         cfg = self.cfg
         dev, r, h, k = cfg.device, cfg.world_size, cfg.hidden, cfg.num_topk
         stream = self._stream(previous_event)
         n, fp8 = x.shape[0], x.dtype == torch.float8_e4m3fn
         cached = handle is not None
+        counts_ready: Optional[torch.cuda.Event] = None
         if cached:
             state: DispatchState = handle.state
             worst_case, recv_counts = handle.worst_case, handle.recv_counts
@@ -155,9 +152,11 @@ class NvshmemBackend(Backend):
             tokens_per_expert_tensor = torch.div(raw_device + (expert_alignment - 1), expert_alignment,
                                                  rounding_mode="floor") * expert_alignment
         else:
-            in_rank, state, recv_counts, tokens_per_expert_tensor = self._notify(topk_idx, expert_alignment,
-                                                                                 worst_case, stream)
-        m = r * cfg.max_tokens_per_rank if worst_case else sum(recv_counts)
+            in_rank, state, tokens_per_expert_tensor = self._notify(topk_idx, expert_alignment, worst_case, stream)
+            if not worst_case:
+                counts_ready = torch.cuda.Event()
+                counts_ready.record(stream)
+        m = r * cfg.max_tokens_per_rank if worst_case or not cached else sum(recv_counts)
         out_x = torch.empty(m, h, dtype=x.dtype, device=dev)
         out_scales = torch.empty(m, cfg.num_scales, dtype=torch.float32, device=dev) if fp8 else None
         if cached:
@@ -174,6 +173,17 @@ class NvshmemBackend(Backend):
             _ptr(out_scales), _ptr(out_topk_idx), _ptr(out_topk_weights), 0 if cached else src_rank.data_ptr(),
             0 if cached else src_index.data_ptr(), worst_case, cached, num_sms, stream.cuda_stream,
         )
+        if counts_ready is not None:
+            counts_ready.synchronize()
+            self._error.check()
+            recv_counts, raw = self._ctx.host_info()
+            state = DispatchState(state.pos, state.recv_info, raw)
+            m = sum(recv_counts)
+            out_x, src_rank, src_index = out_x[:m], src_rank[:m], src_index[:m]
+            out_topk_idx, out_topk_weights = out_topk_idx[:m], out_topk_weights[:m]
+            out_scales = out_scales[:m] if fp8 else None
+        elif not cached:
+            recv_counts = None
         new_handle = handle if cached else DispatchHandle(
             buffer_id=cfg.buffer_id, num_tokens=n, num_recv_rows=m, is_token_in_rank=in_rank,
             recv_counts=recv_counts, src_rank=src_rank, src_index=src_index, worst_case=worst_case, state=state,
