@@ -53,7 +53,7 @@ class BuildNative(build_ext):
         shutil.copyfile(Path(self.build_lib) / "moe_ep" / BUILD_INFO, package_dir / BUILD_INFO)
 
 
-install_requires = ["torch", "numpy"]
+install_requires = ["torch", "numpy", "tqdm"]
 if NVSHMEM is not None:
     install_requires.append(f"{NVSHMEM.dist}=={NVSHMEM.dist_version}")
 

@@ -40,11 +40,21 @@ struct LowLatencyParams {
   uintptr_t done_counters;          // int32[2]: blocks finished in the current send kernel
                                     // ([0] dispatch, [1] combine); the last block resets it to 0
   uintptr_t combine_stash;          // int64[T*K] topk ids then float32[T*K] weights, copied at send
-  int blocks_per_expert;            // P: blocks sharing one local expert in the per-expert kernels
+  int blocks_per_expert;            // P: blocks sharing one local expert in the per-expert kernels;
+                                    // the same on every rank (peers count the combine send's blocks)
 };
 
+constexpr int kMaxDispatchSendBlocks = 1024;
+
+// Grid of the dispatch send kernel: one block per token slot up to kMaxDispatchSendBlocks (then
+// blocks take several tokens). Fixed per Buffer and equal on every rank, whatever N is: receivers
+// count these blocks' arrivals.
+inline int dispatch_send_blocks(const LowLatencyParams& p) {
+  return p.max_tokens < kMaxDispatchSendBlocks ? p.max_tokens : kMaxDispatchSendBlocks;
+}
+
 // Dispatch send half: quantise (optionally) and push every token to each rank holding one of its
-// experts, then release per-source flags. x [N, H] bf16, topk_idx [N, K] int64.
+// experts; every block then releases its arrival at every rank. x [N, H] bf16, topk_idx [N, K] int64.
 void dispatch_send(const LowLatencyParams& p, uintptr_t x, uintptr_t topk_idx, int num_tokens, bool use_fp8,
                    bool round_scale, uintptr_t stream);
 
@@ -79,12 +89,19 @@ namespace ll {
 
 static_assert(kMaxPeers == kMaxRanks, "low_latency.h kMaxPeers must equal comm.h kMaxRanks");
 
-// Signal slots (8..11 of comm.h's low-latency range) and epoch counters of the two protocols.
-// A call with epoch e uses buffer set e & 1 and signal slot base + (e & 1).
-constexpr int kSigDispatch = kSigLowLatencyFirst;       // 8, 9: dispatch rows + token count landed
-constexpr int kSigCombine = kSigLowLatencyFirst + 2;    // 10, 11: combine rows landed
+// Signal slots of comm.h's low-latency range. A call with epoch e uses buffer set e & 1 and the slots
+// of that parity. Entry [slot][src] at rank dst is written only by rank src.
+//   8, 9   dispatch: blocks of src's send kernel that finished storing into dst (red.release.sys add)
+//   10, 11 combine:  the same for the combine send kernel
+//   12, 13 dispatch: (e << 32) | N_src, stored by src's block 0 before its own add to slot 8 / 9
+// The block counters only grow: after epoch e, slot (e & 1) holds G * ((e + 1) / 2), G being the
+// fixed grid size of the send kernel (same on every rank: derived from the Buffer's dimensions).
+constexpr int kSigDispatch = kSigLowLatencyFirst;       // 8, 9
+constexpr int kSigCombine = kSigLowLatencyFirst + 2;    // 10, 11
+constexpr int kSigDispatchCount = kSigLowLatencyFirst + 4;  // 12, 13
 constexpr int kEpochDispatch = kSigLowLatencyFirst;     // epochs[8]: last dispatch epoch sent
 constexpr int kEpochCombine = kSigLowLatencyFirst + 2;  // epochs[10]: last combine epoch sent
+static_assert(kSigDispatchCount + 1 < kNumSignalSlots, "low-latency signal slots exceed comm.h's range");
 
 inline Comm make_comm(const LowLatencyParams& p) {
   Comm c{};
@@ -100,6 +117,12 @@ inline Comm make_comm(const LowLatencyParams& p) {
 inline void check_launch(const char* what) {
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("moe_ep low-latency ") + what + ": " + cudaGetErrorString(err));
+}
+
+// Value of a send kernel's block counter (slot of e's parity) once all `blocks` blocks of every
+// epoch <= e with that parity have arrived.
+__device__ __forceinline__ uint64_t arrivals_after(unsigned long long epoch, int blocks) {
+  return static_cast<uint64_t>(blocks) * ((epoch + 1) >> 1);
 }
 
 // One warp copies n int4 from src to dst, 8 loads in flight per lane before the stores.
@@ -120,38 +143,39 @@ __device__ __forceinline__ void warp_copy_int4(int4* dst, const int4* src, int n
   }
 }
 
-// End of a send kernel. Every thread fences its peer stores at system scope, then the block counts
-// itself done; the last block of the grid (which has thereby observed every other block's fenced
-// stores: fence + atomic on their side, atomic + fence on its side) releases `flag_value` into slot
-// `slot` at every rank, publishes the epoch for the receive kernel that follows in the stream, and
-// resets the counter for the next launch. Send kernels never wait, so the counter always resets.
-__device__ __forceinline__ void finish_send(const Comm& c, int* done, int slot, uint64_t flag_value,
-                                            int epoch_index, unsigned long long epoch) {
+// End of every block of a send kernel. Every thread fences its peer stores at system scope (all
+// threads at once: one NVLink round trip for the block), the block joins, and thread 0 adds 1 with
+// release semantics to this rank's block counter in `slot` at every rank: the block's rows are
+// published without waiting for any other block. Then the block counts itself done locally; the
+// last block of the grid (it has seen every block's count, so no block still reads the epoch)
+// publishes `epoch` into epochs[epoch_index] for the receive kernel that follows in the stream and
+// resets the local counter. Send kernels never wait, so the counter always resets.
+__device__ __forceinline__ void finish_send_block(const Comm& c, int* done, int slot, int epoch_index,
+                                                  unsigned long long epoch) {
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
+    for (int d = 0; d < c.nranks; ++d) red_add_release_sys(signal_at(c, d, slot, c.rank), 1);
     const int blocks = static_cast<int>(gridDim.x * gridDim.y);
     if (atomicAdd(done, 1) == blocks - 1) {
-      __threadfence_system();
-      for (int d = 0; d < c.nranks; ++d) st_release_sys(signal_at(c, d, slot, c.rank), flag_value);
       c.epochs[epoch_index] = epoch;
       *done = 0;
     }
   }
 }
 
-// Every block of a receive kernel: threads r < nranks wait until rank r's flag in `slot` reaches
-// `target` (acquire), then the block barrier hands the acquired data to all threads. Returns false
-// when a wait timed out (recorded in ErrorState with rank and phase); the block must then leave.
-// `flags_out` (shared, may be null) receives each source's flag value.
+// Every block of a receive kernel: threads r < nranks wait until rank r's block counter in `slot`
+// reaches `target` (acquire), then the block barrier hands the acquired data to all threads.
+// Returns false when a wait timed out (recorded in ErrorState with rank and phase); the block must
+// then leave. With `count_slot` >= 0, tokens_out[r] gets the low 32 bits of rank r's entry there.
 __device__ __forceinline__ bool wait_all_sources(const Comm& c, int slot, uint64_t target, int phase,
-                                                 uint64_t* flags_out, int* ok_shared) {
+                                                 int count_slot, int* tokens_out, int* ok_shared) {
   if (threadIdx.x == 0) *ok_shared = 1;
   __syncthreads();
   if (threadIdx.x < c.nranks) {
-    const uint64_t* flag = signal_at(c, c.rank, slot, static_cast<int>(threadIdx.x));
-    if (wait_geq(c, flag, target, phase, static_cast<int>(threadIdx.x))) {
-      if (flags_out != nullptr) flags_out[threadIdx.x] = ld_acquire_sys(flag);
+    const int r = static_cast<int>(threadIdx.x);
+    if (wait_geq(c, signal_at(c, c.rank, slot, r), target, phase, r)) {
+      if (count_slot >= 0) tokens_out[r] = static_cast<int>(ld_acquire_sys(signal_at(c, c.rank, count_slot, r)) & 0xffffffffu);
     } else {
       *ok_shared = 0;
     }
