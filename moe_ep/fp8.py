@@ -17,7 +17,9 @@ def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, 
     n, h = x.shape
     blocks = x.float().view(n, h // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    # Divide by a tensor: a true float32 division on CPU and CUDA alike (CUDA turns division by a
+    # Python scalar into a multiply by its rounded reciprocal, which can differ by one ulp).
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if round_scale:
         mantissa, exponent = torch.frexp(scale)
         scale = torch.where(mantissa == 0.5, scale, torch.ldexp(torch.ones_like(scale), exponent))

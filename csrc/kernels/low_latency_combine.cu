@@ -19,20 +19,24 @@
 //   this rank's topk_idx / topk_weights into a private stash (the receive half may run later, after
 //   the caller reused its tensors). Then each warp takes rows m = p + P * r < count[e] and copies
 //   y[e][m] (2H bytes, 8 int4 loads in flight per lane) to rank src_rank[e][m]'s combine staging
-//   [set][src_index][src_k] through its peer pointer. finish_send (low_latency.h): system fence,
-//   grid-wide done counter, the last block releases flag = e into slot 10 + (e & 1) at every rank,
-//   writes epochs[10] = e and resets the counter.
+//   [set][src_index][src_k] through its peer pointer: rows for other ranks in a first pass, so the
+//   NVLink stores start at once, this rank's own rows in a second. finish_send_block
+//   (low_latency.h): system fence per thread, block barrier, thread 0 adds 1 (red.release.sys) to
+//   slot 10 + (e & 1) [me] at every rank; the last block (local counter) writes epochs[10] = e.
 // combine_recv_kernel — grid (max(N, 1), ceil(H / 8 / 256)), 256 threads; thread = 8 channels of
 //   token n. Reads e = epochs[10]. Threads r < R wait (acquire; timeout -> ErrorState, phase
-//   LowLatencyCombineRecv) for rank r's flag >= e; a barrier hands the staged rows to the block.
+//   LowLatencyCombineRecv) until rank r's block counter in slot 10 + (e & 1) reaches
+//   P * E_l * ((e + 1) / 2) (every send block of every epoch of this parity up to e; P * E_l is the
+//   same on every rank); a barrier hands the staged rows to the block.
 //   Threads k < K put the stashed id, weight and first-k slot of k in shared memory. Each thread
 //   loads its 16 bytes of every valid k's row (all loads in flight), then acc = +0.0 and, for k
 //   ascending with id != -1, acc = __fadd_rn(acc, __fmul_rn(w, float(row))): explicit roundings,
 //   so no FMA can be contracted; bf16 round-to-nearest-even once at the end.
 //
 // Reuse of a staging set: rank s writes set (e & 1) at rank d in its combine send of epoch e; d
-// last read it in its combine receive of e - 2, which precedes d's send of e - 1, whose flag s waits
-// for in its receive of e - 1, before its send of e (every receive waits for every rank). This
+// last read it in its combine receive of e - 2, which precedes d's send of e - 1, whose blocks s
+// waits for in its receive of e - 1, before its send of e (every receive waits for every rank). The
+// same chain keeps epoch e + 2's adds out of the block counter until d's receive of e has read it. This
 // needs a combine's receive half to run before the next combine's send half; the engine enforces
 // that hook() is called before the next low_latency_combine. The stash is single: the send of the
 // next combine follows this combine's receive in the stream.
@@ -77,6 +81,7 @@ struct CombineRecvArgs {
   int num_topk;
   int hidden;
   int max_tokens;
+  int send_blocks;  // every rank's combine send grid: P * E_l
 };
 
 // Send half; protocol in the file comment (combine_send_kernel).
@@ -97,17 +102,20 @@ __global__ void __launch_bounds__(kSendThreads, 2) combine_send_kernel(const Com
   const int rows = a.count[e];
   const int row_int4 = a.hidden / 8;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int r = warp;; r += warps) {
-    const int m = p + parts * r;
-    if (m >= rows) break;
-    const int s = a.src_rank[expert_row0 + m];
-    const int t = a.src_index[expert_row0 + m];
-    const int k = a.src_k[expert_row0 + m];
-    int4* dst = reinterpret_cast<int4*>(a.payload[s]) +
-                ((static_cast<size_t>(set) * a.max_tokens + t) * a.num_topk + k) * row_int4;
-    warp_copy_int4(dst, a.y + (expert_row0 + m) * row_int4, row_int4, lane);
+  for (int pass = 0; pass < 2; ++pass) {  // rows for peers first (the link is the bottleneck), own rows after
+    for (int r = warp;; r += warps) {
+      const int m = p + parts * r;
+      if (m >= rows) break;
+      const int s = a.src_rank[expert_row0 + m];
+      if ((s == c.rank) != (pass == 1)) continue;
+      const int t = a.src_index[expert_row0 + m];
+      const int k = a.src_k[expert_row0 + m];
+      int4* dst = reinterpret_cast<int4*>(a.payload[s]) +
+                  ((static_cast<size_t>(set) * a.max_tokens + t) * a.num_topk + k) * row_int4;
+      warp_copy_int4(dst, a.y + (expert_row0 + m) * row_int4, row_int4, lane);
+    }
   }
-  finish_send(c, a.done, kSigCombine + set, epoch, kEpochCombine, epoch);
+  finish_send_block(c, a.done, kSigCombine + set, kEpochCombine, epoch);
 }
 
 // Receive half; protocol in the file comment (combine_recv_kernel).
@@ -134,7 +142,9 @@ __global__ void __launch_bounds__(kRecvThreads, kSlots <= 8 ? 4 : 1) combine_rec
     slot_k[k] = first;
     weight[k] = k < a.num_topk ? a.stash_weights[static_cast<size_t>(n) * a.num_topk + k] : 0.0f;
   }
-  if (!wait_all_sources(c, kSigCombine + set, epoch, kPhaseLowLatencyCombineRecv, nullptr, &ok)) return;
+  if (!wait_all_sources(c, kSigCombine + set, arrivals_after(epoch, a.send_blocks), kPhaseLowLatencyCombineRecv, -1,
+                        nullptr, &ok))
+    return;
 
   const int row_int4 = a.hidden / 8;
   const int i = blockIdx.y * blockDim.x + threadIdx.x;
@@ -204,8 +214,9 @@ void combine_recv(const LowLatencyParams& p, uintptr_t out, int num_tokens, uint
   a.num_topk = p.num_topk;
   a.hidden = p.hidden;
   a.max_tokens = p.max_tokens;
+  a.send_blocks = p.blocks_per_expert * p.num_local_experts;
   const int row_int4 = p.hidden / 8;
-  // With N == 0 one block still waits for every rank's flag: that wait is a link of the buffer
+  // With N == 0 one block still waits for every rank's blocks: that wait is a link of the buffer
   // reuse chain above (this rank's next send must follow the other ranks' receives).
   const dim3 grid(num_tokens > 0 ? num_tokens : 1, (row_int4 + kRecvThreads - 1) / kRecvThreads);
   auto s = reinterpret_cast<cudaStream_t>(stream);

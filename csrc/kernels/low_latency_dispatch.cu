@@ -5,25 +5,30 @@
 // Protocol (one call = dispatch_send_kernel, then dispatch_recv_kernel, same stream; with the
 // receive hook the second launch is deferred to hook()):
 //
-// dispatch_send_kernel — grid max(N, 1) blocks, one block per token; one thread per 16 channels
-// (FP8) or 8 channels (bf16), at most 1024 threads. Every block reads the call's epoch
-// e = epochs[8] + 1 and uses buffer set e & 1 of the staging and signal slot 8 + (e & 1).
-//   1. Every thread reads the token's K expert ids (broadcast loads) and derives the set of
-//      destination ranks. Threads d < R write the token's meta row at rank d: its local expert id at
-//      d for each k (-1 elsewhere, padded to 16), to meta[set][me][t] — for every rank, so a
+// dispatch_send_kernel — grid G = min(T, 1024) blocks whatever N is (dispatch_send_blocks; every rank
+// uses the same G, so receivers know how many arrivals to wait for); block b takes tokens b, b + G, ...
+// One thread per 16 channels (FP8) or 8 channels (bf16), at most 1024 threads. Every block reads
+// the call's epoch e = epochs[8] + 1 and uses buffer set e & 1 and the slots of that parity.
+//   0. Block 0's threads d < R store (e << 32) | N into slot 12 + (e & 1) [me] at rank d.
+//   1. Per token: every thread reads the token's K expert ids (broadcast loads) and derives the set
+//      of destination ranks. Threads d < R write the token's meta row at rank d: its local expert id
+//      at d for each k (-1 elsewhere, padded to 16), to meta[set][me][t] — for every rank, so a
 //      receiver can tell "not for me" from stale data without any other count.
 //   2. FP8: each thread loads 16 channels (two int4, both in flight), the 8 threads of a
 //      128-channel block reduce amax by shuffles, and each rank quantises its own token exactly
 //      once; bf16: one int4 per thread. The 16-byte chunk (and the block scale) is stored to
 //      payload[set][me][t] at each destination rank through its peer pointer (own rank included).
-//   3. finish_send (low_latency.h): system fence per thread, grid-wide done counter; the last
-//      block stores flag = (e << 32) | N into signal slot 8 + (e & 1) at every rank with release
-//      semantics, writes epochs[8] = e, resets the counter.
+//   3. finish_send_block (low_latency.h): every thread fences at system scope, the block joins,
+//      thread 0 adds 1 (red.release.sys) to slot 8 + (e & 1) [me] at every rank. No block waits for
+//      another; the last block to finish (local counter) writes epochs[8] = e for the receive kernel.
 // dispatch_recv_kernel — grid (P, E_l), 512 threads; block (p, e) serves local expert e;
-// P = SMs / E_l (at least 1), so the grid is about one wave and skewed experts get more warps.
+// P = 256 / E_l (1 to 32, from the Buffer's dimensions), so the grid is about one wave and skewed
+// experts get more warps.
 //   1. Reads e = epochs[8] (published by the send kernel before it). Threads r < R wait
-//      (acquire, timeout -> ErrorState naming rank and phase LowLatencyDispatchRecv) for source r's
-//      flag >= e << 32 and take N_r from its low 32 bits; a barrier hands the data to the block.
+//      (acquire, timeout -> ErrorState naming rank and phase LowLatencyDispatchRecv) until source
+//      r's block counter in slot 8 + (e & 1) reaches G * ((e + 1) / 2) (all G blocks of every epoch
+//      of this parity up to e), then take N_r from the low 32 bits of slot 12 + (e & 1) [r], which
+//      r's block 0 stored before its release; a barrier hands the data to the block.
 //   2. Scans every staged meta row (s, t < N_s) in (s, t) order, contiguous chunks per thread,
 //      and counts the tokens naming e (once per token, at its first k). A block-wide exclusive scan
 //      of the per-thread counts gives each token's row: deterministic, no atomics. Rows m with
@@ -34,23 +39,26 @@
 //
 // Why the staging of a set is never overwritten while a receiver still reads it: rank s writes set
 // (e & 1) at rank d during its send of epoch e. d last read that set in its receive of epoch e - 2.
-// d's receive of e - 2 precedes (stream order) d's send of e - 1, whose flag rank s waits for in its
-// receive of e - 1, which precedes s's send of e. Every receive waits for every source's flag, even
+// d's receive of e - 2 precedes (stream order) d's send of e - 1, whose arrivals rank s waits for in its
+// receive of e - 1, which precedes s's send of e. Every receive waits for every source's blocks, even
 // from ranks that sent no tokens, so the chain exists for every pair (s, d). The same chain covers
-// the flag slot, which therefore still holds epoch e's token count when d reads it. It needs each
-// rank to run a call's receive half before the next dispatch's send half: the engine enforces that
-// hook() is called before the next low_latency_dispatch.
+// the count slot, which therefore still holds epoch e's token count when d reads it, and the
+// block counter of parity e & 1, which gets no add of epoch e + 2 before d's receive of e has read
+// it. It needs each rank to run a call's receive half before the next dispatch's send half: the
+// engine enforces that hook() is called before the next low_latency_dispatch.
 //
 // FP8 arithmetic matches moe_ep.fp8.quantize bit for bit: amax over 128 channels in float32 (exact),
 // clamped to >= 1e-4; scale = amax / 448 by IEEE division (__fdiv_rn), or with round_scale the
 // smallest power of two >= that quotient (exponent bump when the mantissa is non-zero, which equals
 // frexp's answer); values x / scale by __fdiv_rn, converted to e4m3 round-to-nearest-even with
 // saturation to finite (|x| <= amax makes |x / scale| at most a few ulps above 448, far below 464
-// where torch's conversion would give NaN, so both round to the same finite value).
+// where torch's conversion would give NaN, so both round to the same finite value). Both divisions
+// are true IEEE divisions: on CUDA, torch turns `tensor / python_float` into a multiply by the
+// rounded reciprocal, so the reference must divide by a tensor to match (moe_ep/fp8.py).
 //
 // The output rows (recv_x, scales, src_*, count) are ordinary device memory in two sets that the
 // host alternates per call (a CUDA graph replays into the set it captured); only the staging and
-// the flags follow the device epoch's parity.
+// the signals follow the device epoch's parity.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -90,6 +98,7 @@ struct DispatchRecvArgs {
   int num_topk;
   int hidden;
   int max_tokens;
+  int send_blocks;  // every rank's dispatch send grid (dispatch_send_blocks)
 };
 
 __device__ __forceinline__ float round_up_pow2(float s) {
@@ -126,8 +135,10 @@ __global__ void __launch_bounds__(1024) dispatch_send_kernel(const DispatchSendA
   const Comm& c = a.comm;
   const unsigned long long epoch = c.epochs[kEpochDispatch] + 1;
   const int set = static_cast<int>(epoch & 1);
-  const int t = blockIdx.x;
-  if (t < a.num_tokens) {
+  if (blockIdx.x == 0 && threadIdx.x < static_cast<unsigned>(c.nranks))
+    *signal_at(c, threadIdx.x, kSigDispatchCount + set, c.rank) =
+        (static_cast<uint64_t>(epoch) << 32) | static_cast<uint32_t>(a.num_tokens);
+  for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {  // block-uniform (shuffles below)
     const int64_t* idx = a.topk_idx + static_cast<size_t>(t) * a.num_topk;
     unsigned dest_mask = 0;
     for (int k = 0; k < a.num_topk; ++k) {
@@ -190,8 +201,7 @@ __global__ void __launch_bounds__(1024) dispatch_send_kernel(const DispatchSendA
       }
     }
   }
-  finish_send(c, a.done, kSigDispatch + set, (static_cast<uint64_t>(epoch) << 32) | static_cast<uint32_t>(a.num_tokens),
-              kEpochDispatch, epoch);
+  finish_send_block(c, a.done, kSigDispatch + set, kEpochDispatch, epoch);
 }
 
 // First k at which staged token j = s * T + t names local expert e, or -1 (also when t >= N_s).
@@ -239,18 +249,15 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int* 
 // Receive half; protocol in the file comment (dispatch_recv_kernel).
 template <bool kFp8>
 __global__ void __launch_bounds__(kRecvThreads, 2) dispatch_recv_kernel(const DispatchRecvArgs a) {
-  __shared__ uint64_t flags[kMaxRanks];
   __shared__ int tokens[kMaxRanks];
   __shared__ int warp_sums[32];
   __shared__ int ok;
   const Comm& c = a.comm;
   const unsigned long long epoch = c.epochs[kEpochDispatch];
   const int set = static_cast<int>(epoch & 1);
-  if (!wait_all_sources(c, kSigDispatch + set, static_cast<uint64_t>(epoch) << 32, kPhaseLowLatencyDispatchRecv,
-                        flags, &ok))
+  if (!wait_all_sources(c, kSigDispatch + set, arrivals_after(epoch, a.send_blocks), kPhaseLowLatencyDispatchRecv,
+                        kSigDispatchCount + set, tokens, &ok))
     return;
-  if (threadIdx.x < static_cast<unsigned>(c.nranks)) tokens[threadIdx.x] = static_cast<int>(flags[threadIdx.x] & 0xffffffffu);
-  __syncthreads();
 
   const int e = blockIdx.y, p = blockIdx.x, parts = gridDim.x;
   const int capacity = c.nranks * a.max_tokens;
@@ -318,7 +325,7 @@ void dispatch_send(const LowLatencyParams& p, uintptr_t x, uintptr_t topk_idx, i
   a.done = reinterpret_cast<int*>(p.done_counters);
   const int chunks = p.hidden / (use_fp8 ? 16 : 8);  // one chunk per thread (send kernel)
   const int threads = chunks >= 1024 ? 1024 : ((chunks + 31) / 32) * 32;
-  const dim3 grid(num_tokens > 0 ? num_tokens : 1);
+  const dim3 grid(dispatch_send_blocks(p));
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (!use_fp8)
     dispatch_send_kernel<false, false><<<grid, threads, 0, s>>>(a);
@@ -344,6 +351,7 @@ void dispatch_recv(const LowLatencyParams& p, uintptr_t recv_x, uintptr_t recv_s
   a.num_topk = p.num_topk;
   a.hidden = p.hidden;
   a.max_tokens = p.max_tokens;
+  a.send_blocks = dispatch_send_blocks(p);
   const dim3 grid(p.blocks_per_expert, p.num_local_experts);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (use_fp8)

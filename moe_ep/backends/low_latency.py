@@ -29,7 +29,11 @@ if TYPE_CHECKING:
 META_ENTRIES = 16  # int16 expert ids per staged token: csrc/kernels/low_latency.h kMetaEntries
 ALIGN = 256
 HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding of this one allocation
-MAX_BLOCKS_PER_EXPERT = 32  # per-expert kernels: about one block per SM in total (one wave)
+# Per-expert kernels: P = clamp(PER_EXPERT_GRID // E_l, 1, MAX_BLOCKS_PER_EXPERT) blocks per expert, about
+# two blocks per SM on an H200 (one wave). From the Buffer's dimensions only, never the local GPU: every
+# rank must launch the same combine send grid, since peers count its blocks.
+PER_EXPERT_GRID = 256
+MAX_BLOCKS_PER_EXPERT = 32
 
 
 def _align(n: int) -> int:
@@ -72,6 +76,7 @@ class _OutputSet:
     src_index: torch.Tensor
     src_k: torch.Tensor
     count: torch.Tensor  # [E_l] int32
+    recv_ptrs: tuple[int, int, int, int, int, int]  # dispatch_recv's output addresses: x, scales, src_*, count
 
     @classmethod
     def allocate(cls, cfg: BufferConfig) -> "_OutputSet":
@@ -83,7 +88,10 @@ class _OutputSet:
         def rows() -> torch.Tensor:
             return torch.empty(e_l, slots, dtype=torch.int32, device=dev)
 
-        return cls(x_bf16, x_fp8, scales, rows(), rows(), rows(), torch.zeros(e_l, dtype=torch.int32, device=dev))
+        src_rank, src_index, src_k, count = rows(), rows(), rows(), torch.zeros(e_l, dtype=torch.int32, device=dev)
+        ptrs = (x_bf16.data_ptr(), 0 if scales is None else scales.data_ptr(), src_rank.data_ptr(),
+                src_index.data_ptr(), src_k.data_ptr(), count.data_ptr())
+        return cls(x_bf16, x_fp8, scales, src_rank, src_index, src_k, count, ptrs)
 
 
 @dataclass
@@ -115,7 +123,6 @@ class LowLatencyEngine:
         self._done_counters = torch.zeros(2, dtype=torch.int32, device=cfg.device)
         t_k = cfg.max_tokens_per_rank * cfg.num_topk
         self._stash = torch.zeros(t_k * (8 + 4), dtype=torch.uint8, device=cfg.device)  # int64 ids, float32 weights
-        sms = torch.cuda.get_device_properties(cfg.device).multi_processor_count
         self._ctx = self._native.LowLatencyContext(
             rank=cfg.rank, nranks=cfg.world_size, num_local_experts=cfg.num_local_experts, num_topk=cfg.num_topk,
             hidden=cfg.hidden, max_tokens=cfg.max_tokens_per_rank, timeout_s=cfg.timeout_s,
@@ -123,9 +130,12 @@ class LowLatencyEngine:
             sym=list(self._sym.peer_ptrs), dispatch_payload_offset=layout.dispatch_payload,
             dispatch_meta_offset=layout.dispatch_meta, combine_payload_offset=layout.combine_payload,
             done_counters=self._done_counters.data_ptr(), combine_stash=self._stash.data_ptr(),
-            blocks_per_expert=max(1, min(MAX_BLOCKS_PER_EXPERT, sms // cfg.num_local_experts)),
+            blocks_per_expert=max(1, min(MAX_BLOCKS_PER_EXPERT, PER_EXPERT_GRID // cfg.num_local_experts)),
         )
         torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
+        self._device_index = torch.device(cfg.device).index
+        if self._device_index is None:
+            self._device_index = torch.cuda.current_device()
         self._dispatches = 0
         self._pending: dict[str, Optional[_Hook]] = {"dispatch": None, "combine": None}
 
@@ -141,7 +151,7 @@ class LowLatencyEngine:
             raise RuntimeError("this low-latency engine is closed")
         if self._pending[kind] is not None:
             raise RuntimeError(f"call the hook of the previous low_latency_{kind} before the next low_latency_{kind}")
-        return torch.cuda.current_stream(self.cfg.device).cuda_stream
+        return torch._C._cuda_getCurrentRawStream(self._device_index)  # the current stream's handle, no Stream object
 
     def _finish(self, kind: str, launch: Callable[[int], None], stream: int, return_recv_hook: bool) -> Optional[_Hook]:
         """Launches the receive half now, or returns it as the hook."""
@@ -165,21 +175,23 @@ class LowLatencyEngine:
                  return_recv_hook: bool) -> LowLatencyDispatchResult:
         """Send each token once per destination rank; expand into expert-major rows on receipt."""
         stream = self._begin("dispatch")
-        out = self._sets[self._dispatches % 2]
+        out = self._sets[self._dispatches & 1]
         self._dispatches += 1
         n = x.shape[0]
-        self._ctx.dispatch_send(x.data_ptr(), topk_idx.data_ptr(), n, use_fp8, round_scale, stream)
-        scales_ptr = out.scales.data_ptr() if use_fp8 and out.scales is not None else 0
+        ctx = self._ctx
+        ctx.dispatch_send(x.data_ptr(), topk_idx.data_ptr(), n, use_fp8, round_scale, stream)
+        x_ptr, scales_ptr, src_rank_ptr, src_index_ptr, src_k_ptr, count_ptr = out.recv_ptrs
+        if not use_fp8:
+            scales_ptr = 0
 
         def receive(s: int) -> None:
-            self._ctx.dispatch_recv(out.x_bf16.data_ptr(), scales_ptr, out.src_rank.data_ptr(),
-                                    out.src_index.data_ptr(), out.src_k.data_ptr(), out.count.data_ptr(), use_fp8, s)
+            ctx.dispatch_recv(x_ptr, scales_ptr, src_rank_ptr, src_index_ptr, src_k_ptr, count_ptr, use_fp8, s)
 
         hook = self._finish("dispatch", receive, stream, return_recv_hook)
-        handle = LowLatencyHandle(buffer_id=self.cfg.buffer_id, num_tokens=n, src_rank=out.src_rank,
-                                  src_index=out.src_index, count=out.count, state=LowLatencyState(out.src_k))
-        return LowLatencyDispatchResult(x=out.x_fp8 if use_fp8 else out.x_bf16, x_scales=out.scales if use_fp8 else None,
-                                        count=out.count, handle=handle, hook=hook)
+        handle = LowLatencyHandle(self.cfg.buffer_id, n, out.src_rank, out.src_index, out.count,
+                                  LowLatencyState(out.src_k))
+        return LowLatencyDispatchResult(out.x_fp8 if use_fp8 else out.x_bf16, out.scales if use_fp8 else None,
+                                        out.count, handle, hook)
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 *, return_recv_hook: bool) -> LowLatencyCombineResult:
@@ -187,14 +199,16 @@ class LowLatencyEngine:
         stream = self._begin("combine")
         n = topk_idx.shape[0]
         out = torch.empty(n, self.cfg.hidden, dtype=torch.bfloat16, device=self.cfg.device)
-        self._ctx.combine_send(x.data_ptr(), handle.src_rank.data_ptr(), handle.src_index.data_ptr(),
-                               handle.state.src_k.data_ptr(), handle.count.data_ptr(), topk_idx.data_ptr(),
-                               topk_weights.data_ptr(), n, stream)
+        ctx = self._ctx
+        ctx.combine_send(x.data_ptr(), handle.src_rank.data_ptr(), handle.src_index.data_ptr(),
+                         handle.state.src_k.data_ptr(), handle.count.data_ptr(), topk_idx.data_ptr(),
+                         topk_weights.data_ptr(), n, stream)
+        out_ptr = out.data_ptr()
 
         def receive(s: int) -> None:
-            self._ctx.combine_recv(out.data_ptr(), n, s)
+            ctx.combine_recv(out_ptr, n, s)
 
-        return LowLatencyCombineResult(x=out, hook=self._finish("combine", receive, stream, return_recv_hook))
+        return LowLatencyCombineResult(out, self._finish("combine", receive, stream, return_recv_hook))
 
     def close(self) -> None:
         """Frees the symmetric staging (collective); waits for this rank's kernels first."""
