@@ -66,74 +66,70 @@ class Timer:
         self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
 
     def _align(self) -> None:
+        """Start a measurement with every rank idle and released together."""
         if self.flush_buf is not None:
-            self.flush_buf.zero_()
             torch.cuda.synchronize()
         dist.barrier()
 
-    def call_us(self, fn: Callable[[], object]) -> float:
-        for _ in range(self.warmup):
-            self._align()
-            fn()
+    def _run(self, calls: list[Callable[[], object]]) -> list[list[float]]:
+        """Warm up, then time each of `calls` in turn per iteration; returns [iteration][call] us.
+
+        On GPU, as DeepEP's tests do: no host barrier between iterations (the collective calls
+        keep the ranks in step by themselves), the 256 MB flush is enqueued before each iteration,
+        and CUDA events bracket each call. On CPU: a barrier and the host clock per iteration."""
         samples = []
-        for _ in range(self.iters):
-            self._align()
+        self._align()
+        for i in range(self.warmup + self.iters):
             if self.flush_buf is None:
-                t0 = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - t0) * 1e6)
+                dist.barrier()
+                stamps = [time.perf_counter()]
+                for fn in calls:
+                    fn()
+                    stamps.append(time.perf_counter())
+                times = [(b - a) * 1e6 for a, b in zip(stamps, stamps[1:])]
             else:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3)
-        return _max_over_ranks(statistics.median(samples))
+                self.flush_buf.zero_()
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(len(calls) + 1)]
+                events[0].record()
+                for fn, ev in zip(calls, events[1:]):
+                    fn()
+                    ev.record()
+                times = events  # resolved below, after one synchronisation
+            if i >= self.warmup:
+                samples.append(times)
+        if self.flush_buf is not None:
+            torch.cuda.synchronize()
+            samples = [[a.elapsed_time(b) * 1e3 for a, b in zip(ev, ev[1:])] for ev in samples]
+        return samples
+
+    def call_us(self, fn: Callable[[], object]) -> float:
+        return _max_over_ranks(statistics.median(t[0] for t in self._run([fn])))
 
     def split_us(self, send: Callable[[], object]) -> tuple[float, float]:
         """Median times of a hooked call's send half (the call) and receive half (its hook())."""
-        sends, recvs = [], []
-        for i in range(self.warmup + self.iters):
-            self._align()
-            if self.flush_buf is None:
-                t0 = time.perf_counter()
-                result = send()
-                t1 = time.perf_counter()
-                result.hook()
-                t2 = time.perf_counter()
-                times = ((t1 - t0) * 1e6, (t2 - t1) * 1e6)
-            else:
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                ev[0].record()
-                result = send()
-                ev[1].record()
-                result.hook()
-                ev[2].record()
-                ev[2].synchronize()
-                times = (ev[0].elapsed_time(ev[1]) * 1e3, ev[1].elapsed_time(ev[2]) * 1e3)
-            if i >= self.warmup:
-                sends.append(times[0])
-                recvs.append(times[1])
-        return _max_over_ranks(statistics.median(sends)), _max_over_ranks(statistics.median(recvs))
+        pending: list = []
+        samples = self._run([lambda: pending.append(send()), lambda: pending.pop().hook()])
+        return (_max_over_ranks(statistics.median(t[0] for t in samples)),
+                _max_over_ranks(statistics.median(t[1] for t in samples)))
 
     def kernel_us(self, fn: Callable[[], object], calls: int = 10) -> Optional[float]:
         """Device time per call of every kernel and copy the call launched (torch.profiler); the L2
-        flush and the aligning barrier are left out. The per-kernel split goes to `last_kernels`."""
+        flush is left out. The per-kernel split goes to `last_kernels`."""
         self.last_kernels: dict[str, float] = {}
         if self.flush_buf is None:
             return None
         from torch.profiler import ProfilerActivity, profile
 
+        self._align()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
-                self._align()
+                self.flush_buf.zero_()
                 fn()
             torch.cuda.synchronize()
         for ev in prof.key_averages():
             name = ev.key.lower()
-            if ev.device_type == torch.autograd.DeviceType.CUDA and "fill" not in name and "allreduce" not in name:
-                self.last_kernels[ev.key[:60]] = ev.self_device_time_total / calls
+            if ev.device_type == torch.autograd.DeviceType.CUDA and "fill" not in name:
+                self.last_kernels[_short_name(ev.key)] = ev.self_device_time_total / calls
         return _max_over_ranks(sum(self.last_kernels.values()))
 
     def graph_us(self, fn: Callable[[], object]) -> Optional[float]:
@@ -146,6 +142,11 @@ class Timer:
         with torch.cuda.graph(graph):
             fn()
         return self.call_us(graph.replay)
+
+
+def _short_name(kernel: str) -> str:
+    """A readable kernel name: mangled names keep their tail (the function), others their head."""
+    return kernel[-48:] if kernel.startswith("__nv_static") or kernel.startswith("_Z") else kernel[:48]
 
 
 def _max_over_ranks(value: float) -> float:
