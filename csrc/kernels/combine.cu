@@ -1,5 +1,7 @@
 // Combine: each received row goes back to the rank it came from, which sums a token's rows in
 // float32 in ascending rank order (from +0.0, one rounding to bf16), bit for bit like the reference.
+// Two kernels with one protocol: combine_kernel (described here) and combine_tma_kernel (its rows go
+// out as bulk copies, described above it); launch_combine picks per Context::impl.
 //
 // Protocol (grid = num_blocks blocks of kThreads; same stream as the dispatch that made the handle).
 // epoch = epochs[kSigCombineDone] + 1 numbers this call's row flags.
@@ -14,7 +16,7 @@
 //  2. Reduce (the other warps from the start, the sending warps once their rows are done). Warps take
 //     tokens i = 0, 1, ... of this rank from a grid-wide counter. Lane r < R reads
 //     is_token_in_rank[i][r]; lanes of peer sources wait for their row flag to reach `epoch`
-//     (acquire; __syncwarp hands the order to the whole warp). Then, chunk by chunk, the warp adds
+//     (wait_flag; __syncwarp hands the order to the whole warp). Then, chunk by chunk, the warp adds
 //     rank r's row for r ascending (own: x[first[me] + pos[i][me]]; peer: data slot [r] row i, read
 //     through L2) into float32 accumulators with __fadd_rn (never contracted), rounds once with
 //     __float2bfloat16_rn and stores out[i]. Tokens that went nowhere get +0.
@@ -85,7 +87,7 @@ __device__ __forceinline__ bool reduce_token(const DeviceContext& ctx, const Com
   const bool sent = lane < R && reinterpret_cast<const bool*>(a.is_token_in_rank)[(size_t)i * R + lane];
   const unsigned sources = __ballot_sync(kFullMask, sent);
   bool ok = true;
-  if (sent && lane != me) ok = wait_geq(ctx.comm, ctx.row_flag(me, kCombineRows, lane, i), epoch, kPhaseCombineRecv, lane);
+  if (sent && lane != me) ok = wait_flag(ctx.comm, ctx.row_flag(me, kCombineRows, lane, i), epoch, kPhaseCombineRecv, lane);
   __syncwarp();
   if (!__all_sync(kFullMask, ok)) return false;
 
@@ -174,10 +176,79 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
   }
 }
 
+// ---- TMA variant ----
+// combine_tma_kernel: same start barrier, row flags, epochs and regions as combine_kernel. Warp 0
+// sends with tma_send (kernels/intranode.h): waves of B consecutive received rows j, each row with
+// a peer source s = src_rank[j] bulk-loaded once and bulk-stored to row src_index[j] of slot [me]
+// of s's data region, its flag published one wave later. Warps 1..31 reduce from the start (as in
+// combine_kernel, reduce_token), warp 0 joins them once its rows are out.
+struct CombineSendPlan {
+  const DeviceContext* ctx;
+  const CombineArgs* a;
+  int items, width, row_bytes;  // received rows, 2 (source rank, source index), bytes per row
+
+  __device__ __forceinline__ int entry(int j, int e) const {
+    return __ldg(reinterpret_cast<const int*>(e == 0 ? a->src_rank : a->src_index) + j);
+  }
+  __device__ __forceinline__ bool wanted(const int* e) const { return e[0] >= 0 && e[0] != ctx->comm.rank; }
+  __device__ __forceinline__ const char* source(int j) const {
+    return reinterpret_cast<const char*>(a->x) + (size_t)j * row_bytes;
+  }
+  template <class F>
+  __device__ __forceinline__ void for_each_dest(const int* e, F&& f) const {
+    if (!wanted(e)) return;
+    const int s = e[0], i = e[1], me = ctx->comm.rank;
+    f(ctx->region(s, ctx->ws.data) + me * ctx->ws.slot_bytes + (size_t)i * row_bytes,
+      ctx->row_flag(s, kCombineRows, me, i));
+  }
+  __device__ __forceinline__ void metadata(int, int, const int (*)[kMaxRanks], int) const {}
+};
+
+__global__ void __launch_bounds__(kThreads, 1)
+combine_tma_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ CombineArgs a, int send_rows) {
+  extern __shared__ __align__(128) char stages[];
+  __shared__ __align__(8) uint64_t bars[2];
+  __shared__ int table[4][tma::kMaxRows][kMaxRanks];
+  const Comm& comm = ctx.comm;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint64_t ready_epoch = comm.epochs[kSigCombineReady] + 1;
+  const uint64_t epoch = comm.epochs[kSigCombineDone] + 1;
+
+  if (threadIdx.x < 2) tma::init_barrier(&bars[threadIdx.x]);
+  tma::fence_barrier_init();
+  __syncthreads();
+
+  if (blockIdx.x == 0) signal_peers(comm, kSigCombineReady, ready_epoch);
+  if (wait_peers(comm, kSigCombineReady, ready_epoch, kPhaseCombineBarrier)) {
+    if (warp == 0) {
+      const CombineSendPlan plan{&ctx, &a, a.num_rows, 2, 2 * ctx.dims.hidden};
+      tma_send(plan, stages, bars, table, send_rows, epoch);
+    }
+    for (;;) {
+      const int i = take_work_item(ctx.block_counters + 3);
+      if (i >= a.num_tokens || !reduce_token(ctx, a, i, epoch, lane)) break;
+    }
+  }
+
+  if (arrive_last(ctx.block_counters + 1)) {
+    ctx.block_counters[3] = 0;
+    comm.epochs[kSigCombineReady] = ready_epoch;
+    comm.epochs[kSigCombineDone] = epoch;
+  }
+}
+
 }  // namespace
 
 void launch_combine(const Context& c, const CombineArgs& a, uintptr_t stream) {
-  combine_kernel<<<a.num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(make_device_context(c), a);
+  const auto st = reinterpret_cast<cudaStream_t>(stream);
+  const TmaShape shape = c.impl == Impl::kTma ? tma_shape(c, 2 * c.dims.hidden, false) : TmaShape{};
+  if (shape.send_rows > 0) {
+    ensure_dynamic_smem(combine_tma_kernel, kTmaSmemBytes, "cudaFuncSetAttribute(moe_ep intranode combine TMA kernel)");
+    combine_tma_kernel<<<a.num_blocks, kThreads, shape.smem_bytes, st>>>(make_device_context(c), a, shape.send_rows);
+    check_launch("moe_ep intranode combine TMA kernel");
+    return;
+  }
+  combine_kernel<<<a.num_blocks, kThreads, 0, st>>>(make_device_context(c), a);
   check_launch("moe_ep intranode combine kernel");
 }
 

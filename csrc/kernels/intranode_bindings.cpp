@@ -1,11 +1,19 @@
 // Python bindings of the intranode (normal-mode) kernels: one IntranodeContext per Buffer holds the
 // fixed device addresses (kernels/intranode.h Context) and the host-mapped count mailbox; its methods
 // launch the kernels. Tensors travel as device addresses (int), streams as cudaStream_t (int).
+//
+// Run-time selection (read once per process, the first time a context is made; every rank must
+// use the same setting only for a fair comparison, the two implementations interoperate):
+//   MOE_EP_INTRANODE_IMPL = tma (default) | lsu   dispatch / combine data movement (intranode.h Impl)
+//   MOE_EP_TMA_SEND_ROWS  = 1..8   rows per TMA send wave (default: from shared memory and row size)
+//   MOE_EP_TMA_RECV_ROWS  = 1..8   rows per TMA dispatch receive chunk (default: likewise)
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -20,6 +28,41 @@ namespace moe_ep {
 namespace intranode {
 
 namespace {
+
+struct ImplSettings {
+  Impl impl;
+  int send_rows;
+  int recv_rows;
+};
+
+int env_rows(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const long rows = std::strtol(v, &end, 10);
+  if (*end != '\0' || rows < 1 || rows > kTmaMaxRowsHost)
+    throw std::invalid_argument(std::string(name) + "=" + v + ": expected an integer in 1.." +
+                                std::to_string(kTmaMaxRowsHost));
+  return static_cast<int>(rows);
+}
+
+ImplSettings read_settings() {
+  const char* v = std::getenv("MOE_EP_INTRANODE_IMPL");
+  Impl impl = Impl::kTma;
+  if (v != nullptr && *v != '\0') {
+    if (std::strcmp(v, "lsu") == 0)
+      impl = Impl::kLsu;
+    else if (std::strcmp(v, "tma") != 0)
+      throw std::invalid_argument(std::string("MOE_EP_INTRANODE_IMPL=") + v + ": expected tma or lsu");
+  }
+  return ImplSettings{impl, env_rows("MOE_EP_TMA_SEND_ROWS"), env_rows("MOE_EP_TMA_RECV_ROWS")};
+}
+
+// The process-wide settings, read on first use.
+const ImplSettings& settings() {
+  static const ImplSettings s = read_settings();
+  return s;
+}
 
 class IntranodeContext {
  public:
@@ -40,6 +83,9 @@ class IntranodeContext {
     ctx_.epochs = epochs;
     ctx_.block_counters = block_counters;
     ctx_.layout_scratch = layout_scratch;
+    ctx_.impl = settings().impl;
+    ctx_.tma_send_rows = settings().send_rows;
+    ctx_.tma_recv_rows = settings().recv_rows;
     for (int r = 0; r < nranks; ++r) {
       ctx_.signals[r] = signals[r];
       ctx_.workspace[r] = workspace[r];
@@ -77,6 +123,8 @@ class IntranodeContext {
                              expert_alignment, worst_case},
                   stream);
   }
+
+  std::string impl_name() const { return ctx_.impl == Impl::kTma ? "tma" : "lsu"; }
 
   // (rows from each source, received rows per local expert) of the last non-worst-case notify; valid
   // once the host has synchronised with that kernel.
@@ -159,5 +207,6 @@ void register_intranode(py::module_& m) {
       .def("host_info", &IntranodeContext::host_info,
            "(rows per source, rows per local expert) written by the last non-worst-case notify.")
       .def("dispatch", &IntranodeContext::dispatch, "Launch the dispatch kernel.")
-      .def("combine", &IntranodeContext::combine, "Launch the combine kernel.");
+      .def("combine", &IntranodeContext::combine, "Launch the combine kernel.")
+      .def_property_readonly("impl", &IntranodeContext::impl_name, "Data-movement implementation in use (tma or lsu).");
 }

@@ -1,7 +1,8 @@
 // get_dispatch_layout: tokens per rank and per expert, and the token -> rank mask, from topk_idx.
 //
-// Protocol: a single block of kLayoutThreads threads runs compute_layout (kernels/intranode.h, shared
-// with the notify kernel, which fuses it with the count exchange); no communication.
+// Protocol: a single block of kLayoutThreads threads runs layout_counts and layout_positions
+// (kernels/intranode.h, shared with the notify kernel, which fuses them with the count exchange); no
+// communication.
 #include "kernels/intranode.h"
 
 namespace moe_ep {
@@ -11,7 +12,8 @@ namespace {
 
 __global__ void __launch_bounds__(kLayoutThreads, 1)
 layout_kernel(const __grid_constant__ LayoutArgs a, int num_topk, int num_experts, int nranks) {
-  compute_layout(a, num_topk, num_experts, nranks);
+  layout_counts(a, num_topk, num_experts, nranks);
+  layout_positions(a, num_topk, num_experts, nranks);
 }
 
 }  // namespace

@@ -1,12 +1,12 @@
 // Notify: the dispatch layout plus the count exchange, which is also the start barrier of a dispatch.
 //
 // Protocol: one block of kLayoutThreads threads.
-//  1. compute_layout (kernels/intranode.h): is_token_in_rank and pos for the dispatch, tokens per rank and per
-//     expert into Context::layout_scratch.
+//  1. layout_counts (kernels/intranode.h): tokens per rank and per expert into Context::layout_scratch.
 //  2. epoch = epochs[kSigNotify] + 1. For every rank d (this one included), the block writes row
 //     [me] of counts set [epoch % 2] at d: the number of tokens it sends to d, then its token counts
 //     for d's E_l local experts. Every thread fences at system scope, the block joins, then thread d
 //     stores `epoch` (release) into its kSigNotify flag at d.
+//  2b. layout_positions: is_token_in_rank and pos for the dispatch, while the flags travel.
 //  3. Thread s waits until source s's kSigNotify flag at this rank reaches `epoch` (acquire); the
 //     block joins. Thread 0 then derives rows per source and the first output row of each source
 //     (prefix sums, or s * T in worst-case mode), the other threads sum the per-local-expert counts
@@ -45,7 +45,7 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
   layout.tokens_per_expert = reinterpret_cast<uintptr_t>(tokens_per_expert);
   layout.is_token_in_rank = a.is_token_in_rank;
   layout.pos = a.pos;
-  compute_layout(layout, ctx.dims.num_topk, ctx.dims.num_experts, R);
+  layout_counts(layout, ctx.dims.num_topk, ctx.dims.num_experts, R);
 
   // 2. my counts into row [me] of every rank's counts region, then the flags
   const uint64_t epoch = comm.epochs[kSigNotify] + 1;
@@ -59,6 +59,7 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
   __threadfence_system();
   __syncthreads();
   signal_peers(comm, kSigNotify, epoch);
+  layout_positions(layout, ctx.dims.num_topk, ctx.dims.num_experts, R);
 
   // 3. everyone's counts for this rank
   const bool ok = wait_peers(comm, kSigNotify, epoch, kPhaseNotify);
