@@ -71,6 +71,13 @@ SHAPES: dict[tuple[int, int, int, int], list[Case]] = {
         Case(16, (77, 77), "skewed", fp8=True, alignment=3),
         Case(17, (0, 77), "random", worst_case=True, num_sms=2),
     ],
+    (8192, 2048, 8, 256): [  # 1024 local experts per rank
+        Case(18, (256, 200), "random", fp8=True),
+        Case(19, (31, 256), "skewed", worst_case=True, alignment=16),
+    ],
+    (4096, 64, 4, 512): [
+        Case(20, (512, 333), "random", num_sms=5),
+    ],
 }
 STRESS_SHAPE = (2048, 256, 8, 256)
 GRAPH_SHAPE = (2048, 16, 8, 128)

@@ -91,7 +91,7 @@ static_assert(kMaxPeers == kMaxRanks, "low_latency.h kMaxPeers must equal comm.h
 
 // Signal slots of comm.h's low-latency range. A call with epoch e uses buffer set e & 1 and the slots
 // of that parity. Entry [slot][src] at rank dst is written only by rank src.
-//   8, 9   dispatch: blocks of src's send kernel that finished storing into dst (red.release.sys add)
+//   8, 9   dispatch: blocks of src's send kernel that finished storing into dst (fence, relaxed add)
 //   10, 11 combine:  the same for the combine send kernel
 //   12, 13 dispatch: (e << 32) | N_src, stored by src's block 0 before its own add to slot 8 / 9
 // The block counters only grow: after epoch e, slot (e & 1) holds G * ((e + 1) / 2), G being the
@@ -125,37 +125,81 @@ __device__ __forceinline__ uint64_t arrivals_after(unsigned long long epoch, int
   return static_cast<uint64_t>(blocks) * ((epoch + 1) >> 1);
 }
 
-// One warp copies n int4 from src to dst, 8 loads in flight per lane before the stores.
-__device__ __forceinline__ void warp_copy_int4(int4* dst, const int4* src, int n, int lane) {
-  constexpr int kUnroll = 8;
-  for (int base = 0; base < n; base += 32 * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i < n) v[u] = src[i];
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i < n) dst[i] = v[u];
+// Flag primitives of the low-latency kernels. Waiters poll with relaxed system-scope loads (no L1
+// invalidation per poll, unlike ld.acquire) and issue one fence.acq_rel.sys once the value is seen:
+// relaxed load + fence is an acquire pattern. Senders issue one fence.acq_rel.sys per block, then
+// relaxed adds: fence + relaxed write is a release pattern. fence.acq_rel is used, never fence.sc
+// (__threadfence_system): the flags need no single total order, and sc fences are the costly kind.
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Spin (relaxed loads) until *flag >= target; false after recording a timeout, or when another
+// thread already gave up. The caller fences (acquire) after a true return.
+__device__ __forceinline__ bool wait_relaxed_geq(const Comm& c, const uint64_t* flag, uint64_t target, int phase,
+                                                 int peer) {
+  if (ld_relaxed_sys(flag) >= target) return true;
+  const uint64_t start = global_timer_ns();
+  for (uint32_t spin = 1;; ++spin) {
+    if (ld_relaxed_sys(flag) >= target) return true;
+    if ((spin & 1023u) == 0) {
+      if (comm_aborted(c)) return false;
+      if (global_timer_ns() - start > c.timeout_ns) {
+        report_timeout(c, phase, peer);
+        return false;
+      }
     }
   }
 }
 
-// End of every block of a send kernel. Every thread fences its peer stores at system scope (all
-// threads at once: one NVLink round trip for the block), the block joins, and thread 0 adds 1 with
-// release semantics to this rank's block counter in `slot` at every rank: the block's rows are
-// published without waiting for any other block. Then the block counts itself done locally; the
-// last block of the grid (it has seen every block's count, so no block still reads the epoch)
-// publishes `epoch` into epochs[epoch_index] for the receive kernel that follows in the stream and
-// resets the local counter. Send kernels never wait, so the counter always resets.
+// A copy unit: one warp moves up to kChunkInt4 int4 with every load in flight before any store
+// (one memory round trip per chunk). Rows are cut into chunks so that all warps of a block share
+// the rows instead of one warp walking a whole row through several dependent round trips.
+constexpr int kCopyUnroll = 8;
+constexpr int kChunkInt4 = 32 * kCopyUnroll;  // 4 KB
+
+__device__ __forceinline__ int chunks_of(int n_int4) { return (n_int4 + kChunkInt4 - 1) / kChunkInt4; }
+
+// Loads int4 [chunk * kChunkInt4, min(n, (chunk + 1) * kChunkInt4)) of src into v (lane's share).
+__device__ __forceinline__ void warp_load_chunk(int4 (&v)[kCopyUnroll], const int4* src, int n, int chunk, int lane) {
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int i = chunk * kChunkInt4 + u * 32 + lane;
+    if (i < n) v[u] = src[i];
+  }
+}
+
+// Stores what warp_load_chunk loaded for the same (n, chunk, lane).
+__device__ __forceinline__ void warp_store_chunk(int4* dst, const int4 (&v)[kCopyUnroll], int n, int chunk, int lane) {
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int i = chunk * kChunkInt4 + u * 32 + lane;
+    if (i < n) dst[i] = v[u];
+  }
+}
+
+// End of every block of a send kernel. The block joins; thread 0 then issues one fence.acq_rel.sys
+// and adds 1 (relaxed) to this rank's block counter in `slot` at every rank. Release is cumulative:
+// the barrier orders every thread's peer stores before thread 0's fence, and the fence waits until
+// they are performed at system scope (one NVLink round trip per block, one fence instead of one per
+// warp). The block's rows are published without waiting for any other block. Then the block counts
+// itself done locally; the last block of the grid (it has seen every block's count, so no block
+// still reads the epoch) publishes `epoch` into epochs[epoch_index] for the receive kernel that
+// follows in the stream and resets the local counter. Send kernels never wait, so it always resets.
 __device__ __forceinline__ void finish_send_block(const Comm& c, int* done, int slot, int epoch_index,
                                                   unsigned long long epoch) {
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int d = 0; d < c.nranks; ++d) red_add_release_sys(signal_at(c, d, slot, c.rank), 1);
+    fence_acq_rel_sys();
+    for (int d = 0; d < c.nranks; ++d) red_add_relaxed_sys(signal_at(c, d, slot, c.rank), 1);
     const int blocks = static_cast<int>(gridDim.x * gridDim.y);
     if (atomicAdd(done, 1) == blocks - 1) {
       c.epochs[epoch_index] = epoch;
@@ -164,21 +208,22 @@ __device__ __forceinline__ void finish_send_block(const Comm& c, int* done, int 
   }
 }
 
-// Every block of a receive kernel: threads r < nranks wait until rank r's block counter in `slot`
-// reaches `target` (acquire), then the block barrier hands the acquired data to all threads.
-// Returns false when a wait timed out (recorded in ErrorState with rank and phase); the block must
-// then leave. With `count_slot` >= 0, tokens_out[r] gets the low 32 bits of rank r's entry there.
+// Every block of a receive kernel: thread 0 alone polls (relaxed) until each rank r's block counter
+// in `slot` reaches `target`, fences once (acquire), and the block barrier hands the acquired data
+// to all threads. One poller per block keeps the polls off the L2 slice that the peers' adds must
+// reach. Returns false when a wait timed out (recorded in ErrorState with rank and phase); the block
+// must then leave. With `count_slot` >= 0, tokens_out[r] gets the low 32 bits of rank r's entry
+// there (stored by r before its release).
 __device__ __forceinline__ bool wait_all_sources(const Comm& c, int slot, uint64_t target, int phase,
                                                  int count_slot, int* tokens_out, int* ok_shared) {
-  if (threadIdx.x == 0) *ok_shared = 1;
-  __syncthreads();
-  if (threadIdx.x < c.nranks) {
-    const int r = static_cast<int>(threadIdx.x);
-    if (wait_geq(c, signal_at(c, c.rank, slot, r), target, phase, r)) {
-      if (count_slot >= 0) tokens_out[r] = static_cast<int>(ld_acquire_sys(signal_at(c, c.rank, count_slot, r)) & 0xffffffffu);
-    } else {
-      *ok_shared = 0;
-    }
+  if (threadIdx.x == 0) {
+    int ok = 1;
+    for (int r = 0; r < c.nranks && ok; ++r) ok = wait_relaxed_geq(c, signal_at(c, c.rank, slot, r), target, phase, r);
+    fence_acq_rel_sys();
+    if (ok && count_slot >= 0)
+      for (int r = 0; r < c.nranks; ++r)
+        tokens_out[r] = static_cast<int>(ld_relaxed_sys(signal_at(c, c.rank, count_slot, r)) & 0xffffffffu);
+    *ok_shared = ok;
   }
   __syncthreads();
   return *ok_shared != 0;

@@ -17,15 +17,16 @@
 // combine_send_kernel — grid (P, E_l), 512 threads; block (p, e) serves local expert e.
 //   Reads the call's epoch e = epochs[10] + 1 and uses set e & 1. All blocks together first copy
 //   this rank's topk_idx / topk_weights into a private stash (the receive half may run later, after
-//   the caller reused its tensors). Then each warp takes rows m = p + P * r < count[e] and copies
-//   y[e][m] (2H bytes, 8 int4 loads in flight per lane) to rank src_rank[e][m]'s combine staging
-//   [set][src_index][src_k] through its peer pointer: rows for other ranks in a first pass, so the
-//   NVLink stores start at once, this rank's own rows in a second. finish_send_block
-//   (low_latency.h): system fence per thread, block barrier, thread 0 adds 1 (red.release.sys) to
-//   slot 10 + (e & 1) [me] at every rank; the last block (local counter) writes epochs[10] = e.
+//   the caller reused its tensors). The block's rows m = p + P * r < count[e] are cut into 4 KB
+//   chunks, and the (row, chunk) items are spread over all the block's warps: a warp loads its chunk
+//   of y[e][m] (8 int4 per lane, in flight together with the row's src_* loads) and stores it to rank
+//   src_rank[e][m]'s combine staging [set][src_index][src_k] through its peer pointer, so each warp
+//   pays about one memory round trip per item. finish_send_block (low_latency.h): block barrier,
+//   thread 0 issues one fence.acq_rel.sys and adds 1 (relaxed) to slot 10 + (e & 1) [me] at every
+//   rank; the last block (local counter) writes epochs[10] = e.
 // combine_recv_kernel — grid (max(N, 1), ceil(H / 8 / 256)), 256 threads; thread = 8 channels of
-//   token n. Reads e = epochs[10]. Threads r < R wait (acquire; timeout -> ErrorState, phase
-//   LowLatencyCombineRecv) until rank r's block counter in slot 10 + (e & 1) reaches
+//   token n. Reads e = epochs[10]. Thread 0 waits (relaxed polls, then one acquire fence; timeout
+//   -> ErrorState, phase LowLatencyCombineRecv) until each rank r's block counter in slot 10 + (e & 1) reaches
 //   P * E_l * ((e + 1) / 2) (every send block of every epoch of this parity up to e; P * E_l is the
 //   same on every rank); a barrier hands the staged rows to the block.
 //   Threads k < K put the stashed id, weight and first-k slot of k in shared memory. Each thread
@@ -89,6 +90,8 @@ __global__ void __launch_bounds__(kSendThreads, 2) combine_send_kernel(const Com
   const Comm& c = a.comm;
   const unsigned long long epoch = c.epochs[kEpochCombine] + 1;
   const int set = static_cast<int>(epoch & 1);
+  const int e = blockIdx.y, p = blockIdx.x, parts = gridDim.x;
+  const int rows = a.count[e];  // read before the stash stores (the compiler cannot hoist it past them)
   const int block = blockIdx.y * gridDim.x + blockIdx.x;
   const int stash_n = a.num_tokens * a.num_topk;
   for (int i = block * blockDim.x + threadIdx.x; i < stash_n; i += gridDim.x * gridDim.y * blockDim.x) {
@@ -96,24 +99,20 @@ __global__ void __launch_bounds__(kSendThreads, 2) combine_send_kernel(const Com
     a.stash_weights[i] = a.topk_weights[i];
   }
 
-  const int e = blockIdx.y, p = blockIdx.x, parts = gridDim.x;
-  const int capacity = c.nranks * a.max_tokens;
-  const size_t expert_row0 = static_cast<size_t>(e) * capacity;
-  const int rows = a.count[e];
+  const size_t expert_row0 = static_cast<size_t>(e) * c.nranks * a.max_tokens;
   const int row_int4 = a.hidden / 8;
+  const int row_chunks = chunks_of(row_int4);
+  const int block_rows = rows > p ? (rows - p + parts - 1) / parts : 0;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int pass = 0; pass < 2; ++pass) {  // rows for peers first (the link is the bottleneck), own rows after
-    for (int r = warp;; r += warps) {
-      const int m = p + parts * r;
-      if (m >= rows) break;
-      const int s = a.src_rank[expert_row0 + m];
-      if ((s == c.rank) != (pass == 1)) continue;
-      const int t = a.src_index[expert_row0 + m];
-      const int k = a.src_k[expert_row0 + m];
-      int4* dst = reinterpret_cast<int4*>(a.payload[s]) +
-                  ((static_cast<size_t>(set) * a.max_tokens + t) * a.num_topk + k) * row_int4;
-      warp_copy_int4(dst, a.y + (expert_row0 + m) * row_int4, row_int4, lane);
-    }
+  for (int item = warp; item < block_rows * row_chunks; item += warps) {
+    const int r = item / row_chunks, chunk = item - r * row_chunks;
+    const size_t m = expert_row0 + p + static_cast<size_t>(parts) * r;
+    int4 v[kCopyUnroll];
+    warp_load_chunk(v, a.y + m * row_int4, row_int4, chunk, lane);  // issued with the src_* loads below
+    const int s = a.src_rank[m], t = a.src_index[m], k = a.src_k[m];
+    int4* dst = reinterpret_cast<int4*>(a.payload[s]) +
+                ((static_cast<size_t>(set) * a.max_tokens + t) * a.num_topk + k) * row_int4;
+    warp_store_chunk(dst, v, row_int4, chunk, lane);
   }
   finish_send_block(c, a.done, kSigCombine + set, kEpochCombine, epoch);
 }

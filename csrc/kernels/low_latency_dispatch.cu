@@ -10,32 +10,40 @@
 // One thread per 16 channels (FP8) or 8 channels (bf16), at most 1024 threads. Every block reads
 // the call's epoch e = epochs[8] + 1 and uses buffer set e & 1 and the slots of that parity.
 //   0. Block 0's threads d < R store (e << 32) | N into slot 12 + (e & 1) [me] at rank d.
-//   1. Per token: every thread reads the token's K expert ids (broadcast loads) and derives the set
-//      of destination ranks. Threads d < R write the token's meta row at rank d: its local expert id
-//      at d for each k (-1 elsewhere, padded to 16), to meta[set][me][t] — for every rank, so a
-//      receiver can tell "not for me" from stale data without any other count.
-//   2. FP8: each thread loads 16 channels (two int4, both in flight), the 8 threads of a
-//      128-channel block reduce amax by shuffles, and each rank quantises its own token exactly
-//      once; bf16: one int4 per thread. The 16-byte chunk (and the block scale) is stored to
-//      payload[set][me][t] at each destination rank through its peer pointer (own rank included).
-//   3. finish_send_block (low_latency.h): every thread fences at system scope, the block joins,
-//      thread 0 adds 1 (red.release.sys) to slot 8 + (e & 1) [me] at every rank. No block waits for
-//      another; the last block to finish (local counter) writes epochs[8] = e for the receive kernel.
+//   1. Per token: every thread first issues the loads of its channels of x (step 2), so their latency
+//      overlaps the routing. Warp 0 derives it: lane k < K reads topk id k (one coalesced load) and
+//      computes its rank and local expert id (32-bit division); an OR-reduction gives the set of
+//      destination ranks (to shared memory, slot by token iteration parity), and lanes d < R build by
+//      shuffles and write the token's meta row at rank d: its local expert id at d for each k (-1
+//      elsewhere, padded to 16), to meta[set][me][t] — for every rank, so a receiver can tell "not
+//      for me" from stale data without any other count. A block barrier publishes the set.
+//   2. FP8: each thread holds 16 channels (two int4), the 8 threads of a 128-channel block reduce
+//      amax by shuffles, and each rank quantises its own token exactly once; bf16: one int4 per
+//      thread. The 16-byte chunk (and the block scale) is stored to payload[set][me][t] at each
+//      destination rank through its peer pointer (own rank included).
+//   3. finish_send_block (low_latency.h): the block joins, thread 0 issues one fence.acq_rel.sys
+//      (cumulative over the block's stores) and adds 1 (relaxed) to slot 8 + (e & 1) [me] at every
+//      rank. No block waits for another; the last block to finish (local counter) writes
+//      epochs[8] = e for the receive kernel.
 // dispatch_recv_kernel — grid (P, E_l), 512 threads; block (p, e) serves local expert e;
 // P = 256 / E_l (1 to 32, from the Buffer's dimensions), so the grid is about one wave and skewed
 // experts get more warps.
-//   1. Reads e = epochs[8] (published by the send kernel before it). Threads r < R wait
-//      (acquire, timeout -> ErrorState naming rank and phase LowLatencyDispatchRecv) until source
-//      r's block counter in slot 8 + (e & 1) reaches G * ((e + 1) / 2) (all G blocks of every epoch
-//      of this parity up to e), then take N_r from the low 32 bits of slot 12 + (e & 1) [r], which
-//      r's block 0 stored before its release; a barrier hands the data to the block.
+//   1. Reads e = epochs[8] (published by the send kernel before it). Thread 0 waits (relaxed
+//      polls, then one acquire fence; timeout -> ErrorState naming rank and phase
+//      LowLatencyDispatchRecv) until each source r's block counter in slot 8 + (e & 1) reaches
+//      G * ((e + 1) / 2) (all G blocks of every epoch of this parity up to e), then takes N_r from
+//      the low 32 bits of slot 12 + (e & 1) [r], which r's block 0 stored before its release; a
+//      barrier hands the data to the block.
 //   2. Scans every staged meta row (s, t < N_s) in (s, t) order, contiguous chunks per thread,
 //      and counts the tokens naming e (once per token, at its first k). A block-wide exclusive scan
 //      of the per-thread counts gives each token's row: deterministic, no atomics. Rows m with
 //      m % P == p are this block's: it writes src_rank / src_index / src_k (first k naming e, for
-//      combine) for them; block p == 0 writes count[e]. All P blocks of e compute the same scan.
-//   3. After a barrier (its own handle writes are visible to the block), each warp copies one of
-//      the block's rows at a time from the local staging into recv_x[e][m] (and the scales).
+//      combine) for them, and keeps the staged token of its first 1024 rows in shared memory; block
+//      p == 0 writes count[e]. All P blocks of e compute the same scan.
+//   3. After a barrier, the block's rows are cut into 4 KB chunks (plus, with FP8, one item for the
+//      row's scales), and the (row, chunk) items are spread over all warps: a warp loads its chunk
+//      from the local staging (8 int4 per lane, all in flight) and stores it into recv_x[e][m], so
+//      each item costs about one round trip whatever the rows per block.
 //
 // Why the staging of a set is never overwritten while a receiver still reads it: rank s writes set
 // (e & 1) at rank d during its send of epoch e. d last read that set in its receive of epoch e - 2.
@@ -70,6 +78,7 @@ namespace ll {
 namespace {
 
 constexpr int kRecvThreads = 512;
+constexpr int kSharedRows = 1024;  // block rows whose staged token stays in shared memory (others: src_*)
 
 struct DispatchSendArgs {
   Comm comm;
@@ -132,22 +141,30 @@ __device__ __forceinline__ uint4 quantize16(const float* v, float scale) {
 // Send half; protocol in the file comment (dispatch_send_kernel).
 template <bool kFp8, bool kRoundScale>
 __global__ void __launch_bounds__(1024) dispatch_send_kernel(const DispatchSendArgs a) {
+  __shared__ unsigned dest_masks[2];  // by token iteration parity: no barrier needed before reuse
   const Comm& c = a.comm;
   const unsigned long long epoch = c.epochs[kEpochDispatch] + 1;
   const int set = static_cast<int>(epoch & 1);
   if (blockIdx.x == 0 && threadIdx.x < static_cast<unsigned>(c.nranks))
     *signal_at(c, threadIdx.x, kSigDispatchCount + set, c.rank) =
         (static_cast<uint64_t>(epoch) << 32) | static_cast<uint32_t>(a.num_tokens);
-  for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {  // block-uniform (shuffles below)
-    const int64_t* idx = a.topk_idx + static_cast<size_t>(t) * a.num_topk;
-    unsigned dest_mask = 0;
-    for (int k = 0; k < a.num_topk; ++k) {
-      const int64_t e = idx[k];
-      if (e >= 0) dest_mask |= 1u << static_cast<int>(e / a.num_local_experts);
-    }
+  constexpr int kChannels = kFp8 ? 16 : 8;  // channels per thread and step
+  constexpr int kVecs = kChannels / 8;      // uint4 loads per thread and step
+  const int chunks = a.hidden / kChannels;
+  int it = 0;
+  for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x, ++it) {  // block-uniform (barrier, shuffles)
+    const uint4* src = a.x + static_cast<size_t>(t) * (a.hidden / 8);
+    uint4 first[kVecs];  // this thread's first step, loaded before the routing so both latencies overlap
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u)
+      first[u] = static_cast<int>(threadIdx.x) < chunks ? src[kVecs * threadIdx.x + u] : make_uint4(0, 0, 0, 0);
     const size_t slot = static_cast<size_t>(set * c.nranks + c.rank) * a.max_tokens + t;
-    if (threadIdx.x < static_cast<unsigned>(c.nranks)) {
-      const int d = threadIdx.x;
+    if (threadIdx.x < 32) {  // warp 0: lane k owns topk id k; lanes d < R write rank d's meta row
+      const int lane = threadIdx.x;
+      const int e = lane < a.num_topk ? static_cast<int>(a.topk_idx[static_cast<size_t>(t) * a.num_topk + lane]) : -1;
+      const int dst_rank = e >= 0 ? e / a.num_local_experts : -1;
+      const int local = e >= 0 ? e - dst_rank * a.num_local_experts : -1;
+      const unsigned mask = __reduce_or_sync(0xffffffffu, dst_rank >= 0 ? 1u << dst_rank : 0u);
       unsigned w[kMetaEntries / 2];
 #pragma unroll
       for (int i = 0; i < kMetaEntries / 2; ++i) {
@@ -155,49 +172,52 @@ __global__ void __launch_bounds__(1024) dispatch_send_kernel(const DispatchSendA
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int k = 2 * i + h;
-          const int64_t e = k < a.num_topk ? idx[k] : -1;
-          const int local = (e >= 0 && e / a.num_local_experts == d) ? static_cast<int>(e - static_cast<int64_t>(d) * a.num_local_experts) : -1;
-          pair |= (static_cast<unsigned>(local) & 0xffffu) << (16 * h);
+          const int r = __shfl_sync(0xffffffffu, dst_rank, k);
+          const int l = __shfl_sync(0xffffffffu, local, k);
+          pair |= (static_cast<unsigned>(r == lane ? l : -1) & 0xffffu) << (16 * h);
         }
         w[i] = pair;
       }
-      uint4* dst = reinterpret_cast<uint4*>(a.meta[d] + slot * kMetaEntries);
-      dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-      dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+      if (lane < c.nranks) {
+        uint4* dst = reinterpret_cast<uint4*>(a.meta[lane] + slot * kMetaEntries);
+        dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+        dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+      }
+      if (lane == 0) dest_masks[it & 1] = mask;
     }
+    __syncthreads();
+    const unsigned dest_mask = dest_masks[it & 1];
     const size_t row_offset = slot * 2 * static_cast<size_t>(a.hidden);
-    const uint4* src = a.x + static_cast<size_t>(t) * (a.hidden / 8);
-    if constexpr (kFp8) {
-      const int chunks = a.hidden / 16;  // 16 channels per thread; 8 threads per 128-channel block
-      for (int base = 0; base < chunks; base += blockDim.x) {  // block-uniform trip count (shuffles)
-        const int i = base + threadIdx.x;
-        const bool active = i < chunks;  // chunks % 8 == 0: a 128-channel block is all in or all out
-        float v[16];
-        bf16x8_to_float(active ? src[2 * i] : make_uint4(0, 0, 0, 0), v);
-        bf16x8_to_float(active ? src[2 * i + 1] : make_uint4(0, 0, 0, 0), v + 8);
+    for (int base = 0; base < chunks; base += blockDim.x) {  // block-uniform trip count (shuffles)
+      const int i = base + threadIdx.x;
+      const bool active = i < chunks;  // FP8: chunks % 8 == 0, a 128-channel block is all in or all out
+      uint4 v[kVecs];
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u) v[u] = base == 0 ? first[u] : (active ? src[kVecs * i + u] : make_uint4(0, 0, 0, 0));
+      if constexpr (kFp8) {
+        float f[16];
+        bf16x8_to_float(v[0], f);
+        bf16x8_to_float(v[1], f + 8);
         float amax = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[j]));
+        for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(f[j]));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
         float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
         if constexpr (kRoundScale) scale = round_up_pow2(scale);
         if (!active) continue;
-        const uint4 q = quantize16(v, scale);
+        const uint4 q = quantize16(f, scale);
         for (int d = 0; d < c.nranks; ++d) {
           if (!(dest_mask >> d & 1u)) continue;
           uint8_t* row = a.payload[d] + row_offset;
           reinterpret_cast<uint4*>(row)[i] = q;
           if ((i & 7) == 0) reinterpret_cast<float*>(row + a.hidden)[i >> 3] = scale;
         }
-      }
-    } else {
-      const int chunks = a.hidden / 8;  // 8 channels (one uint4) per thread and step
-      for (int i = threadIdx.x; i < chunks; i += blockDim.x) {
-        const uint4 v = src[i];
+      } else {
+        if (!active) continue;
         for (int d = 0; d < c.nranks; ++d)
-          if (dest_mask >> d & 1u) reinterpret_cast<uint4*>(a.payload[d] + row_offset)[i] = v;
+          if (dest_mask >> d & 1u) reinterpret_cast<uint4*>(a.payload[d] + row_offset)[i] = v[0];
       }
     }
   }
@@ -251,6 +271,7 @@ template <bool kFp8>
 __global__ void __launch_bounds__(kRecvThreads, 2) dispatch_recv_kernel(const DispatchRecvArgs a) {
   __shared__ int tokens[kMaxRanks];
   __shared__ int warp_sums[32];
+  __shared__ int staged_j[kSharedRows];  // staged token (s * T + t) of the block's first rows
   __shared__ int ok;
   const Comm& c = a.comm;
   const unsigned long long epoch = c.epochs[kEpochDispatch];
@@ -277,30 +298,35 @@ __global__ void __launch_bounds__(kRecvThreads, 2) dispatch_recv_kernel(const Di
       a.src_rank[expert_row0 + m] = s;
       a.src_index[expert_row0 + m] = j - s * a.max_tokens;
       a.src_k[expert_row0 + m] = k;
+      if (m / parts < kSharedRows) staged_j[m / parts] = j;
     }
     ++m;
   }
   if (p == 0 && threadIdx.x == 0) a.count[e] = total;
   __syncthreads();
 
+  // Copy items: (block row, chunk) pairs spread over all warps, one round trip each; with FP8 one
+  // more item per row moves its scales.
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const size_t staged_bytes = 2 * static_cast<size_t>(a.hidden);
-  const int scales = a.hidden / 128;
-  for (int r = warp;; r += warps) {
-    const int row = p + parts * r;
-    if (row >= total) break;
-    const int s = a.src_rank[expert_row0 + row];
-    const int t = a.src_index[expert_row0 + row];
-    const uint8_t* staged = a.payload + (static_cast<size_t>(set * c.nranks + s) * a.max_tokens + t) * staged_bytes;
-    if constexpr (kFp8) {
-      warp_copy_int4(reinterpret_cast<int4*>(a.recv_x + (expert_row0 + row) * a.hidden),
-                     reinterpret_cast<const int4*>(staged), a.hidden / 16, lane);
-      const float* staged_scales = reinterpret_cast<const float*>(staged + a.hidden);
-      float* out_scales = a.recv_scales + (expert_row0 + row) * scales;
-      for (int i = lane; i < scales; i += 32) out_scales[i] = staged_scales[i];
+  const int row_int4 = kFp8 ? a.hidden / 16 : a.hidden / 8;
+  const int row_chunks = chunks_of(row_int4);
+  const int items_per_row = row_chunks + (kFp8 ? 1 : 0);
+  const int block_rows = total > p ? (total - p + parts - 1) / parts : 0;
+  for (int item = warp; item < block_rows * items_per_row; item += warps) {
+    const int r = item / items_per_row, chunk = item - r * items_per_row;
+    const size_t row = expert_row0 + p + static_cast<size_t>(parts) * r;
+    const int j = r < kSharedRows ? staged_j[r] : a.src_rank[row] * a.max_tokens + a.src_index[row];
+    const uint8_t* staged = a.payload + (static_cast<size_t>(set * c.nranks) * a.max_tokens + j) * staged_bytes;
+    if (chunk < row_chunks) {
+      int4 v[kCopyUnroll];
+      warp_load_chunk(v, reinterpret_cast<const int4*>(staged), row_int4, chunk, lane);
+      warp_store_chunk(reinterpret_cast<int4*>(a.recv_x + row * row_int4 * 16), v, row_int4, chunk, lane);
     } else {
-      warp_copy_int4(reinterpret_cast<int4*>(a.recv_x + (expert_row0 + row) * staged_bytes),
-                     reinterpret_cast<const int4*>(staged), static_cast<int>(staged_bytes / 16), lane);
+      const int scales = a.hidden / 128;
+      const float* staged_scales = reinterpret_cast<const float*>(staged + a.hidden);
+      float* out_scales = a.recv_scales + row * scales;
+      for (int i = lane; i < scales; i += 32) out_scales[i] = staged_scales[i];
     }
   }
 }
