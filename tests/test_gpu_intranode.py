@@ -334,6 +334,8 @@ def _worker(rank: int, world: int) -> None:
                 moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
             assert nat.backend_name == "nvshmem"
             for case in cases:
+                if rank == 0:
+                    print(f"intranode case {case.seed} shape {shape}", flush=True)
                 _run_case(nat, ref, shape, case, rank)
     _stress(rank)
     _graph(rank)

@@ -1,6 +1,6 @@
 """The NVSHMEM runtime on 2 GPUs: bootstrap over a torch.distributed group, zero-filled symmetric
 tensors, a write through a peer pointer seen by its owner, shared sessions, a heap that is too small,
-timeout reports, and three session lifetimes (init, finalize, init again) in one process."""
+timeout reports, and three session lifetimes (init, shutdown, init again) in one process."""
 from __future__ import annotations
 
 import ctypes
@@ -82,6 +82,8 @@ def _one_session(rank: int, world_size: int, round_: int) -> None:
     assert native.sm_count(rank) == torch.cuda.get_device_properties(rank).multi_processor_count
     session.release()
     session.release()
+    assert native.is_initialized(), "an idle heap stays up for the next Buffer"
+    NvshmemSession.shutdown()
     assert not native.is_initialized()
 
 

@@ -158,6 +158,10 @@ class NvshmemSession:
         device = _cuda_device(device)
         ranks = tuple(dist.get_process_group_ranks(group))
         heap = cls._heap
+        if heap is not None and heap.holders == 0 and (
+                heap.ranks != ranks or heap.device != device or heap_bytes > heap.capacity):
+            cls.shutdown()  # idle and unfit: start again at the size and ranks needed
+            heap = None
         if heap is not None:
             if heap.ranks != ranks or heap.device != device:
                 raise RuntimeError(
@@ -211,7 +215,7 @@ class NvshmemSession:
         return watch
 
     def release(self) -> None:
-        """Collective: frees this session's allocations and error states; the last release finalizes NVSHMEM."""
+        """Collective: frees this session's allocations and error states (NVSHMEM stays up: see shutdown)."""
         if self._released:
             return
         self._released = True
@@ -222,7 +226,16 @@ class NvshmemSession:
         heap = self._shared
         heap.holders -= 1
         heap.reserved -= self._heap_bytes
-        if heap.holders == 0:
-            with torch.cuda.device(self.device):
-                heap.native.finalize()
-            NvshmemSession._heap = None
+
+    @classmethod
+    def shutdown(cls) -> None:
+        """Collective: finalizes NVSHMEM once no session holds it. NVSHMEM otherwise stays up after
+        the last Buffer closes, so the next Buffer that fits starts without a new bootstrap (seconds)."""
+        heap = cls._heap
+        if heap is None:
+            return
+        if heap.holders:
+            raise RuntimeError(f"moe_ep: {heap.holders} Buffer(s) still use NVSHMEM; close them first")
+        with torch.cuda.device(heap.device):
+            heap.native.finalize()
+        cls._heap = None
