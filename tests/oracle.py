@@ -45,6 +45,27 @@ def make_inputs(seed: int, tokens: list[int], hidden: int, num_experts: int, num
     return Inputs(xs, idxs, ws)
 
 
+def random_topk(kind: str, n: int, experts: int, k: int, g: torch.Generator, device: str = "cuda") -> torch.Tensor:
+    """Expert ids on `device`: distinct with ~15% -1 ('random'), duplicates toward low ids ('skewed'),
+    one expert listed in every other slot and -1 between ('one_expert'), or all -1 ('none')."""
+    if kind == "random":
+        idx = torch.rand(n, experts, generator=g, device=device).topk(k, dim=1).indices
+        drop = torch.rand(n, k, generator=g, device=device) < 0.15
+    elif kind == "skewed":
+        idx = (torch.rand(n, k, generator=g, device=device) ** 3 * experts).long()
+        drop = torch.rand(n, k, generator=g, device=device) < 0.1
+    elif kind == "one_expert":
+        idx = torch.full((n, k), experts // 2, dtype=torch.int64, device=device)
+        drop = torch.zeros(n, k, dtype=torch.bool, device=device)
+        drop[:, 1::2] = True
+    elif kind == "none":
+        idx = torch.zeros(n, k, dtype=torch.int64, device=device)
+        drop = torch.ones(n, k, dtype=torch.bool, device=device)
+    else:
+        raise ValueError(kind)
+    return torch.where(drop, -1, idx).contiguous()
+
+
 def owners(idx_row: list[int], num_local: int) -> set[int]:
     return {e // num_local for e in idx_row if e >= 0}
 

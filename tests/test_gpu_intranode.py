@@ -23,6 +23,7 @@ import torch.distributed as dist
 import moe_ep
 from moe_ep import fp8
 from tests._dist import requires_gpus, run_workers
+from tests.oracle import random_topk
 
 pytestmark = requires_gpus(2)
 
@@ -86,24 +87,6 @@ GRAPH_SHAPE = (2048, 16, 8, 128)
 # ---- inputs -----------------------------------------------------------------------------------
 def _x(n: int, hidden: int, g: torch.Generator) -> torch.Tensor:
     return (torch.randn(n, hidden, generator=g, device="cuda") * 2).to(torch.bfloat16)
-
-
-def _topk(kind: str, n: int, experts: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """Expert ids: distinct with ~15% -1 ('random'), duplicates toward low ids ('skewed'), every
-    entry on one expert (a duplicate-only row), or all -1 ('none')."""
-    if kind == "random":
-        idx = torch.rand(n, experts, generator=g, device="cuda").topk(k, dim=1).indices
-        drop = torch.rand(n, k, generator=g, device="cuda") < 0.15
-    elif kind == "skewed":
-        idx = (torch.rand(n, k, generator=g, device="cuda") ** 3 * experts).long()
-        drop = torch.rand(n, k, generator=g, device="cuda") < 0.1
-    elif kind == "one_expert":
-        idx = torch.full((n, k), experts // 2 + 1, dtype=torch.int64, device="cuda")
-        drop = torch.zeros(n, k, dtype=torch.bool, device="cuda")
-    else:
-        idx = torch.zeros(n, k, dtype=torch.int64, device="cuda")
-        drop = torch.ones(n, k, dtype=torch.bool, device="cuda")
-    return torch.where(drop, -1, idx).contiguous()
 
 
 def _payload(x: torch.Tensor, use_fp8: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -175,7 +158,7 @@ def _run_case(nat: moe_ep.Buffer, ref: moe_ep.Buffer, shape, case: Case, rank: i
     what = f"shape={shape} case={case}"
     g = torch.Generator(device="cuda").manual_seed(case.seed * 1009 + rank)
     n = case.tokens[rank]
-    x, idx = _x(n, hidden, g), _topk(case.routing, n, experts, k, g)
+    x, idx = _x(n, hidden, g), random_topk(case.routing, n, experts, k, g)
     w = torch.rand(n, k, generator=g, device="cuda")
     xin, scales = _payload(x, case.fp8)
     kw = dict(x_scales=scales, expert_alignment=case.alignment, worst_case=case.worst_case)
@@ -251,7 +234,7 @@ def _stress(rank: int) -> None:
             sms = int(torch.randint(1, 33, (1,), generator=shared))
             n = int(torch.randint(0, t + 1, (1,), generator=g, device="cuda"))
             x = _x(n, hidden, g)
-            idx = _topk(routings[it % len(routings)], n, experts, k, g)
+            idx = random_topk(routings[it % len(routings)], n, experts, k, g)
             w = torch.rand(n, k, generator=g, device="cuda")
             xin, scales = _payload(x, use_fp8)
             got = nat.dispatch(xin, idx, w, x_scales=scales, worst_case=worst, num_sms=sms)
@@ -280,7 +263,7 @@ def _graph(rank: int) -> None:
 
     def refill(routing: str) -> None:
         x.copy_(_x(n, hidden, g))
-        idx.copy_(_topk(routing, n, experts, k, g))
+        idx.copy_(random_topk(routing, n, experts, k, g))
         w.copy_(torch.rand(n, k, generator=g, device="cuda"))
 
     def step(buf: moe_ep.Buffer):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import moe_ep
 from tests._dist import requires_gpus, run_workers
+from tests.oracle import random_topk
 
 WORLD = 2
 # (hidden, experts, topk, max_tokens_per_rank): the L1 decode shape; K = 16; K = 1; hidden % 16 == 8.
@@ -30,24 +31,6 @@ def _x(n: int, hidden: int, g: torch.Generator) -> torch.Tensor:
         mag = 10.0 ** torch.empty(n, hidden // 128, device="cuda").uniform_(-7, 3, generator=g)
         x = (x.view(n, hidden // 128, 128) * mag.unsqueeze(-1)).view(n, hidden)
     return x.to(torch.bfloat16)
-
-
-def _topk(kind: str, n: int, experts: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """Expert ids: distinct ('random'), duplicates toward low ids ('skewed'), all on one expert, or none."""
-    if kind == "random":
-        idx = torch.rand(n, experts, generator=g, device="cuda").topk(k, dim=1).indices
-        drop = torch.rand(n, k, generator=g, device="cuda") < 0.15
-    elif kind == "skewed":
-        idx = (torch.rand(n, k, generator=g, device="cuda") ** 3 * experts).long()
-        drop = torch.rand(n, k, generator=g, device="cuda") < 0.1
-    elif kind == "one_expert":
-        idx = torch.full((n, k), experts // 2, dtype=torch.int64, device="cuda")
-        drop = torch.zeros(n, k, dtype=torch.bool, device="cuda")
-        drop[:, 1::2] = True
-    else:
-        idx = torch.zeros(n, k, dtype=torch.int64, device="cuda")
-        drop = torch.ones(n, k, dtype=torch.bool, device="cuda")
-    return torch.where(drop, -1, idx).contiguous()
 
 
 def _check_dispatch(got, want, what: str) -> None:
@@ -116,7 +99,7 @@ def _eager_cases(buf, ref, shape, rank: int, shared: torch.Generator, local: tor
             routing = ROUTINGS[it % len(ROUTINGS)]
             use_fp8, round_scale = modes[it % len(modes)]
             hook = it % 2 == 1
-            x, idx = _x(n, hidden, local), _topk(routing, n, experts, k, local)
+            x, idx = _x(n, hidden, local), random_topk(routing, n, experts, k, local)
             w = torch.rand(n, k, generator=local, device="cuda")
             what = f"shape={shape} it={it} n={n} routing={routing} fp8={use_fp8} round_scale={round_scale} hook={hook}"
             nat = buf.low_latency_dispatch(x, idx, use_fp8=use_fp8, round_scale=round_scale, return_recv_hook=hook)
@@ -143,7 +126,7 @@ def _eager_cases(buf, ref, shape, rank: int, shared: torch.Generator, local: tor
 def _hook_order(buf, shape, local: torch.Generator) -> None:
     """A second dispatch before the first one's hook is refused (host-side, no kernel runs)."""
     hidden, experts, k, t = shape
-    x, idx = _x(t, hidden, local), _topk("random", t, experts, k, local)
+    x, idx = _x(t, hidden, local), random_topk("random", t, experts, k, local)
     first = buf.low_latency_dispatch(x, idx, return_recv_hook=True)
     with pytest.raises(RuntimeError, match="hook"):
         buf.low_latency_dispatch(x, idx)
@@ -163,7 +146,7 @@ def _graph_cases(buf, ref, shape, rank: int, local: torch.Generator) -> None:
 
     def fill(i: int) -> None:
         x_s.copy_(_x(n, hidden, local))
-        idx_s.copy_(_topk(ROUTINGS[i % len(ROUTINGS)], n, experts, k, local))
+        idx_s.copy_(random_topk(ROUTINGS[i % len(ROUTINGS)], n, experts, k, local))
         w_s.copy_(torch.rand(n, k, generator=local, device="cuda"))
 
     fill(0)
@@ -191,7 +174,7 @@ def _timeout_case(rank: int, local: torch.Generator) -> None:
     with moe_ep.Buffer(dist.group.WORLD, hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t,
                        backend="nvshmem", low_latency=True, timeout_s=1.0) as buf:
         if rank == 1:
-            x, idx = _x(t, hidden, local), _topk("random", t, experts, k, local)
+            x, idx = _x(t, hidden, local), random_topk("random", t, experts, k, local)
             buf.low_latency_dispatch(x, idx)
             torch.cuda.synchronize()
             with pytest.raises(moe_ep.CommTimeoutError, match="low-latency dispatch"):
