@@ -320,9 +320,10 @@ def _worker(rank: int, world: int) -> None:
                 if rank == 0:
                     print(f"intranode case {case.seed} shape {shape}", flush=True)
                 _run_case(nat, ref, shape, case, rank)
-    _stress(rank)
-    _graph(rank)
-    _timeout(rank)
+    for part in (_stress, _graph, _timeout):
+        if rank == 0:
+            print(f"intranode {part.__name__.strip('_')}", flush=True)
+        part(rank)
 
 
 def test_intranode_matches_reference() -> None:

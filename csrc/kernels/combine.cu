@@ -1,21 +1,22 @@
 // Combine: each received row goes back to the rank it came from, which sums a token's rows in
 // float32 in ascending rank order (from +0.0, one rounding to bf16), bit for bit like the reference.
-// Two kernels with one protocol: combine_kernel (described here) and combine_tma_kernel (its rows go
-// out as bulk copies, described above it); launch_combine picks per Context::impl.
 //
 // Protocol (grid = num_blocks blocks of kThreads; same stream as the dispatch that made the handle).
-// epoch = epochs[kSigCombineDone] + 1 numbers this call's row flags.
+// epoch = epochs[kSigCombineDone] + 1 numbers this call's row flags. W = Tuning::send_warps,
+// U = Tuning::unroll (template parameter), G = Tuning::flag_batch, B = Tuning::recv_run.
 //  0. Start barrier: block 0's thread r stores ready_epoch into its kSigCombineReady flag at peer r;
 //     every block waits for all peers' flags (a peer raises it only after its stream finished the
 //     previous call, so its data region is free: no peer is still reducing or copying from it).
-//  1. Send (warps 0..kSendWarps-1 of every block). Sending warp w owns received rows w, w + W, ...:
-//     a row from peer s = src_rank[j] (padding rows, src_rank -1, and this rank's own rows are
-//     skipped) is stored, kSendUnroll int4 per lane in flight, into row i = src_index[j] of slot [me]
-//     of s's data region (NVLink); then __syncwarp and lane 0 stores `epoch` with release semantics
-//     into row flag [combine][me][i] at s.
+//  1. Send (warps 0..W-1 of every block). Sending warp w owns received rows w, w + W', ...
+//     (W' = W * grid), reading src_rank / src_index of its next row one row ahead: a row from peer
+//     s = src_rank[j] (padding rows, src_rank -1, and this rank's own rows are skipped) is stored, U
+//     int4 per lane in flight, into row i = src_index[j] of slot [me] of s's data region (NVLink).
+//     Its flag, [combine][me][i] at s, joins the warp's pending flags (shared memory); once G are
+//     pending (and at the end) the warp publishes them: __syncwarp, one fence.acq_rel.sys, then
+//     relaxed stores of `epoch` (intranode.h "Row flags").
 //  2. Reduce (the other warps from the start, the sending warps once their rows are done). Warps take
-//     tokens i = 0, 1, ... of this rank from a grid-wide counter. Lane r < R reads
-//     is_token_in_rank[i][r]; lanes of peer sources wait for their row flag to reach `epoch`
+//     runs of B tokens [kB, kB + B) of this rank from a grid-wide counter. Per token i: lane r < R
+//     reads is_token_in_rank[i][r]; lanes of peer sources wait for their row flag to reach `epoch`
 //     (wait_flag; __syncwarp hands the order to the whole warp). Then, chunk by chunk, the warp adds
 //     rank r's row for r ascending (own: x[first[me] + pos[i][me]]; peer: data slot [r] row i, read
 //     through L2) into float32 accumulators with __fadd_rn (never contracted), rounds once with
@@ -31,7 +32,6 @@ namespace intranode {
 
 namespace {
 
-constexpr int kSendUnroll = 4;    // int4 loads in flight per lane when sending
 constexpr int kReduceUnroll = 2;  // int4 positions per lane per reduction step (8 floats each)
 
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
@@ -55,28 +55,27 @@ __device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
   return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
 }
 
-// Row j of x back to its source rank s at index src_index[j], then its row flag.
-__device__ __forceinline__ void send_row(const DeviceContext& ctx, const CombineArgs& a, int j, int s,
-                                         uint64_t epoch, int lane) {
-  const int me = ctx.comm.rank, row_bytes = 2 * ctx.dims.hidden, vecs = row_bytes / 16;
-  const int i = reinterpret_cast<const int*>(a.src_index)[j];
+// Row j of x back to its source rank s, at row i of slot [me] of s's data region.
+template <int kU>
+__device__ __forceinline__ void send_row(const DeviceContext& ctx, const CombineArgs& a, int j, int s, int i,
+                                         int lane) {
+  const int me = ctx.comm.rank, row_bytes = 2 * ctx.dims.hidden;
   const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + (size_t)j * row_bytes);
   int4* dst = reinterpret_cast<int4*>(ctx.region(s, ctx.ws.data) + me * ctx.ws.slot_bytes + (size_t)i * row_bytes);
-  for (int first = 0; first < vecs; first += 32 * kSendUnroll) {
-    int4 v[kSendUnroll];
+  const int vecs = row_bytes / 16;
+  for (int first = 0; first < vecs; first += 32 * kU) {
+    int4 v[kU];
 #pragma unroll
-    for (int u = 0; u < kSendUnroll; ++u) {
+    for (int u = 0; u < kU; ++u) {
       const int k = first + u * 32 + lane;
       if (k < vecs) v[u] = ld_nc_int4(src + k);
     }
 #pragma unroll
-    for (int u = 0; u < kSendUnroll; ++u) {
+    for (int u = 0; u < kU; ++u) {
       const int k = first + u * 32 + lane;
       if (k < vecs) dst[k] = v[u];
     }
   }
-  __syncwarp();
-  if (lane == 0) st_release_sys(ctx.row_flag(s, kCombineRows, me, i), epoch);
 }
 
 // out[i] = bf16(sum over the ranks r that received token i, ascending, of float(their row)).
@@ -142,11 +141,13 @@ __device__ __forceinline__ bool reduce_token(const DeviceContext& ctx, const Com
   return true;
 }
 
+template <int kU>
 __global__ void __launch_bounds__(kThreads, 1)
 combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ CombineArgs a) {
   const Comm& comm = ctx.comm;
   const int me = comm.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int send_warps = ctx.tuning.send_warps, batch = ctx.tuning.flag_batch, B = ctx.tuning.recv_run;
   const uint64_t ready_epoch = comm.epochs[kSigCombineReady] + 1;
   const uint64_t epoch = comm.epochs[kSigCombineDone] + 1;
 
@@ -154,17 +155,34 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
   if (blockIdx.x == 0) signal_peers(comm, kSigCombineReady, ready_epoch);
   if (wait_peers(comm, kSigCombineReady, ready_epoch, kPhaseCombineBarrier)) {
     // 1. send rows back
-    if (warp < kSendWarps) {
+    if (warp < send_warps) {
       const auto* src_rank = reinterpret_cast<const int*>(a.src_rank);
-      for (int j = blockIdx.x * kSendWarps + warp; j < a.num_rows; j += gridDim.x * kSendWarps) {
-        const int s = src_rank[j];
-        if (s >= 0 && s != me) send_row(ctx, a, j, s, epoch, lane);
+      const auto* src_index = reinterpret_cast<const int*>(a.src_index);
+      const int stride = gridDim.x * send_warps;
+      __shared__ uint64_t* flag_slots[kWarps][32];
+      PendingFlags pending{flag_slots[warp]};
+      int j = blockIdx.x * send_warps + warp;
+      int s_next = j < a.num_rows ? __ldg(src_rank + j) : -1;
+      int i_next = j < a.num_rows ? __ldg(src_index + j) : 0;
+      for (; j < a.num_rows; j += stride) {
+        const int s = s_next, i = i_next;
+        s_next = j + stride < a.num_rows ? __ldg(src_rank + j + stride) : -1;
+        i_next = j + stride < a.num_rows ? __ldg(src_index + j + stride) : 0;
+        if (s < 0 || s == me) continue;
+        send_row<kU>(ctx, a, j, s, i, lane);
+        pending.add(ctx.row_flag(s, kCombineRows, me, i), 0, lane);
+        if (pending.count >= batch) pending.publish(epoch, lane);
       }
+      pending.publish(epoch, lane);
     }
-    // 2. reduce this rank's tokens
+    // 2. reduce this rank's tokens, B at a time
     for (;;) {
-      const int i = take_work_item(ctx.block_counters + 3);
-      if (i >= a.num_tokens || !reduce_token(ctx, a, i, epoch, lane)) break;
+      const int first = take_work_item(ctx.block_counters + 3) * B;
+      if (first >= a.num_tokens) break;
+      const int last = min(first + B, a.num_tokens);
+      bool ok = true;
+      for (int i = first; ok && i < last; ++i) ok = reduce_token(ctx, a, i, epoch, lane);
+      if (!ok) break;
     }
   }
 
@@ -176,79 +194,15 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
   }
 }
 
-// ---- TMA variant ----
-// combine_tma_kernel: same start barrier, row flags, epochs and regions as combine_kernel. Warp 0
-// sends with tma_send (kernels/intranode.h): waves of B consecutive received rows j, each row with
-// a peer source s = src_rank[j] bulk-loaded once and bulk-stored to row src_index[j] of slot [me]
-// of s's data region, its flag published one wave later. Warps 1..31 reduce from the start (as in
-// combine_kernel, reduce_token), warp 0 joins them once its rows are out.
-struct CombineSendPlan {
-  const DeviceContext* ctx;
-  const CombineArgs* a;
-  int items, width, row_bytes;  // received rows, 2 (source rank, source index), bytes per row
-
-  __device__ __forceinline__ int entry(int j, int e) const {
-    return __ldg(reinterpret_cast<const int*>(e == 0 ? a->src_rank : a->src_index) + j);
-  }
-  __device__ __forceinline__ bool wanted(const int* e) const { return e[0] >= 0 && e[0] != ctx->comm.rank; }
-  __device__ __forceinline__ const char* source(int j) const {
-    return reinterpret_cast<const char*>(a->x) + (size_t)j * row_bytes;
-  }
-  template <class F>
-  __device__ __forceinline__ void for_each_dest(const int* e, F&& f) const {
-    if (!wanted(e)) return;
-    const int s = e[0], i = e[1], me = ctx->comm.rank;
-    f(ctx->region(s, ctx->ws.data) + me * ctx->ws.slot_bytes + (size_t)i * row_bytes,
-      ctx->row_flag(s, kCombineRows, me, i));
-  }
-  __device__ __forceinline__ void metadata(int, int, const int (*)[kMaxRanks], int) const {}
-};
-
-__global__ void __launch_bounds__(kThreads, 1)
-combine_tma_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ CombineArgs a, int send_rows) {
-  extern __shared__ __align__(128) char stages[];
-  __shared__ __align__(8) uint64_t bars[2];
-  __shared__ int table[4][tma::kMaxRows][kMaxRanks];
-  const Comm& comm = ctx.comm;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint64_t ready_epoch = comm.epochs[kSigCombineReady] + 1;
-  const uint64_t epoch = comm.epochs[kSigCombineDone] + 1;
-
-  if (threadIdx.x < 2) tma::init_barrier(&bars[threadIdx.x]);
-  tma::fence_barrier_init();
-  __syncthreads();
-
-  if (blockIdx.x == 0) signal_peers(comm, kSigCombineReady, ready_epoch);
-  if (wait_peers(comm, kSigCombineReady, ready_epoch, kPhaseCombineBarrier)) {
-    if (warp == 0) {
-      const CombineSendPlan plan{&ctx, &a, a.num_rows, 2, 2 * ctx.dims.hidden};
-      tma_send(plan, stages, bars, table, send_rows, epoch);
-    }
-    for (;;) {
-      const int i = take_work_item(ctx.block_counters + 3);
-      if (i >= a.num_tokens || !reduce_token(ctx, a, i, epoch, lane)) break;
-    }
-  }
-
-  if (arrive_last(ctx.block_counters + 1)) {
-    ctx.block_counters[3] = 0;
-    comm.epochs[kSigCombineReady] = ready_epoch;
-    comm.epochs[kSigCombineDone] = epoch;
-  }
-}
-
 }  // namespace
 
 void launch_combine(const Context& c, const CombineArgs& a, uintptr_t stream) {
   const auto st = reinterpret_cast<cudaStream_t>(stream);
-  const TmaShape shape = c.impl == Impl::kTma ? tma_shape(c, 2 * c.dims.hidden, false) : TmaShape{};
-  if (shape.send_rows > 0) {
-    ensure_dynamic_smem(combine_tma_kernel, kTmaSmemBytes, "cudaFuncSetAttribute(moe_ep intranode combine TMA kernel)");
-    combine_tma_kernel<<<a.num_blocks, kThreads, shape.smem_bytes, st>>>(make_device_context(c), a, shape.send_rows);
-    check_launch("moe_ep intranode combine TMA kernel");
-    return;
-  }
-  combine_kernel<<<a.num_blocks, kThreads, 0, st>>>(make_device_context(c), a);
+  const DeviceContext d = make_device_context(c);
+  if (c.tuning.unroll == 6)
+    combine_kernel<6><<<a.num_blocks, kThreads, 0, st>>>(d, a);
+  else
+    combine_kernel<4><<<a.num_blocks, kThreads, 0, st>>>(d, a);
   check_launch("moe_ep intranode combine kernel");
 }
 

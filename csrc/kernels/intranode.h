@@ -76,10 +76,17 @@ inline WorkspaceLayout workspace_layout(const Dims& d) {
   return w;
 }
 
-// Data-movement implementation of dispatch and combine (same protocol, same symmetric layout, so
-// the two interoperate): kLsu copies rows with 16-byte loads/stores of 1024-thread blocks; kTma
-// streams them through shared memory with bulk copies issued by one thread per pipeline.
-enum class Impl : int { kLsu = 0, kTma = 1 };
+// Run-time tuning of dispatch and combine, read once per process from the environment by
+// intranode_bindings.cpp (which documents the variables and defaults). Results never depend on it:
+// it only changes which warp moves which row when, and how many loads each keeps in flight.
+struct Tuning {
+  int send_warps;  // warps per block that send first (1..kWarps); the others receive from the start
+  int unroll;      // int4 loads in flight per lane in row copies: 4 or 6 (a template parameter)
+  int flag_batch;  // row flags a sending warp raises per system fence (1..32)
+  int recv_run;    // dispatch: consecutive positions per receive work item (1..32); combine: tokens
+};
+
+constexpr int kHostWarps = 32;  // == kWarps (warps per dispatch / combine block)
 
 // Everything the kernels need that stays fixed for a Buffer: device addresses as seen from this GPU.
 struct Context {
@@ -94,9 +101,7 @@ struct Context {
   uintptr_t block_counters;          // int32[4], zero between kernels: blocks done ([0] dispatch,
                                      // [1] combine), next receive work item ([2] dispatch, [3] combine)
   uintptr_t layout_scratch;          // int32[R + E]: tokens per rank, then per expert (notify)
-  Impl impl;                         // which dispatch / combine kernels run
-  int tma_send_rows;                 // TMA: rows per send wave (0: derived from shared memory)
-  int tma_recv_rows;                 // TMA: rows per dispatch receive chunk (0: derived)
+  Tuning tuning;
 };
 
 // get_dispatch_layout: one block over topk_idx [N, K] int64.
@@ -158,36 +163,6 @@ struct CombineArgs {
   int num_blocks;
 };
 
-// Rows per TMA wave (send) and chunk (dispatch receive), two groups of each in shared memory; zero
-// send_rows when a row is too large to double-buffer (the launchers then run the LSU kernels).
-struct TmaShape {
-  int send_rows;
-  int recv_rows;
-  int smem_bytes;
-};
-
-constexpr int kTmaSmemBytes = 200 * 1024;  // dynamic shared memory a TMA block may use
-constexpr int kTmaMaxRowsHost = 8;         // == tma::kMaxRows
-
-inline TmaShape tma_shape(const Context& c, int row_bytes, bool receive) {
-  const auto clamp = [](int v) { return v < 1 ? 1 : (v > kTmaMaxRowsHost ? kTmaMaxRowsHost : v); };
-  const int fit = kTmaSmemBytes / row_bytes;  // rows that fit
-  TmaShape t{};
-  if (receive) {
-    if (fit < 4) return t;
-    t.send_rows = c.tma_send_rows > 0 ? clamp(c.tma_send_rows) : clamp(fit * 2 / 7);
-    if (2 * t.send_rows > fit - 2) t.send_rows = (fit - 2) / 2;
-    t.recv_rows = c.tma_recv_rows > 0 ? clamp(c.tma_recv_rows) : clamp((fit - 2 * t.send_rows) / 2);
-    if (2 * (t.send_rows + t.recv_rows) > fit) t.recv_rows = fit / 2 - t.send_rows;
-  } else {
-    if (fit < 2) return t;
-    t.send_rows = c.tma_send_rows > 0 ? clamp(c.tma_send_rows) : clamp(fit / 2);
-    if (2 * t.send_rows > fit) t.send_rows = fit / 2;
-  }
-  t.smem_bytes = 2 * (t.send_rows + t.recv_rows) * row_bytes;
-  return t;
-}
-
 void launch_layout(const Context& c, const LayoutArgs& a, uintptr_t stream);
 void launch_notify(const Context& c, const NotifyArgs& a, uintptr_t stream);
 void launch_dispatch(const Context& c, const DispatchArgs& a, uintptr_t stream);
@@ -212,9 +187,9 @@ static_assert(kEpochCounters == kNumEpochs, "intranode.h kEpochCounters must equ
 
 constexpr int kThreads = 1024;  // dispatch / combine block size: enough loads in flight per SM
 constexpr int kWarps = kThreads / 32;
-constexpr int kSendWarps = 24;  // warps per block that send first; the others receive from the start
 constexpr int kLayoutThreads = 1024;
 constexpr unsigned kFullMask = 0xffffffffu;
+static_assert(kWarps == kHostWarps, "intranode.h kHostWarps must equal kWarps");
 
 enum RowFlagKind : int { kDispatchRows = 0, kCombineRows = 1 };
 
@@ -223,6 +198,7 @@ struct DeviceContext {
   Comm comm;
   Dims dims;
   WorkspaceLayout ws;
+  Tuning tuning;
   char* workspace[kMaxRanks];
   uint64_t* row_flags[kMaxRanks];
   int* block_counters;
@@ -250,6 +226,7 @@ inline DeviceContext make_device_context(const Context& c) {
   }
   d.dims = c.dims;
   d.ws = c.ws;
+  d.tuning = c.tuning;
   d.block_counters = reinterpret_cast<int*>(c.block_counters);
   d.layout_scratch = reinterpret_cast<int*>(c.layout_scratch);
   return d;
@@ -258,68 +235,75 @@ inline DeviceContext make_device_context(const Context& c) {
 // Throws with the kernel's name when the launch failed.
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
 
-// Raises `kernel`'s dynamic shared-memory limit on the current device to `bytes` (callers pass the
-// most they will ever use) once per device, so no later call, e.g. inside a CUDA graph capture,
-// reconfigures it. Host code, one thread per
-// process launches (the caller holds the GIL).
-template <class Kernel>
-void ensure_dynamic_smem(Kernel kernel, int bytes, const char* what) {
-  constexpr int kMaxDevices = 64;
-  static int granted[kMaxDevices] = {};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), what);
-  if (device < kMaxDevices && granted[device] >= bytes) return;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
-  if (device < kMaxDevices) granted[device] = bytes;
-}
-
 // ---- Dispatch layout, computed by one block (the layout kernel and the notify kernel inline it) ----
-// Every thread of the block calls layout_counts, then layout_positions; each ends with a barrier,
-// after which its outputs are visible to the whole block. Notify exchanges the counts between the
-// two, so the positions are computed while the peers' flags travel.
-//  1. layout_counts: tokens per expert and per rank, kExpertChunk experts at a time: the block zeroes
-//     a shared-memory counter per expert of the chunk, every thread adds 1 (shared atomics) for each
-//     expert its token names for the first time in its row (a token naming an expert twice counts
-//     once), then the counters are written out. In the first chunk each warp also counts, per rank,
-//     its tokens that go there (ballot; lane 0 adds the popcount to a shared counter). One chunk
-//     covers E <= 8192; larger E repeats the pass per chunk.
+// Both kernels are templates on kK, a compile-time bound on K (8 or 16), so per-token loops over the
+// top-k entries are unrolled without issuing dead predicated iterations for K <= 8.
+// Every thread of the block calls layout_counts, then (when pos is wanted) layout_positions; each
+// ends with a barrier, after which its outputs are visible to the whole block. Notify exchanges the
+// counts between the two, so the positions are computed while the peers' flags travel.
+//  1. layout_counts: each thread first prefetches (into L2) the topk rows of all its tokens, so later
+//     steps find them there. Then kExpertChunk experts at a time: the block zeroes a shared-memory
+//     counter per expert of the chunk; thread t owns tokens t, t + kLayoutThreads, ...; it loads its
+//     token's ids (16-byte loads when K is even), adds 1 (shared atomics) for each expert named for
+//     the first time in the row (a token naming an expert twice counts once), and in the first chunk
+//     also builds the token's rank bitmask (expert -> rank by comparisons, no division), writes
+//     is_token_in_rank, and per rank a warp ballot whose popcount lane 0 adds to a shared counter.
+//     One chunk covers E <= kExpertChunk; larger E repeats the pass per chunk.
 //  2. layout_positions: kLayoutThreads tokens per step, thread t owning token step + t: each thread
-//     builds its token's rank bitmask; per rank, a warp ballot gives the token's offset inside its
-//     warp and the warp's total; warp r then scans rank r's totals over the 32 warps (adding the
-//     running total `carry[r]` of earlier steps), and every thread writes is_token_in_rank and
+//     rebuilds its token's rank bitmask from is_token_in_rank (written by this block in step 1, so
+//     visible after its barrier; no topk reload); per rank, a warp ballot gives the token's offset
+//     inside its warp and the warp's total; warp r then scans rank r's totals over the 32 warps
+//     (adding the running total `carry[r]` of earlier steps), and every thread writes
 //     pos = carry + warp offset + lane offset. Barriers separate the ballot, the scan and the reads
 //     of its result, so each step's shared arrays are reused safely.
 constexpr int kLayoutWarps = kLayoutThreads / 32;
 constexpr int kExpertChunk = 8192;
 static_assert(kLayoutWarps == 32, "the per-rank scan runs one lane per warp");
 
-// The token's expert ids in registers (unused entries -1); K <= kMaxTopk.
+// Token n's expert ids in registers (entries k >= K are -1); K <= kK.
+template <int kK>
 struct TokenExperts {
-  int id[kMaxTopk];
+  int id[kK];
 
   __device__ __forceinline__ TokenExperts(const int64_t* topk_idx, int n, int num_topk) {
+    const int64_t* row = topk_idx + (size_t)n * num_topk;
+    if (num_topk % 2 == 0) {  // 16-byte aligned rows: two ids per load (low words hold the value)
 #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k) id[k] = k < num_topk ? static_cast<int>(topk_idx[(size_t)n * num_topk + k]) : -1;
+      for (int q = 0; q < kK / 2; ++q) {
+        int4 v = make_int4(-1, -1, -1, -1);
+        if (2 * q < num_topk) v = __ldg(reinterpret_cast<const int4*>(row) + q);
+        id[2 * q] = v.x;
+        id[2 * q + 1] = v.z;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kK; ++k) id[k] = k < num_topk ? static_cast<int>(__ldg(reinterpret_cast<const long long*>(row) + k)) : -1;
+    }
   }
 
   // Whether entry k is the first occurrence of its expert in the row.
   __device__ __forceinline__ bool first(int k) const {
     bool first = true;
 #pragma unroll
-    for (int j = 0; j < kMaxTopk; ++j) first &= !(j < k && id[j] == id[k]);
+    for (int j = 0; j < kK; ++j) first &= !(j < k && id[j] == id[k]);
     return first;
   }
 
-  // Bit r set when an expert of the token lives on rank r.
-  __device__ __forceinline__ unsigned ranks(int num_local) const {
+  // Bit r set when an expert of the token lives on rank r (rank of e: how many q * E_l <= e).
+  __device__ __forceinline__ unsigned ranks(int num_local, int nranks) const {
     unsigned mask = 0;
 #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k)
-      if (id[k] >= 0) mask |= 1u << (id[k] / num_local);
+    for (int k = 0; k < kK; ++k) {
+      int r = 0;
+#pragma unroll
+      for (int q = 1; q < kMaxRanks; ++q) r += (q < nranks && id[k] >= q * num_local) ? 1 : 0;
+      if (id[k] >= 0) mask |= 1u << r;
+    }
     return mask;
   }
 };
 
+template <int kK>
 __device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk, int num_experts, int nranks) {
   __shared__ int expert_count[kExpertChunk];
   __shared__ int rank_count[kMaxRanks];
@@ -328,7 +312,10 @@ __device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk,
   const int num_tokens = a.num_tokens, num_local = num_experts / nranks;
   const auto* topk_idx = reinterpret_cast<const int64_t*>(a.topk_idx);
   auto* tokens_per_expert = reinterpret_cast<int*>(a.tokens_per_expert);
+  auto* in_rank = reinterpret_cast<bool*>(a.is_token_in_rank);
 
+  for (int n = tid; n < num_tokens; n += kLayoutThreads)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(topk_idx + (size_t)n * num_topk));
   if (tid < kMaxRanks) rank_count[tid] = 0;
   for (int e0 = 0; e0 < num_experts; e0 += kExpertChunk) {
     const int width = min(kExpertChunk, num_experts - e0);
@@ -338,17 +325,23 @@ __device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk,
       const int n = step + tid;
       unsigned ranks = 0;
       if (n < num_tokens) {
-        const TokenExperts t(topk_idx, n, num_topk);
+        const TokenExperts<kK> t(topk_idx, n, num_topk);
 #pragma unroll
-        for (int k = 0; k < kMaxTopk; ++k) {
+        for (int k = 0; k < kK; ++k) {
           const int e = t.id[k] - e0;  // -1 entries land below 0
           if (e >= 0 && e < width && t.first(k)) atomicAdd(&expert_count[e], 1);
         }
-        ranks = t.ranks(num_local);
+        if (e0 == 0) {
+          ranks = t.ranks(num_local, nranks);
+#pragma unroll
+          for (int r = 0; r < kMaxRanks; ++r)
+            if (r < nranks) in_rank[(size_t)n * nranks + r] = (ranks >> r) & 1u;
+        }
       }
       if (e0 == 0) {
 #pragma unroll
         for (int r = 0; r < kMaxRanks; ++r) {
+          if (r >= nranks) break;
           const unsigned votes = __ballot_sync(kFullMask, (ranks >> r) & 1u);
           if (lane == 0 && votes != 0) atomicAdd(&rank_count[r], __popc(votes));
         }
@@ -362,20 +355,24 @@ __device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk,
   __syncthreads();
 }
 
-__device__ __forceinline__ void layout_positions(const LayoutArgs& a, int num_topk, int num_experts, int nranks) {
+__device__ __forceinline__ void layout_positions(const LayoutArgs& a, int nranks) {
   __shared__ int warp_total[kLayoutWarps][kMaxRanks];
   __shared__ int warp_first[kLayoutWarps][kMaxRanks];
   __shared__ int carry[kMaxRanks];
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int num_tokens = a.num_tokens, num_local = num_experts / nranks;
-  const auto* topk_idx = reinterpret_cast<const int64_t*>(a.topk_idx);
-  auto* in_rank = reinterpret_cast<bool*>(a.is_token_in_rank);
+  const int num_tokens = a.num_tokens;
+  const auto* in_rank = reinterpret_cast<const bool*>(a.is_token_in_rank);
   auto* pos = reinterpret_cast<int*>(a.pos);
   if (tid < nranks) carry[tid] = 0;
   for (int step = 0; step < num_tokens; step += kLayoutThreads) {
     const int n = step + tid;
-    const unsigned ranks = n < num_tokens ? TokenExperts(topk_idx, n, num_topk).ranks(num_local) : 0u;
+    unsigned ranks = 0;
+    if (n < num_tokens) {
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r)
+        if (r < nranks && in_rank[(size_t)n * nranks + r]) ranks |= 1u << r;
+    }
     int before[kMaxRanks];  // tokens of lower lanes of this warp that go to rank r
 #pragma unroll
     for (int r = 0; r < kMaxRanks; ++r) {
@@ -403,9 +400,7 @@ __device__ __forceinline__ void layout_positions(const LayoutArgs& a, int num_to
 #pragma unroll
       for (int r = 0; r < kMaxRanks; ++r) {
         if (r >= nranks) break;
-        const bool sent = (ranks >> r) & 1u;
-        in_rank[(size_t)n * nranks + r] = sent;
-        if (pos != nullptr) pos[(size_t)n * nranks + r] = sent ? warp_first[warp][r] + before[r] : -1;
+        pos[(size_t)n * nranks + r] = (ranks >> r) & 1u ? warp_first[warp][r] + before[r] : -1;
       }
     }
   }
@@ -416,12 +411,6 @@ __device__ __forceinline__ void layout_positions(const LayoutArgs& a, int num_to
 __device__ __forceinline__ void signal_peers(const Comm& c, int slot, uint64_t epoch) {
   const int r = threadIdx.x;
   if (r < c.nranks && r != c.rank) st_release_sys(signal_at(c, r, slot, c.rank), epoch);
-}
-
-// One thread stores `epoch` into its flag at every peer.
-__device__ __forceinline__ void signal_peers_from_one_thread(const Comm& c, int slot, uint64_t epoch) {
-  for (int r = 0; r < c.nranks; ++r)
-    if (r != c.rank) st_release_sys(signal_at(c, r, slot, c.rank), epoch);
 }
 
 // Thread r of the block waits for peer r's flag >= epoch (acquire), then the whole block joins.
@@ -447,6 +436,13 @@ __device__ __forceinline__ bool arrive_last(int* counter) {
   return true;
 }
 
+// This call's epoch for `slot`: epochs[slot] + 1. The counters change only in arrive_last's last
+// block, after every thread of the grid is done with them, so any read during the kernel gives the
+// same value; the volatile load lets kernels re-read it where needed instead of holding a register.
+__device__ __forceinline__ uint64_t call_epoch(const Comm& c, int slot) {
+  return *reinterpret_cast<volatile unsigned long long*>(c.epochs + slot) + 1;
+}
+
 // The next receive work item of the grid for the calling warp (lane 0 takes it, all lanes get it).
 __device__ __forceinline__ int take_work_item(int* counter) {
   int item = 0;
@@ -455,10 +451,10 @@ __device__ __forceinline__ int take_work_item(int* counter) {
 }
 
 // ---- Row flags ----
-// Publishing: the writer makes its data visible (generic stores: a __syncwarp so the fence below
-// covers every lane; bulk stores: cp.async.bulk.wait_group then fence.proxy.async), executes ONE
-// fence.acq_rel.sys and then raises any number of flags with relaxed system-scope stores; each
-// (fence, store) pair is a release pattern, so one fence serves a whole batch of rows.
+// Publishing: the writing warp makes its lanes' generic stores ordered (__syncwarp, so the fence
+// below covers every lane), executes ONE fence.acq_rel.sys (one warp instruction) and then raises
+// any number of flags with relaxed system-scope stores; each (fence, store) pair is a release
+// pattern, so one fence serves a whole batch of rows (Tuning::flag_batch of them).
 // Waiting: poll with relaxed loads (no ordering cost per spin), then one acquire load of the
 // flag, which pairs with the writer's release (the value only grows, so it still satisfies).
 __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
@@ -490,157 +486,27 @@ __device__ __forceinline__ bool wait_flag(const Comm& c, const uint64_t* flag, u
   return ld_acquire_sys(flag) >= target;
 }
 
-// ---- Bulk copies (TMA, sm_90) ----
-// Loads global -> shared complete on an mbarrier (one arrival: the issuing thread's expect(), plus
-// the bytes); stores shared -> global are tracked per thread in bulk groups (one commit per batch):
-// wait_read<N> frees the shared memory of all but the newest N groups, wait_done<N> waits until
-// their writes are performed (for a peer address: landed at the peer).
-namespace tma {
+// Flags a sending warp has yet to raise (up to 32, kept in shared memory, `slots` being the warp's
+// own 32 entries), and the system fence that publishes them all (see "Row flags" above). Every lane
+// calls every method.
+struct PendingFlags {
+  uint64_t** slots;
+  int count = 0;  // pending entries (the same in every lane)
 
-constexpr int kMaxRows = 8;  // rows per wave / chunk (two groups of them per pipeline)
-
-__device__ __forceinline__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void init_barrier(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem(bar)) : "memory");
-}
-
-// Makes initialised barriers visible to the async proxy (before the block-wide barrier that follows).
-__device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-
-// The issuing thread's arrival, announcing `bytes` of loads (0: the phase completes at once).
-__device__ __forceinline__ void expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem(bar)), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void load(void* dst_smem, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem(dst_smem)), "l"(src), "r"(bytes), "r"(smem(bar)) : "memory");
-}
-
-// Waits for the phase with the given parity of `bar`; the loaded bytes are then visible to the caller.
-__device__ __forceinline__ void wait(uint64_t* bar, uint32_t parity) {
-  asm volatile("{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-               " @!done bra WAIT_%=;\n}" ::"r"(smem(bar)), "r"(parity) : "memory");
-}
-
-__device__ __forceinline__ void store(void* dst, const void* src_smem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem(src_smem)), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
-
-template <int N>
-__device__ __forceinline__ void wait_done() { asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory"); }
-
-// Orders this thread's generic-proxy view of global memory with its bulk copies (both directions).
-__device__ __forceinline__ void fence_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
-
-}  // namespace tma
-
-static_assert(tma::kMaxRows == kTmaMaxRowsHost, "tma::kMaxRows must equal kTmaMaxRowsHost");
-
-// ---- TMA send pipeline of dispatch and combine: one warp, lane 0 issues every bulk copy ----
-// Items (tokens or received rows) are cut into waves of B consecutive items; wave k belongs to block
-// k % gridDim.x, so rows reach every destination roughly in position order. Wave w of this block
-// uses shared-memory group w % 2 (B row stages, mbarrier w % 2) and routing table w % 4 (Plan::width
-// ints per item, read by the lanes two waves ahead). Iteration w:
-//   1. lane 0 waits for wave w's loads, bulk-stores each row to all its destinations, commits one
-//      bulk group (an empty one when the wave sends nothing: one group per wave);
-//   2. lane 0 loads wave w+1 into the other group once wave w-1's stores have read it (wait_read<1>);
-//   3. lane 0 publishes wave w-1: wait_done<1> (its stores have landed), proxy fence (bulk writes ->
-//      generic view), fence.acq_rel.sys, then one relaxed flag store per remote row; the lanes stored
-//      that wave's metadata in iteration w-1, before the __syncwarp that precedes this;
-//   4. the lanes store wave w's metadata (Plan::metadata, generic stores) and the table of wave w+2.
-// Flags thus trail their rows by one wave and cost one system fence per wave, while two waves of
-// rows stay in flight. Nothing here waits for a peer, so sending always finishes.
-template <class Plan>
-__device__ __forceinline__ void tma_send(const Plan& plan, char* stages, uint64_t* bars,
-                                         int (*table)[tma::kMaxRows][kMaxRanks], int B, uint64_t epoch) {
-  constexpr int kPerLane = tma::kMaxRows * kMaxRanks / 32;
-  const int lane = threadIdx.x % 32, W = plan.width, row = plan.row_bytes;
-  const int waves = (plan.items + B - 1) / B;
-  const int mine = static_cast<int>(blockIdx.x) < waves ? (waves - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1 : 0;
-  if (mine == 0) return;
-  const auto first = [&](int w) { return (static_cast<int>(blockIdx.x) + w * static_cast<int>(gridDim.x)) * B; };
-  const auto count = [&](int w) { return min(B, plan.items - first(w)); };
-  const auto fetch = [&](int w, int(&v)[kPerLane]) {
-#pragma unroll
-    for (int u = 0; u < kPerLane; ++u) {
-      const int e = lane + 32 * u;
-      v[u] = -1;
-      if (w < mine && e < B * W && e / W < count(w)) v[u] = plan.entry(first(w) + e / W, e % W);
-    }
-  };
-  const auto put = [&](int w, const int(&v)[kPerLane]) {
-#pragma unroll
-    for (int u = 0; u < kPerLane; ++u) {
-      const int e = lane + 32 * u;
-      if (e < B * W) table[w % 4][e / W][e % W] = v[u];
-    }
-  };
-  const auto stage = [&](int w, int t) { return stages + (size_t)((w & 1) * B + t) * row; };
-  const auto issue_loads = [&](int w) {
-    uint32_t bytes = 0;
-    for (int t = 0; t < count(w); ++t)
-      if (plan.wanted(table[w % 4][t])) bytes += row;
-    tma::expect(&bars[w & 1], bytes);
-    for (int t = 0; t < count(w); ++t)
-      if (plan.wanted(table[w % 4][t])) tma::load(stage(w, t), plan.source(first(w) + t), row, &bars[w & 1]);
-  };
-  const auto issue_stores = [&](int w) {
-    tma::wait(&bars[w & 1], (w >> 1) & 1);
-    for (int t = 0; t < count(w); ++t)
-      plan.for_each_dest(table[w % 4][t], [&](char* dst, uint64_t*) { tma::store(dst, stage(w, t), row); });
-    tma::commit();
-  };
-  const auto publish = [&](int w) {
-    tma::fence_global();
+  // Lane `from`'s flag `f` becomes pending entry `count`.
+  __device__ __forceinline__ void add(uint64_t* f, int from, int lane) {
+    if (lane == from) slots[count] = f;
+    ++count;
+  }
+  __device__ __forceinline__ void publish(uint64_t epoch, int lane) {
+    if (count == 0) return;
+    __syncwarp();  // orders the lanes' data stores (and the slots) before the fence
     fence_acq_rel_sys();
-    for (int t = 0; t < count(w); ++t)
-      plan.for_each_dest(table[w % 4][t], [&](char*, uint64_t* flag) {
-        if (flag != nullptr) st_relaxed_sys(flag, epoch);
-      });
-  };
-
-  int v[kPerLane];
-  fetch(0, v);
-  put(0, v);
-  fetch(1, v);
-  put(1, v);
-  __syncwarp();
-  if (lane == 0) {
-    tma::fence_global();  // the start barrier's acquire (generic) before this thread's bulk writes
-    issue_loads(0);
+    if (lane < count) st_relaxed_sys(slots[lane], epoch);
+    __syncwarp();  // the slots are read before they are reused
+    count = 0;
   }
-  for (int w = 0; w < mine; ++w) {
-    fetch(w + 2, v);
-    if (lane == 0) {
-      issue_stores(w);
-      if (w + 1 < mine) {
-        tma::wait_read<1>();
-        issue_loads(w + 1);
-      }
-      if (w >= 1) {
-        tma::wait_done<1>();
-        publish(w - 1);
-      }
-    }
-    __syncwarp();
-    plan.metadata(first(w), count(w), table[w % 4], lane);
-    put(w + 2, v);
-    __syncwarp();
-  }
-  if (lane == 0) {
-    tma::wait_done<0>();
-    publish(mine - 1);
-  }
-  __syncwarp();
-}
+};
 
 // 16-byte load of data that stays constant during the kernel (kernel inputs): skips L1.
 __device__ __forceinline__ int4 ld_nc_int4(const int4* p) {
@@ -649,6 +515,25 @@ __device__ __forceinline__ int4 ld_nc_int4(const int4* p) {
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;
+}
+
+// dst[i] = src[i] for i < count, by one warp, kU loads per lane in flight, src read by ld.cg (data
+// another GPU wrote, already acquired). T: a 4-, 8- or 16-byte type.
+template <int kU, class T>
+__device__ __forceinline__ void warp_copy_cg(T* dst, const T* src, int count, int lane) {
+  for (int first = 0; first < count; first += 32 * kU) {
+    T v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int i = first + u * 32 + lane;
+      if (i < count) v[u] = __ldcg(src + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int i = first + u * 32 + lane;
+      if (i < count) dst[i] = v[u];
+    }
+  }
 }
 
 }  // namespace intranode

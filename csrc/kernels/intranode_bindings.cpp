@@ -2,18 +2,23 @@
 // fixed device addresses (kernels/intranode.h Context) and the host-mapped count mailbox; its methods
 // launch the kernels. Tensors travel as device addresses (int), streams as cudaStream_t (int).
 //
-// Run-time selection (read once per process, the first time a context is made; every rank must
-// use the same setting only for a fair comparison, the two implementations interoperate):
-//   MOE_EP_INTRANODE_IMPL = tma (default) | lsu   dispatch / combine data movement (intranode.h Impl)
-//   MOE_EP_TMA_SEND_ROWS  = 1..8   rows per TMA send wave (default: from shared memory and row size)
-//   MOE_EP_TMA_RECV_ROWS  = 1..8   rows per TMA dispatch receive chunk (default: likewise)
+// Run-time tuning of the dispatch / combine kernels (intranode.h Tuning), read once per process, the
+// first time a context is made. Results are identical for every setting; only speed changes. Ranks
+// may differ (the protocol does not depend on it).
+//   MOE_EP_SEND_WARPS  = 1..32  warps per 32-warp block that send first; the rest receive (dispatch)
+//                               or reduce (combine) from the start. Default 24.
+//   MOE_EP_UNROLL      = 4 | 6  int4 loads in flight per lane in every row copy (6 is the most the
+//                               dispatch kernel holds in its 64 registers without spilling). Default 6.
+//   MOE_EP_FLAG_BATCH  = 1..32  row flags a sending warp raises per system fence (dispatch: one per
+//                               peer destination of a token; combine: one per row). Default 4.
+//   MOE_EP_RECV_RUN    = 1..32  dispatch: consecutive positions of one source per receive work item
+//                               (copied as one span); combine: tokens per reduce work item. Default 8.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cuda_runtime.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -29,39 +34,33 @@ namespace intranode {
 
 namespace {
 
-struct ImplSettings {
-  Impl impl;
-  int send_rows;
-  int recv_rows;
-};
-
-int env_rows(const char* name) {
+// Integer environment variable `name` in [lo, hi], or `fallback` when unset or empty.
+int env_int(const char* name, int fallback, int lo, int hi) {
   const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return 0;
+  if (v == nullptr || *v == '\0') return fallback;
   char* end = nullptr;
-  const long rows = std::strtol(v, &end, 10);
-  if (*end != '\0' || rows < 1 || rows > kTmaMaxRowsHost)
-    throw std::invalid_argument(std::string(name) + "=" + v + ": expected an integer in 1.." +
-                                std::to_string(kTmaMaxRowsHost));
-  return static_cast<int>(rows);
+  const long value = std::strtol(v, &end, 10);
+  if (*end != '\0' || value < lo || value > hi)
+    throw std::invalid_argument(std::string(name) + "=" + v + ": expected an integer in " + std::to_string(lo) +
+                                ".." + std::to_string(hi));
+  return static_cast<int>(value);
 }
 
-ImplSettings read_settings() {
-  const char* v = std::getenv("MOE_EP_INTRANODE_IMPL");
-  Impl impl = Impl::kTma;
-  if (v != nullptr && *v != '\0') {
-    if (std::strcmp(v, "lsu") == 0)
-      impl = Impl::kLsu;
-    else if (std::strcmp(v, "tma") != 0)
-      throw std::invalid_argument(std::string("MOE_EP_INTRANODE_IMPL=") + v + ": expected tma or lsu");
-  }
-  return ImplSettings{impl, env_rows("MOE_EP_TMA_SEND_ROWS"), env_rows("MOE_EP_TMA_RECV_ROWS")};
+Tuning read_tuning() {
+  Tuning t{};
+  t.send_warps = env_int("MOE_EP_SEND_WARPS", 24, 1, kHostWarps);
+  t.unroll = env_int("MOE_EP_UNROLL", 6, 4, 6);
+  if (t.unroll != 4 && t.unroll != 6)
+    throw std::invalid_argument("MOE_EP_UNROLL=" + std::to_string(t.unroll) + ": expected 4 or 6");
+  t.flag_batch = env_int("MOE_EP_FLAG_BATCH", 4, 1, 32);
+  t.recv_run = env_int("MOE_EP_RECV_RUN", 8, 1, 32);
+  return t;
 }
 
-// The process-wide settings, read on first use.
-const ImplSettings& settings() {
-  static const ImplSettings s = read_settings();
-  return s;
+// The process-wide tuning, read on first use.
+const Tuning& tuning() {
+  static const Tuning t = read_tuning();
+  return t;
 }
 
 class IntranodeContext {
@@ -83,9 +82,7 @@ class IntranodeContext {
     ctx_.epochs = epochs;
     ctx_.block_counters = block_counters;
     ctx_.layout_scratch = layout_scratch;
-    ctx_.impl = settings().impl;
-    ctx_.tma_send_rows = settings().send_rows;
-    ctx_.tma_recv_rows = settings().recv_rows;
+    ctx_.tuning = tuning();
     for (int r = 0; r < nranks; ++r) {
       ctx_.signals[r] = signals[r];
       ctx_.workspace[r] = workspace[r];
@@ -124,7 +121,14 @@ class IntranodeContext {
                   stream);
   }
 
-  std::string impl_name() const { return ctx_.impl == Impl::kTma ? "tma" : "lsu"; }
+  py::dict tuning_dict() const {
+    py::dict d;
+    d["send_warps"] = ctx_.tuning.send_warps;
+    d["unroll"] = ctx_.tuning.unroll;
+    d["flag_batch"] = ctx_.tuning.flag_batch;
+    d["recv_run"] = ctx_.tuning.recv_run;
+    return d;
+  }
 
   // (rows from each source, received rows per local expert) of the last non-worst-case notify; valid
   // once the host has synchronised with that kernel.
@@ -208,5 +212,6 @@ void register_intranode(py::module_& m) {
            "(rows per source, rows per local expert) written by the last non-worst-case notify.")
       .def("dispatch", &IntranodeContext::dispatch, "Launch the dispatch kernel.")
       .def("combine", &IntranodeContext::combine, "Launch the combine kernel.")
-      .def_property_readonly("impl", &IntranodeContext::impl_name, "Data-movement implementation in use (tma or lsu).");
+      .def_property_readonly("tuning", &IntranodeContext::tuning_dict,
+                             "Kernel tuning in use (MOE_EP_SEND_WARPS, _UNROLL, _FLAG_BATCH, _RECV_RUN).");
 }

@@ -1,8 +1,8 @@
 // get_dispatch_layout: tokens per rank and per expert, and the token -> rank mask, from topk_idx.
 //
-// Protocol: a single block of kLayoutThreads threads runs layout_counts and layout_positions
-// (kernels/intranode.h, shared with the notify kernel, which fuses them with the count exchange); no
-// communication.
+// Protocol: a single block of kLayoutThreads threads runs layout_counts (kernels/intranode.h, shared
+// with the notify kernel, which adds positions and the count exchange); it also writes
+// is_token_in_rank. No communication.
 #include "kernels/intranode.h"
 
 namespace moe_ep {
@@ -10,17 +10,21 @@ namespace intranode {
 
 namespace {
 
+template <int kK>
 __global__ void __launch_bounds__(kLayoutThreads, 1)
 layout_kernel(const __grid_constant__ LayoutArgs a, int num_topk, int num_experts, int nranks) {
-  layout_counts(a, num_topk, num_experts, nranks);
-  layout_positions(a, num_topk, num_experts, nranks);
+  layout_counts<kK>(a, num_topk, num_experts, nranks);
 }
 
 }  // namespace
 
 void launch_layout(const Context& c, const LayoutArgs& a, uintptr_t stream) {
-  layout_kernel<<<1, kLayoutThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a, c.dims.num_topk,
-                                                                                  c.dims.num_experts, c.dims.nranks);
+  const auto st = reinterpret_cast<cudaStream_t>(stream);
+  const Dims& d = c.dims;
+  if (d.num_topk <= 8)
+    layout_kernel<8><<<1, kLayoutThreads, 0, st>>>(a, d.num_topk, d.num_experts, d.nranks);
+  else
+    layout_kernel<kMaxTopk><<<1, kLayoutThreads, 0, st>>>(a, d.num_topk, d.num_experts, d.nranks);
   check_launch("moe_ep intranode layout kernel");
 }
 

@@ -1,16 +1,18 @@
 // Notify: the dispatch layout plus the count exchange, which is also the start barrier of a dispatch.
 //
-// Protocol: one block of kLayoutThreads threads.
-//  1. layout_counts (kernels/intranode.h): tokens per rank and per expert into Context::layout_scratch.
+// Protocol: one block of kLayoutThreads threads (a template on kK, the bound on K: 8 or 16).
+//  1. layout_counts (kernels/intranode.h): tokens per rank and per expert into Context::layout_scratch,
+//     and is_token_in_rank.
 //  2. epoch = epochs[kSigNotify] + 1. For every rank d (this one included), the block writes row
 //     [me] of counts set [epoch % 2] at d: the number of tokens it sends to d, then its token counts
-//     for d's E_l local experts. Every thread fences at system scope, the block joins, then thread d
-//     stores `epoch` (release) into its kSigNotify flag at d.
-//  2b. layout_positions: is_token_in_rank and pos for the dispatch, while the flags travel.
+//     for d's E_l local experts (all threads, one entry each). The block joins (__syncthreads orders
+//     every thread's stores before the release below, which is cumulative), then thread d stores
+//     `epoch` (st.release.sys) into its kSigNotify flag at d.
+//  2b. layout_positions: pos for the dispatch, from is_token_in_rank, while the flags travel.
 //  3. Thread s waits until source s's kSigNotify flag at this rank reaches `epoch` (acquire); the
-//     block joins. Thread 0 then derives rows per source and the first output row of each source
-//     (prefix sums, or s * T in worst-case mode), the other threads sum the per-local-expert counts
-//     over the sources; results go to recv_info and tokens_per_expert (device) and, when asked, to
+//     block joins. Thread s < R then derives source s's rows and first output row (prefix sum over
+//     the sources before it, or s * T in worst-case mode), thread e sums local expert e's counts over
+//     the sources; results go to recv_info and tokens_per_expert (device) and, when asked, to
 //     host-mapped memory that the host reads after one stream synchronisation.
 //  4. Thread 0 stores `epoch` back into epochs[kSigNotify] (kernels on the stream see it next call).
 //
@@ -29,6 +31,7 @@ namespace intranode {
 
 namespace {
 
+template <int kK>
 __global__ void __launch_bounds__(kLayoutThreads, 1)
 notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ NotifyArgs a) {
   const Comm& comm = ctx.comm;
@@ -45,7 +48,7 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
   layout.tokens_per_expert = reinterpret_cast<uintptr_t>(tokens_per_expert);
   layout.is_token_in_rank = a.is_token_in_rank;
   layout.pos = a.pos;
-  layout_counts(layout, ctx.dims.num_topk, ctx.dims.num_experts, R);
+  layout_counts<kK>(layout, ctx.dims.num_topk, ctx.dims.num_experts, R);
 
   // 2. my counts into row [me] of every rank's counts region, then the flags
   const uint64_t epoch = comm.epochs[kSigNotify] + 1;
@@ -56,10 +59,9 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
     const int value = j == 0 ? tokens_per_rank[d] : tokens_per_expert[d * num_local + j - 1];
     reinterpret_cast<int*>(ctx.region(d, ctx.ws.counts))[(set + me) * stride + j] = value;
   }
-  __threadfence_system();
   __syncthreads();
   signal_peers(comm, kSigNotify, epoch);
-  layout_positions(layout, ctx.dims.num_topk, ctx.dims.num_experts, R);
+  layout_positions(layout, R);
 
   // 3. everyone's counts for this rank
   const bool ok = wait_peers(comm, kSigNotify, epoch, kPhaseNotify);
@@ -67,15 +69,13 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
   auto* recv_info = reinterpret_cast<int*>(a.recv_info);
   auto* aligned = reinterpret_cast<int*>(a.tokens_per_expert);
   auto* host_info = reinterpret_cast<int*>(a.host_info);
-  if (tid == 0) {
+  if (tid < R) {
     int first = 0;
-    for (int s = 0; s < R; ++s) {
-      const int rows = ok ? __ldcg(counts + s * stride) : 0;
-      recv_info[s] = rows;
-      recv_info[R + s] = a.worst_case ? s * T : first;
-      if (host_info != nullptr) host_info[s] = rows;
-      first += rows;
-    }
+    for (int s = 0; ok && s < tid; ++s) first += __ldcg(counts + s * stride);
+    const int rows = ok ? __ldcg(counts + tid * stride) : 0;
+    recv_info[tid] = rows;
+    recv_info[R + tid] = a.worst_case ? tid * T : first;
+    if (host_info != nullptr) host_info[tid] = rows;
   }
   for (int e = tid; e < num_local; e += kLayoutThreads) {
     int raw = 0;
@@ -92,7 +92,11 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
 }  // namespace
 
 void launch_notify(const Context& c, const NotifyArgs& a, uintptr_t stream) {
-  notify_kernel<<<1, kLayoutThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(make_device_context(c), a);
+  const auto st = reinterpret_cast<cudaStream_t>(stream);
+  if (c.dims.num_topk <= 8)
+    notify_kernel<8><<<1, kLayoutThreads, 0, st>>>(make_device_context(c), a);
+  else
+    notify_kernel<kMaxTopk><<<1, kLayoutThreads, 0, st>>>(make_device_context(c), a);
   check_launch("moe_ep intranode notify kernel");
 }
 
