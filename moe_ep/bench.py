@@ -297,7 +297,9 @@ def plot(rows: list[Row], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", default="auto", help="comma list of n1,l1,sweep,cpu (auto: n1,l1 on GPU, cpu otherwise)")
+    p.add_argument("--cases", default="auto",
+                   help="comma list of n1,n1-native (N1 without the NCCL baselines),l1,sweep,cpu "
+                        "(auto: n1,l1 on GPU, cpu otherwise)")
     p.add_argument("--sms", default="8,16,24,32", help="SM budgets for the native backend")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=50)
@@ -319,9 +321,10 @@ def main() -> None:
         with Buffer(hidden=2048, num_experts=64, num_topk=8, max_tokens_per_rank=512, backend="reference",
                     low_latency=True) as buf:
             rows += bench_normal(buf, timer, "cpu", 512, [None], with_fp8=True, deepep=False)
-    if "n1" in cases:
+    if "n1" in cases or "n1-native" in cases:
         with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=4096) as buf:
             rows += bench_normal(buf, timer, "N1", 4096, sms_list, with_fp8=True, deepep=world == 2)
+    if "n1" in cases:
         with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=4096, backend="reference") as buf:
             rows += bench_normal(buf, timer, "N1", 4096, [None], with_fp8=True, deepep=False)
             rows.append(bench_nccl_a2a(buf, timer, "N1", 4096))
