@@ -144,6 +144,12 @@ class Timer:
         return self.call_us(graph.replay)
 
 
+def _tuning(buf: Buffer) -> dict:
+    """The native kernels' tuning knobs (MOE_EP_* environment variables), so results record them."""
+    ctx = getattr(buf.backend, "_ctx", None)
+    return dict(ctx.tuning) if ctx is not None else {}
+
+
 def _short_name(kernel: str) -> str:
     """A readable kernel name: mangled names keep their tail (the function), others their head."""
     return kernel[-48:] if kernel.startswith("__nv_static") or kernel.startswith("_Z") else kernel[:48]
@@ -187,7 +193,8 @@ def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: li
         ops.append(("combine_bf16", lambda: buf.combine(y, probe.handle, num_sms=sms), row_bf16, ref[2] if ref else None))
         for op, fn, row_bytes, ref_us in ops:
             rows.append(Row(case, op, buf.backend_name, sms, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
-                            recv * row_bytes, remote * row_bytes, ref_us, extra={"kernels": timer.last_kernels}))
+                            recv * row_bytes, remote * row_bytes, ref_us,
+                            extra={"kernels": timer.last_kernels, "tuning": _tuning(buf)}))
     return rows
 
 
