@@ -86,7 +86,7 @@ __device__ __forceinline__ bool reduce_token(const DeviceContext& ctx, const Com
   const bool sent = lane < R && reinterpret_cast<const bool*>(a.is_token_in_rank)[(size_t)i * R + lane];
   const unsigned sources = __ballot_sync(kFullMask, sent);
   bool ok = true;
-  if (sent && lane != me) ok = wait_flag(ctx.comm, ctx.row_flag(me, kCombineRows, lane, i), epoch, kPhaseCombineRecv, lane);
+  if (sent && lane != me) ok = wait_geq(ctx.comm, ctx.row_flag(me, kCombineRows, lane, i), epoch, kPhaseCombineRecv, lane);
   __syncwarp();
   if (!__all_sync(kFullMask, ok)) return false;
 

@@ -140,7 +140,7 @@ __device__ __forceinline__ bool receive_run(const DeviceContext& ctx, const Disp
 
   bool ok = true;
   if (lane < n)
-    ok = wait_flag(ctx.comm, ctx.row_flag(me, kDispatchRows, s, p0 + lane), call_epoch(ctx.comm, kSigDispatchDone),
+    ok = wait_geq(ctx.comm, ctx.row_flag(me, kDispatchRows, s, p0 + lane), call_epoch(ctx.comm, kSigDispatchDone),
                    kPhaseDispatchRecv, s);
   __syncwarp();
   if (!__all_sync(kFullMask, ok)) return false;

@@ -455,36 +455,9 @@ __device__ __forceinline__ int take_work_item(int* counter) {
 // below covers every lane), executes ONE fence.acq_rel.sys (one warp instruction) and then raises
 // any number of flags with relaxed system-scope stores; each (fence, store) pair is a release
 // pattern, so one fence serves a whole batch of rows (Tuning::flag_batch of them).
-// Waiting: poll with relaxed loads (no ordering cost per spin), then one acquire load of the
-// flag, which pairs with the writer's release (the value only grows, so it still satisfies).
-__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-
-// Spin until *flag >= target, then acquire. Timeouts and aborts as comm.h wait_geq.
-__device__ __forceinline__ bool wait_flag(const Comm& c, const uint64_t* flag, uint64_t target, int phase, int peer) {
-  if (ld_relaxed_sys(flag) < target) {
-    const uint64_t start = global_timer_ns();
-    for (uint32_t spin = 1; ld_relaxed_sys(flag) < target; ++spin) {
-      if ((spin & 1023u) == 0) {
-        if (comm_aborted(c)) return false;
-        if (global_timer_ns() - start > c.timeout_ns) {
-          report_timeout(c, phase, peer);
-          return false;
-        }
-      }
-    }
-  }
-  return ld_acquire_sys(flag) >= target;
-}
+// Waiting: comm.h wait_geq polls with relaxed loads (no ordering cost per spin), then one acquire
+// load of the flag, which pairs with the writer's release (the value only grows, so it still
+// satisfies).
 
 // Flags a sending warp has yet to raise (up to 32, kept in shared memory, `slots` being the warp's
 // own 32 entries), and the system fence that publishes them all (see "Row flags" above). Every lane

@@ -125,40 +125,9 @@ __device__ __forceinline__ uint64_t arrivals_after(unsigned long long epoch, int
   return static_cast<uint64_t>(blocks) * ((epoch + 1) >> 1);
 }
 
-// Flag primitives of the low-latency kernels. Waiters poll with relaxed system-scope loads (no L1
-// invalidation per poll, unlike ld.acquire) and issue one fence.acq_rel.sys once the value is seen:
-// relaxed load + fence is an acquire pattern. Senders issue one fence.acq_rel.sys per block, then
-// relaxed adds: fence + relaxed write is a release pattern. fence.acq_rel is used, never fence.sc
-// (__threadfence_system): the flags need no single total order, and sc fences are the costly kind.
-__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-
-__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* p, uint64_t v) {
-  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// Spin (relaxed loads) until *flag >= target; false after recording a timeout, or when another
-// thread already gave up. The caller fences (acquire) after a true return.
-__device__ __forceinline__ bool wait_relaxed_geq(const Comm& c, const uint64_t* flag, uint64_t target, int phase,
-                                                 int peer) {
-  if (ld_relaxed_sys(flag) >= target) return true;
-  const uint64_t start = global_timer_ns();
-  for (uint32_t spin = 1;; ++spin) {
-    if (ld_relaxed_sys(flag) >= target) return true;
-    if ((spin & 1023u) == 0) {
-      if (comm_aborted(c)) return false;
-      if (global_timer_ns() - start > c.timeout_ns) {
-        report_timeout(c, phase, peer);
-        return false;
-      }
-    }
-  }
-}
+// Flag primitives (comm.h): waiters poll with wait_relaxed_geq and issue one fence.acq_rel.sys once
+// the value is seen (an acquire pattern); senders issue one fence.acq_rel.sys per block, then
+// relaxed adds (a release pattern).
 
 // A copy unit: one warp moves up to kChunkInt4 int4 with every load in flight before any store
 // (one memory round trip per chunk). Rows are cut into chunks so that all warps of a block share

@@ -101,14 +101,36 @@ __device__ __forceinline__ void report_timeout(const Comm& c, int phase, int pee
   }
 }
 
-// Spin until *flag >= target. Returns false (after recording the error once) when the timeout
-// passes or another thread already gave up; callers then leave the kernel without hanging.
-__device__ __forceinline__ bool wait_geq(const Comm& c, const uint64_t* flag, uint64_t target,
-                                         int phase, int peer) {
-  if (ld_acquire_sys(flag) >= target) return true;
+// Relaxed system-scope accesses and the fence that orders them. Polling with relaxed loads costs
+// no L1 invalidation per spin (unlike ld.acquire); relaxed load + fence.acq_rel.sys is an acquire
+// pattern and fence.acq_rel.sys + relaxed store/add a release pattern, so one fence can serve a
+// whole batch of flags. fence.acq_rel is enough: flags need no single total order (fence.sc, as in
+// __threadfence_system, is the costly kind).
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// Spin (relaxed loads) until *flag >= target. Returns false (after recording the error once) when
+// the timeout passes or another thread already gave up; callers then leave the kernel without
+// hanging. Gives no ordering: the caller fences (acquire) after a true return.
+__device__ __forceinline__ bool wait_relaxed_geq(const Comm& c, const uint64_t* flag, uint64_t target, int phase,
+                                                 int peer) {
+  if (ld_relaxed_sys(flag) >= target) return true;
   const uint64_t start = global_timer_ns();
   for (uint32_t spin = 1;; ++spin) {
-    if (ld_acquire_sys(flag) >= target) return true;
+    if (ld_relaxed_sys(flag) >= target) return true;
     if ((spin & 1023u) == 0) {
       if (comm_aborted(c)) return false;
       if (global_timer_ns() - start > c.timeout_ns) {
@@ -117,6 +139,12 @@ __device__ __forceinline__ bool wait_geq(const Comm& c, const uint64_t* flag, ui
       }
     }
   }
+}
+
+// wait_relaxed_geq, then one acquire load: the writer's stores before its release are visible to
+// this thread afterwards (flags only grow, so the acquire load still sees a value >= target).
+__device__ __forceinline__ bool wait_geq(const Comm& c, const uint64_t* flag, uint64_t target, int phase, int peer) {
+  return wait_relaxed_geq(c, flag, target, phase, peer) && ld_acquire_sys(flag) >= target;
 }
 
 }  // namespace moe_ep
