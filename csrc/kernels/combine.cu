@@ -17,7 +17,7 @@
 //  2. Reduce (the other warps from the start, the sending warps once their rows are done). Warps take
 //     runs of B tokens [kB, kB + B) of this rank from a grid-wide counter. Per token i: lane r < R
 //     reads is_token_in_rank[i][r]; lanes of peer sources wait for their row flag to reach `epoch`
-//     (wait_flag; __syncwarp hands the order to the whole warp). Then, chunk by chunk, the warp adds
+//     (wait_geq; __syncwarp hands the order to the whole warp). Then, chunk by chunk, the warp adds
 //     rank r's row for r ascending (own: x[first[me] + pos[i][me]]; peer: data slot [r] row i, read
 //     through L2) into float32 accumulators with __fadd_rn (never contracted), rounds once with
 //     __float2bfloat16_rn and stores out[i]. Tokens that went nowhere get +0.

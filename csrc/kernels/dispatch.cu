@@ -24,7 +24,7 @@
 //     item k (from a grid-wide counter) is the run of positions [jB, jB + B) of source s, with
 //     j = k / R and s = k % R. In worst-case mode the run's padding rows (p >= count_s) get src = -1,
 //     topk_idx = -1, weights = 0, scales = 0. For peer rows (s != me, p < count_s) lane l waits for
-//     the row flag of position jB + l to reach `epoch` (wait_flag: relaxed polls, then acquire); after
+//     the row flag of position jB + l to reach `epoch` (comm.h wait_geq: relaxed polls, then acquire); after
 //     __syncwarp (which hands every lane's acquire to the whole warp) the warp copies the run's rows,
 //     which are contiguous in slot s and in the output (output rows first[s] + p), as one span with U
 //     int4 loads per lane in flight, then the run's metadata spans (topk, weights, src_index, scales;
