@@ -59,12 +59,15 @@ def _device_of(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _pick_backend(name: str, device: torch.device) -> str:
+MAX_NVSHMEM_RANKS = 8  # one NVLink node (csrc/runtime/comm.h kMaxRanks)
+
+
+def _pick_backend(name: str, device: torch.device, world: int) -> str:
     if name in ("reference", "nvshmem"):
         return name
     if name != "auto":
         raise ValueError(f"backend must be 'auto', 'reference' or 'nvshmem', got {name!r}")
-    if device.type != "cuda":
+    if device.type != "cuda" or world > MAX_NVSHMEM_RANKS:
         return "reference"
     from . import _native
 
@@ -97,7 +100,7 @@ class Buffer:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         device = _device_of(group)
-        self.backend_name = _pick_backend(backend, device)
+        self.backend_name = _pick_backend(backend, device, world)
         self.cfg = BufferConfig(
             group=group, rank=dist.get_rank(group), world_size=world, hidden=hidden, num_experts=num_experts,
             num_topk=num_topk, max_tokens_per_rank=max_tokens_per_rank, low_latency=bool(low_latency),
