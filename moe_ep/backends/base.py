@@ -19,6 +19,22 @@ from ..types import (
 )
 
 
+def align_up(counts: list[int], alignment: int) -> list[int]:
+    """Each count rounded up to a multiple of `alignment` (tokens_per_expert with expert_alignment)."""
+    return [-(-c // alignment) * alignment for c in counts]
+
+
+def record_event(async_op: bool, device: torch.device) -> Optional[EventHandle]:
+    """For async_op: an EventHandle recorded on `device`'s current stream (an empty one on CPU)."""
+    if not async_op:
+        return None
+    if device.type != "cuda":
+        return EventHandle(None)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return EventHandle(event)
+
+
 @dataclass(frozen=True)
 class BufferConfig:
     """The fixed dimensions of one Buffer, shared by all ranks of its group."""

@@ -27,7 +27,7 @@ from ..types import (
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
-from .base import Backend, BufferConfig
+from .base import Backend, BufferConfig, align_up, record_event
 from .symmetric import NvshmemSession
 
 HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding, per allocation
@@ -45,18 +45,6 @@ class DispatchState:
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
-
-
-def _aligned(counts: list[int], alignment: int) -> list[int]:
-    return [-(-c // alignment) * alignment for c in counts]
-
-
-def _event(async_op: bool, stream: torch.cuda.Stream) -> Optional[EventHandle]:
-    if not async_op:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream)
-    return EventHandle(event)
 
 
 class NvshmemBackend(Backend):
@@ -190,9 +178,9 @@ class NvshmemBackend(Backend):
         )
         return DispatchResult(
             x=out_x, x_scales=out_scales, topk_idx=out_topk_idx, topk_weights=out_topk_weights,
-            tokens_per_expert=None if worst_case else _aligned(state.tokens_per_expert, expert_alignment),
+            tokens_per_expert=None if worst_case else align_up(state.tokens_per_expert, expert_alignment),
             tokens_per_expert_tensor=tokens_per_expert_tensor, src_rank=src_rank, src_index=src_index,
-            handle=new_handle, event=_event(async_op, stream),
+            handle=new_handle, event=record_event(async_op, cfg.device),
         )
 
     def combine(self, x, handle, *, num_sms, previous_event, async_op):
@@ -204,7 +192,7 @@ class NvshmemBackend(Backend):
         self._ctx.combine(x.data_ptr(), x.shape[0], handle.src_rank.data_ptr(), handle.src_index.data_ptr(),
                           handle.is_token_in_rank.data_ptr(), state.pos.data_ptr(), state.recv_info.data_ptr(), n,
                           out.data_ptr(), num_sms, stream.cuda_stream)
-        return out, _event(async_op, stream)
+        return out, record_event(async_op, cfg.device)
 
     # ---- low-latency mode ------------------------------------------------------------------
     def _engine(self) -> Any:

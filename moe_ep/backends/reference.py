@@ -16,12 +16,11 @@ from ..types import (
     DispatchHandle,
     DispatchLayout,
     DispatchResult,
-    EventHandle,
     LowLatencyCombineResult,
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
-from .base import Backend
+from .base import Backend, align_up, record_event
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -43,16 +42,6 @@ def _unpack(rows: torch.Tensor, specs: list[tuple[int, torch.dtype, tuple[int, .
         out.append(part.view(dtype).reshape(rows.shape[0], *shape))
         col += nbytes
     return out
-
-
-def _event(async_op: bool, device: torch.device) -> Optional[EventHandle]:
-    if not async_op:
-        return None
-    if device.type != "cuda":
-        return EventHandle(None)
-    ev = torch.cuda.Event()
-    ev.record()
-    return EventHandle(ev)
 
 
 class ReferenceBackend(Backend):
@@ -132,7 +121,7 @@ class ReferenceBackend(Backend):
             hit = torch.zeros(recv_topk.shape[0], cfg.num_local_experts + 1, dtype=torch.bool, device=x.device)
             hit.scatter_(1, torch.where(recv_topk >= 0, recv_topk, cfg.num_local_experts), True)
             tokens_per_expert_raw = hit[:, : cfg.num_local_experts].sum(0).tolist()
-        tokens_per_expert = [-(-c // expert_alignment) * expert_alignment for c in tokens_per_expert_raw]
+        tokens_per_expert = align_up(tokens_per_expert_raw, expert_alignment)
 
         if worst_case:
             t = cfg.max_tokens_per_rank
@@ -177,7 +166,7 @@ class ReferenceBackend(Backend):
             src_rank=recv_rank,
             src_index=recv_src_index,
             handle=new_handle,
-            event=_event(async_op, x.device),
+            event=record_event(async_op, x.device),
         )
 
     def combine(self, x, handle, *, num_sms, previous_event, async_op):
@@ -196,7 +185,7 @@ class ReferenceBackend(Backend):
             idx = mask[:, r].nonzero().squeeze(1)
             acc[idx] = acc[idx] + back[start : start + idx.numel()].float()
             start += idx.numel()
-        return acc.to(torch.bfloat16), _event(async_op, x.device)
+        return acc.to(torch.bfloat16), record_event(async_op, x.device)
 
     # ---- low-latency mode -----------------------------------------------------------------
     def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, return_recv_hook):
