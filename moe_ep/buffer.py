@@ -82,7 +82,8 @@ class Buffer:
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, hidden: int, num_experts: int, num_topk: int,
                  max_tokens_per_rank: int, backend: str = "auto", low_latency: bool = False,
-                 num_sms: Optional[int] = None, timeout_s: float = 100.0) -> None:
+                 num_sms: Optional[int] = None, timeout_s: float = 100.0,
+                 ranks_per_node: Optional[int] = None) -> None:
         group = group if group is not None else dist.group.WORLD
         if not dist.is_initialized():
             raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
@@ -106,6 +107,7 @@ class Buffer:
             num_topk=num_topk, max_tokens_per_rank=max_tokens_per_rank, low_latency=bool(low_latency),
             num_sms=self._check_num_sms(num_sms if num_sms is not None else DEFAULT_NUM_SMS, device, default=num_sms is None),
             timeout_s=float(timeout_s), buffer_id=next(_buffer_ids), device=device,
+            ranks_per_node=world if ranks_per_node is None else ranks_per_node,
         )
         self._backend: Optional[Backend] = self._make_backend()
 

@@ -6,9 +6,18 @@
 // `slot`. Values are epochs (1, 2, 3, ...) that only grow, so nothing is ever reset and a waiter
 // waits for `flag >= epoch`. Epochs live in device memory (Comm::epochs, one counter per slot
 // group), not on the host, so a captured CUDA graph replays with fresh epochs.
+//
+// Network leg (ranks in other nodes, reached only through NVSHMEM device operations): data moves by
+// nvshmem puts, and a peer learns of it through a uint64 signal word in its own symmetric memory,
+// updated by put-with-signal or by nvshmemx_signal_op after nvshmem_fence. NVSHMEM guarantees that a
+// put-with-signal's data is delivered before its signal, and that nvshmem_fence orders the calling
+// thread's puts and signal ops to one PE; wait_signal_geq below observes the signal with
+// nvshmem_signal_fetch. Nothing on the network leg relies on NVLink's store order.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
 
 namespace moe_ep {
 
@@ -39,7 +48,15 @@ enum Phase : int {
   kPhaseLowLatencyDispatchRecv = 6,  // low-latency dispatch: waiting for a peer's rows/counts
   kPhaseLowLatencyCombineRecv = 7,   // low-latency combine: waiting for a peer's rows
   kPhaseLowLatencyBarrier = 8,       // low-latency: waiting for a peer to free its buffers
-  kNumPhases = 9,
+  kPhaseNodeNotify = 9,              // cross-node dispatch: waiting for a peer's token counts
+  kPhaseNodeSendCredit = 10,         // cross-node dispatch: waiting for a remote forwarder to free a buffer
+  kPhaseNodeForwardRecv = 11,        // cross-node dispatch: forwarder waiting for a remote node's rows
+  kPhaseNodeForwardCredit = 12,      // cross-node dispatch: forwarder waiting for a local rank to free a buffer
+  kPhaseNodeDispatchRecv = 13,       // cross-node dispatch: waiting for a forwarder's rows
+  kPhaseNodeCombineGather = 14,      // cross-node combine: forwarder waiting for a local rank's rows
+  kPhaseNodeCombineCredit = 15,      // cross-node combine: waiting for a rank to free a buffer
+  kPhaseNodeCombineRecv = 16,        // cross-node combine: waiting for a node's partial sums
+  kNumPhases = 17,
 };
 
 // Written once by the first wait that times out; lives in host-mapped memory so the host reads it
@@ -145,6 +162,27 @@ __device__ __forceinline__ bool wait_relaxed_geq(const Comm& c, const uint64_t* 
 // this thread afterwards (flags only grow, so the acquire load still sees a value >= target).
 __device__ __forceinline__ bool wait_geq(const Comm& c, const uint64_t* flag, uint64_t target, int phase, int peer) {
   return wait_relaxed_geq(c, flag, target, phase, peer) && ld_acquire_sys(flag) >= target;
+}
+
+// Network leg: spin until the NVSHMEM signal word `sig` (this rank's symmetric memory, updated by a
+// peer's put-with-signal or signal op) is >= target, with the same timeout and abort rules as
+// wait_relaxed_geq. On true, a fence.acq_rel.sys after the observing fetch orders this thread's
+// later loads after it, so the data NVSHMEM delivered before the signal is visible to them.
+__device__ __forceinline__ bool wait_signal_geq(const Comm& c, uint64_t* sig, uint64_t target, int phase, int peer) {
+  if (nvshmem_signal_fetch(sig) < target) {
+    const uint64_t start = global_timer_ns();
+    for (uint32_t spin = 1; nvshmem_signal_fetch(sig) < target; ++spin) {
+      if ((spin & 1023u) == 0) {
+        if (comm_aborted(c)) return false;
+        if (global_timer_ns() - start > c.timeout_ns) {
+          report_timeout(c, phase, peer);
+          return false;
+        }
+      }
+    }
+  }
+  fence_acq_rel_sys();
+  return true;
 }
 
 }  // namespace moe_ep

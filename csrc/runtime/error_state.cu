@@ -21,6 +21,14 @@ constexpr const char* kPhaseNames[] = {
     "low-latency dispatch: waiting for a peer's rows/counts",
     "low-latency combine: waiting for a peer's rows",
     "low-latency: waiting for a peer to free its buffers",
+    "cross-node dispatch: waiting for a peer's token counts",
+    "cross-node dispatch: waiting for a remote forwarder to free a buffer",
+    "cross-node dispatch: forwarder waiting for a remote node's rows",
+    "cross-node dispatch: forwarder waiting for a local rank to free a buffer",
+    "cross-node dispatch: waiting for a forwarder's rows",
+    "cross-node combine: forwarder waiting for a local rank's rows",
+    "cross-node combine: waiting for a rank to free a buffer",
+    "cross-node combine: waiting for a node's partial sums",
 };
 static_assert(sizeof(kPhaseNames) / sizeof(kPhaseNames[0]) == kNumPhases, "kPhaseNames must name every Phase");
 

@@ -51,6 +51,21 @@ class BufferConfig:
     timeout_s: float
     buffer_id: int
     device: torch.device
+    ranks_per_node: int  # ranks of one NVLink domain ("node"); nodes are contiguous rank ranges
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        """This rank's node."""
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index inside its node."""
+        return self.rank % self.ranks_per_node
 
     @property
     def num_local_experts(self) -> int:
