@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import topology
 from .backends.base import Backend, BufferConfig
 from .types import (
     DispatchHandle,
@@ -59,19 +60,48 @@ def _device_of(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-MAX_NVSHMEM_RANKS = 8  # one NVLink node (csrc/runtime/comm.h kMaxRanks)
+def auto_backend(device: torch.device) -> tuple[str, str]:
+    """The backend Buffer(backend="auto") picks for a group on `device`, and why. Groups that span
+    nodes get the native backend too: it crosses nodes over NVSHMEM's network transports."""
+    if device.type != "cuda":
+        return "reference", f"the group runs on {device.type}, not on CUDA devices (NCCL)"
+    from . import _native
+
+    ok, why = _native.available()
+    return ("nvshmem", "moe_ep._C loads and the group runs on CUDA devices") if ok else ("reference", why)
 
 
-def _pick_backend(name: str, device: torch.device, world: int) -> str:
+def _pick_backend(name: str, device: torch.device) -> str:
     if name in ("reference", "nvshmem"):
         return name
     if name != "auto":
         raise ValueError(f"backend must be 'auto', 'reference' or 'nvshmem', got {name!r}")
-    if device.type != "cuda" or world > MAX_NVSHMEM_RANKS:
-        return "reference"
-    from . import _native
+    return auto_backend(device)[0]
 
-    return "nvshmem" if _native.available()[0] else "reference"
+
+def _check_ranks_per_node(ranks_per_node: Optional[int], world: int) -> None:
+    """What a forced node size must satisfy before detection (no communication needed)."""
+    if ranks_per_node is None:
+        return
+    if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool):
+        raise TypeError(f"ranks_per_node must be an int or None, got {type(ranks_per_node).__name__}")
+    if ranks_per_node <= 0:
+        raise ValueError(f"ranks_per_node must be positive, got {ranks_per_node}")
+    if ranks_per_node > topology.MAX_RANKS_PER_NODE:
+        raise ValueError(f"ranks_per_node must be at most {topology.MAX_RANKS_PER_NODE} (one NVLink domain), "
+                         f"got {ranks_per_node}")
+    if world % ranks_per_node:
+        raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide the group size ({world})")
+
+
+def _resolve_topology(group: dist.ProcessGroup, ranks_per_node: Optional[int]) -> topology.Topology:
+    """Collective: the detected topology, or the forced one if the hosts allow it."""
+    _check_ranks_per_node(ranks_per_node, dist.get_world_size(group))
+    topo = topology.resolve(group, ranks_per_node)
+    if topo.ranks_per_node > topo.detected:
+        raise ValueError(f"ranks_per_node={topo.ranks_per_node} exceeds the {topo.detected} ranks per node detected "
+                         "(ranks on one host): a forced node size may only split a host's NVLink domain")
+    return topo
 
 
 class Buffer:
@@ -101,13 +131,14 @@ class Buffer:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         device = _device_of(group)
-        self.backend_name = _pick_backend(backend, device, world)
+        self.backend_name = _pick_backend(backend, device)
+        topo = _resolve_topology(group, ranks_per_node)
         self.cfg = BufferConfig(
             group=group, rank=dist.get_rank(group), world_size=world, hidden=hidden, num_experts=num_experts,
             num_topk=num_topk, max_tokens_per_rank=max_tokens_per_rank, low_latency=bool(low_latency),
             num_sms=self._check_num_sms(num_sms if num_sms is not None else DEFAULT_NUM_SMS, device, default=num_sms is None),
             timeout_s=float(timeout_s), buffer_id=next(_buffer_ids), device=device,
-            ranks_per_node=world if ranks_per_node is None else ranks_per_node,
+            ranks_per_node=topo.ranks_per_node,
         )
         self._backend: Optional[Backend] = self._make_backend()
 
@@ -148,6 +179,15 @@ class Buffer:
     @property
     def group_size(self) -> int:
         return self.cfg.world_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks of one node (NVLink domain); node n holds ranks [n * ranks_per_node, (n + 1) * ranks_per_node)."""
+        return self.cfg.ranks_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        return self.cfg.num_nodes
 
     @property
     def num_local_experts(self) -> int:

@@ -122,15 +122,24 @@ def expected_dispatch(inp: Inputs, me: int, world: int, num_experts: int,
     )
 
 
-def expected_combine(inp: Inputs, me: int, world: int, num_experts: int, row_of) -> torch.Tensor:
-    """out[i] = bf16(sum over receiving ranks r ascending of float(row_of(r, me, i))), from +0.0."""
+def expected_combine(inp: Inputs, me: int, world: int, num_experts: int, row_of,
+                     ranks_per_node: Optional[int] = None) -> torch.Tensor:
+    """out[i] = bf16(sum over receiving nodes n ascending of float(partial_n)), where
+    partial_n = bf16(sum over node n's receiving ranks r ascending of float(row_of(r, me, i))), both
+    sums in float32 from +0.0. ranks_per_node=None: one node, i.e. the flat sum over ranks."""
     num_local = num_experts // world
+    per_node = world if ranks_per_node is None else ranks_per_node
     n, h = inp.x[me].shape
     out = torch.zeros(n, h, dtype=torch.bfloat16)
     for i, row in enumerate(inp.topk_idx[me].tolist()):
+        ranks = sorted(owners(row, num_local))
         acc = torch.zeros(h, dtype=torch.float32)
-        for r in sorted(owners(row, num_local)):
-            acc = acc + row_of(r, me, i).float()
+        for node in sorted({r // per_node for r in ranks}):
+            partial = torch.zeros(h, dtype=torch.float32)
+            for r in ranks:
+                if r // per_node == node:
+                    partial = partial + row_of(r, me, i).float()
+            acc = acc + partial.to(torch.bfloat16).float()
         out[i] = acc.to(torch.bfloat16)
     return out
 

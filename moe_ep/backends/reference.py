@@ -5,6 +5,7 @@ runs on gloo (CPU) and NCCL (GPU) alike. Arithmetic follows docs/api.md to the b
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional
 
@@ -179,12 +180,19 @@ class ReferenceBackend(Backend):
         mask = handle.is_token_in_rank
         send_back = mask.sum(0).tolist()
         back = self._all_to_all_rows(_as_bytes(rows), recv_counts, send_back).view(torch.bfloat16)
+        # Two levels (docs/api.md): per node, a float32 sum over its receiving ranks in ascending
+        # order, rounded to bf16 (what crosses the network); then a float32 sum of those partials
+        # over the receiving nodes in ascending order, rounded once more. Both sums start at +0.0.
+        starts = [0, *itertools.accumulate(send_back)]  # rows from rank r: back[starts[r] : starts[r + 1]]
         acc = torch.zeros(handle.num_tokens, cfg.hidden, dtype=torch.float32, device=x.device)
-        start = 0
-        for r in range(cfg.world_size):
-            idx = mask[:, r].nonzero().squeeze(1)
-            acc[idx] = acc[idx] + back[start : start + idx.numel()].float()
-            start += idx.numel()
+        for node in range(cfg.num_nodes):
+            ranks = range(node * cfg.ranks_per_node, (node + 1) * cfg.ranks_per_node)
+            partial = torch.zeros_like(acc)
+            for r in ranks:
+                idx = mask[:, r].nonzero().squeeze(1)
+                partial[idx] = partial[idx] + back[starts[r] : starts[r + 1]].float()
+            idx = mask[:, ranks.start : ranks.stop].any(dim=1).nonzero().squeeze(1)
+            acc[idx] = acc[idx] + partial[idx].to(torch.bfloat16).float()
         return acc.to(torch.bfloat16), record_event(async_op, x.device)
 
     # ---- low-latency mode -----------------------------------------------------------------

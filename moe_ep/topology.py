@@ -1,0 +1,73 @@
+"""Which ranks of a process group share one NVLink domain ("node"): detected from the hosts the
+ranks run on, or forced by the caller (Buffer(ranks_per_node=k)) so one machine can act as several
+nodes. Nodes are contiguous rank ranges: rank r is in node r // ranks_per_node. Buffer validates a
+forced value; this module only detects and records."""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+MAX_RANKS_PER_NODE = 8  # one NVLink domain of the native kernels (csrc/runtime/comm.h kMaxRanks)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The node layout a Buffer runs with."""
+
+    ranks_per_node: int  # in effect: the forced value, else `detected`
+    num_nodes: int
+    detected: int  # the largest node size the hosts allow (see node_size)
+    forced: bool  # ranks_per_node came from the caller
+
+
+def ranks_per_host(hostnames: list[str]) -> int:
+    """Ranks per host, from every rank's hostname in rank order. Each host's ranks must be one
+    contiguous range and every host must hold the same number, since nodes are equal contiguous
+    rank ranges; otherwise a RuntimeError says what the launcher did instead."""
+    runs: list[tuple[str, int]] = []  # (host, ranks) per contiguous run
+    for host in hostnames:
+        if runs and runs[-1][0] == host:
+            runs[-1] = (host, runs[-1][1] + 1)
+        else:
+            runs.append((host, 1))
+    hosts = [host for host, _ in runs]
+    if len(set(hosts)) != len(hosts):
+        raise RuntimeError("moe_ep: the ranks of one host must be contiguous (launch with torchrun, which numbers "
+                           f"ranks host by host); got hosts in rank order {hostnames}")
+    counts = {count for _, count in runs}
+    if len(counts) != 1:
+        raise RuntimeError("moe_ep: every host must run the same number of ranks; got "
+                           + ", ".join(f"{host}: {count}" for host, count in runs))
+    return counts.pop()
+
+
+def node_size(per_host: int) -> int:
+    """The node size for `per_host` ranks on each host: all of them up to 8; above 8 (more ranks
+    on a host than one NVLink domain of the kernels serves) the largest divisor of `per_host` that
+    is at most 8, so every host splits into equal nodes."""
+    return max(d for d in range(1, MAX_RANKS_PER_NODE + 1) if per_host % d == 0)
+
+
+def hostnames(group: dist.ProcessGroup) -> list[str]:
+    """Collective over `group`: every rank's hostname, in group rank order."""
+    names: list[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    return [str(name) for name in names]
+
+
+def detect(group: dist.ProcessGroup) -> int:
+    """Collective over `group`: the detected node size (node_size of the ranks per host); the ranks
+    of one host are taken to share its NVLink domain."""
+    return node_size(ranks_per_host(hostnames(group)))
+
+
+def resolve(group: dist.ProcessGroup, ranks_per_node: Optional[int]) -> Topology:
+    """Collective over `group`: the topology with `ranks_per_node` forced (Buffer has validated it),
+    or detected when it is None."""
+    detected = detect(group)
+    size = detected if ranks_per_node is None else ranks_per_node
+    return Topology(ranks_per_node=size, num_nodes=dist.get_world_size(group) // size, detected=detected,
+                    forced=ranks_per_node is not None)

@@ -1,0 +1,145 @@
+"""Nodes: topology detection, forced ranks_per_node, and the reference backend's two-level combine
+against brute force over all ranks' inputs (gloo, CPU, R = 4 as 2 x 2, 4 x 1 and 1 x 4)."""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_ep
+from moe_ep import _native, topology
+from moe_ep.buffer import auto_backend
+from tests._dist import run_workers
+from tests.oracle import expected_combine, expected_dispatch, expected_layout, make_inputs
+
+WORLD = 4
+# (seed, tokens per rank, hidden, experts, topk, routing, max_tokens_per_rank): -1 entries
+# ('random', 'skewed'), a rank with 0 tokens, K = 1, every token on several ranks (E = R).
+CASES = [
+    (31, [30, 0, 17, 25], 256, 16, 8, "random", 32),
+    (32, [20, 13, 20, 7], 128, 8, 1, "random", 24),
+    (33, [40, 9, 0, 33], 512, 32, 4, "skewed", 48),
+    (34, [16, 16, 16, 16], 128, 4, 4, "random", 16),
+    (35, [11, 23, 5, 0], 64, 8, 3, "one_expert", 24),
+]
+
+
+def _row_transform(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per receiving rank r: the expert output of a row x is bf16(x * scale[r] + shift[r]); random
+    magnitudes, so rounding each node's partial to bf16 changes some sums."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    sign = torch.where(torch.rand(WORLD, generator=g) < 0.5, -1.0, 1.0)
+    return sign * (0.25 + 4 * torch.rand(WORLD, generator=g)), 3 * torch.randn(WORLD, generator=g)
+
+
+def _check_combine(buf: moe_ep.Buffer, inp, me: int, experts: int, seed: int, worst_case: bool) -> int:
+    """Combine against the two-level oracle; returns how many outputs differ from the flat sum."""
+    scale, shift = _row_transform(seed)
+    x, idx, w = inp.x[me], inp.topk_idx[me], inp.topk_weights[me]
+    got = buf.dispatch(x, idx, w, worst_case=worst_case)
+    if not worst_case:
+        want = expected_dispatch(inp, me, WORLD, experts)
+        assert torch.equal(got.x.view(torch.int16), want.x.view(torch.int16))
+        assert got.src_rank.tolist() == want.src_rank and got.src_index.tolist() == want.src_index
+    y = (got.x.float() * scale[me] + shift[me]).to(torch.bfloat16)
+    out = buf.combine(y, got.handle)
+
+    def row_of(r: int, s: int, i: int) -> torch.Tensor:
+        return (inp.x[s][i].float() * scale[r] + shift[r]).to(torch.bfloat16)
+
+    want = expected_combine(inp, me, WORLD, experts, row_of, ranks_per_node=buf.ranks_per_node)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    flat = expected_combine(inp, me, WORLD, experts, row_of)
+    if buf.ranks_per_node in (1, WORLD):  # one rank per node, or one node: the flat rule exactly
+        assert torch.equal(out.view(torch.int16), flat.view(torch.int16))
+    nowhere = ~expected_layout(inp, me, WORLD, experts)[2].any(dim=1)
+    assert (out[nowhere].view(torch.int16) == 0).all()  # +0.0 for tokens that went nowhere
+    return int((out.view(torch.int16) != flat.view(torch.int16)).sum())
+
+
+def _combine_worker(rank: int, world: int) -> None:
+    differs = 0
+    for seed, tokens, hidden, experts, topk, routing, t in CASES:
+        inp = make_inputs(seed, tokens, hidden, experts, topk, routing)
+        for ranks_per_node in (2, 1, 4):
+            with moe_ep.Buffer(hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=t,
+                               backend="reference", ranks_per_node=ranks_per_node) as buf:
+                assert (buf.ranks_per_node, buf.num_nodes) == (ranks_per_node, world // ranks_per_node)
+                assert (buf.cfg.node, buf.cfg.local_rank) == divmod(rank, ranks_per_node)
+                try:
+                    for worst_case in (False, True):
+                        n = _check_combine(buf, inp, rank, experts, seed, worst_case)
+                        differs += n if ranks_per_node == 2 else 0
+                except AssertionError as e:
+                    raise AssertionError(f"case seed={seed} ranks_per_node={ranks_per_node} rank={rank}: {e}") from e
+    total = torch.tensor([differs])
+    dist.all_reduce(total)
+    assert total.item() > 0, "2 nodes x 2 gave the flat sum everywhere: the cases do not test the two levels"
+
+
+def _detection_worker(rank: int, world: int) -> None:
+    group = dist.group.WORLD
+    kwargs = dict(hidden=64, num_experts=8, num_topk=2, max_tokens_per_rank=8, backend="reference")
+    # every rank on this host: one node of min(world, 8) ranks
+    assert topology.resolve(group, None) == topology.Topology(ranks_per_node=world, num_nodes=1, detected=world,
+                                                              forced=False)
+    with moe_ep.Buffer(**kwargs) as buf:
+        assert (buf.ranks_per_node, buf.num_nodes) == (world, 1)
+    with pytest.raises(ValueError, match=r"ranks_per_node \(3\) must divide the group size \(4\)"):
+        moe_ep.Buffer(**kwargs, ranks_per_node=3)
+
+    # two hosts of two ranks each
+    with mock.patch("socket.gethostname", return_value=f"host{rank // 2}"):
+        assert topology.resolve(group, None) == topology.Topology(2, 2, 2, False)
+        assert topology.resolve(group, 1) == topology.Topology(1, 4, 2, True)
+        with moe_ep.Buffer(**kwargs) as buf:
+            assert (buf.ranks_per_node, buf.num_nodes) == (2, 2)
+        with pytest.raises(ValueError, match="ranks_per_node=4 exceeds the 2 ranks per node detected"):
+            moe_ep.Buffer(**kwargs, ranks_per_node=4)
+    with mock.patch("socket.gethostname", return_value=f"host{rank % 2}"):
+        with pytest.raises(RuntimeError, match="must be contiguous"):
+            moe_ep.Buffer(**kwargs)
+    with mock.patch("socket.gethostname", return_value=f"host{rank // 3}"):
+        with pytest.raises(RuntimeError, match="same number of ranks"):
+            topology.detect(group)
+
+
+def _world_worker(rank: int, world: int) -> None:
+    _detection_worker(rank, world)
+    _combine_worker(rank, world)
+
+
+def test_two_level_combine_and_detection_on_four_ranks() -> None:
+    run_workers(WORLD, _world_worker)
+
+
+@pytest.mark.parametrize("hosts, per_host", [
+    (["a"], 1), (["a", "a", "b", "b"], 2), (["n0"] * 8 + ["n1"] * 8, 8), (["x", "y", "z"], 1),
+])
+def test_ranks_per_host(hosts: list[str], per_host: int) -> None:
+    assert topology.ranks_per_host(hosts) == per_host
+
+
+@pytest.mark.parametrize("hosts, message", [
+    (["a", "b", "a", "b"], "must be contiguous"), (["a", "a", "a", "b"], "same number of ranks"),
+    (["a", "a", "b"], "same number of ranks"),
+])
+def test_ranks_per_host_rejects_uneven_layouts(hosts: list[str], message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        topology.ranks_per_host(hosts)
+
+
+@pytest.mark.parametrize("per_host, size", [(1, 1), (2, 2), (7, 7), (8, 8), (9, 3), (10, 5), (12, 6), (16, 8)])
+def test_node_size_is_at_most_8_and_divides_the_host(per_host: int, size: int) -> None:
+    assert topology.node_size(per_host) == size
+
+
+def test_auto_picks_native_whatever_the_group_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No rule on the group size any more: CUDA + moe_ep._C is enough, across nodes too."""
+    monkeypatch.setattr(_native, "available", lambda: (True, ""))
+    assert auto_backend(torch.device("cuda", 0))[0] == "nvshmem"
+    assert auto_backend(torch.device("cpu"))[0] == "reference"
+    monkeypatch.setattr(_native, "available", lambda: (False, "moe_ep._C is not built"))
+    assert auto_backend(torch.device("cuda", 0)) == ("reference", "moe_ep._C is not built")
