@@ -64,7 +64,7 @@ def auto_backend(device: torch.device) -> tuple[str, str]:
     """The backend Buffer(backend="auto") picks for a group on `device`, and why. Groups that span
     nodes get the native backend too: it crosses nodes over NVSHMEM's network transports."""
     if device.type != "cuda":
-        return "reference", f"the group runs on {device.type}, not on CUDA devices (NCCL)"
+        return "reference", f"the native backend needs CUDA devices and NCCL; the group runs on {device.type}"
     from . import _native
 
     ok, why = _native.available()

@@ -1,7 +1,9 @@
 """`python -m moe_ep.info`: what moe_ep runs on here — torch, CUDA, NVSHMEM, GPUs and their links,
-whether moe_ep._C is usable, and the backend Buffer(backend="auto") would pick."""
+whether moe_ep._C is usable, the node topology, the NVSHMEM transport settings for traffic between
+nodes, and the backend Buffer(backend="auto") would pick."""
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import os
 import re
@@ -11,8 +13,23 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
-from . import _native
+from . import _native, topology
+from .backends.symmetric import NATIVE_DEFAULTS, TRANSPORT_VARS, nvshmem_defaults
+from .buffer import auto_backend
+
+# NVSHMEM's own defaults for TRANSPORT_VARS (its environment-variable reference).
+_NVSHMEM_DEFAULTS = {
+    "NVSHMEM_REMOTE_TRANSPORT": "ibrc, unless NVSHMEM was built for UCX",
+    "NVSHMEM_IB_ENABLE_IBGDA": "false",
+    "NVSHMEM_IBGDA_NIC_HANDLER": "auto",
+    "NVSHMEM_ENABLE_NIC_PE_MAPPING": "false: each PE takes the NIC closest to its GPU",
+    "NVSHMEM_HCA_LIST": "every HCA",
+    "NVSHMEM_HCA_PE_MAPPING": "none",
+    "NVSHMEM_DISABLE_NVLS": "false",
+}
+INFINIBAND_DIR = Path("/sys/class/infiniband")
 
 
 def _version(dist: str) -> Optional[str]:
@@ -76,16 +93,67 @@ def _gpu_lines() -> list[str]:
     return lines
 
 
-def auto_backend() -> tuple[str, str]:
-    """The backend Buffer(backend="auto") picks here for one GPU per rank, and why."""
-    ok, why = _native.available()
-    if not ok:
-        return "reference", why
-    if not torch.cuda.is_available():
-        return "reference", "no CUDA device"
-    if torch.cuda.device_count() < 2:
-        return "reference", "only 1 GPU: the NVSHMEM backend needs one GPU per rank and at least 2 ranks"
-    return "nvshmem", f"moe_ep._C loads and {torch.cuda.device_count()} GPUs are visible"
+def _topology_lines() -> list[str]:
+    """Nodes of the initialised default group; without one, what this host's GPUs imply."""
+    if dist.is_available() and dist.is_initialized():
+        topo = topology.resolve(dist.group.WORLD, None)
+        return [f"Topology     {dist.get_world_size()} ranks: {topo.num_nodes} node(s) of {topo.ranks_per_node} ranks "
+                "(detected from the ranks' hostnames)"]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return ["Topology     no GPU here: the native backend has nothing to run on (reference backend only)"]
+    blocked = [f"{i}-{j}" for i in range(count) for j in range(i + 1, count)
+               if not torch.cuda.can_device_access_peer(i, j)]
+    if blocked:
+        return [f"Topology     GPU pairs {', '.join(blocked)} have no peer access: NVSHMEM cannot reach them by loads "
+                "and stores, so with one rank per GPU each GPU is its own node (ranks_per_node=1)"]
+    size = topology.node_size(count)
+    return [f"Topology     torch.distributed is not initialised; with one rank per GPU this host is {count // size} "
+            f"node(s) of {size} ranks (all {count} GPUs have peer access); Buffer(ranks_per_node=k) splits it further"]
+
+
+def _gdrcopy_library() -> Optional[str]:
+    """The name under which GDRCopy's user library loads, or None."""
+    for name in ("libgdrapi.so.2", "libgdrapi.so"):
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        return name
+    return None
+
+
+def _transport_lines() -> list[str]:
+    """The NVSHMEM settings that decide how traffic between nodes runs, and what is missing for it."""
+    lines = ["NVSHMEM transport settings (the environment's value, else what applies):"]
+    across = nvshmem_defaults(spans_hosts=True)
+    for key in TRANSPORT_VARS:
+        if key in os.environ:
+            value = f"{os.environ[key]} (environment)"
+        elif key in across:
+            value = f"unset: moe_ep sets {across[key]} when the group spans hosts, else NVSHMEM's default {_NVSHMEM_DEFAULTS[key]}"
+        elif key in NATIVE_DEFAULTS:
+            value = f"unset: moe_ep._C sets {NATIVE_DEFAULTS[key]}"
+        else:
+            value = f"unset: NVSHMEM's default ({_NVSHMEM_DEFAULTS[key]})"
+        lines.append(f"  {key:<30} {value}")
+    mapped = [key for key in ("NVSHMEM_HCA_LIST", "NVSHMEM_HCA_PE_MAPPING") if key in os.environ]
+    if mapped and os.environ.get("NVSHMEM_ENABLE_NIC_PE_MAPPING") != "1":
+        verb = "takes" if len(mapped) == 1 else "take"
+        lines.append(f"  {' and '.join(mapped)} {verb} effect only with NVSHMEM_ENABLE_NIC_PE_MAPPING=1, which is not set")
+    if os.environ.get("NVSHMEM_REMOTE_TRANSPORT") == "none":
+        lines.append("  NVSHMEM_REMOTE_TRANSPORT=none: NVSHMEM reaches peers over P2P only, never a GPU on another "
+                     "host")
+    gdrcopy = _gdrcopy_library()
+    lines.append("GDRCopy      " + (f"{gdrcopy} loads" if gdrcopy else
+                                    "libgdrapi not found: NVSHMEM's proxy (IBRC) transport needs GDRCopy for signals "
+                                    "and atomics across nodes"))
+    devices = sorted(p.name for p in INFINIBAND_DIR.iterdir()) if INFINIBAND_DIR.is_dir() else []
+    lines.append("InfiniBand   " + (", ".join(devices) + f" ({INFINIBAND_DIR})" if devices else
+                                    "no InfiniBand device found: cross-node traffic needs NVSHMEM's IBGDA or IBRC "
+                                    "transport; groups here stay on this host, where NVSHMEM's P2P transport carries every leg "
+                                    "(docs/multinode.md)"))
+    return lines
 
 
 def report() -> str:
@@ -96,8 +164,10 @@ def report() -> str:
         f"nvcc         {_nvcc_version()}",
         *_native_lines(),
         *_gpu_lines(),
+        *_topology_lines(),
+        *_transport_lines(),
     ]
-    backend, why = auto_backend()
+    backend, why = auto_backend(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     lines.append(f'Buffer(backend="auto") -> {backend} ({why})')
     return "\n".join(lines)
 

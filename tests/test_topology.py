@@ -2,6 +2,8 @@
 against brute force over all ranks' inputs (gloo, CPU, R = 4 as 2 x 2, 4 x 1 and 1 x 4)."""
 from __future__ import annotations
 
+import os
+import re
 from unittest import mock
 
 import pytest
@@ -143,3 +145,42 @@ def test_auto_picks_native_whatever_the_group_size(monkeypatch: pytest.MonkeyPat
     assert auto_backend(torch.device("cpu"))[0] == "reference"
     monkeypatch.setattr(_native, "available", lambda: (False, "moe_ep._C is not built"))
     assert auto_backend(torch.device("cuda", 0)) == ("reference", "moe_ep._C is not built")
+
+
+def test_nvshmem_defaults_leave_the_users_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moe_ep.backends.symmetric import TRANSPORT_VARS, apply_nvshmem_defaults
+
+    for key in TRANSPORT_VARS:
+        monkeypatch.delenv(key, raising=False)
+    line = apply_nvshmem_defaults(spans_hosts=False)
+    assert "NVSHMEM_IB_ENABLE_IBGDA" not in os.environ and "NVSHMEM_IB_ENABLE_IBGDA" not in line
+    assert "set by moe_ep: NVSHMEM_DISABLE_NVLS=1;" in line
+
+    monkeypatch.setenv("NVSHMEM_REMOTE_TRANSPORT", "ibrc")
+    line = apply_nvshmem_defaults(spans_hosts=True)
+    assert os.environ["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
+    assert line.endswith("set by moe_ep: NVSHMEM_IB_ENABLE_IBGDA=1, NVSHMEM_DISABLE_NVLS=1; "
+                         "as the user had them: NVSHMEM_REMOTE_TRANSPORT=ibrc")
+
+    monkeypatch.setenv("NVSHMEM_IB_ENABLE_IBGDA", "0")
+    monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "0")
+    line = apply_nvshmem_defaults(spans_hosts=True)
+    assert os.environ["NVSHMEM_IB_ENABLE_IBGDA"] == "0"
+    assert "set by moe_ep: nothing;" in line and "NVSHMEM_IB_ENABLE_IBGDA=0" in line
+
+
+def test_info_reports_transport_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moe_ep import info
+
+    monkeypatch.delenv("NVSHMEM_IB_ENABLE_IBGDA", raising=False)
+    monkeypatch.delenv("NVSHMEM_ENABLE_NIC_PE_MAPPING", raising=False)
+    monkeypatch.setenv("NVSHMEM_REMOTE_TRANSPORT", "ibrc")
+    monkeypatch.setenv("NVSHMEM_HCA_LIST", "mlx5_0:1")
+    out = info.report()
+    assert re.search(r"^  NVSHMEM_REMOTE_TRANSPORT +ibrc \(environment\)$", out, re.M)
+    assert re.search(r"^  NVSHMEM_IB_ENABLE_IBGDA +unset: moe_ep sets 1 when the group spans hosts", out, re.M)
+    assert "NVSHMEM_HCA_LIST takes effect only with NVSHMEM_ENABLE_NIC_PE_MAPPING=1" in out
+    assert re.search(r"^GDRCopy +(libgdrapi\S* loads|libgdrapi not found: .+)$", out, re.M)
+    has_ib = info.INFINIBAND_DIR.is_dir() and any(info.INFINIBAND_DIR.iterdir())
+    assert ("no InfiniBand device found" in out) != has_ib
+    assert re.search(r"^Topology +.+$", out, re.M)

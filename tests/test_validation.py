@@ -238,3 +238,23 @@ def test_experts_not_divisible_by_ranks():
 
 def test_auto_picks_reference_on_cpu(buf):
     assert moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T).backend_name == "reference"
+
+
+def test_ranks_per_node_defaults_to_the_detected_node() -> None:
+    with moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference") as b:
+        assert (b.ranks_per_node, b.num_nodes) == (1, 1)
+
+
+@pytest.mark.parametrize("value, error, message", [
+    (0, ValueError, "ranks_per_node must be positive, got 0"),
+    (-2, ValueError, "ranks_per_node must be positive, got -2"),
+    (9, ValueError, "ranks_per_node must be at most 8"),
+    (2, ValueError, r"ranks_per_node \(2\) must divide the group size \(1\)"),
+    (1.0, TypeError, "ranks_per_node must be an int or None, got float"),
+    ("1", TypeError, "ranks_per_node must be an int or None, got str"),
+    (True, TypeError, "ranks_per_node must be an int or None, got bool"),
+])
+def test_bad_ranks_per_node(value: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference",
+                      ranks_per_node=value)

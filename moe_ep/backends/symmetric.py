@@ -4,7 +4,9 @@ error state that turns a kernel's timeout into CommTimeoutError."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
+import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import ClassVar, Optional
@@ -12,12 +14,44 @@ from typing import ClassVar, Optional
 import torch
 import torch.distributed as dist
 
-from .. import _native
+from .. import _native, topology
+
+logger = logging.getLogger("moe_ep")
 
 # NVSHMEM takes its own symmetric buffers (teams, barriers, collectives) from the heap at init;
 # the heap is sized as the callers' needs plus this, rounded up to the granularity below.
 HEAP_HEADROOM_BYTES = 256 << 20
 HEAP_GRANULARITY_BYTES = 2 << 20
+
+# The NVSHMEM variables that decide how traffic between nodes runs: reported when NVSHMEM starts
+# and by `python -m moe_ep.info`.
+TRANSPORT_VARS = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_IBGDA_NIC_HANDLER",
+                  "NVSHMEM_ENABLE_NIC_PE_MAPPING", "NVSHMEM_HCA_LIST", "NVSHMEM_HCA_PE_MAPPING",
+                  "NVSHMEM_DISABLE_NVLS")
+
+
+# Set by moe_ep._C just before NVSHMEM's init where the environment has no value (its one owner:
+# csrc/runtime/bootstrap.cpp): NVLink multicast stays off unless the user asks for it.
+NATIVE_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def nvshmem_defaults(spans_hosts: bool) -> dict[str, str]:
+    """What moe_ep sets here before NVSHMEM's init where the environment has no value. Across hosts:
+    IBGDA, so the kernels' puts and signals go from the GPU to the NIC, not through NVSHMEM's CPU
+    proxy thread."""
+    return {"NVSHMEM_IB_ENABLE_IBGDA": "1"} if spans_hosts else {}
+
+
+def apply_nvshmem_defaults(spans_hosts: bool) -> str:
+    """Sets nvshmem_defaults where the user's environment has none (the user's value wins) and
+    returns one line saying what moe_ep sets and what it leaves as the user had it."""
+    users = {key: os.environ[key] for key in TRANSPORT_VARS if key in os.environ}
+    for key, value in nvshmem_defaults(spans_hosts).items():
+        os.environ.setdefault(key, value)
+    ours = {k: v for k, v in {**nvshmem_defaults(spans_hosts), **NATIVE_DEFAULTS}.items() if k not in users}
+    return (f"moe_ep: starting NVSHMEM {'across hosts' if spans_hosts else 'on one host'}; set by moe_ep: "
+            + (", ".join(f"{k}={v}" for k, v in ours.items()) or "nothing")
+            + "; as the user had them: " + (", ".join(f"{k}={v}" for k, v in users.items()) or "nothing"))
 
 
 class CommTimeoutError(RuntimeError):
@@ -181,10 +215,12 @@ class NvshmemSession:
     @classmethod
     def _start(cls, native: ModuleType, group: dist.ProcessGroup, ranks: tuple[int, ...], device: torch.device,
                heap_bytes: int) -> _Heap:
-        """Bootstraps NVSHMEM: group rank 0 creates the unique id, every rank initialises from it."""
+        """Bootstraps NVSHMEM: sets its defaults (apply_nvshmem_defaults), then group rank 0 creates the
+        unique id and every rank initialises from it."""
         rank = dist.get_rank(group)
         capacity = -(-(heap_bytes + HEAP_HEADROOM_BYTES) // HEAP_GRANULARITY_BYTES) * HEAP_GRANULARITY_BYTES
         with torch.cuda.device(device):
+            logger.info(apply_nvshmem_defaults(spans_hosts=len(set(topology.hostnames(group))) > 1))
             uid = [native.get_unique_id() if rank == 0 else None]
             dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
             native.init(uid[0], rank, len(ranks), device.index, capacity)
