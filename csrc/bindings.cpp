@@ -7,10 +7,12 @@ namespace py = pybind11;
 void register_runtime(py::module_& m);      // runtime/runtime_bindings.cpp
 void register_intranode(py::module_& m);    // kernels/intranode_bindings.cpp
 void register_low_latency(py::module_& m);  // kernels/low_latency_bindings.cpp
+void register_internode(py::module_& m);    // kernels/internode/bindings.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "moe_ep native core: NVSHMEM runtime and dispatch/combine kernels over raw device pointers";
   register_runtime(m);
   register_intranode(m);
   register_low_latency(m);
+  register_internode(m);
 }

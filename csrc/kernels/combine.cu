@@ -34,27 +34,6 @@ namespace {
 
 constexpr int kReduceUnroll = 2;  // int4 positions per lane per reduction step (8 floats each)
 
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
-  const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
-                         static_cast<uint32_t>(v.w)};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    acc[2 * q] = __fadd_rn(acc[2 * q], __uint_as_float(w[q] << 16));
-    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __uint_as_float(w[q] & 0xffff0000u));
-  }
-}
-
-__device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q]));
-    const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q + 1]));
-    w[q] = lo | (hi << 16);
-  }
-  return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
-}
-
 // Row j of x back to its source rank s, at row i of slot [me] of s's data region.
 template <int kU>
 __device__ __forceinline__ void send_row(const DeviceContext& ctx, const CombineArgs& a, int j, int s, int i,

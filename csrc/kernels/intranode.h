@@ -173,6 +173,7 @@ void launch_combine(const Context& c, const CombineArgs& a, uintptr_t stream);
 
 #if defined(__CUDACC__)
 // Device-side pieces shared by the intranode .cu files.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "runtime/comm.h"
@@ -507,6 +508,29 @@ __device__ __forceinline__ void warp_copy_cg(T* dst, const T* src, int count, in
       if (i < count) dst[i] = v[u];
     }
   }
+}
+
+// Float32 accumulation of 8 bf16 values (one int4) with __fadd_rn (never contracted), and the one
+// rounding back to bf16: the combine arithmetic of every normal-mode path.
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
+  const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                         static_cast<uint32_t>(v.w)};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    acc[2 * q] = __fadd_rn(acc[2 * q], __uint_as_float(w[q] << 16));
+    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __uint_as_float(w[q] & 0xffff0000u));
+  }
+}
+
+__device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q]));
+    const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q + 1]));
+    w[q] = lo | (hi << 16);
+  }
+  return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
 }
 
 }  // namespace intranode

@@ -1,0 +1,198 @@
+// Cross-node combine: every received row goes back to the forwarder of its source (same node), which
+// sums the node's rows of a token (float32, ascending local rank, from +0.0, rounded to bf16 once: the
+// node's partial) and puts one partial per (token, node) over the network; the source sums the
+// partials in ascending node order in float32 and rounds once. Bit for bit the reference backend's
+// two-level rule (docs/api.md).
+//
+// Protocol (grid = num_blocks blocks of 1024 threads; the same rounds and channels as the dispatch
+// that made the handle: epoch e = epochs[2] + r + 1, set e & 1, slots [q*S, q*S + S) of round r).
+//  C1 gather (this rank (n, l) as a destination):
+//   a. Threads j < L wait until comb_nvl_credit[j][q] >= e - 2 (forwarder j finished reading the round
+//      that last used this set; NVLink flag, acquire).
+//   b. Threads s < R find, by binary search in src_index (ascending inside source s's rows), the
+//      rows of source s whose token lies in this chunk (shared memory). Warps then take those rows
+//      and store each into comb_nvl[set][l][n_s][slot] at the forwarder (n, l_s) of its source
+//      (NVLink).
+//   c. After the barrier, threads j < L publish comb_nvl_sig[set][l][q] = e at local rank j (release).
+//  C2 reduce (this rank as the forwarder of node n for local index l):
+//   a. Threads j < L wait until comb_nvl_sig[set][j][q] >= e (acquire); threads n_s < N_n wait until
+//      comb_credit[n_s][q] >= e - 2 (source (n_s, l) finished reading the partials of the round that
+//      last used this set, so comb_stage and its comb_recv are free; signal fetch + acquire fence).
+//   b. Warps take (n_s, slot) items whose forward_mask (from the dispatch) is non-zero and sum the
+//      rows of the local ranks in the mask, ascending, into comb_stage[set][n_s][slot] (bf16).
+//   c. After the barrier, warps put every run of such slots to comb_recv[set][n][slot] at (n_s, l)
+//      (nvshmemx_putmem_nbi_warp); after the next barrier thread n_s calls nvshmem_fence and
+//      signal-ops comb_recv_sig[set][n][q] = e there (the partials are delivered before the signal),
+//      and threads j < L publish comb_nvl_credit[l][q] = e at local rank j.
+//  C3 finish (this rank as the source (n, l)):
+//   a. Threads n_d < N_n wait until comb_recv_sig[set][n_d][q] >= e (signal fetch + acquire fence).
+//   b. Warp per token t of the chunk: out[t] = bf16(sum over the nodes n_d that received t, in
+//      ascending order, of float(partial)), from +0.0 (tokens that went nowhere get +0).
+//   c. After the barrier threads n_d signal-op comb_credit[n][q] = e at (n_d, l).
+// As in the dispatch no step waits for a later step of any rank. The last block adds the round count
+// to epochs[2]; a timeout leaves the loops and the host raises CommTimeoutError.
+#include "kernels/internode/internode.h"
+
+namespace moe_ep {
+namespace internode {
+
+namespace {
+
+constexpr int kSumUnroll = 2;  // int4 positions per lane per summation step (8 floats each)
+
+// dst = bf16(sum over i < count, ascending, of the rows src(i) that are not null, in float32 from
+// +0.0), by one warp; rows are read through L2 (another GPU or the NIC wrote them).
+template <class Src>
+__device__ __forceinline__ void warp_sum_rows(int4* dst, int count, Src src, int vecs, int lane) {
+  for (int first = 0; first < vecs; first += 32 * kSumUnroll) {
+    float acc[kSumUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kSumUnroll; ++u)
+#pragma unroll
+      for (int h = 0; h < 8; ++h) acc[u][h] = 0.f;
+    for (int i = 0; i < count; ++i) {
+      const int4* row = src(i);
+      if (row == nullptr) continue;
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u)
+        if (first + u * 32 + lane < vecs) add_bf16x8(acc[u], __ldcg(row + first + u * 32 + lane));
+    }
+#pragma unroll
+    for (int u = 0; u < kSumUnroll; ++u)
+      if (first + u * 32 + lane < vecs) dst[first + u * 32 + lane] = round_bf16x8(acc[u]);
+  }
+}
+
+// First index in [lo, hi) of the ascending src_index whose value is >= v.
+__device__ __forceinline__ int lower_bound(const int* src_index, int lo, int hi, int v) {
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (__ldg(src_index + mid) < v) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ CombineArgs a) {
+  __shared__ int row_begin[kMaxRanks], row_end[kMaxRanks];
+  const Comm& comm = ctx.comm;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int R = comm.nranks, L = ctx.dims.local, Nn = ctx.nodes(), n = ctx.node(), l = ctx.local();
+  const int C = ctx.dims.round_tokens, S = C / kChannels, T = ctx.dims.max_tokens;
+  const size_t row_bytes = 2ull * ctx.dims.hidden;
+  const int vecs = static_cast<int>(row_bytes / 16);
+  const auto* recv_info = reinterpret_cast<const int*>(a.recv_info);
+  const auto* src_index = reinterpret_cast<const int*>(a.src_index);
+  const auto* forward_mask = reinterpret_cast<const int*>(a.forward_mask);
+  const auto* in_node = reinterpret_cast<const bool*>(a.in_node);
+  const int rounds = recv_info[2 * R + ctx.dims.num_local_experts()];
+  const uint64_t base = comm.epochs[2];
+  const auto same_local = [&](int node) { return node * L + l; };
+  const auto in_my_node = [&](int j) { return n * L + j; };
+
+  bool ok = true;
+  for (int q = blockIdx.x; ok && q < kChannels; q += gridDim.x) {
+    for (int r = 0; ok && r < rounds; ++r) {
+      const uint64_t e = base + r + 1;
+      const int set = static_cast<int>(e & 1), k0 = q * S, lo = r * C + k0;
+
+      // C1 gather
+      if (e > 2)
+        ok = block_wait<false>(comm, ctx.word(ctx.ws.comb_nvl_credit, q), L, kChannels, e - 2,
+                               kPhaseNodeCombineCredit, in_my_node);
+      if (!ok) break;
+      for (int s = tid; s < R; s += kThreads) {
+        const int first = recv_info[R + s], last = first + recv_info[s];
+        row_begin[s] = lower_bound(src_index, first, last, lo);
+        row_end[s] = lower_bound(src_index, row_begin[s], last, lo + S);
+      }
+      __syncthreads();
+      for (int s = 0; s < R; ++s) {
+        const int ns = s / L, ls = s % L;
+        for (int j = row_begin[s] + warp; j < row_end[s]; j += kWarps) {
+          const int k = __ldg(src_index + j) - r * C;
+          const size_t slot = (((size_t)set * L + l) * Nn + ns) * C + k;
+          warp_copy_to_peers(ctx, ctx.ws.comb_nvl + slot * row_bytes,
+                             reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + (size_t)j * row_bytes),
+                             vecs, 1u << ls, lane);
+        }
+      }
+      __syncthreads();
+      publish_to_node(ctx, ctx.ws.comb_nvl_sig, ((size_t)set * L + l) * kChannels + q, L, e);
+
+      // C2 reduce
+      ok = block_wait<false>(comm, ctx.word(ctx.ws.comb_nvl_sig, (size_t)set * L * kChannels + q), L, kChannels, e,
+                             kPhaseNodeCombineGather, in_my_node);
+      if (ok && e > 2)
+        ok = block_wait<true>(comm, ctx.word(ctx.ws.comb_credit, q), Nn, kChannels, e - 2, kPhaseNodeCombineCredit,
+                              same_local);
+      if (!ok) break;
+      for (int item = warp; item < Nn * S; item += kWarps) {
+        const int ns = item / S, k = k0 + item % S, t = r * C + k;
+        const unsigned mask = t < T ? static_cast<unsigned>(__ldg(forward_mask + (size_t)ns * T + t)) : 0u;
+        if (mask == 0) continue;
+        const char* gathered = ctx.at<char>(ctx.ws.comb_nvl);
+        warp_sum_rows(
+            reinterpret_cast<int4*>(ctx.at<char>(ctx.ws.comb_stage) + (((size_t)set * Nn + ns) * C + k) * row_bytes),
+            L,
+            [&](int j) {
+              return (mask >> j) & 1u ? reinterpret_cast<const int4*>(
+                                            gathered + ((((size_t)set * L + j) * Nn + ns) * C + k) * row_bytes)
+                                      : nullptr;
+            },
+            vecs, lane);
+      }
+      __syncthreads();
+      const int groups = (S + 31) / 32;
+      for (int item = warp; item < Nn * groups; item += kWarps) {
+        const int ns = item / groups, g = item % groups, t = lo + g * 32 + lane;
+        const bool present = g * 32 + lane < S && t < T && __ldg(forward_mask + (size_t)ns * T + t) != 0;
+        put_runs(ctx.at<char>(ctx.ws.comb_recv) + ((size_t)set * Nn + n) * C * row_bytes,
+                 ctx.at<char>(ctx.ws.comb_stage) + ((size_t)set * Nn + ns) * C * row_bytes, row_bytes, k0 + g * 32,
+                 __ballot_sync(kFullMask, present), same_local(ns));
+      }
+      __syncthreads();
+      for (int ns = tid; ns < Nn; ns += kThreads) {
+        nvshmem_fence();
+        nvshmemx_signal_op(ctx.word(ctx.ws.comb_recv_sig, ((size_t)set * Nn + n) * kChannels + q), e,
+                           NVSHMEM_SIGNAL_SET, same_local(ns));
+      }
+      publish_to_node(ctx, ctx.ws.comb_nvl_credit, (size_t)l * kChannels + q, L, e);
+
+      // C3 finish
+      ok = block_wait<true>(comm, ctx.word(ctx.ws.comb_recv_sig, (size_t)set * Nn * kChannels + q), Nn, kChannels, e,
+                            kPhaseNodeCombineRecv, same_local);
+      if (!ok) break;
+      const int mine = max(0, min(S, a.num_tokens - lo));
+      for (int i = warp; i < mine; i += kWarps) {
+        const int t = lo + i, k = k0 + i;
+        const char* partials = ctx.at<char>(ctx.ws.comb_recv);
+        warp_sum_rows(
+            reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out) + (size_t)t * row_bytes), Nn,
+            [&](int nd) {
+              return in_node[(size_t)t * Nn + nd]
+                         ? reinterpret_cast<const int4*>(partials + (((size_t)set * Nn + nd) * C + k) * row_bytes)
+                         : nullptr;
+            },
+            vecs, lane);
+      }
+      __syncthreads();
+      for (int nd = tid; nd < Nn; nd += kThreads)
+        nvshmemx_signal_op(ctx.word(ctx.ws.comb_credit, (size_t)n * kChannels + q), e, NVSHMEM_SIGNAL_SET,
+                           same_local(nd));
+    }
+  }
+
+  if (arrive_last(ctx.block_counters + 1)) comm.epochs[2] = base + rounds;
+}
+
+}  // namespace
+
+void launch_combine(const Context& c, const CombineArgs& a, uintptr_t stream) {
+  combine_kernel<<<a.num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(make_device_context(c), a);
+  check_launch("moe_ep internode combine kernel");
+}
+
+}  // namespace internode
+}  // namespace moe_ep

@@ -1,0 +1,213 @@
+// Cross-node dispatch: each token crosses the network once per destination node, to the rank of the
+// same local index there (the forwarder), which stores it over NVLink into the ranks of that node
+// that hold its experts; they place it at its final output row (source rank, then token order).
+//
+// Protocol (grid = num_blocks blocks of 1024 threads, after notify on the same stream, which left the
+// round count in recv_info). Block b serves channels b, b + grid, ... one after the other; for each
+// channel q it runs every round r (epoch e = epochs[1] + r + 1, set e & 1, slots [q*S, q*S + S) of
+// the round, i.e. my tokens t = r*C + slot) through three steps, each ending in a block barrier:
+//  D1 send (this rank as source (n, l)):
+//   a. Threads n_d < N_n wait until rdma_credit[n_d][q] >= e - 2 (the forwarder in node n_d finished
+//      the round that last used this set: its buffer and my staging of this set are free; NVSHMEM
+//      signal fetch + acquire fence).
+//   b. Warp per token: the row (and FP8 scales) into send_row[set][slot]; for each destination node
+//      its RowMeta (tag e, token index, local mask and positions of the node's ranks from pos,
+//      global topk ids and weights) into send_meta[set][n_d][slot].
+//   c. Warps take (n_d, 32-slot group) items and put every run of consecutive slots bound for n_d,
+//      rows and metas, to the same slots of rdma_row/rdma_meta[set][n] at (n_d, l)
+//      (nvshmemx_putmem_nbi_warp from symmetric staging). After the barrier thread n_d calls
+//      nvshmem_fence (orders this PE's puts to (n_d, l) before what follows) and signal-ops
+//      rdma_sig[set][n][q] = e there. So the rows are delivered before the signal (NVSHMEM).
+//  D2 forward (this rank as the forwarder of node n for local index l):
+//   a. Threads j < L wait until nvl_credit[j][q] >= e - 2 (local rank j finished reading the round
+//      that last used this set; NVLink flag, acquire); threads n_s < N_n wait until
+//      rdma_sig[set][n_s][q] >= e (signal fetch + acquire fence: the rows of round e are here).
+//   b. Warps take (n_s, slot) items; a slot whose meta tag is e holds a row of this round: its local
+//      mask goes to forward_mask[n_s][token] (combine replays it), and row and meta are stored (one
+//      load, one store per destination) into nvl_row/nvl_meta[set][l][n_s][slot] of every local rank
+//      in the mask, through NVLink peer addresses.
+//   c. After the barrier, threads j < L publish nvl_sig[set][l][q] = e at local rank j (fence.acq_rel
+//      .sys, then a relaxed store: release), and threads n_s < N_n signal-op rdma_credit[n][q] = e at
+//      (n_s, l): every read of this round's rows is done.
+//  D3 receive (this rank as a destination, local index l):
+//   a. Threads l' < L wait until nvl_sig[set][l'][q] >= e (NVLink flag, acquire).
+//   b. Warps take (l', n_s, slot) items; a slot whose tag is e is the token of source s = n_s*L + l'
+//      at position p = meta.pos[l]: row, scales, local expert ids (-1 where the expert is elsewhere),
+//      weights (0 there), token index and s go to output row first[s] + p (ld.cg reads).
+//   c. After the barrier threads l' < L publish nvl_credit[l][q] = e at local rank l'.
+// No step waits for a later step of any rank, so the rounds cannot deadlock; blocks serving other
+// channels are independent (a channel only waits for the same channel elsewhere).
+// Tags make slots self-describing: a set's previous round has tag e - 2 and a never-used slot 0.
+// The last block to finish (arrive_last) adds the round count to epochs[1]. A timeout leaves the
+// loops (every block still arrives); the host raises CommTimeoutError.
+#include "kernels/internode/internode.h"
+
+namespace moe_ep {
+namespace internode {
+
+namespace {
+
+// D1b: token t's row into send_row[set][k], and a RowMeta into send_meta[set][n_d][k] for every
+// destination node n_d. The whole warp calls it.
+__device__ __forceinline__ void stage_token(const DeviceContext& ctx, const DispatchArgs& a, int t, int k, int set,
+                                            uint64_t e, int lane) {
+  const int R = ctx.comm.nranks, L = ctx.dims.local, Nn = ctx.nodes(), C = ctx.dims.round_tokens;
+  const int K = ctx.dims.num_topk;
+  char* row = ctx.at<char>(ctx.ws.send_row) + ((size_t)set * C + k) * ctx.dims.row_stride();
+  warp_copy_cg<kCopyUnroll>(reinterpret_cast<int4*>(row),
+                            reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + (size_t)t * a.row_bytes),
+                            a.row_bytes / 16, lane);
+  if (a.num_scales > 0) {
+    const float* in = reinterpret_cast<const float*>(a.x_scales) + (size_t)t * a.num_scales;
+    float* out = reinterpret_cast<float*>(row + ctx.dims.scale_offset());
+    for (int j = lane; j < a.num_scales; j += 32) out[j] = __ldg(in + j);
+  }
+  int expert = -1;
+  float weight = 0.f;
+  if (!a.cached && lane < K) {
+    expert = static_cast<int>(__ldg(reinterpret_cast<const long long*>(a.topk_idx) + (size_t)t * K + lane));
+    weight = __ldg(reinterpret_cast<const float*>(a.topk_weights) + (size_t)t * K + lane);
+  }
+  const auto* in_node = reinterpret_cast<const bool*>(a.in_node) + (size_t)t * Nn;
+  const auto* pos = reinterpret_cast<const int*>(a.pos) + (size_t)t * R;
+  for (int nd = 0; nd < Nn; ++nd) {
+    if (!in_node[nd]) continue;
+    RowMeta* m = ctx.at<RowMeta>(ctx.ws.send_meta) + ((size_t)set * Nn + nd) * C + k;
+    const int p = lane < L ? __ldg(pos + nd * L + lane) : -1;
+    const unsigned mask = __ballot_sync(kFullMask, p >= 0);
+    if (lane < kMaxLocal) m->pos[lane] = p;
+    if (lane < kMaxTopk) {
+      m->topk[lane] = expert;
+      m->weights[lane] = weight;
+    }
+    if (lane == 0) {
+      m->tag = e;
+      m->src_index = t;
+      m->local_mask = static_cast<int>(mask);
+    }
+  }
+}
+
+// D3b: the row in nvl slot (l', n_s, k) to its output row.
+__device__ __forceinline__ void receive_row(const DeviceContext& ctx, const DispatchArgs& a, const RowMeta* m,
+                                            const char* row, int s, int lane) {
+  const int R = ctx.comm.nranks, me = ctx.comm.rank, K = ctx.dims.num_topk, E_l = ctx.dims.num_local_experts();
+  const auto* recv_info = reinterpret_cast<const int*>(a.recv_info);
+  const size_t out_row = (size_t)recv_info[R + s] + __ldcg(&m->pos[ctx.local()]);
+  warp_copy_cg<kCopyUnroll>(reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out_x) + out_row * a.row_bytes),
+                            reinterpret_cast<const int4*>(row), a.row_bytes / 16, lane);
+  if (a.num_scales > 0)
+    warp_copy_cg<1>(reinterpret_cast<float*>(a.out_scales) + out_row * a.num_scales,
+                    reinterpret_cast<const float*>(row + ctx.dims.scale_offset()), a.num_scales, lane);
+  if (a.cached) return;
+  if (lane < K) {
+    const int id = __ldcg(&m->topk[lane]);
+    const int local = id >= me * E_l && id < (me + 1) * E_l ? id - me * E_l : -1;
+    reinterpret_cast<long long*>(a.out_topk_idx)[out_row * K + lane] = local;
+    reinterpret_cast<float*>(a.out_topk_weights)[out_row * K + lane] = local >= 0 ? __ldcg(&m->weights[lane]) : 0.f;
+  }
+  if (lane == 0) {
+    reinterpret_cast<int*>(a.out_src_index)[out_row] = __ldcg(&m->src_index);
+    reinterpret_cast<int*>(a.out_src_rank)[out_row] = s;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ DispatchArgs a) {
+  const Comm& comm = ctx.comm;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int R = comm.nranks, L = ctx.dims.local, Nn = ctx.nodes(), n = ctx.node(), l = ctx.local();
+  const int C = ctx.dims.round_tokens, S = C / kChannels, RB = ctx.dims.row_stride(), T = ctx.dims.max_tokens;
+  const size_t M = sizeof(RowMeta);
+  const auto* in_node = reinterpret_cast<const bool*>(a.in_node);
+  const int rounds = reinterpret_cast<const int*>(a.recv_info)[2 * R + ctx.dims.num_local_experts()];
+  const uint64_t base = comm.epochs[1];
+  const auto same_local = [&](int node) { return node * L + l; };
+  const auto in_my_node = [&](int j) { return n * L + j; };
+
+  bool ok = true;
+  for (int q = blockIdx.x; ok && q < kChannels; q += gridDim.x) {
+    for (int r = 0; ok && r < rounds; ++r) {
+      const uint64_t e = base + r + 1;
+      const int set = static_cast<int>(e & 1), k0 = q * S, t0 = r * C + k0;
+      const int mine = max(0, min(S, a.num_tokens - t0));  // my tokens in this chunk
+
+      // D1 send
+      if (e > 2)
+        ok = block_wait<true>(comm, ctx.word(ctx.ws.rdma_credit, q), Nn, kChannels, e - 2, kPhaseNodeSendCredit,
+                              same_local);
+      if (!ok) break;
+      for (int i = warp; i < mine; i += kWarps) stage_token(ctx, a, t0 + i, k0 + i, set, e, lane);
+      __syncthreads();
+      const int groups = (S + 31) / 32;
+      for (int item = warp; item < Nn * groups; item += kWarps) {
+        const int nd = item / groups, g = item % groups, i = g * 32 + lane;
+        const bool present = i < S && i < mine && in_node[(size_t)(t0 + i) * Nn + nd];
+        const unsigned bits = __ballot_sync(kFullMask, present);
+        put_runs(ctx.at<char>(ctx.ws.rdma_row) + ((size_t)set * Nn + n) * C * RB,
+                 ctx.at<char>(ctx.ws.send_row) + (size_t)set * C * RB, RB, k0 + g * 32, bits, same_local(nd));
+        put_runs(ctx.at<char>(ctx.ws.rdma_meta) + ((size_t)set * Nn + n) * C * M,
+                 ctx.at<char>(ctx.ws.send_meta) + ((size_t)set * Nn + nd) * C * M, M, k0 + g * 32, bits,
+                 same_local(nd));
+      }
+      __syncthreads();
+      for (int nd = tid; nd < Nn; nd += kThreads) {
+        nvshmem_fence();
+        nvshmemx_signal_op(ctx.word(ctx.ws.rdma_sig, ((size_t)set * Nn + n) * kChannels + q), e, NVSHMEM_SIGNAL_SET,
+                           same_local(nd));
+      }
+
+      // D2 forward
+      if (e > 2)
+        ok = block_wait<false>(comm, ctx.word(ctx.ws.nvl_credit, q), L, kChannels, e - 2, kPhaseNodeForwardCredit,
+                               in_my_node);
+      ok = ok && block_wait<true>(comm, ctx.word(ctx.ws.rdma_sig, (size_t)set * Nn * kChannels + q), Nn, kChannels, e,
+                                  kPhaseNodeForwardRecv, same_local);
+      if (!ok) break;
+      for (int item = warp; item < Nn * S; item += kWarps) {
+        const int ns = item / S, k = k0 + item % S;
+        const size_t slot = ((size_t)set * Nn + ns) * C + k;
+        const RowMeta* m = ctx.at<RowMeta>(ctx.ws.rdma_meta) + slot;
+        if (__ldcg(reinterpret_cast<const unsigned long long*>(&m->tag)) != e) continue;
+        const unsigned mask = static_cast<unsigned>(__ldcg(&m->local_mask));
+        if (lane == 0 && a.forward_mask != 0)
+          reinterpret_cast<int*>(a.forward_mask)[(size_t)ns * T + __ldcg(&m->src_index)] = static_cast<int>(mask);
+        const size_t nvl_slot = (((size_t)set * L + l) * Nn + ns) * C + k;
+        warp_copy_to_peers(ctx, ctx.ws.nvl_row + nvl_slot * RB,
+                           reinterpret_cast<const int4*>(ctx.at<char>(ctx.ws.rdma_row) + slot * RB), RB / 16, mask, lane);
+        warp_copy_to_peers(ctx, ctx.ws.nvl_meta + nvl_slot * M, reinterpret_cast<const int4*>(m), M / 16, mask, lane);
+      }
+      __syncthreads();
+      publish_to_node(ctx, ctx.ws.nvl_sig, ((size_t)set * L + l) * kChannels + q, L, e);
+      for (int ns = tid; ns < Nn; ns += kThreads)
+        nvshmemx_signal_op(ctx.word(ctx.ws.rdma_credit, (size_t)n * kChannels + q), e, NVSHMEM_SIGNAL_SET,
+                           same_local(ns));
+
+      // D3 receive
+      ok = block_wait<false>(comm, ctx.word(ctx.ws.nvl_sig, (size_t)set * L * kChannels + q), L, kChannels, e,
+                             kPhaseNodeDispatchRecv, in_my_node);
+      if (!ok) break;
+      for (int item = warp; item < L * Nn * S; item += kWarps) {
+        const int lp = item / (Nn * S), ns = item / S % Nn, k = k0 + item % S;
+        const size_t slot = (((size_t)set * L + lp) * Nn + ns) * C + k;
+        const RowMeta* m = ctx.at<RowMeta>(ctx.ws.nvl_meta) + slot;
+        if (__ldcg(reinterpret_cast<const unsigned long long*>(&m->tag)) != e) continue;
+        receive_row(ctx, a, m, ctx.at<char>(ctx.ws.nvl_row) + slot * RB, ns * L + lp, lane);
+      }
+      __syncthreads();
+      publish_to_node(ctx, ctx.ws.nvl_credit, (size_t)l * kChannels + q, L, e);
+    }
+  }
+
+  if (arrive_last(ctx.block_counters + 0)) comm.epochs[1] = base + rounds;
+}
+
+}  // namespace
+
+void launch_dispatch(const Context& c, const DispatchArgs& a, uintptr_t stream) {
+  dispatch_kernel<<<a.num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(make_device_context(c), a);
+  check_launch("moe_ep internode dispatch kernel");
+}
+
+}  // namespace internode
+}  // namespace moe_ep

@@ -1,0 +1,338 @@
+// Normal-mode (training / prefill) dispatch and combine across nodes: host-side parameters, the
+// symmetric workspace layout (its only owner: Python asks for sizes through the bindings) and the
+// kernel launchers. The part under __CUDACC__ holds the device code shared by notify.cu,
+// dispatch.cu and combine.cu in this folder.
+//
+// Topology: R ranks in N_n = R / L nodes of L ranks (L = ranks_per_node, at most kMaxLocal); rank
+// (n, l) = n * L + l. The network leg joins ranks of equal local index l in different nodes and uses
+// only NVSHMEM device operations (puts, signal ops, nvshmem_fence, signal fetch); the NVLink leg joins
+// the ranks of one node through peer addresses (loads and stores, release/acquire at system scope).
+//
+// Hierarchical path: a token of source (n_s, l) crosses the network once per destination node n_d, to
+// the "forwarder" (n_d, l), which stores it over NVLink into every rank of n_d that holds one of its
+// experts. Combine mirrors it: ranks store their rows into the forwarder of the token's source, the
+// forwarder sums them (float32, ascending local rank, rounded to bf16 once: the node's partial) and
+// puts one partial per (token, node) back; the source sums the partials in ascending node order.
+//
+// Rounds and channels bound the memory: a call moves tokens in rounds of C token slots (token t of a
+// source is slot t % C of round t / C, every rank runs ceil(max N / C) rounds), and each round is cut
+// into kChannels channels of S = C / kChannels consecutive slots. Channel q of every rank only talks to
+// channel q of other ranks, so each channel is an independent pipeline, served by one block (a block
+// serves channels b, b + grid, ...). Every buffer below has two sets, used by rounds of alternating
+// parity of a global round counter (the round's "epoch", which numbers every round of every call of
+// the Buffer and so never repeats); a producer reuses a set only after the consumer returned a credit
+// for the round that last used it. Slots are indexed by the token's slot, not packed: a slot holds a
+// row of round e when its RowMeta::tag == e, so no counts travel with the rows.
+//
+// Symmetric workspace of one rank (WorkspaceLayout; uint64 signal words first, all zero at start):
+//   rdma_sig        [2][N_n][Q]   network: source node n_s's rows of round e (set e&1) landed (SET e)
+//   rdma_credit     [N_n][Q]      network: forwarder in node n_d finished round e of my rows (SET e)
+//   nvl_sig         [2][L][Q]     NVLink: forwarder l stored round e into my nvl area
+//   nvl_credit      [L][Q]        NVLink: local rank j finished reading my round e
+//   comb_nvl_sig    [2][L][Q]     NVLink: local rank j stored its combine rows of round e here
+//   comb_nvl_credit [L][Q]        NVLink: forwarder l finished reading my combine rows of round e
+//   comb_recv_sig   [2][N_n][Q]   network: node n_d's partials of round e landed (SET e)
+//   comb_credit     [N_n][Q]      network: source in node n_s finished reading my partials of round e
+//   notify_sig      [R]           network: rank s's counts of call epoch e landed (SET e)
+//   counts          [2][R][CS]    int32, set = call epoch & 1; row s from rank s: [N_s, rows s sends
+//                                 here, then s's token counts for my E_l local experts]
+//   notify_stage    [R][CS]       int32, my counts for each destination (the put source)
+//   send_row        [2][C][RB]    my rows (then FP8 scales), staged as the network put source
+//   send_meta       [2][N_n][C]   RowMeta of my token for destination node n_d
+//   rdma_row/meta   [2][N_n][C]   forwarder: rows + meta from source node n_s (same local index)
+//   nvl_row/meta    [2][L][N_n][C] receiver: rows + meta from forwarder l of source node n_s
+//   comb_nvl        [2][L][N_n][C][2H] forwarder: local rank j's combine row for source node n_s's slot
+//   comb_stage      [2][N_n][C][2H] forwarder: the node partial, staged as the network put source
+//   comb_recv       [2][N_n][C][2H] source: node n_d's partial for my slot
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MOE_EP_HOST_DEVICE __host__ __device__
+#else
+#define MOE_EP_HOST_DEVICE
+#endif
+
+namespace moe_ep {
+namespace internode {
+
+constexpr int kMaxLocal = 8;     // ranks per node, at most
+constexpr int kMaxRanks = 1024;  // R, at most
+constexpr int kMaxTopk = 16;
+constexpr int kChannels = 32;    // Q: independent pipelines per round
+constexpr int kEpochCounters = 4;  // device int64: [0] notify call, [1] dispatch rounds, [2] combine rounds
+
+// What travels with a row on both legs (176 bytes, a multiple of 16).
+struct alignas(16) RowMeta {
+  uint64_t tag;              // epoch of the round whose row this slot holds
+  int32_t src_index;         // token index at the source
+  int32_t local_mask;        // bit j: local rank j of the destination node receives the row
+  int32_t pos[kMaxLocal];    // the token's position among the source's tokens for local rank j
+  int32_t topk[kMaxTopk];    // global expert ids, -1 = none (absent in a cached dispatch)
+  float weights[kMaxTopk];
+};
+static_assert(sizeof(RowMeta) == 176, "RowMeta is 176 bytes");
+
+struct Dims {
+  int rank;
+  int nranks;          // R
+  int local;           // L = ranks per node
+  int max_tokens;      // T
+  int hidden;          // H
+  int num_topk;        // K
+  int num_experts;     // E
+  int round_tokens;    // C, a multiple of kChannels
+
+  MOE_EP_HOST_DEVICE int nodes() const { return nranks / local; }
+  MOE_EP_HOST_DEVICE int num_local_experts() const { return num_experts / nranks; }
+  MOE_EP_HOST_DEVICE int scale_offset() const { return (2 * hidden + 15) / 16 * 16; }                  // FP8 scales inside a staged row
+  MOE_EP_HOST_DEVICE int row_stride() const { return scale_offset() + (hidden / 128 * 4 + 15) / 16 * 16; }  // RB
+  MOE_EP_HOST_DEVICE int count_stride() const { return (2 + num_local_experts() + 3) / 4 * 4; }                        // CS
+};
+
+struct WorkspaceLayout {
+  uint64_t rdma_sig, rdma_credit, nvl_sig, nvl_credit, comb_nvl_sig, comb_nvl_credit, comb_recv_sig, comb_credit,
+      notify_sig;
+  uint64_t counts, notify_stage, send_row, send_meta, rdma_row, rdma_meta, nvl_row, nvl_meta, comb_nvl, comb_stage,
+      comb_recv;
+  uint64_t total;
+};
+
+// Byte offsets of every area (see the top of this file); depends on every Dims field.
+inline WorkspaceLayout workspace_layout(const Dims& d) {
+  const uint64_t R = d.nranks, L = d.local, Nn = d.nodes(), Q = kChannels, C = d.round_tokens;
+  const uint64_t RB = d.row_stride(), M = sizeof(RowMeta), row2 = 2ull * d.hidden, CS = d.count_stride();
+  WorkspaceLayout w{};
+  uint64_t at = 0;
+  const auto take = [&](uint64_t bytes) {
+    const uint64_t start = at;
+    at += (bytes + 255) / 256 * 256;
+    return start;
+  };
+  w.rdma_sig = take(2 * Nn * Q * 8);
+  w.rdma_credit = take(Nn * Q * 8);
+  w.nvl_sig = take(2 * L * Q * 8);
+  w.nvl_credit = take(L * Q * 8);
+  w.comb_nvl_sig = take(2 * L * Q * 8);
+  w.comb_nvl_credit = take(L * Q * 8);
+  w.comb_recv_sig = take(2 * Nn * Q * 8);
+  w.comb_credit = take(Nn * Q * 8);
+  w.notify_sig = take(R * 8);
+  w.counts = take(2 * R * CS * 4);
+  w.notify_stage = take(R * CS * 4);
+  w.send_row = take(2 * C * RB);
+  w.send_meta = take(2 * Nn * C * M);
+  w.rdma_row = take(2 * Nn * C * RB);
+  w.rdma_meta = take(2 * Nn * C * M);
+  w.nvl_row = take(2 * L * Nn * C * RB);
+  w.nvl_meta = take(2 * L * Nn * C * M);
+  w.comb_nvl = take(2 * L * Nn * C * row2);
+  w.comb_stage = take(2 * Nn * C * row2);
+  w.comb_recv = take(2 * Nn * C * row2);
+  w.total = at;
+  return w;
+}
+
+// Largest round C (a multiple of kChannels, at most T rounded up to one) whose workspace fits in
+// `budget_bytes`; kChannels when even that does not fit (the caller reports the size).
+inline int choose_round_tokens(Dims d, uint64_t budget_bytes) {
+  const int most = (d.max_tokens + kChannels - 1) / kChannels * kChannels;
+  int lo = kChannels, hi = most;
+  while (lo < hi) {  // the workspace grows with C: binary search on multiples of kChannels
+    const int mid = ((lo + hi) / 2 + kChannels) / kChannels * kChannels;
+    d.round_tokens = mid > hi ? hi : mid;
+    if (workspace_layout(d).total <= budget_bytes) lo = d.round_tokens;
+    else hi = d.round_tokens - kChannels;
+  }
+  return lo;
+}
+
+struct Context {
+  Dims dims;
+  WorkspaceLayout ws;
+  unsigned long long timeout_ns;
+  uintptr_t error;                  // ErrorState*, device address of host-mapped memory
+  uintptr_t epochs;                 // int64[kEpochCounters], device
+  uintptr_t block_counters;         // int32[2], zero between kernels ([0] dispatch, [1] combine)
+  uintptr_t workspace;              // this rank's workspace (also its symmetric address for puts)
+  uintptr_t node_peers[kMaxLocal];  // workspace of local rank j of this node, as addressed here
+};
+
+// recv_info, int32: [0, R) rows from each source; [R, 2R) first output row of each source;
+// [2R, 2R + E_l) received rows per local expert (not aligned); [2R + E_l] rounds of this call.
+inline int recv_info_entries(const Dims& d) { return 2 * d.nranks + d.num_local_experts() + 1; }
+
+struct NotifyArgs {
+  uintptr_t tokens_per_rank;    // [R] int32: my tokens for each rank
+  uintptr_t tokens_per_expert;  // [E] int32: my tokens for each expert (once per token)
+  int num_tokens;
+  uintptr_t recv_info;          // out, device
+  uintptr_t tokens_per_expert_aligned;  // out [E_l] int32
+  uintptr_t host_info;          // out [R + E_l] int32 host-mapped, or 0
+  int expert_alignment;
+  bool worst_case;
+};
+
+struct DispatchArgs {
+  uintptr_t x;                  // [N, row_bytes]
+  uintptr_t x_scales;           // [N, num_scales] float32, or 0
+  uintptr_t topk_idx;           // [N, K] int64, 0 for a cached dispatch
+  uintptr_t topk_weights;       // [N, K] float32, 0 for a cached dispatch
+  uintptr_t pos;                // [N, R] int32: position among my tokens for rank r, -1 if not sent
+  uintptr_t in_node;            // [N, N_n] bool
+  uintptr_t recv_info;
+  int num_tokens;
+  int row_bytes;                // 2H (bf16) or H (e4m3)
+  int num_scales;               // H / 128 for FP8, else 0
+  uintptr_t out_x, out_scales, out_topk_idx, out_topk_weights, out_src_rank, out_src_index;
+  uintptr_t forward_mask;       // out [N_n, T] int32: as forwarder, local mask of each (source node, token)
+  bool cached;
+  int num_blocks;
+};
+
+struct CombineArgs {
+  uintptr_t x;                  // [M, H] bf16, rows received by the dispatch
+  uintptr_t src_index;          // [M] int32 (ascending inside each source's rows)
+  uintptr_t recv_info;          // of the dispatch
+  uintptr_t forward_mask;       // [N_n, T] int32 of the dispatch
+  uintptr_t in_node;            // [N, N_n] bool of the dispatch
+  int num_tokens;               // N
+  uintptr_t out;                // [N, H] bf16
+  int num_blocks;
+};
+
+void launch_notify(const Context& c, const NotifyArgs& a, uintptr_t stream);
+void launch_dispatch(const Context& c, const DispatchArgs& a, uintptr_t stream);
+void launch_combine(const Context& c, const CombineArgs& a, uintptr_t stream);
+
+}  // namespace internode
+}  // namespace moe_ep
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+
+#include "kernels/intranode.h"
+#include "runtime/comm.h"
+
+namespace moe_ep {
+namespace internode {
+
+using intranode::add_bf16x8;
+using intranode::arrive_last;
+using intranode::kFullMask;
+using intranode::round_bf16x8;
+using intranode::warp_copy_cg;
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kCopyUnroll = 4;
+
+// What every kernel of this folder receives (by value, as a __grid_constant__ parameter).
+struct DeviceContext {
+  Comm comm;  // comm.signals is unused here: the signal words live in the workspace
+  Dims dims;
+  WorkspaceLayout ws;
+  char* workspace;
+  char* node_peers[kMaxLocal];
+  int* block_counters;
+
+  __device__ __forceinline__ int nodes() const { return dims.nranks / dims.local; }
+  __device__ __forceinline__ int node() const { return comm.rank / dims.local; }
+  __device__ __forceinline__ int local() const { return comm.rank % dims.local; }
+  // An area of this rank's workspace (for the network leg also the remote address of the same area).
+  template <class T>
+  __device__ __forceinline__ T* at(uint64_t offset) const { return reinterpret_cast<T*>(workspace + offset); }
+  // The same area at local rank j of this node (NVLink).
+  template <class T>
+  __device__ __forceinline__ T* at_peer(int j, uint64_t offset) const {
+    return reinterpret_cast<T*>(node_peers[j] + offset);
+  }
+  __device__ __forceinline__ uint64_t* word(uint64_t offset, size_t index) const { return at<uint64_t>(offset) + index; }
+  __device__ __forceinline__ uint64_t* peer_word(int j, uint64_t offset, size_t index) const {
+    return at_peer<uint64_t>(j, offset) + index;
+  }
+};
+
+inline DeviceContext make_device_context(const Context& c) {
+  DeviceContext d{};
+  d.comm.rank = c.dims.rank;
+  d.comm.nranks = c.dims.nranks;
+  d.comm.timeout_ns = c.timeout_ns;
+  d.comm.error = reinterpret_cast<ErrorState*>(c.error);
+  d.comm.epochs = reinterpret_cast<unsigned long long*>(c.epochs);
+  d.dims = c.dims;
+  d.ws = c.ws;
+  d.workspace = reinterpret_cast<char*>(c.workspace);
+  for (int j = 0; j < kMaxLocal; ++j) d.node_peers[j] = reinterpret_cast<char*>(c.node_peers[j]);
+  d.block_counters = reinterpret_cast<int*>(c.block_counters);
+  return d;
+}
+
+inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+// Threads of the block wait, one word each, until words[i * stride] >= target for i < count
+// (network words through wait_signal_geq, NVLink words through wait_geq); then the block joins, and
+// returns false in every thread when a wait gave up. `peer_of(i)` names the rank a word waits for.
+template <bool kNetwork, class PeerOf>
+__device__ __forceinline__ bool block_wait(const Comm& c, uint64_t* words, int count, int stride, uint64_t target,
+                                           int phase, PeerOf peer_of) {
+  bool ok = true;
+  for (int i = threadIdx.x; ok && i < count; i += blockDim.x) {
+    uint64_t* w = words + (size_t)i * stride;
+    ok = kNetwork ? wait_signal_geq(c, w, target, phase, peer_of(i)) : wait_geq(c, w, target, phase, peer_of(i));
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+// dst at local rank j (offset `dst_offset` of its workspace) = src, `vecs` int4, for every j in
+// `mask`, by one warp: each chunk of kCopyUnroll int4 per lane is loaded once (through L2: another
+// GPU or the NIC wrote it) and stored to every destination.
+__device__ __forceinline__ void warp_copy_to_peers(const DeviceContext& ctx, uint64_t dst_offset, const int4* src,
+                                                   int vecs, unsigned mask, int lane) {
+  for (int first = 0; first < vecs; first += 32 * kCopyUnroll) {
+    int4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int i = first + u * 32 + lane;
+      if (i < vecs) v[u] = __ldcg(src + i);
+    }
+    for (unsigned m = mask; m != 0; m &= m - 1) {
+      int4* dst = ctx.at_peer<int4>(__ffs(m) - 1, dst_offset);
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int i = first + u * 32 + lane;
+        if (i < vecs) dst[i] = v[u];
+      }
+    }
+  }
+}
+
+// Threads j < count of the block publish `value` into word `index` of area `offset` at local rank j:
+// the block's earlier stores (and loads) are ordered before it by the caller's __syncthreads and a
+// fence.acq_rel.sys (cumulative), then a relaxed system-scope store (comm.h release pattern).
+__device__ __forceinline__ void publish_to_node(const DeviceContext& ctx, uint64_t offset, size_t index, int count,
+                                                uint64_t value) {
+  for (int j = threadIdx.x; j < count; j += blockDim.x) {
+    fence_acq_rel_sys();
+    st_relaxed_sys(ctx.peer_word(j, offset, index), value);
+  }
+}
+
+// The warp puts (network) every run of consecutive present slots among [k0, k0 + 32) — bit i of
+// `present` is slot k0 + i — from src + k * stride (this rank) to dst + k * stride at `pe`.
+__device__ __forceinline__ void put_runs(char* dst, const char* src, size_t stride, int k0, unsigned present,
+                                         int pe) {
+  while (present != 0) {
+    const int first = __ffs(present) - 1;
+    const unsigned rest = ~(present >> first);
+    const int len = rest == 0 ? 32 - first : __ffs(rest) - 1;
+    const size_t off = (size_t)(k0 + first) * stride;
+    nvshmemx_putmem_nbi_warp(dst + off, src + off, (size_t)len * stride, pe);
+    present &= len >= 32 ? 0u : ~(((1u << len) - 1u) << first);
+  }
+}
+
+}  // namespace internode
+}  // namespace moe_ep
+#endif  // __CUDACC__
