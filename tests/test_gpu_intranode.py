@@ -10,6 +10,11 @@ budgets are covered. Before each native call the caching allocator's free blocks
 Buffer's symmetric workspace are poisoned, so rows or metadata a call fails to write cannot pass.
 Then 1000 calls with changing inputs compared by hashes, a CUDA graph of a worst-case dispatch +
 combine replayed 20 times with fresh inputs, and a timeout that names its phase.
+
+Everything runs twice: with the two GPUs as one node (the NVLink kernels) and with
+ranks_per_node=1, where the two GPUs are two "nodes" and every byte between them goes through the
+cross-node kernels' network leg (NVSHMEM puts and signals, carried by NVSHMEM's P2P transport here);
+the reference Buffer gets the same ranks_per_node, so its combine follows the same two-level order.
 """
 from __future__ import annotations
 
@@ -106,10 +111,12 @@ def _poison_allocator() -> None:
 
 
 def _poison_workspace(buf: moe_ep.Buffer) -> None:
-    """Poison the native Buffer's symmetric workspace while no rank is inside a call."""
+    """Poison the native Buffer's symmetric workspace (the cross-node one without its signal words)
+    while no rank is inside a call."""
     torch.cuda.synchronize()
     dist.barrier()
-    buf.backend._workspace.tensor.fill_(POISON)
+    engine = buf.backend._internode
+    (buf.backend._workspace.tensor if engine is None else engine.data).fill_(POISON)
     torch.cuda.synchronize()
     dist.barrier()
 
@@ -220,9 +227,10 @@ def _dispatch_hash(res) -> torch.Tensor:
     return torch.stack(parts)
 
 
-def _stress(rank: int) -> None:
+def _stress(rank: int, ranks_per_node: Optional[int]) -> None:
     hidden, experts, k, t = STRESS_SHAPE
-    common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t)
+    common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t,
+                  ranks_per_node=ranks_per_node)
     g = torch.Generator(device="cuda").manual_seed(777 + rank)
     shared = torch.Generator().manual_seed(4242)  # the same call sequence on both ranks
     routings = ["random", "skewed", "random", "one_expert", "none"]
@@ -252,9 +260,10 @@ def _stress(rank: int) -> None:
 
 
 # ---- CUDA graph of worst-case dispatch + combine ------------------------------------------------
-def _graph(rank: int) -> None:
+def _graph(rank: int, ranks_per_node: Optional[int]) -> None:
     hidden, experts, k, t = GRAPH_SHAPE
-    common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t)
+    common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t,
+                  ranks_per_node=ranks_per_node)
     n = (t, 77)[rank]
     g = torch.Generator(device="cuda").manual_seed(99 + rank)
     x = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
@@ -294,10 +303,10 @@ def _graph(rank: int) -> None:
 
 
 # ---- timeout ----------------------------------------------------------------------------------
-def _timeout(rank: int) -> None:
+def _timeout(rank: int, ranks_per_node: Optional[int]) -> None:
     """Rank 0 dispatches alone: its count exchange gives up and names the phase and the silent peer."""
     with moe_ep.Buffer(dist.group.WORLD, hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=16,
-                       backend="nvshmem", timeout_s=1.0) as buf:
+                       backend="nvshmem", timeout_s=1.0, ranks_per_node=ranks_per_node) as buf:
         if rank == 0:
             idx = torch.tensor([[0, 5]] * 4, device="cuda")
             with pytest.raises(moe_ep.CommTimeoutError, match="token counts") as err:
@@ -308,23 +317,31 @@ def _timeout(rank: int) -> None:
         dist.barrier()
 
 
-def _worker(rank: int, world: int) -> None:
+def _worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
     assert world == WORLD
+    label = "intranode" if ranks_per_node is None else f"ranks_per_node={ranks_per_node}"
     for shape, cases in SHAPES.items():
         hidden, experts, k, t = shape
-        common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t)
+        common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t,
+                      ranks_per_node=ranks_per_node)
         with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **common) as nat, \
                 moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
             assert nat.backend_name == "nvshmem"
+            assert (nat.backend._internode is not None) == (ranks_per_node == 1)
             for case in cases:
                 if rank == 0:
-                    print(f"intranode case {case.seed} shape {shape}", flush=True)
+                    print(f"{label} case {case.seed} shape {shape}", flush=True)
                 _run_case(nat, ref, shape, case, rank)
     for part in (_stress, _graph, _timeout):
         if rank == 0:
-            print(f"intranode {part.__name__.strip('_')}", flush=True)
-        part(rank)
+            print(f"{label} {part.__name__.strip('_')}", flush=True)
+        part(rank, ranks_per_node)
 
 
 def test_intranode_matches_reference() -> None:
-    run_workers(WORLD, _worker, backend="nccl", timeout_s=1800)
+    run_workers(WORLD, _worker, None, backend="nccl", timeout_s=1800)
+
+
+def test_cross_node_matches_reference() -> None:
+    """ranks_per_node=1: the two GPUs are two nodes; every byte between them takes the network leg."""
+    run_workers(WORLD, _worker, 1, backend="nccl", timeout_s=1800)

@@ -1,5 +1,7 @@
 """Native backend: normal-mode dispatch/combine on the NVLink kernels (csrc/kernels/intranode.h and
-notify.cu, dispatch.cu, combine.cu), low-latency calls forwarded to LowLatencyEngine.
+notify.cu, dispatch.cu, combine.cu) inside one node, or on the hierarchical cross-node kernels
+(InternodeEngine, backends/internode.py) when the group spans several nodes; low-latency calls
+forwarded to LowLatencyEngine.
 
 A normal dispatch is one kernel that computes the layout and exchanges counts with every peer (the
 start barrier), then at once the dispatch kernel, whose warps store rows into the peers' symmetric
@@ -28,6 +30,8 @@ from ..types import (
     LowLatencyHandle,
 )
 from .base import Backend, BufferConfig, align_up, record_event
+from . import internode
+from .internode import InternodeEngine, route
 from .symmetric import NvshmemSession
 
 HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding, per allocation
@@ -57,9 +61,13 @@ class NvshmemBackend(Backend):
         native = _native.load()
         r, e = cfg.world_size, cfg.num_experts
         t = cfg.max_tokens_per_rank
-        workspace_bytes = native.intranode_workspace_bytes(r, t, cfg.hidden, cfg.num_topk, e)
-        row_flags_shape = (2, r, t)  # [dispatch | combine][source][row] uint64 (kernels/intranode.h)
-        heap_bytes = workspace_bytes + (native.SIGNAL_WORDS + 2 * r * t) * 8 + NUM_ALLOCATIONS * HEAP_SLACK
+        self.hierarchical = cfg.num_nodes > 1
+        if self.hierarchical:
+            heap_bytes = native.SIGNAL_WORDS * 8 + HEAP_SLACK + internode.heap_bytes(cfg)
+        else:
+            workspace_bytes = native.intranode_workspace_bytes(r, t, cfg.hidden, cfg.num_topk, e)
+            row_flags_shape = (2, r, t)  # [dispatch | combine][source][row] uint64 (kernels/intranode.h)
+            heap_bytes = workspace_bytes + (native.SIGNAL_WORDS + 2 * r * t) * 8 + NUM_ALLOCATIONS * HEAP_SLACK
         engine_cls: Any = None
         if cfg.low_latency:
             from .low_latency import LowLatencyEngine
@@ -73,23 +81,38 @@ class NvshmemBackend(Backend):
         torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
         self._session: Optional[NvshmemSession] = NvshmemSession.acquire(cfg.group, cfg.device, heap_bytes)
         self._signals = self._session.alloc((native.SIGNAL_WORDS,), torch.int64)
+        self._error = self._session.error_state(cfg.timeout_s)
+        self._internode: Optional[InternodeEngine] = None
+        self._ctx: Any = None
+        try:
+            if self.hierarchical:
+                self._internode = InternodeEngine(cfg, self._session, self._error)
+            else:
+                self._ctx = self._intranode_context(native, workspace_bytes, row_flags_shape)
+        except BaseException:
+            self._session.release()
+            raise
+        self._low_latency = (engine_cls(cfg, self._session, self._signals, self._epochs, self._error)
+                             if engine_cls is not None else None)
+
+    def _intranode_context(self, native: Any, workspace_bytes: int, row_flags_shape: tuple[int, ...]) -> Any:
+        """The NVLink kernels' context: every rank of the group must be reachable by loads/stores."""
+        cfg, e = self.cfg, self.cfg.num_experts
         self._workspace = self._session.alloc((workspace_bytes,), torch.uint8)
         self._row_flags = self._session.alloc(row_flags_shape, torch.int64)
-        self._error = self._session.error_state(cfg.timeout_s)
         unreachable = [p for p, addr in enumerate(self._workspace.peer_ptrs) if addr == 0]
         if unreachable:
-            self._session.release()
             raise RuntimeError(f"moe_ep rank {cfg.rank}: ranks {unreachable} are not reachable by NVLink loads/stores "
-                               "(nvshmem_ptr is 0); the nvshmem backend needs every rank of the group in one node")
-        self._ctx = native.IntranodeContext(
+                               "(nvshmem_ptr is 0); give Buffer the node size (ranks_per_node) so the cross-node "
+                               "path serves them")
+        r = cfg.world_size
+        return native.IntranodeContext(
             rank=cfg.rank, nranks=r, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, num_topk=cfg.num_topk,
             num_experts=e, timeout_s=cfg.timeout_s, error=self._error.device_ptr, epochs=self._epochs.data_ptr(),
             block_counters=self._block_counters.data_ptr(), layout_scratch=self._layout_scratch.data_ptr(),
             signals=list(self._signals.peer_ptrs), workspace=list(self._workspace.peer_ptrs),
             row_flags=list(self._row_flags.peer_ptrs),
         )
-        self._low_latency = (engine_cls(cfg, self._session, self._signals, self._epochs, self._error)
-                             if engine_cls is not None else None)
 
     # ---- normal mode -----------------------------------------------------------------------
     def _stream(self, previous_event: Optional[EventHandle]) -> torch.cuda.Stream:
@@ -101,6 +124,10 @@ class NvshmemBackend(Backend):
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
         cfg, n = self.cfg, topk_idx.shape[0]
+        if self.hierarchical:
+            layout = route(cfg, topk_idx)
+            return DispatchLayout(num_tokens_per_rank=layout.tokens_per_rank,
+                                  num_tokens_per_expert=layout.tokens_per_expert, is_token_in_rank=layout.in_rank)
         per_rank = torch.empty(cfg.world_size, dtype=torch.int32, device=cfg.device)
         per_expert = torch.empty(cfg.num_experts, dtype=torch.int32, device=cfg.device)
         in_rank = torch.empty(n, cfg.world_size, dtype=torch.bool, device=cfg.device)
@@ -130,6 +157,10 @@ class NvshmemBackend(Backend):
         cfg = self.cfg
         dev, r, h, k = cfg.device, cfg.world_size, cfg.hidden, cfg.num_topk
         stream = self._stream(previous_event)
+        if self._internode is not None:
+            return self._internode.dispatch(x, x_scales, topk_idx, topk_weights, handle=handle,
+                                            expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
+                                            stream=stream, async_op=async_op)
         n, fp8 = x.shape[0], x.dtype == torch.float8_e4m3fn
         cached = handle is not None
         counts_ready: Optional[torch.cuda.Event] = None
@@ -186,6 +217,9 @@ class NvshmemBackend(Backend):
     def combine(self, x, handle, *, num_sms, previous_event, async_op):
         cfg = self.cfg
         stream = self._stream(previous_event)
+        if self._internode is not None:
+            out = self._internode.combine(x, handle, num_sms=num_sms, stream=stream)
+            return out, record_event(async_op, cfg.device)
         state: DispatchState = handle.state
         n = handle.num_tokens
         out = torch.empty(n, cfg.hidden, dtype=torch.bfloat16, device=cfg.device)
@@ -218,6 +252,10 @@ class NvshmemBackend(Backend):
         if self._low_latency is not None:
             self._low_latency.close()
             self._low_latency = None
-        self._ctx.close()
+        if self._internode is not None:
+            self._internode.close()
+            self._internode = None
+        if self._ctx is not None:
+            self._ctx.close()
         self._session.release()
         self._session = None

@@ -124,6 +124,7 @@ class InternodeContext {
   }
 
   int round_tokens() const { return ctx_.dims.round_tokens; }
+  uint64_t data_offset() const { return ctx_.ws.counts; }
 
  private:
   Context ctx_{};
@@ -170,5 +171,7 @@ void register_internode(py::module_& m) {
            "(rows per source, rows per local expert) written by the last non-worst-case notify.")
       .def("dispatch", &InternodeContext::dispatch, "Launch the cross-node dispatch kernel.")
       .def("combine", &InternodeContext::combine, "Launch the cross-node combine kernel.")
-      .def_property_readonly("round_tokens", &InternodeContext::round_tokens, "Token slots per round (C).");
+      .def_property_readonly("round_tokens", &InternodeContext::round_tokens, "Token slots per round (C).")
+      .def_property_readonly("data_offset", &InternodeContext::data_offset,
+                             "Workspace offset where the data areas start (the signal words lie before it).");
 }

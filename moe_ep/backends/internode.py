@@ -1,0 +1,209 @@
+"""Normal-mode dispatch/combine across nodes on the hierarchical kernels (csrc/kernels/internode/).
+
+A token crosses the network once per destination node (NVSHMEM puts to the rank of the same local
+index there), which forwards it over NVLink to the ranks of its node that hold its experts; combine
+sums inside the node first and sends one bf16 partial per (token, node) back. The symmetric memory
+is bounded by rounds of C token slots (csrc/kernels/internode/internode.h owns the layout and picks C
+for the budget below), not by R * T rows. The NvshmemBackend uses this engine for its normal-mode
+calls when the group spans several nodes (or when asked to, with one node, to run the forwarding leg).
+
+The host computes each call's layout with torch (is_token_in_rank, each token's position among the
+tokens for each rank, the nodes it goes to), the notify kernel exchanges counts, and, outside
+worst-case mode, the host waits for them to allocate exact-size outputs (R * T rows would not fit
+at scale). Worst-case mode sizes every output at R * T rows and never waits, so it captures into a
+CUDA graph. Calls of one Buffer must be ordered on the device (one stream, or events between
+streams). The channels are fixed (INTERNODE_CHANNELS) and a call's blocks serve them in turn, so
+ranks may pass different num_sms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .. import _native
+from ..types import DispatchHandle, DispatchResult
+from .base import BufferConfig, align_up, record_event
+
+if TYPE_CHECKING:
+    from .symmetric import ErrorWatch, NvshmemSession
+
+# Symmetric memory one Buffer's cross-node workspace may take (per GPU); the round size follows.
+WORKSPACE_BUDGET_BYTES = 2 << 30
+HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding of the one allocation
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One call's routing, computed on the device with torch."""
+
+    in_rank: torch.Tensor  # [N, R] bool
+    pos: torch.Tensor  # [N, R] int32: position of token n among the tokens for rank r, -1 if not sent
+    in_node: torch.Tensor  # [N, N_n] bool
+    tokens_per_rank: torch.Tensor  # [R] int32
+    tokens_per_expert: torch.Tensor  # [E] int32 (a token naming an expert twice counts once)
+
+
+@dataclass(frozen=True)
+class NodeDispatchState:
+    """Backend-private part of a DispatchHandle made by the cross-node path."""
+
+    pos: torch.Tensor
+    in_node: torch.Tensor
+    recv_info: torch.Tensor  # [2R + E_l + 1] int32 (internode.h recv_info_entries)
+    forward_mask: torch.Tensor  # [N_n, T] int32: as forwarder, the local ranks each token went to
+    tokens_per_expert: Optional[list[int]]  # raw received rows per local expert; None in worst-case mode
+
+
+def workspace_plan(cfg: BufferConfig) -> tuple[int, int]:
+    """(round_tokens, workspace bytes) of this Buffer's cross-node workspace."""
+    return _native.load().internode_plan(cfg.world_size, cfg.ranks_per_node, cfg.max_tokens_per_rank, cfg.hidden,
+                                         cfg.num_topk, cfg.num_experts, WORKSPACE_BUDGET_BYTES)
+
+
+def heap_bytes(cfg: BufferConfig) -> int:
+    """Symmetric heap this engine allocates."""
+    return workspace_plan(cfg)[1] + HEAP_SLACK
+
+
+def route(cfg: BufferConfig, topk_idx: torch.Tensor) -> Layout:
+    """Where each token goes, from its expert ids (deterministic torch ops, no host sync)."""
+    n, r, e = topk_idx.shape[0], cfg.world_size, cfg.num_experts
+    owner = torch.where(topk_idx >= 0, topk_idx // cfg.num_local_experts, r)
+    in_rank = torch.zeros(n, r + 1, dtype=torch.bool, device=topk_idx.device).scatter_(1, owner, True)[:, :r]
+    in_rank = in_rank.contiguous()
+    pos = torch.where(in_rank, torch.cumsum(in_rank, 0, dtype=torch.int32) - 1, -1).to(torch.int32)
+    hit = torch.zeros(n, e + 1, dtype=torch.bool, device=topk_idx.device)
+    hit.scatter_(1, torch.where(topk_idx >= 0, topk_idx, e), True)
+    return Layout(
+        in_rank=in_rank,
+        pos=pos.contiguous(),
+        in_node=in_rank.view(n, cfg.num_nodes, cfg.ranks_per_node).any(dim=2).contiguous(),
+        tokens_per_rank=in_rank.sum(0, dtype=torch.int32),
+        tokens_per_expert=hit[:, :e].sum(0, dtype=torch.int32),
+    )
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class InternodeEngine:
+    """The cross-node normal-mode kernels of one Buffer and their symmetric workspace."""
+
+    def __init__(self, cfg: BufferConfig, session: "NvshmemSession", error: "ErrorWatch") -> None:
+        native = _native.load()
+        self.cfg = cfg
+        self._session = session
+        round_tokens, workspace_bytes = workspace_plan(cfg)
+        self._epochs = torch.zeros(native.INTERNODE_NUM_EPOCHS, dtype=torch.int64, device=cfg.device)
+        self._block_counters = torch.zeros(2, dtype=torch.int32, device=cfg.device)
+        torch.cuda.synchronize(cfg.device)  # the zeros land before any kernel, on any stream
+        self._workspace = session.alloc((workspace_bytes,), torch.uint8)
+        first = cfg.node * cfg.ranks_per_node
+        node_peers = self._workspace.peer_ptrs[first:first + cfg.ranks_per_node]
+        unreachable = [first + j for j, addr in enumerate(node_peers) if addr == 0]
+        if unreachable:
+            raise RuntimeError(f"moe_ep rank {cfg.rank}: ranks {unreachable} of its node (ranks_per_node="
+                               f"{cfg.ranks_per_node}) are not reachable by NVLink loads/stores (nvshmem_ptr is 0)")
+        self._ctx = native.InternodeContext(
+            rank=cfg.rank, nranks=cfg.world_size, ranks_per_node=cfg.ranks_per_node,
+            max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, num_topk=cfg.num_topk,
+            num_experts=cfg.num_experts, round_tokens=round_tokens, timeout_s=cfg.timeout_s,
+            error=error.device_ptr, epochs=self._epochs.data_ptr(), block_counters=self._block_counters.data_ptr(),
+            workspace=self._workspace.ptr, node_peers=list(node_peers),
+        )
+        self._error = error
+
+    @property
+    def round_tokens(self) -> int:
+        """Token slots per round (C)."""
+        return self._ctx.round_tokens
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The workspace's data areas (rows, metadata, counts), without its signal words."""
+        return self._workspace.tensor[self._ctx.data_offset:]
+
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, num_sms,
+                 stream: torch.cuda.Stream, async_op: bool) -> DispatchResult:
+        """Layout and count exchange (unless cached), then the dispatch kernel."""
+        cfg = self.cfg
+        dev, r, t, h, k = cfg.device, cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden, cfg.num_topk
+        n, fp8 = x.shape[0], x.dtype == torch.float8_e4m3fn
+        cached = handle is not None
+        if cached:
+            state: NodeDispatchState = handle.state
+            worst_case, recv_counts = handle.worst_case, handle.recv_counts
+            in_rank = handle.is_token_in_rank
+            raw_device = state.recv_info[2 * r:2 * r + cfg.num_local_experts]
+            tokens_per_expert_tensor = torch.div(raw_device + (expert_alignment - 1), expert_alignment,
+                                                 rounding_mode="floor") * expert_alignment
+        else:
+            layout = route(cfg, topk_idx)
+            in_rank = layout.in_rank
+            recv_info = torch.empty(2 * r + cfg.num_local_experts + 1, dtype=torch.int32, device=dev)
+            tokens_per_expert_tensor = torch.empty(cfg.num_local_experts, dtype=torch.int32, device=dev)
+            self._ctx.notify(layout.tokens_per_rank.data_ptr(), layout.tokens_per_expert.data_ptr(), n,
+                             recv_info.data_ptr(), tokens_per_expert_tensor.data_ptr(), expert_alignment, worst_case,
+                             stream.cuda_stream)
+            raw: Optional[list[int]] = None
+            if worst_case:
+                recv_counts = None
+            else:
+                torch.cuda.current_stream(dev).synchronize()
+                self._error.check()
+                recv_counts, raw = self._ctx.host_info()
+            state = NodeDispatchState(layout.pos, layout.in_node, recv_info,
+                                      torch.zeros(cfg.num_nodes, t, dtype=torch.int32, device=dev), raw)
+        m = r * t if worst_case else sum(recv_counts)
+        out_x = torch.empty(m, h, dtype=x.dtype, device=dev)
+        out_scales = torch.empty(m, cfg.num_scales, dtype=torch.float32, device=dev) if fp8 else None
+        if cached:
+            out_topk_idx = out_topk_weights = None
+            src_rank, src_index = handle.src_rank, handle.src_index
+        else:
+            out_topk_idx = torch.empty(m, k, dtype=torch.int64, device=dev)
+            out_topk_weights = torch.empty(m, k, dtype=torch.float32, device=dev)
+            src_rank = torch.empty(m, dtype=torch.int32, device=dev)
+            src_index = torch.empty(m, dtype=torch.int32, device=dev)
+        if worst_case:  # rows no source fills are padding
+            if out_scales is not None:
+                out_scales.zero_()
+            if not cached:
+                out_topk_idx.fill_(-1)
+                out_topk_weights.zero_()
+                src_rank.fill_(-1)
+                src_index.fill_(-1)
+        self._ctx.dispatch(
+            x.data_ptr(), _ptr(x_scales), _ptr(topk_idx), _ptr(topk_weights), state.pos.data_ptr(),
+            state.in_node.data_ptr(), state.recv_info.data_ptr(), n, h * x.element_size(),
+            cfg.num_scales if fp8 else 0, out_x.data_ptr(), _ptr(out_scales), _ptr(out_topk_idx),
+            _ptr(out_topk_weights), 0 if cached else src_rank.data_ptr(), 0 if cached else src_index.data_ptr(),
+            0 if cached else state.forward_mask.data_ptr(), cached, num_sms, stream.cuda_stream,
+        )
+        new_handle = handle if cached else DispatchHandle(
+            buffer_id=cfg.buffer_id, num_tokens=n, num_recv_rows=m, is_token_in_rank=in_rank,
+            recv_counts=recv_counts, src_rank=src_rank, src_index=src_index, worst_case=worst_case, state=state,
+        )
+        return DispatchResult(
+            x=out_x, x_scales=out_scales, topk_idx=out_topk_idx, topk_weights=out_topk_weights,
+            tokens_per_expert=None if worst_case else align_up(state.tokens_per_expert, expert_alignment),
+            tokens_per_expert_tensor=tokens_per_expert_tensor, src_rank=src_rank, src_index=src_index,
+            handle=new_handle, event=record_event(async_op, dev),
+        )
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, *, num_sms: int,
+                stream: torch.cuda.Stream) -> torch.Tensor:
+        """Rows back to their sources' forwarders, node partials back to the sources."""
+        state: NodeDispatchState = handle.state
+        out = torch.empty(handle.num_tokens, self.cfg.hidden, dtype=torch.bfloat16, device=self.cfg.device)
+        self._ctx.combine(x.data_ptr(), handle.src_index.data_ptr(), state.recv_info.data_ptr(),
+                          state.forward_mask.data_ptr(), state.in_node.data_ptr(), handle.num_tokens, out.data_ptr(),
+                          num_sms, stream.cuda_stream)
+        return out
+
+    def close(self) -> None:
+        """Frees the host-mapped mailbox (the workspace goes with the session)."""
+        self._ctx.close()
