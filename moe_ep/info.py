@@ -97,19 +97,20 @@ def _topology_lines() -> list[str]:
     """Nodes of the initialised default group; without one, what this host's GPUs imply."""
     if dist.is_available() and dist.is_initialized():
         topo = topology.resolve(dist.group.WORLD, None)
-        return [f"Topology     {dist.get_world_size()} ranks: {topo.num_nodes} node(s) of {topo.ranks_per_node} ranks "
-                "(detected from the ranks' hostnames)"]
+        return [f"Nodes        {dist.get_world_size()} ranks: {topo.num_nodes} node(s) of {topo.ranks_per_node} "
+                "ranks (detected from the ranks' hostnames)"]
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
-        return ["Topology     no GPU here: the native backend has nothing to run on (reference backend only)"]
+        return ["Nodes        no GPU here: the native backend has nothing to run on (reference backend only)"]
     blocked = [f"{i}-{j}" for i in range(count) for j in range(i + 1, count)
                if not torch.cuda.can_device_access_peer(i, j)]
     if blocked:
-        return [f"Topology     GPU pairs {', '.join(blocked)} have no peer access: NVSHMEM cannot reach them by loads "
-                "and stores, so with one rank per GPU each GPU is its own node (ranks_per_node=1)"]
+        return [f"Nodes        GPU pairs {', '.join(blocked)} have no peer access: NVSHMEM cannot reach them by loads "
+                "and stores; detection goes by hostname, so pass Buffer(ranks_per_node=1) here"]
     size = topology.node_size(count)
-    return [f"Topology     torch.distributed is not initialised; with one rank per GPU this host is {count // size} "
-            f"node(s) of {size} ranks (all {count} GPUs have peer access); Buffer(ranks_per_node=k) splits it further"]
+    return [f"Nodes        torch.distributed is not initialised; with one rank per GPU this host is "
+            f"{count // size} node(s) of {size} ranks (all {count} GPUs have peer access); "
+            "Buffer(ranks_per_node=k) splits it further"]
 
 
 def _gdrcopy_library() -> Optional[str]:
@@ -131,7 +132,8 @@ def _transport_lines() -> list[str]:
         if key in os.environ:
             value = f"{os.environ[key]} (environment)"
         elif key in across:
-            value = f"unset: moe_ep sets {across[key]} when the group spans hosts, else NVSHMEM's default {_NVSHMEM_DEFAULTS[key]}"
+            value = (f"unset: moe_ep sets {across[key]} when the group spans hosts, "
+                     f"else NVSHMEM's default {_NVSHMEM_DEFAULTS[key]}")
         elif key in NATIVE_DEFAULTS:
             value = f"unset: moe_ep._C sets {NATIVE_DEFAULTS[key]}"
         else:
@@ -140,7 +142,8 @@ def _transport_lines() -> list[str]:
     mapped = [key for key in ("NVSHMEM_HCA_LIST", "NVSHMEM_HCA_PE_MAPPING") if key in os.environ]
     if mapped and os.environ.get("NVSHMEM_ENABLE_NIC_PE_MAPPING") != "1":
         verb = "takes" if len(mapped) == 1 else "take"
-        lines.append(f"  {' and '.join(mapped)} {verb} effect only with NVSHMEM_ENABLE_NIC_PE_MAPPING=1, which is not set")
+        lines.append(f"  {' and '.join(mapped)} {verb} effect only with NVSHMEM_ENABLE_NIC_PE_MAPPING=1, "
+                     "which is not set")
     if os.environ.get("NVSHMEM_REMOTE_TRANSPORT") == "none":
         lines.append("  NVSHMEM_REMOTE_TRANSPORT=none: NVSHMEM reaches peers over P2P only, never a GPU on another "
                      "host")
@@ -151,8 +154,8 @@ def _transport_lines() -> list[str]:
     devices = sorted(p.name for p in INFINIBAND_DIR.iterdir()) if INFINIBAND_DIR.is_dir() else []
     lines.append("InfiniBand   " + (", ".join(devices) + f" ({INFINIBAND_DIR})" if devices else
                                     "no InfiniBand device found: cross-node traffic needs NVSHMEM's IBGDA or IBRC "
-                                    "transport; groups here stay on this host, where NVSHMEM's P2P transport carries every leg "
-                                    "(docs/multinode.md)"))
+                                    "transport; groups here stay on this host, where NVSHMEM's P2P transport "
+                                    "carries every leg (docs/multinode.md)"))
     return lines
 
 

@@ -183,4 +183,4 @@ def test_info_reports_transport_settings(monkeypatch: pytest.MonkeyPatch) -> Non
     assert re.search(r"^GDRCopy +(libgdrapi\S* loads|libgdrapi not found: .+)$", out, re.M)
     has_ib = info.INFINIBAND_DIR.is_dir() and any(info.INFINIBAND_DIR.iterdir())
     assert ("no InfiniBand device found" in out) != has_ib
-    assert re.search(r"^Topology +.+$", out, re.M)
+    assert re.search(r"^Nodes +.+$", out, re.M)
