@@ -2,7 +2,9 @@
 
 On GPUs (NCCL group): N1 (normal mode, native backend at several SM budgets, the reference backend
 on NCCL, and raw NCCL all_to_all_single moving the same bytes), L1 (low-latency) and optionally a
-hidden x tokens sweep. Without GPUs (gloo): the reference backend on a small case. Prints a table,
+hidden x tokens sweep. With --ranks-per-node K the native N1 and L1 rows are measured a second time
+with the group cut into nodes of K ranks (K=1 on one machine: every byte between GPUs takes the
+cross-node kernels' network leg), next to the NVLink rows in the same table. Without GPUs (gloo): the reference backend on a small case. Prints a table,
 writes JSON and a PNG plot.
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Row:
     remote_bytes: int
     deepep_us: Optional[float] = None
     extra: dict = field(default_factory=dict)
+    topology: str = ""  # "nodes x ranks per node" of the Buffer
 
     @property
     def gbps(self) -> float:
@@ -144,6 +147,10 @@ class Timer:
         return self.call_us(graph.replay)
 
 
+def _topology(buf: Buffer) -> str:
+    return f"{buf.cfg.num_nodes}x{buf.cfg.ranks_per_node}"
+
+
 def _tuning(buf: Buffer) -> dict:
     """The native kernels' tuning knobs (MOE_EP_* environment variables), so results record them."""
     ctx = getattr(buf.backend, "_ctx", None)
@@ -194,7 +201,7 @@ def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: li
         for op, fn, row_bytes, ref_us in ops:
             rows.append(Row(case, op, buf.backend_name, sms, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
                             recv * row_bytes, remote * row_bytes, ref_us,
-                            extra={"kernels": timer.last_kernels, "tuning": _tuning(buf)}))
+                            extra={"kernels": timer.last_kernels, "tuning": _tuning(buf)}, topology=_topology(buf)))
     return rows
 
 
@@ -228,9 +235,9 @@ def bench_low_latency(buf: Buffer, timer: Timer, tokens: int) -> list[Row]:
 
     def add(op: str, fn: Callable[[], object], row_bytes: int, ref_us: Optional[float]) -> None:
         rows.append(Row("L1", op, buf.backend_name, None, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
-                        pairs * row_bytes, 0, ref_us, extra={"kernels": timer.last_kernels}))
+                        pairs * row_bytes, 0, ref_us, extra={"kernels": timer.last_kernels}, topology=_topology(buf)))
         rows.append(Row("L1", op + "_graph", buf.backend_name, None, tokens, cfg.hidden, timer.graph_us(fn), None,
-                        pairs * row_bytes, 0, ref_us))
+                        pairs * row_bytes, 0, ref_us, topology=_topology(buf)))
 
     # Combine first: a low-latency dispatch result (and its handle) stays valid for two dispatches only.
     add("ll_combine_bf16", lambda: buf.low_latency_combine(y, idx, w, d.handle), row_bf16, ref[1] if ref else None)
@@ -242,13 +249,13 @@ def bench_low_latency(buf: Buffer, timer: Timer, tokens: int) -> list[Row]:
         send_us, recv_us = timer.split_us(send)
         for half, us in (("send", send_us), ("recv", recv_us)):
             rows.append(Row("L1", f"{op}_{half}", buf.backend_name, None, tokens, cfg.hidden, us, None,
-                            pairs * row_bytes, 0))
+                            pairs * row_bytes, 0, topology=_topology(buf)))
     add("ll_dispatch_fp8", lambda: buf.low_latency_dispatch(x, idx, use_fp8=True), row_fp8, ref[0] if ref else None)
     return rows
 
 
 def print_table(rows: list[Row]) -> None:
-    head = f"{'case':<6} {'op':<22} {'backend':<9} {'SMs':>4} {'tokens':>6} {'hidden':>6} {'call us':>9} " \
+    head = f"{'case':<6} {'op':<22} {'backend':<9} {'nodes':>5} {'SMs':>4} {'tokens':>6} {'hidden':>6} {'call us':>9} " \
            f"{'kernel us':>9} {'GB/s':>7} {'remote':>7} {'%link':>6} {'DeepEP':>8} {'speedup':>7}"
     print(head)
     print("-" * len(head))
@@ -258,7 +265,7 @@ def print_table(rows: list[Row]) -> None:
         kern = f"{r.kernel_us:9.1f}" if r.kernel_us is not None else "        -"
         ref = f"{r.deepep_us:8.1f}" if r.deepep_us else "       -"
         speed = f"{r.deepep_us / r.call_us:6.2f}x" if r.deepep_us else "      -"
-        print(f"{r.case:<6} {r.op:<22} {r.backend:<9} {r.sms or '-':>4} {r.tokens:>6} {r.hidden:>6} {r.call_us:9.1f} "
+        print(f"{r.case:<6} {r.op:<22} {r.backend:<9} {r.topology or '-':>5} {r.sms or '-':>4} {r.tokens:>6} {r.hidden:>6} {r.call_us:9.1f} "
               f"{kern} {r.gbps:7.1f} {r.remote_gbps:7.1f} {link} {ref} {speed}")
 
 
@@ -268,7 +275,7 @@ def print_kernels(rows: list[Row]) -> None:
         kernels = r.extra.get("kernels")
         if kernels:
             split = ", ".join(f"{name} {us:.1f}" for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]))
-            print(f"  {r.case} {r.op} {r.backend} sms={r.sms or '-'}: {split}")
+            print(f"  {r.case} {r.op} {r.backend} {r.topology} sms={r.sms or '-'}: {split}")
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -311,6 +318,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="also measure native N1/L1 with nodes of this many ranks (1: network leg between GPUs)")
     args = p.parse_args()
 
     use_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -328,17 +337,22 @@ def main() -> None:
         with Buffer(hidden=2048, num_experts=64, num_topk=8, max_tokens_per_rank=512, backend="reference",
                     low_latency=True) as buf:
             rows += bench_normal(buf, timer, "cpu", 512, [None], with_fp8=True, deepep=False)
+    topologies = [None] + ([args.ranks_per_node] if args.ranks_per_node is not None else [])
     if "n1" in cases or "n1-native" in cases:
-        with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=4096) as buf:
-            rows += bench_normal(buf, timer, "N1", 4096, sms_list, with_fp8=True, deepep=world == 2)
+        for rpn in topologies:
+            with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=4096, ranks_per_node=rpn) as buf:
+                rows += bench_normal(buf, timer, "N1", 4096, sms_list, with_fp8=True,
+                                     deepep=world == 2 and buf.cfg.num_nodes == 1)
     if "n1" in cases:
         with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=4096, backend="reference") as buf:
             rows += bench_normal(buf, timer, "N1", 4096, [None], with_fp8=True, deepep=False)
             rows.append(bench_nccl_a2a(buf, timer, "N1", 4096))
     if "l1" in cases:
-        for tokens in (128, 256):
-            with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=tokens, low_latency=True) as buf:
-                rows += bench_low_latency(buf, timer, tokens)
+        for rpn in topologies:
+            for tokens in (128, 256):
+                with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=tokens, low_latency=True,
+                            ranks_per_node=rpn) as buf:
+                    rows += bench_low_latency(buf, timer, tokens)
     if "sweep" in cases:
         for hidden in (2048, 4096, 7168):
             with Buffer(hidden=hidden, num_experts=256, num_topk=8, max_tokens_per_rank=16384) as buf:

@@ -113,7 +113,7 @@ class Buffer:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, hidden: int, num_experts: int, num_topk: int,
                  max_tokens_per_rank: int, backend: str = "auto", low_latency: bool = False,
                  num_sms: Optional[int] = None, timeout_s: float = 100.0,
-                 ranks_per_node: Optional[int] = None) -> None:
+                 ranks_per_node: Optional[int] = None, hierarchical: Optional[bool] = None) -> None:
         group = group if group is not None else dist.group.WORLD
         if not dist.is_initialized():
             raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
@@ -133,12 +133,17 @@ class Buffer:
         device = _device_of(group)
         self.backend_name = _pick_backend(backend, device)
         topo = _resolve_topology(group, ranks_per_node)
+        if hierarchical is not None and not isinstance(hierarchical, bool):
+            raise TypeError(f"hierarchical must be None, True or False, got {hierarchical!r}")
+        if hierarchical is False and topo.num_nodes > 1:
+            raise ValueError(f"hierarchical=False needs one node, but the group spans {topo.num_nodes} nodes of "
+                             f"{topo.ranks_per_node} ranks")
         self.cfg = BufferConfig(
             group=group, rank=dist.get_rank(group), world_size=world, hidden=hidden, num_experts=num_experts,
             num_topk=num_topk, max_tokens_per_rank=max_tokens_per_rank, low_latency=bool(low_latency),
             num_sms=self._check_num_sms(num_sms if num_sms is not None else DEFAULT_NUM_SMS, device, default=num_sms is None),
             timeout_s=float(timeout_s), buffer_id=next(_buffer_ids), device=device,
-            ranks_per_node=topo.ranks_per_node,
+            ranks_per_node=topo.ranks_per_node, hierarchical=bool(hierarchical) or topo.num_nodes > 1,
         )
         self._backend: Optional[Backend] = self._make_backend()
 
@@ -155,6 +160,9 @@ class Buffer:
         ok, why = _native.available()
         if not ok:
             raise RuntimeError(f"backend='nvshmem' is unavailable: {why}")
+        most = _native.load().INTERNODE_MAX_RANKS
+        if self.cfg.world_size > most:
+            raise ValueError(f"backend='nvshmem' serves groups of at most {most} ranks, got {self.cfg.world_size}")
         from .backends.nvshmem import NvshmemBackend
 
         return NvshmemBackend(self.cfg)

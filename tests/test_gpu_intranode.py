@@ -11,10 +11,12 @@ Buffer's symmetric workspace are poisoned, so rows or metadata a call fails to w
 Then 1000 calls with changing inputs compared by hashes, a CUDA graph of a worst-case dispatch +
 combine replayed 20 times with fresh inputs, and a timeout that names its phase.
 
-Everything runs twice: with the two GPUs as one node (the NVLink kernels) and with
+Everything runs three times: with the two GPUs as one node (the NVLink kernels); with
 ranks_per_node=1, where the two GPUs are two "nodes" and every byte between them goes through the
 cross-node kernels' network leg (NVSHMEM puts and signals, carried by NVSHMEM's P2P transport here);
-the reference Buffer gets the same ranks_per_node, so its combine follows the same two-level order.
+and with hierarchical=True on one node of two, where the cross-node kernels' network leg only
+reaches the rank itself and every byte between the GPUs takes their NVLink forwarding leg. The
+reference Buffer gets the same topology, so its combine follows the same two-level order.
 """
 from __future__ import annotations
 
@@ -227,10 +229,9 @@ def _dispatch_hash(res) -> torch.Tensor:
     return torch.stack(parts)
 
 
-def _stress(rank: int, ranks_per_node: Optional[int]) -> None:
+def _stress(rank: int, topo: dict) -> None:
     hidden, experts, k, t = STRESS_SHAPE
-    common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t,
-                  ranks_per_node=ranks_per_node)
+    common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, **topo)
     g = torch.Generator(device="cuda").manual_seed(777 + rank)
     shared = torch.Generator().manual_seed(4242)  # the same call sequence on both ranks
     routings = ["random", "skewed", "random", "one_expert", "none"]
@@ -260,10 +261,9 @@ def _stress(rank: int, ranks_per_node: Optional[int]) -> None:
 
 
 # ---- CUDA graph of worst-case dispatch + combine ------------------------------------------------
-def _graph(rank: int, ranks_per_node: Optional[int]) -> None:
+def _graph(rank: int, topo: dict) -> None:
     hidden, experts, k, t = GRAPH_SHAPE
-    common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t,
-                  ranks_per_node=ranks_per_node)
+    common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, **topo)
     n = (t, 77)[rank]
     g = torch.Generator(device="cuda").manual_seed(99 + rank)
     x = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
@@ -303,10 +303,10 @@ def _graph(rank: int, ranks_per_node: Optional[int]) -> None:
 
 
 # ---- timeout ----------------------------------------------------------------------------------
-def _timeout(rank: int, ranks_per_node: Optional[int]) -> None:
+def _timeout(rank: int, topo: dict) -> None:
     """Rank 0 dispatches alone: its count exchange gives up and names the phase and the silent peer."""
     with moe_ep.Buffer(dist.group.WORLD, hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=16,
-                       backend="nvshmem", timeout_s=1.0, ranks_per_node=ranks_per_node) as buf:
+                       backend="nvshmem", timeout_s=1.0, **topo) as buf:
         if rank == 0:
             idx = torch.tensor([[0, 5]] * 4, device="cuda")
             with pytest.raises(moe_ep.CommTimeoutError, match="token counts") as err:
@@ -317,17 +317,17 @@ def _timeout(rank: int, ranks_per_node: Optional[int]) -> None:
         dist.barrier()
 
 
-def _worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
+def _worker(rank: int, world: int, topo: dict) -> None:
+    """Every case, stress, graph and timeout on Buffers with the topology arguments `topo`."""
     assert world == WORLD
-    label = "intranode" if ranks_per_node is None else f"ranks_per_node={ranks_per_node}"
+    label = " ".join(f"{k}={v}" for k, v in topo.items()) or "intranode"
     for shape, cases in SHAPES.items():
         hidden, experts, k, t = shape
-        common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t,
-                      ranks_per_node=ranks_per_node)
+        common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, **topo)
         with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **common) as nat, \
                 moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
             assert nat.backend_name == "nvshmem"
-            assert (nat.backend._internode is not None) == (ranks_per_node == 1)
+            assert (nat.backend._internode is not None) == bool(topo)
             for case in cases:
                 if rank == 0:
                     print(f"{label} case {case.seed} shape {shape}", flush=True)
@@ -335,13 +335,18 @@ def _worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
     for part in (_stress, _graph, _timeout):
         if rank == 0:
             print(f"{label} {part.__name__.strip('_')}", flush=True)
-        part(rank, ranks_per_node)
+        part(rank, topo)
 
 
 def test_intranode_matches_reference() -> None:
-    run_workers(WORLD, _worker, None, backend="nccl", timeout_s=1800)
+    run_workers(WORLD, _worker, {}, backend="nccl", timeout_s=1800)
 
 
 def test_cross_node_matches_reference() -> None:
     """ranks_per_node=1: the two GPUs are two nodes; every byte between them takes the network leg."""
-    run_workers(WORLD, _worker, 1, backend="nccl", timeout_s=1800)
+    run_workers(WORLD, _worker, {"ranks_per_node": 1}, backend="nccl", timeout_s=1800)
+
+
+def test_forwarding_leg_matches_reference() -> None:
+    """hierarchical=True on one node of two: every byte between the GPUs takes the NVLink forwarding leg."""
+    run_workers(WORLD, _worker, {"hierarchical": True}, backend="nccl", timeout_s=1800)

@@ -52,6 +52,7 @@ class BufferConfig:
     buffer_id: int
     device: torch.device
     ranks_per_node: int  # ranks of one NVLink domain ("node"); nodes are contiguous rank ranges
+    hierarchical: bool = False  # normal mode on the cross-node kernels (always when num_nodes > 1)
 
     @property
     def num_nodes(self) -> int:

@@ -61,8 +61,7 @@ class NvshmemBackend(Backend):
         native = _native.load()
         r, e = cfg.world_size, cfg.num_experts
         t = cfg.max_tokens_per_rank
-        self.hierarchical = cfg.num_nodes > 1
-        if self.hierarchical:
+        if cfg.hierarchical:
             heap_bytes = native.SIGNAL_WORDS * 8 + HEAP_SLACK + internode.heap_bytes(cfg)
         else:
             workspace_bytes = native.intranode_workspace_bytes(r, t, cfg.hidden, cfg.num_topk, e)
@@ -85,7 +84,7 @@ class NvshmemBackend(Backend):
         self._internode: Optional[InternodeEngine] = None
         self._ctx: Any = None
         try:
-            if self.hierarchical:
+            if cfg.hierarchical:
                 self._internode = InternodeEngine(cfg, self._session, self._error)
             else:
                 self._ctx = self._intranode_context(native, workspace_bytes, row_flags_shape)
@@ -124,7 +123,7 @@ class NvshmemBackend(Backend):
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
         cfg, n = self.cfg, topk_idx.shape[0]
-        if self.hierarchical:
+        if self._internode is not None:
             layout = route(cfg, topk_idx)
             return DispatchLayout(num_tokens_per_rank=layout.tokens_per_rank,
                                   num_tokens_per_expert=layout.tokens_per_expert, is_token_in_rank=layout.in_rank)
