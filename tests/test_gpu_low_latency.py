@@ -5,9 +5,13 @@ reference Buffer see identical inputs; dispatch rows below count, scales, counts
 be bitwise equal, and so must combine. Native outputs are poisoned after each check, so rows a later
 call fails to rewrite show up. Also: the receive hook, two results held at once, normal calls
 interleaved with low-latency ones on one Buffer, one CUDA graph holding both calls replayed 100 times
-with fresh inputs, the hook-order guard, and a timeout that names the phase.
+with fresh inputs, the hook-order guard, and a timeout that names the phase. Everything runs twice:
+with the detected node size (both GPUs in one node: NVLink loads/stores) and with ranks_per_node=1
+(two "nodes": every byte between the GPUs goes through the NVSHMEM put/signal code).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import pytest
 import torch
@@ -168,37 +172,42 @@ def _graph_cases(buf, ref, shape, rank: int, local: torch.Generator) -> None:
     del graph
 
 
-def _timeout_case(rank: int, local: torch.Generator) -> None:
-    """Rank 1 dispatches alone: its receive half gives up and the next call raises, naming the phase."""
+def _timeout_case(rank: int, local: torch.Generator, ranks_per_node: Optional[int]) -> None:
+    """Rank 1 dispatches alone: its receive half gives up and the next call raises, naming rank, peer and phase."""
     hidden, experts, k, t = 256, 8, 2, 8
     with moe_ep.Buffer(dist.group.WORLD, hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t,
-                       backend="nvshmem", low_latency=True, timeout_s=1.0) as buf:
+                       backend="nvshmem", low_latency=True, timeout_s=1.0, ranks_per_node=ranks_per_node) as buf:
         if rank == 1:
             x, idx = _x(t, hidden, local), random_topk("random", t, experts, k, local)
             buf.low_latency_dispatch(x, idx)
             torch.cuda.synchronize()
-            with pytest.raises(moe_ep.CommTimeoutError, match="low-latency dispatch"):
+            with pytest.raises(moe_ep.CommTimeoutError, match="low-latency dispatch") as info:
                 buf.low_latency_dispatch(x, idx)
+            assert (info.value.rank, info.value.peer) == (1, 0), str(info.value)
 
 
-def _worker(rank: int, world: int) -> None:
+def _worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
     shared = torch.Generator().manual_seed(1234)
     local = torch.Generator(device="cuda").manual_seed(99 + rank)
     for shape in SHAPES:
         hidden, experts, k, t = shape
-        kwargs = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, low_latency=True)
+        kwargs = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, low_latency=True,
+                      ranks_per_node=ranks_per_node)
         with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **kwargs) as buf, \
                 moe_ep.Buffer(dist.group.WORLD, backend="reference", **kwargs) as ref:
             assert buf.backend_name == "nvshmem"
+            assert buf.ranks_per_node == (ranks_per_node or WORLD), buf.ranks_per_node
             _eager_cases(buf, ref, shape, rank, shared, local)
             _hook_order(buf, shape, local)
             if shape in (SHAPES[0], SHAPES[3]):
                 _graph_cases(buf, ref, shape, rank, local)
             _eager_cases(buf, ref, shape, rank, shared, local)  # eager again after the graph's replays
             torch.cuda.synchronize()
-    _timeout_case(rank, local)
+    _timeout_case(rank, local, ranks_per_node)
 
 
 @requires_gpus(WORLD)
-def test_low_latency_against_reference() -> None:
-    run_workers(WORLD, _worker, backend="nccl", timeout_s=900)
+@pytest.mark.parametrize("ranks_per_node", [None, 1], ids=["one-node", "ranks_per_node=1"])
+def test_low_latency_against_reference(ranks_per_node: Optional[int]) -> None:
+    """None: the detected node (both GPUs, NVLink path); 1: two nodes, the network path."""
+    run_workers(WORLD, _worker, ranks_per_node, backend="nccl", timeout_s=900)

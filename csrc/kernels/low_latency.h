@@ -3,39 +3,64 @@
 // This header is plain C++ (no device code, no comm.h) so that the pybind11 bindings compile with
 // any host compiler; the .cu files turn LowLatencyParams into a comm.h Comm.
 //
+// Peers: rank d is in node d / ranks_per_node. A peer in this rank's node is written by loads and
+// stores through its NVLink address (node_sym, from nvshmem_ptr on the host); a peer in another
+// node only through NVSHMEM device operations (puts from this rank's own symmetric memory, signal
+// ops), addressed by the local symmetric address and the peer's PE. The choice follows
+// ranks_per_node, never whether nvshmem_ptr happens to reach the peer, so ranks_per_node = 1 runs
+// every byte between two GPUs of one machine through the network code. Any R (nothing is sized by
+// a per-peer array except the node's at most kMaxNodeRanks peers).
+//
 // Symmetric region (one allocation, same layout on every rank; byte offsets chosen by
-// moe_ep/backends/low_latency.py and passed in LowLatencyParams). Each area has two sets, picked by
-// the parity of the call's device-side epoch:
+// moe_ep/backends/low_latency.py and passed in LowLatencyParams). The staging areas have two sets,
+// picked by the parity of the call's device-side epoch:
 //   dispatch payload [2][R src][T][2H bytes]  bf16 row, or e4m3 row (H bytes) then H/128 float scales
-//   dispatch meta    [2][R src][T][16] int16  the token's local expert id at this rank per k, else -1
+//   dispatch meta    [2][R src][T][48 bytes]  the token's global expert id per k as int16 (-1 past K
+//                                             or for topk id -1), 16 of them, then the low 32 bits of
+//                                             the epoch that wrote it (tag), then 12 bytes of padding
 //   combine payload  [2][T][K][H] bf16        expert output for (token, first k naming that expert)
+//   combine scratch  [P * E_l][8][H] bf16     (only with several nodes) rows of a combine send block
+//                                             on their way to ranks of other nodes
+//   signals          [6][R] uint64            entry [slot][src] written only by rank src:
+//     0, 1  dispatch, node peers: blocks of src's send kernel that finished storing here, by parity
+//     2, 3  combine, node peers: the same for the combine send kernel
+//     4     dispatch, other nodes: the last epoch whose every put from src is complete here
+//     5     combine, other nodes: the same for combine
 #pragma once
 #include <cstdint>
 
 namespace moe_ep {
 namespace ll {
 
-constexpr int kMaxPeers = 8;      // == comm.h kMaxRanks (checked in the .cu files)
+constexpr int kMaxNodeRanks = 8;  // == comm.h kMaxRanks, one NVLink domain (checked in the .cu files)
 constexpr int kMetaEntries = 16;  // int16 expert ids per staged token (num_topk <= 16), padded with -1
+constexpr int kMetaBytes = 48;    // one meta row: 16 int16 ids, uint32 epoch tag, padding
+constexpr int kScratchRows = 8;   // combine scratch rows per send block (several nodes)
+constexpr int kNumSignals = 6;    // signal words per source rank
 
 struct LowLatencyParams {
   // Comm (see csrc/runtime/comm.h)
   int rank;
   int nranks;
+  int ranks_per_node;
   unsigned long long timeout_ns;
   uintptr_t error;                  // ErrorState*, device address of host-mapped memory
   uintptr_t epochs;                 // unsigned long long[kNumEpochs], device
-  uintptr_t signals[kMaxPeers];     // every rank's signal array, as addressed from this GPU
   // dimensions
   int num_local_experts;
   int num_topk;
   int hidden;
   int max_tokens;                   // T
-  // symmetric region: every rank's base address as addressed from this GPU, and area offsets
-  uintptr_t sym[kMaxPeers];
+  // symmetric region: this rank's base (also the address that names the region at any PE in a
+  // put), the node's ranks' bases as addressed from this GPU ([i] = rank node * ranks_per_node + i),
+  // and the area offsets
+  uintptr_t sym;
+  uintptr_t node_sym[kMaxNodeRanks];
   uint64_t dispatch_payload_offset;
   uint64_t dispatch_meta_offset;
   uint64_t combine_payload_offset;
+  uint64_t combine_scratch_offset;
+  uint64_t signals_offset;
   // private device state
   uintptr_t done_counters;          // int32[2]: blocks finished in the current send kernel
                                     // ([0] dispatch, [1] combine); the last block resets it to 0
@@ -54,7 +79,7 @@ inline int dispatch_send_blocks(const LowLatencyParams& p) {
 }
 
 // Dispatch send half: quantise (optionally) and push every token to each rank holding one of its
-// experts; every block then releases its arrival at every rank. x [N, H] bf16, topk_idx [N, K] int64.
+// experts; every block then releases its arrival. x [N, H] bf16, topk_idx [N, K] int64.
 void dispatch_send(const LowLatencyParams& p, uintptr_t x, uintptr_t topk_idx, int num_tokens, bool use_fp8,
                    bool round_scale, uintptr_t stream);
 
@@ -87,31 +112,45 @@ void combine_recv(const LowLatencyParams& p, uintptr_t out, int num_tokens, uint
 namespace moe_ep {
 namespace ll {
 
-static_assert(kMaxPeers == kMaxRanks, "low_latency.h kMaxPeers must equal comm.h kMaxRanks");
+static_assert(kMaxNodeRanks == kMaxRanks, "low_latency.h kMaxNodeRanks must equal comm.h kMaxRanks");
 
-// Signal slots of comm.h's low-latency range. A call with epoch e uses buffer set e & 1 and the slots
-// of that parity. Entry [slot][src] at rank dst is written only by rank src.
-//   8, 9   dispatch: blocks of src's send kernel that finished storing into dst (fence, relaxed add)
-//   10, 11 combine:  the same for the combine send kernel
-//   12, 13 dispatch: (e << 32) | N_src, stored by src's block 0 before its own add to slot 8 / 9
-// The block counters only grow: after epoch e, slot (e & 1) holds G * ((e + 1) / 2), G being the
-// fixed grid size of the send kernel (same on every rank: derived from the Buffer's dimensions).
-constexpr int kSigDispatch = kSigLowLatencyFirst;       // 8, 9
-constexpr int kSigCombine = kSigLowLatencyFirst + 2;    // 10, 11
-constexpr int kSigDispatchCount = kSigLowLatencyFirst + 4;  // 12, 13
+// Signal words ([slot][src] in the region's signals area, see the file comment). A call with epoch
+// e uses staging set e & 1 and the node slots of that parity. The node block counters only grow:
+// after epoch e, slot (e & 1) holds G * ((e + 1) / 2) for a source in the node, G being the fixed
+// grid size of the send kernel (the same on every rank: derived from the Buffer's dimensions). The
+// network words hold epochs, which only grow.
+constexpr int kSigDispatchNode = 0;  // 0, 1
+constexpr int kSigCombineNode = 2;   // 2, 3
+constexpr int kSigDispatchNet = 4;
+constexpr int kSigCombineNet = 5;
 constexpr int kEpochDispatch = kSigLowLatencyFirst;     // epochs[8]: last dispatch epoch sent
 constexpr int kEpochCombine = kSigLowLatencyFirst + 2;  // epochs[10]: last combine epoch sent
-static_assert(kSigDispatchCount + 1 < kNumSignalSlots, "low-latency signal slots exceed comm.h's range");
 
-inline Comm make_comm(const LowLatencyParams& p) {
-  Comm c{};
-  c.rank = p.rank;
-  c.nranks = p.nranks;
-  c.timeout_ns = p.timeout_ns;
-  c.error = reinterpret_cast<ErrorState*>(p.error);
-  c.epochs = reinterpret_cast<unsigned long long*>(p.epochs);
-  for (int r = 0; r < kMaxRanks; ++r) c.signals[r] = reinterpret_cast<uint64_t*>(p.signals[r]);
-  return c;
+// Everything a kernel needs to reach its peers.
+struct Peers {
+  Comm comm;                           // rank, nranks, timeout, error state, epochs (signals unused)
+  int node_first;                      // first rank of this rank's node
+  int node_ranks;                      // ranks per node
+  bool network;                        // the group spans several nodes
+  uint8_t* sym;                        // this rank's region (symmetric address for puts)
+  uint8_t* node_sym[kMaxNodeRanks];    // the node's ranks' regions, as addressed from this GPU
+  uint64_t signals_offset;
+};
+
+inline Peers make_peers(const LowLatencyParams& p) {
+  Peers s{};
+  s.comm.rank = p.rank;
+  s.comm.nranks = p.nranks;
+  s.comm.timeout_ns = p.timeout_ns;
+  s.comm.error = reinterpret_cast<ErrorState*>(p.error);
+  s.comm.epochs = reinterpret_cast<unsigned long long*>(p.epochs);
+  s.node_first = p.rank - p.rank % p.ranks_per_node;
+  s.node_ranks = p.ranks_per_node;
+  s.network = p.ranks_per_node < p.nranks;
+  s.sym = reinterpret_cast<uint8_t*>(p.sym);
+  for (int i = 0; i < p.ranks_per_node; ++i) s.node_sym[i] = reinterpret_cast<uint8_t*>(p.node_sym[i]);
+  s.signals_offset = p.signals_offset;
+  return s;
 }
 
 inline void check_launch(const char* what) {
@@ -119,15 +158,25 @@ inline void check_launch(const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("moe_ep low-latency ") + what + ": " + cudaGetErrorString(err));
 }
 
-// Value of a send kernel's block counter (slot of e's parity) once all `blocks` blocks of every
+__device__ __forceinline__ bool in_node(const Peers& s, int d) {
+  return static_cast<unsigned>(d - s.node_first) < static_cast<unsigned>(s.node_ranks);
+}
+
+// Byte `offset` of node rank d's region, as addressed from this GPU (d must be in_node).
+__device__ __forceinline__ uint8_t* node_addr(const Peers& s, int d, size_t offset) {
+  return s.node_sym[d - s.node_first] + offset;
+}
+
+// Signal word [slot][src] in the region at `base` (this rank's, or a node rank's).
+__device__ __forceinline__ uint64_t* signal_word(const Peers& s, uint8_t* base, int slot, int src) {
+  return reinterpret_cast<uint64_t*>(base + s.signals_offset) + static_cast<size_t>(slot) * s.comm.nranks + src;
+}
+
+// Value of a send kernel's node block counter (slot of e's parity) once all `blocks` blocks of every
 // epoch <= e with that parity have arrived.
 __device__ __forceinline__ uint64_t arrivals_after(unsigned long long epoch, int blocks) {
   return static_cast<uint64_t>(blocks) * ((epoch + 1) >> 1);
 }
-
-// Flag primitives (comm.h): waiters poll with wait_relaxed_geq and issue one fence.acq_rel.sys once
-// the value is seen (an acquire pattern); senders issue one fence.acq_rel.sys per block, then
-// relaxed adds (a release pattern).
 
 // A copy unit: one warp moves up to kChunkInt4 int4 with every load in flight before any store
 // (one memory round trip per chunk). Rows are cut into chunks so that all warps of a block share
@@ -155,47 +204,62 @@ __device__ __forceinline__ void warp_store_chunk(int4* dst, const int4 (&v)[kCop
   }
 }
 
-// End of every block of a send kernel. The block joins; thread 0 then issues one fence.acq_rel.sys
-// and adds 1 (relaxed) to this rank's block counter in `slot` at every rank. Release is cumulative:
-// the barrier orders every thread's peer stores before thread 0's fence, and the fence waits until
-// they are performed at system scope (one NVLink round trip per block, one fence instead of one per
-// warp). The block's rows are published without waiting for any other block. Then the block counts
-// itself done locally; the last block of the grid (it has seen every block's count, so no block
-// still reads the epoch) publishes `epoch` into epochs[epoch_index] for the receive kernel that
-// follows in the stream and resets the local counter. Send kernels never wait, so it always resets.
-__device__ __forceinline__ void finish_send_block(const Comm& c, int* done, int slot, int epoch_index,
-                                                  unsigned long long epoch) {
+// End of every block of a send kernel. The block joins; then thread 0:
+//   - with several nodes, nvshmem_quiet(): every put this PE issued so far, so all of this block's,
+//     is complete at its target (NVSHMEM's quiet guarantee; puts by other threads of the block were
+//     issued before the barrier);
+//   - one fence.acq_rel.sys and a relaxed add of 1 to this rank's node block counter in
+//     `node_slot` at every rank of the node (a release pattern, cumulative over the barrier: every
+//     thread's NVLink stores to node ranks are performed before the add; one fence per block);
+//   - counts the block done locally. The last block of the grid (it has seen every block's count,
+//     so no block still reads the epoch) publishes `epoch` into epochs[epoch_index] for the receive
+//     kernel that follows in the stream and resets the local counter (send kernels never wait, so
+//     it always resets). With several nodes it first issues fence.acq_rel.sys (an acquire after
+//     seeing every block's count: where a transport's puts are plain stores, e.g. P2P, they are
+//     ordered before the signals too), then its threads set `net_slot` [me] to `epoch` at every rank
+//     of another node (nvshmemx_signal_op, NVSHMEM_SIGNAL_SET): every block quieted its puts before
+//     it counted itself done, so each signal is issued after all of this call's puts to that rank
+//     completed, whatever transport carries them.
+__device__ __forceinline__ void finish_send_block(const Peers& s, int* done, int node_slot, int net_slot,
+                                                  int epoch_index, unsigned long long epoch) {
+  __shared__ int last;
+  const Comm& c = s.comm;
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (s.network) nvshmem_quiet();
     fence_acq_rel_sys();
-    for (int d = 0; d < c.nranks; ++d) red_add_relaxed_sys(signal_at(c, d, slot, c.rank), 1);
+    for (int i = 0; i < s.node_ranks; ++i) red_add_relaxed_sys(signal_word(s, s.node_sym[i], node_slot, c.rank), 1);
     const int blocks = static_cast<int>(gridDim.x * gridDim.y);
-    if (atomicAdd(done, 1) == blocks - 1) {
+    last = atomicAdd(done, 1) == blocks - 1;
+    if (last) {
+      if (s.network) fence_acq_rel_sys();  // acquire: every block's completed puts before the signals
       c.epochs[epoch_index] = epoch;
       *done = 0;
     }
   }
+  if (!s.network) return;
+  __syncthreads();
+  if (!last) return;
+  for (int d = threadIdx.x; d < c.nranks; d += blockDim.x)
+    if (!in_node(s, d)) nvshmemx_signal_op(signal_word(s, s.sym, net_slot, c.rank), epoch, NVSHMEM_SIGNAL_SET, d);
 }
 
-// Every block of a receive kernel: thread 0 alone polls (relaxed) until each rank r's block counter
-// in `slot` reaches `target`, fences once (acquire), and the block barrier hands the acquired data
-// to all threads. One poller per block keeps the polls off the L2 slice that the peers' adds must
-// reach. Returns false when a wait timed out (recorded in ErrorState with rank and phase); the block
-// must then leave. With `count_slot` >= 0, tokens_out[r] gets the low 32 bits of rank r's entry
-// there (stored by r before its release).
-__device__ __forceinline__ bool wait_all_sources(const Comm& c, int slot, uint64_t target, int phase,
-                                                 int count_slot, int* tokens_out, int* ok_shared) {
-  if (threadIdx.x == 0) {
-    int ok = 1;
-    for (int r = 0; r < c.nranks && ok; ++r) ok = wait_relaxed_geq(c, signal_at(c, c.rank, slot, r), target, phase, r);
-    fence_acq_rel_sys();
-    if (ok && count_slot >= 0)
-      for (int r = 0; r < c.nranks; ++r)
-        tokens_out[r] = static_cast<int>(ld_relaxed_sys(signal_at(c, c.rank, count_slot, r)) & 0xffffffffu);
-    *ok_shared = ok;
-  }
-  __syncthreads();
-  return *ok_shared != 0;
+// Every block of a receive kernel waits for every source's send of `epoch`: thread i waits for the
+// sources r = i, i + blockDim.x, ... A source in the node: its block counter in `node_slot` reaches
+// `node_target` (relaxed polls, then one acquire load: wait_geq, pairing with finish_send_block's
+// release). A source in another node: its network word in `net_slot` reaches `epoch`
+// (wait_signal_geq: the signal was issued after the source's puts completed, and the fence after
+// the observing fetch orders this thread's later loads after it). The block barrier then hands the
+// acquired data to all threads. Returns false when a wait timed out (recorded in ErrorState with
+// rank, peer and phase); the block must then leave.
+__device__ __forceinline__ bool wait_all_sources(const Peers& s, int node_slot, uint64_t node_target, int net_slot,
+                                                 unsigned long long epoch, int phase) {
+  const Comm& c = s.comm;
+  int ok = 1;
+  for (int r = threadIdx.x; ok && r < c.nranks; r += blockDim.x)
+    ok = in_node(s, r) ? wait_geq(c, signal_word(s, s.sym, node_slot, r), node_target, phase, r)
+                       : wait_signal_geq(c, signal_word(s, s.sym, net_slot, r), epoch, phase, r);
+  return __syncthreads_and(ok) != 0;
 }
 
 }  // namespace ll

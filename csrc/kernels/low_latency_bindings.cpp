@@ -1,5 +1,6 @@
 // Python bindings of the low-latency kernels: a LowLatencyContext holds everything fixed for one
-// Buffer (ranks, dims, peer addresses, offsets), so each call passes only its tensors' addresses.
+// Buffer (ranks, node size, dims, region addresses, offsets), so each call passes only its tensors'
+// addresses.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -14,33 +15,44 @@ using moe_ep::ll::LowLatencyParams;
 
 namespace {
 
-LowLatencyParams make_params(int rank, int nranks, int num_local_experts, int num_topk, int hidden, int max_tokens,
-                             double timeout_s, uintptr_t error, uintptr_t epochs, const std::vector<uintptr_t>& signals,
-                             const std::vector<uintptr_t>& sym, uint64_t dispatch_payload_offset,
-                             uint64_t dispatch_meta_offset, uint64_t combine_payload_offset, uintptr_t done_counters,
+LowLatencyParams make_params(int rank, int nranks, int ranks_per_node, int num_local_experts, int num_topk, int hidden,
+                             int max_tokens, double timeout_s, uintptr_t error, uintptr_t epochs, uintptr_t sym,
+                             const std::vector<uintptr_t>& node_sym, uint64_t dispatch_payload_offset,
+                             uint64_t dispatch_meta_offset, uint64_t combine_payload_offset,
+                             uint64_t combine_scratch_offset, uint64_t signals_offset, uintptr_t done_counters,
                              uintptr_t combine_stash, int blocks_per_expert) {
-  if (nranks < 1 || nranks > moe_ep::ll::kMaxPeers)
-    throw std::invalid_argument("LowLatencyContext: nranks must be in [1, " + std::to_string(moe_ep::ll::kMaxPeers) +
-                                "], got " + std::to_string(nranks));
-  if (static_cast<int>(signals.size()) != nranks || static_cast<int>(sym.size()) != nranks)
-    throw std::invalid_argument("LowLatencyContext: signals and sym need one address per rank");
+  using moe_ep::ll::kMaxNodeRanks;
+  if (ranks_per_node < 1 || ranks_per_node > kMaxNodeRanks || nranks < 1 || nranks % ranks_per_node != 0)
+    throw std::invalid_argument("LowLatencyContext: ranks_per_node must be in [1, " + std::to_string(kMaxNodeRanks) +
+                                "] and divide nranks, got " + std::to_string(ranks_per_node) + " of " +
+                                std::to_string(nranks));
+  if (static_cast<long long>(num_local_experts) * nranks > 32767)
+    throw std::invalid_argument("LowLatencyContext: expert ids travel as int16, so at most 32767 experts, got " +
+                                std::to_string(static_cast<long long>(num_local_experts) * nranks));
+  if (static_cast<int>(node_sym.size()) != ranks_per_node)
+    throw std::invalid_argument("LowLatencyContext: node_sym needs one address per rank of the node");
+  for (int i = 0; i < ranks_per_node; ++i)
+    if (node_sym[i] == 0)
+      throw std::invalid_argument("LowLatencyContext: rank " + std::to_string(rank - rank % ranks_per_node + i) +
+                                  " of this rank's node is not reachable by NVLink loads/stores (nvshmem_ptr is 0)");
   LowLatencyParams p{};
   p.rank = rank;
   p.nranks = nranks;
+  p.ranks_per_node = ranks_per_node;
   p.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
   p.error = error;
   p.epochs = epochs;
-  for (int r = 0; r < nranks; ++r) {
-    p.signals[r] = signals[r];
-    p.sym[r] = sym[r];
-  }
   p.num_local_experts = num_local_experts;
   p.num_topk = num_topk;
   p.hidden = hidden;
   p.max_tokens = max_tokens;
+  p.sym = sym;
+  for (int i = 0; i < ranks_per_node; ++i) p.node_sym[i] = node_sym[i];
   p.dispatch_payload_offset = dispatch_payload_offset;
   p.dispatch_meta_offset = dispatch_meta_offset;
   p.combine_payload_offset = combine_payload_offset;
+  p.combine_scratch_offset = combine_scratch_offset;
+  p.signals_offset = signals_offset;
   p.done_counters = done_counters;
   p.combine_stash = combine_stash;
   p.blocks_per_expert = blocks_per_expert;
@@ -52,10 +64,11 @@ LowLatencyParams make_params(int rank, int nranks, int num_local_experts, int nu
 void register_low_latency(py::module_& m) {
   py::class_<LowLatencyParams>(m, "LowLatencyContext",
                                "Fixed state of one Buffer's low-latency kernels (addresses are device pointers).")
-      .def(py::init(&make_params), py::kw_only(), py::arg("rank"), py::arg("nranks"), py::arg("num_local_experts"),
-           py::arg("num_topk"), py::arg("hidden"), py::arg("max_tokens"), py::arg("timeout_s"), py::arg("error"),
-           py::arg("epochs"), py::arg("signals"), py::arg("sym"), py::arg("dispatch_payload_offset"),
-           py::arg("dispatch_meta_offset"), py::arg("combine_payload_offset"), py::arg("done_counters"),
+      .def(py::init(&make_params), py::kw_only(), py::arg("rank"), py::arg("nranks"), py::arg("ranks_per_node"),
+           py::arg("num_local_experts"), py::arg("num_topk"), py::arg("hidden"), py::arg("max_tokens"),
+           py::arg("timeout_s"), py::arg("error"), py::arg("epochs"), py::arg("sym"), py::arg("node_sym"),
+           py::arg("dispatch_payload_offset"), py::arg("dispatch_meta_offset"), py::arg("combine_payload_offset"),
+           py::arg("combine_scratch_offset"), py::arg("signals_offset"), py::arg("done_counters"),
            py::arg("combine_stash"), py::arg("blocks_per_expert"))
       .def("dispatch_send", &moe_ep::ll::dispatch_send, py::arg("x"), py::arg("topk_idx"), py::arg("num_tokens"),
            py::arg("use_fp8"), py::arg("round_scale"), py::arg("stream"),

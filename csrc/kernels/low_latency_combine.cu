@@ -1,5 +1,6 @@
 // Low-latency combine: each rank pushes every expert output row it holds back to the rank that owns
-// the token, then every rank sums its tokens' rows in ascending k.
+// the token (NVLink stores to ranks of this node, NVSHMEM puts to ranks of other nodes), then every
+// rank sums its tokens' rows in ascending k.
 //
 // What travels: one bf16 row per (token, distinct expert), written at the owner into the combine
 // staging slot (token, first k naming that expert). No partial sums per (token, rank): the result
@@ -12,35 +13,50 @@
 // that is ~4 remote rows per token: 128 tokens send 7.3 MB each way, ~19-21 us at 350-390 GB/s.
 //
 // Protocol (one call = combine_send_kernel, then combine_recv_kernel, same stream; with the
-// receive hook the second launch is deferred to hook()):
+// receive hook the second launch is deferred to hook()). Node ranks / net ranks as in
+// low_latency_dispatch.cu (from ranks_per_node).
 //
 // combine_send_kernel — grid (P, E_l), 512 threads; block (p, e) serves local expert e.
 //   Reads the call's epoch e = epochs[10] + 1 and uses set e & 1. All blocks together first copy
 //   this rank's topk_idx / topk_weights into a private stash (the receive half may run later, after
 //   the caller reused its tensors). The block's rows m = p + P * r < count[e] are cut into 4 KB
 //   chunks, and the (row, chunk) items are spread over all the block's warps: a warp loads its chunk
-//   of y[e][m] (8 int4 per lane, in flight together with the row's src_* loads) and stores it to rank
-//   src_rank[e][m]'s combine staging [set][src_index][src_k] through its peer pointer, so each warp
-//   pays about one memory round trip per item. finish_send_block (low_latency.h): block barrier,
-//   thread 0 issues one fence.acq_rel.sys and adds 1 (relaxed) to slot 10 + (e & 1) [me] at every
-//   rank; the last block (local counter) writes epochs[10] = e.
+//   of y[e][m] (8 int4 per lane, in flight together with the row's src_* loads) and stores it to the
+//   combine staging [set][src_index][src_k] of rank src_rank[e][m] through its NVLink address when
+//   that rank is in the node, so each warp pays about one memory round trip per item. With several
+//   nodes the rows go in rounds of 8: a row for a net rank is stored instead into this block's
+//   scratch row (r mod 8) in the own region (symmetric memory: a put's source must be registered
+//   for every transport, and y is a user tensor); after a block barrier, warp w takes the round's
+//   rows w, w + 16, ...: one fence.acq_rel.sys (the barrier's scratch stores are performed at system
+//   scope before the transport reads them), then nvshmemx_putmem_nbi_warp of the row (2H bytes) to
+//   the same staging slot at that rank. Before a further round rewrites the scratch, a barrier and
+//   nvshmem_quiet() on thread 0 (another barrier after it) complete those puts (NVSHMEM's quiet
+//   guarantee: done with the source). finish_send_block (low_latency.h): block barrier, thread 0
+//   calls nvshmem_quiet() (several nodes: this block's puts are complete at their targets), issues
+//   one fence.acq_rel.sys and adds 1 (relaxed) to node signal [2 + (e & 1)][me] at every node rank;
+//   the last block (local counter) writes epochs[10] = e and, with several nodes, sets net signal
+//   [5][me] = e at every net rank by nvshmemx_signal_op (after every block's quiet: all of this
+//   call's puts to that rank are complete).
 // combine_recv_kernel — grid (max(N, 1), ceil(H / 8 / 256)), 256 threads; thread = 8 channels of
-//   token n. Reads e = epochs[10]. Thread 0 waits (relaxed polls, then one acquire fence; timeout
-//   -> ErrorState, phase LowLatencyCombineRecv) until each rank r's block counter in slot 10 + (e & 1) reaches
-//   P * E_l * ((e + 1) / 2) (every send block of every epoch of this parity up to e; P * E_l is the
-//   same on every rank); a barrier hands the staged rows to the block.
+//   token n. Reads e = epochs[10]. wait_all_sources (low_latency.h; timeout -> ErrorState naming
+//   rank, peer and phase LowLatencyCombineRecv): a node rank until its block counter in node signal
+//   [2 + (e & 1)][r] reaches P * E_l * ((e + 1) / 2) (every send block of every epoch of this
+//   parity up to e; P * E_l is the same on every rank; relaxed polls, then an acquire load), a net
+//   rank until net signal [5][r] >= e (nvshmem_signal_fetch, then an acquire fence); a barrier
+//   hands the staged rows to the block.
 //   Threads k < K put the stashed id, weight and first-k slot of k in shared memory. Each thread
 //   loads its 16 bytes of every valid k's row (all loads in flight), then acc = +0.0 and, for k
 //   ascending with id != -1, acc = __fadd_rn(acc, __fmul_rn(w, float(row))): explicit roundings,
 //   so no FMA can be contracted; bf16 round-to-nearest-even once at the end.
 //
 // Reuse of a staging set: rank s writes set (e & 1) at rank d in its combine send of epoch e; d
-// last read it in its combine receive of e - 2, which precedes d's send of e - 1, whose blocks s
-// waits for in its receive of e - 1, before its send of e (every receive waits for every rank). The
-// same chain keeps epoch e + 2's adds out of the block counter until d's receive of e has read it. This
-// needs a combine's receive half to run before the next combine's send half; the engine enforces
-// that hook() is called before the next low_latency_combine. The stash is single: the send of the
-// next combine follows this combine's receive in the stream.
+// last read it in its combine receive of e - 2, which precedes d's send of e - 1, whose completion
+// s waits for in its receive of e - 1, before its send of e (every receive waits for every rank).
+// The same chain keeps epoch e + 2's adds out of the node block counter until d's receive of e has
+// read it; a net signal only grows. This needs a combine's receive half to run before the next
+// combine's send half; the engine enforces that hook() is called before the next
+// low_latency_combine. The stash and the scratch are single: the send of the next combine follows
+// this combine's receive in the stream, and this send's puts are complete when it ends (quiet).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -54,9 +70,10 @@ constexpr int kSendThreads = 512;
 constexpr int kRecvThreads = 256;
 
 struct CombineSendArgs {
-  Comm comm;
-  uint8_t* payload[kMaxRanks];  // each rank's combine payload area (set 0), as addressed here
-  const int4* y;                // [E_l, R*T, H] bf16
+  Peers peers;
+  uint64_t payload_offset;  // combine payload area (set 0) in every rank's region
+  int4* scratch;            // this rank's combine scratch [P * E_l][kScratchRows][H] bf16 (several nodes)
+  const int4* y;            // [E_l, R*T, H] bf16
   const int* src_rank;
   const int* src_index;
   const int* src_k;
@@ -73,7 +90,7 @@ struct CombineSendArgs {
 };
 
 struct CombineRecvArgs {
-  Comm comm;
+  Peers peers;
   const int4* payload;  // this rank's combine payload area
   const int64_t* stash_idx;
   const float* stash_weights;
@@ -85,9 +102,18 @@ struct CombineRecvArgs {
   int send_blocks;  // every rank's combine send grid: P * E_l
 };
 
-// Send half; protocol in the file comment (combine_send_kernel).
+// Byte offset of staging slot (token t, k) of set `set` in the combine payload area.
+__device__ __forceinline__ size_t staging_at(const CombineSendArgs& a, int set, int t, int k) {
+  return a.payload_offset +
+         ((static_cast<size_t>(set) * a.max_tokens + t) * a.num_topk + k) * 2 * static_cast<size_t>(a.hidden);
+}
+
+// Send half; protocol in the file comment (combine_send_kernel). kNetwork: the group spans several
+// nodes (within one node the kernel has no scratch rounds and no NVSHMEM calls).
+template <bool kNetwork>
 __global__ void __launch_bounds__(kSendThreads, 2) combine_send_kernel(const CombineSendArgs a) {
-  const Comm& c = a.comm;
+  const Peers& s = a.peers;
+  const Comm& c = s.comm;
   const unsigned long long epoch = c.epochs[kEpochCombine] + 1;
   const int set = static_cast<int>(epoch & 1);
   const int e = blockIdx.y, p = blockIdx.x, parts = gridDim.x;
@@ -104,17 +130,38 @@ __global__ void __launch_bounds__(kSendThreads, 2) combine_send_kernel(const Com
   const int row_chunks = chunks_of(row_int4);
   const int block_rows = rows > p ? (rows - p + parts - 1) / parts : 0;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int item = warp; item < block_rows * row_chunks; item += warps) {
-    const int r = item / row_chunks, chunk = item - r * row_chunks;
-    const size_t m = expert_row0 + p + static_cast<size_t>(parts) * r;
-    int4 v[kCopyUnroll];
-    warp_load_chunk(v, a.y + m * row_int4, row_int4, chunk, lane);  // issued with the src_* loads below
-    const int s = a.src_rank[m], t = a.src_index[m], k = a.src_k[m];
-    int4* dst = reinterpret_cast<int4*>(a.payload[s]) +
-                ((static_cast<size_t>(set) * a.max_tokens + t) * a.num_topk + k) * row_int4;
-    warp_store_chunk(dst, v, row_int4, chunk, lane);
+  const int round_rows = kNetwork ? kScratchRows : max(block_rows, 1);  // one round within a node
+  int4* const scratch = a.scratch + static_cast<size_t>(block) * kScratchRows * row_int4;
+  for (int r0 = 0; r0 < block_rows; r0 += round_rows) {
+    const int n = min(round_rows, block_rows - r0);
+    for (int item = warp; item < n * row_chunks; item += warps) {
+      const int r = item / row_chunks, chunk = item - r * row_chunks;
+      const size_t m = expert_row0 + p + static_cast<size_t>(parts) * (r0 + r);
+      int4 v[kCopyUnroll];
+      warp_load_chunk(v, a.y + m * row_int4, row_int4, chunk, lane);  // issued with the src_* loads below
+      const int dst = a.src_rank[m];
+      int4* row = in_node(s, dst)
+                      ? reinterpret_cast<int4*>(node_addr(s, dst, staging_at(a, set, a.src_index[m], a.src_k[m])))
+                      : scratch + static_cast<size_t>(r) * row_int4;
+      warp_store_chunk(row, v, row_int4, chunk, lane);
+    }
+    if (!kNetwork) continue;
+    __syncthreads();  // the round's scratch rows are complete: they are the source of the puts
+    for (int r = warp; r < n; r += warps) {
+      const size_t m = expert_row0 + p + static_cast<size_t>(parts) * (r0 + r);
+      const int dst = a.src_rank[m];
+      if (in_node(s, dst)) continue;
+      fence_acq_rel_sys();
+      nvshmemx_putmem_nbi_warp(s.sym + staging_at(a, set, a.src_index[m], a.src_k[m]),
+                               scratch + static_cast<size_t>(r) * row_int4, 2 * static_cast<size_t>(a.hidden), dst);
+    }
+    if (r0 + round_rows < block_rows) {  // the next round rewrites the scratch: complete these puts first
+      __syncthreads();
+      if (threadIdx.x == 0) nvshmem_quiet();
+      __syncthreads();
+    }
   }
-  finish_send_block(c, a.done, kSigCombine + set, kEpochCombine, epoch);
+  finish_send_block(s, a.done, kSigCombineNode + set, kSigCombineNet, kEpochCombine, epoch);
 }
 
 // Receive half; protocol in the file comment (combine_recv_kernel).
@@ -124,8 +171,7 @@ template <int kSlots>
 __global__ void __launch_bounds__(kRecvThreads, kSlots <= 8 ? 4 : 1) combine_recv_kernel(const CombineRecvArgs a) {
   __shared__ float weight[kMetaEntries];
   __shared__ int slot_k[kMetaEntries];  // staging slot of k (first k with the same expert), -1 if none
-  __shared__ int ok;
-  const Comm& c = a.comm;
+  const Comm& c = a.peers.comm;
   const unsigned long long epoch = c.epochs[kEpochCombine];
   const int set = static_cast<int>(epoch & 1);
   const int n = blockIdx.x;
@@ -141,8 +187,8 @@ __global__ void __launch_bounds__(kRecvThreads, kSlots <= 8 ? 4 : 1) combine_rec
     slot_k[k] = first;
     weight[k] = k < a.num_topk ? a.stash_weights[static_cast<size_t>(n) * a.num_topk + k] : 0.0f;
   }
-  if (!wait_all_sources(c, kSigCombine + set, arrivals_after(epoch, a.send_blocks), kPhaseLowLatencyCombineRecv, -1,
-                        nullptr, &ok))
+  if (!wait_all_sources(a.peers, kSigCombineNode + set, arrivals_after(epoch, a.send_blocks), kSigCombineNet, epoch,
+                        kPhaseLowLatencyCombineRecv))
     return;
 
   const int row_int4 = a.hidden / 8;
@@ -181,8 +227,9 @@ __global__ void __launch_bounds__(kRecvThreads, kSlots <= 8 ? 4 : 1) combine_rec
 void combine_send(const LowLatencyParams& p, uintptr_t y, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k,
                   uintptr_t count, uintptr_t topk_idx, uintptr_t topk_weights, int num_tokens, uintptr_t stream) {
   CombineSendArgs a{};
-  a.comm = make_comm(p);
-  for (int r = 0; r < p.nranks; ++r) a.payload[r] = reinterpret_cast<uint8_t*>(p.sym[r] + p.combine_payload_offset);
+  a.peers = make_peers(p);
+  a.payload_offset = p.combine_payload_offset;
+  a.scratch = reinterpret_cast<int4*>(p.sym + p.combine_scratch_offset);
   a.y = reinterpret_cast<const int4*>(y);
   a.src_rank = reinterpret_cast<const int*>(src_rank);
   a.src_index = reinterpret_cast<const int*>(src_index);
@@ -198,14 +245,18 @@ void combine_send(const LowLatencyParams& p, uintptr_t y, uintptr_t src_rank, ui
   a.max_tokens = p.max_tokens;
   a.done = reinterpret_cast<int*>(p.done_counters) + 1;
   const dim3 grid(p.blocks_per_expert, p.num_local_experts);
-  combine_send_kernel<<<grid, kSendThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (a.peers.network)
+    combine_send_kernel<true><<<grid, kSendThreads, 0, s>>>(a);
+  else
+    combine_send_kernel<false><<<grid, kSendThreads, 0, s>>>(a);
   check_launch("combine send kernel launch");
 }
 
 void combine_recv(const LowLatencyParams& p, uintptr_t out, int num_tokens, uintptr_t stream) {
   CombineRecvArgs a{};
-  a.comm = make_comm(p);
-  a.payload = reinterpret_cast<const int4*>(p.sym[p.rank] + p.combine_payload_offset);
+  a.peers = make_peers(p);
+  a.payload = reinterpret_cast<const int4*>(p.sym + p.combine_payload_offset);
   a.stash_idx = reinterpret_cast<const int64_t*>(p.combine_stash);
   a.stash_weights = reinterpret_cast<const float*>(p.combine_stash + sizeof(int64_t) * p.max_tokens * p.num_topk);
   a.out = reinterpret_cast<uint4*>(out);

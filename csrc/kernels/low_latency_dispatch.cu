@@ -1,45 +1,60 @@
 // Low-latency dispatch: every token travels once to each rank that holds at least one of its
-// experts (NVLink peer stores into that rank's symmetric staging), and the receiver expands the
-// staged tokens into expert-major rows [E_l, R*T, H] packed by (source rank, source token).
+// experts, into that rank's symmetric staging (NVLink stores for ranks of this node, NVSHMEM puts
+// for ranks of other nodes), and the receiver expands the staged tokens into expert-major rows
+// [E_l, R*T, H] packed by (source rank, source token).
 //
 // Protocol (one call = dispatch_send_kernel, then dispatch_recv_kernel, same stream; with the
-// receive hook the second launch is deferred to hook()):
+// receive hook the second launch is deferred to hook()). "Node ranks" are the ranks of this rank's
+// node (ranks_per_node), "net ranks" all others; nothing below depends on whether nvshmem_ptr
+// reaches a net rank.
 //
 // dispatch_send_kernel — grid G = min(T, 1024) blocks whatever N is (dispatch_send_blocks; every rank
 // uses the same G, so receivers know how many arrivals to wait for); block b takes tokens b, b + G, ...
 // One thread per 16 channels (FP8) or 8 channels (bf16), at most 1024 threads. Every block reads
-// the call's epoch e = epochs[8] + 1 and uses buffer set e & 1 and the slots of that parity.
-//   0. Block 0's threads d < R store (e << 32) | N into slot 12 + (e & 1) [me] at rank d.
+// the call's epoch e = epochs[8] + 1 and uses staging set e & 1. Token t's staging slot at every
+// rank is [set][me][t] (meta row and payload row).
 //   1. Per token: every thread first issues the loads of its channels of x (step 2), so their latency
-//      overlaps the routing. Warp 0 derives it: lane k < K reads topk id k (one coalesced load) and
-//      computes its rank and local expert id (32-bit division); an OR-reduction gives the set of
-//      destination ranks (to shared memory, slot by token iteration parity), and lanes d < R build by
-//      shuffles and write the token's meta row at rank d: its local expert id at d for each k (-1
-//      elsewhere, padded to 16), to meta[set][me][t] — for every rank, so a receiver can tell "not
-//      for me" from stale data without any other count. A block barrier publishes the set.
+//      overlaps the routing. Warp 0 derives it: lane k < K reads topk id k (one coalesced load),
+//      computes its rank (32-bit division), and the distinct destination ranks other than me
+//      (__match_any_sync) go to shared memory as two lists (slot by token iteration parity): node
+//      ranks (as the address of the token's payload slot there) and net ranks. The meta row (global
+//      expert id per k as int16, -1 past K; tag = low 32 bits of e) is built by shuffles and stored
+//      to the own slot and, by the lane of each node destination, to its slot there. A block barrier
+//      publishes the lists.
 //   2. FP8: each thread holds 16 channels (two int4), the 8 threads of a 128-channel block reduce
 //      amax by shuffles, and each rank quantises its own token exactly once; bf16: one int4 per
-//      thread. The 16-byte chunk (and the block scale) is stored to payload[set][me][t] at each
-//      destination rank through its peer pointer (own rank included).
-//   3. finish_send_block (low_latency.h): the block joins, thread 0 issues one fence.acq_rel.sys
-//      (cumulative over the block's stores) and adds 1 (relaxed) to slot 8 + (e & 1) [me] at every
-//      rank. No block waits for another; the last block to finish (local counter) writes
-//      epochs[8] = e for the receive kernel.
+//      thread. The 16-byte chunk (and the block scale) is stored to the own slot (always: it is the
+//      source of the puts below, and the own receiver skips a token naming none of its experts) and
+//      to the slot of each node destination through its NVLink address.
+//   3. Net destinations (only when the group spans several nodes): a block barrier ends the own
+//      slot's stores; warp j takes net destinations j, j + warps, ...: one fence.acq_rel.sys (the
+//      barrier's stores are performed at system scope before the transport reads them), then
+//      nvshmemx_putmem_nbi_warp of the meta row (48 bytes) and of the payload (2H bytes bf16, or
+//      H + H/32 with FP8) from the own slot (symmetric memory, registered for every transport) to
+//      the same slot at that rank. No completion is awaited here.
+//   4. finish_send_block (low_latency.h): the block joins; thread 0 calls nvshmem_quiet() (several
+//      nodes: the block's puts are complete at their targets), issues one fence.acq_rel.sys
+//      (cumulative over the block's NVLink stores) and adds 1 (relaxed) to node signal
+//      [e & 1][me] at every node rank. No block waits for another; the last block to finish (local
+//      counter) writes epochs[8] = e for the receive kernel and, with several nodes, sets net signal
+//      [me] = e at every net rank with nvshmemx_signal_op (issued after every block's quiet, so
+//      after all of this call's puts completed: NVSHMEM's quiet guarantee, not put ordering).
 // dispatch_recv_kernel — grid (P, E_l), 512 threads; block (p, e) serves local expert e;
 // P = 256 / E_l (1 to 32, from the Buffer's dimensions), so the grid is about one wave and skewed
 // experts get more warps.
-//   1. Reads e = epochs[8] (published by the send kernel before it). Thread 0 waits (relaxed
-//      polls, then one acquire fence; timeout -> ErrorState naming rank and phase
-//      LowLatencyDispatchRecv) until each source r's block counter in slot 8 + (e & 1) reaches
-//      G * ((e + 1) / 2) (all G blocks of every epoch of this parity up to e), then takes N_r from
-//      the low 32 bits of slot 12 + (e & 1) [r], which r's block 0 stored before its release; a
-//      barrier hands the data to the block.
-//   2. Scans every staged meta row (s, t < N_s) in (s, t) order, contiguous chunks per thread,
-//      and counts the tokens naming e (once per token, at its first k). A block-wide exclusive scan
-//      of the per-thread counts gives each token's row: deterministic, no atomics. Rows m with
-//      m % P == p are this block's: it writes src_rank / src_index / src_k (first k naming e, for
-//      combine) for them, and keeps the staged token of its first 1024 rows in shared memory; block
-//      p == 0 writes count[e]. All P blocks of e compute the same scan.
+//   1. Reads e = epochs[8] (published by the send kernel before it). wait_all_sources
+//      (low_latency.h; timeout -> ErrorState naming rank, peer and phase LowLatencyDispatchRecv):
+//      thread i waits for sources i, i + 512, ...: a node source until its block counter in node
+//      signal [e & 1][r] reaches G * ((e + 1) / 2) (all G blocks of every epoch of this parity up
+//      to e; relaxed polls, then an acquire load), a net source until net signal [r] >= e
+//      (nvshmem_signal_fetch polls, then an acquire fence); a barrier hands the data to the block.
+//   2. Scans every staged meta row (s, t) in (s, t) order, contiguous chunks per thread: a row
+//      whose tag is not e is stale (its source did not send token t here this call), else the
+//      token counts for e once, at its first k naming global expert me * E_l + e. A block-wide
+//      exclusive scan of the per-thread counts gives each token's row: deterministic, no atomics.
+//      Rows m with m % P == p are this block's: it writes src_rank / src_index / src_k (first k
+//      naming e, for combine) for them, and keeps the staged token of its first 1024 rows in shared
+//      memory; block p == 0 writes count[e]. All P blocks of e compute the same scan.
 //   3. After a barrier, the block's rows are cut into 4 KB chunks (plus, with FP8, one item for the
 //      row's scales), and the (row, chunk) items are spread over all warps: a warp loads its chunk
 //      from the local staging (8 int4 per lane, all in flight) and stores it into recv_x[e][m], so
@@ -47,13 +62,16 @@
 //
 // Why the staging of a set is never overwritten while a receiver still reads it: rank s writes set
 // (e & 1) at rank d during its send of epoch e. d last read that set in its receive of epoch e - 2.
-// d's receive of e - 2 precedes (stream order) d's send of e - 1, whose arrivals rank s waits for in its
-// receive of e - 1, which precedes s's send of e. Every receive waits for every source's blocks, even
-// from ranks that sent no tokens, so the chain exists for every pair (s, d). The same chain covers
-// the count slot, which therefore still holds epoch e's token count when d reads it, and the
-// block counter of parity e & 1, which gets no add of epoch e + 2 before d's receive of e has read
-// it. It needs each rank to run a call's receive half before the next dispatch's send half: the
-// engine enforces that hook() is called before the next low_latency_dispatch.
+// d's receive of e - 2 precedes (stream order) d's send of e - 1, whose completion rank s waits for
+// in its receive of e - 1 (block counters or the net signal), which precedes s's send of e. Every
+// receive waits for every source, even ranks that sent it no tokens, so the chain exists for every
+// pair (s, d). The same chain keeps the node block counter of parity e & 1 free of epoch e + 2's
+// adds until d's receive of e has read it; a net signal only grows, so seeing a later epoch there
+// also means e's puts completed. s's own slot, the source of its puts, is rewritten only by its
+// send of e + 2, after its own receive of e and the quiet of its send of e. A stale meta row of the
+// set carries a tag of epoch e - 2 or earlier (or 0, the region starts zeroed), never e. It needs
+// each rank to run a call's receive half before the next dispatch's send half: the engine enforces
+// that hook() is called before the next low_latency_dispatch.
 //
 // FP8 arithmetic matches moe_ep.fp8.quantize bit for bit: amax over 128 channels in float32 (exact),
 // clamped to >= 1e-4; scale = amax / 448 by IEEE division (__fdiv_rn), or with round_scale the
@@ -81,11 +99,11 @@ constexpr int kRecvThreads = 512;
 constexpr int kSharedRows = 1024;  // block rows whose staged token stays in shared memory (others: src_*)
 
 struct DispatchSendArgs {
-  Comm comm;
-  uint8_t* payload[kMaxRanks];  // each rank's dispatch payload area (set 0), as addressed here
-  int16_t* meta[kMaxRanks];     // each rank's dispatch meta area (set 0)
-  const uint4* x;               // [N, H] bf16
-  const int64_t* topk_idx;      // [N, K]
+  Peers peers;
+  uint64_t payload_offset;  // dispatch payload area (set 0) in every rank's region
+  uint64_t meta_offset;     // dispatch meta area (set 0)
+  const uint4* x;           // [N, H] bf16
+  const int64_t* topk_idx;  // [N, K]
   int num_tokens;
   int num_local_experts;
   int num_topk;
@@ -95,15 +113,16 @@ struct DispatchSendArgs {
 };
 
 struct DispatchRecvArgs {
-  Comm comm;
+  Peers peers;
   const uint8_t* payload;  // this rank's dispatch payload area
-  const int16_t* meta;     // this rank's dispatch meta area
+  const uint8_t* meta;     // this rank's dispatch meta area
   uint8_t* recv_x;
   float* recv_scales;
   int* src_rank;
   int* src_index;
   int* src_k;
   int* count;
+  int num_local_experts;
   int num_topk;
   int hidden;
   int max_tokens;
@@ -138,56 +157,73 @@ __device__ __forceinline__ uint4 quantize16(const float* v, float scale) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+__device__ __forceinline__ void store_meta(uint8_t* row, const unsigned (&w)[kMetaEntries / 2], unsigned tag) {
+  uint4* dst = reinterpret_cast<uint4*>(row);
+  dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  dst[2] = make_uint4(tag, 0u, 0u, 0u);
+}
+
 // Send half; protocol in the file comment (dispatch_send_kernel).
 template <bool kFp8, bool kRoundScale>
 __global__ void __launch_bounds__(1024) dispatch_send_kernel(const DispatchSendArgs a) {
-  __shared__ unsigned dest_masks[2];  // by token iteration parity: no barrier needed before reuse
-  const Comm& c = a.comm;
+  // Destinations of the current token other than me, by token iteration parity (no barrier needed
+  // before reuse): node ranks as their payload slot's address, net ranks as rank numbers.
+  __shared__ uint8_t* node_rows[2][kMetaEntries];
+  __shared__ int net_ranks[2][kMetaEntries];
+  __shared__ int num_node[2], num_net[2];
+  const Peers& s = a.peers;
+  const Comm& c = s.comm;
   const unsigned long long epoch = c.epochs[kEpochDispatch] + 1;
   const int set = static_cast<int>(epoch & 1);
-  if (blockIdx.x == 0 && threadIdx.x < static_cast<unsigned>(c.nranks))
-    *signal_at(c, threadIdx.x, kSigDispatchCount + set, c.rank) =
-        (static_cast<uint64_t>(epoch) << 32) | static_cast<uint32_t>(a.num_tokens);
   constexpr int kChannels = kFp8 ? 16 : 8;  // channels per thread and step
   constexpr int kVecs = kChannels / 8;      // uint4 loads per thread and step
   const int chunks = a.hidden / kChannels;
+  const size_t row_bytes = 2 * static_cast<size_t>(a.hidden);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   int it = 0;
   for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x, ++it) {  // block-uniform (barrier, shuffles)
+    const int par = it & 1;
     const uint4* src = a.x + static_cast<size_t>(t) * (a.hidden / 8);
     uint4 first[kVecs];  // this thread's first step, loaded before the routing so both latencies overlap
 #pragma unroll
     for (int u = 0; u < kVecs; ++u)
       first[u] = static_cast<int>(threadIdx.x) < chunks ? src[kVecs * threadIdx.x + u] : make_uint4(0, 0, 0, 0);
     const size_t slot = static_cast<size_t>(set * c.nranks + c.rank) * a.max_tokens + t;
-    if (threadIdx.x < 32) {  // warp 0: lane k owns topk id k; lanes d < R write rank d's meta row
-      const int lane = threadIdx.x;
+    const size_t payload_at = a.payload_offset + slot * row_bytes;
+    const size_t meta_at = a.meta_offset + slot * kMetaBytes;
+    if (warp == 0) {  // lane k owns topk id k
       const int e = lane < a.num_topk ? static_cast<int>(a.topk_idx[static_cast<size_t>(t) * a.num_topk + lane]) : -1;
-      const int dst_rank = e >= 0 ? e / a.num_local_experts : -1;
-      const int local = e >= 0 ? e - dst_rank * a.num_local_experts : -1;
-      const unsigned mask = __reduce_or_sync(0xffffffffu, dst_rank >= 0 ? 1u << dst_rank : 0u);
+      const int dst = e >= 0 ? e / a.num_local_experts : -1;
+      const unsigned same = __match_any_sync(0xffffffffu, dst);
+      const bool first_of_rank = dst >= 0 && dst != c.rank && __ffs(same) - 1 == lane;
+      const bool node = first_of_rank && in_node(s, dst);
+      const unsigned node_mask = __ballot_sync(0xffffffffu, node);
+      const unsigned net_mask = __ballot_sync(0xffffffffu, first_of_rank && !node);
+      const unsigned below = (1u << lane) - 1u;
       unsigned w[kMetaEntries / 2];
 #pragma unroll
       for (int i = 0; i < kMetaEntries / 2; ++i) {
-        unsigned pair = 0;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int k = 2 * i + h;
-          const int r = __shfl_sync(0xffffffffu, dst_rank, k);
-          const int l = __shfl_sync(0xffffffffu, local, k);
-          pair |= (static_cast<unsigned>(r == lane ? l : -1) & 0xffffu) << (16 * h);
-        }
-        w[i] = pair;
+        const unsigned lo = static_cast<unsigned>(__shfl_sync(0xffffffffu, e, 2 * i)) & 0xffffu;
+        const unsigned hi = static_cast<unsigned>(__shfl_sync(0xffffffffu, e, 2 * i + 1)) & 0xffffu;
+        w[i] = lo | (hi << 16);
       }
-      if (lane < c.nranks) {
-        uint4* dst = reinterpret_cast<uint4*>(a.meta[lane] + slot * kMetaEntries);
-        dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-        dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+      const unsigned tag = static_cast<unsigned>(epoch);
+      if (lane == 0) {
+        store_meta(s.sym + meta_at, w, tag);
+        num_node[par] = __popc(node_mask);
+        num_net[par] = __popc(net_mask);
       }
-      if (lane == 0) dest_masks[it & 1] = mask;
+      if (node) {
+        store_meta(node_addr(s, dst, meta_at), w, tag);
+        node_rows[par][__popc(node_mask & below)] = node_addr(s, dst, payload_at);
+      } else if (first_of_rank) {
+        net_ranks[par][__popc(net_mask & below)] = dst;
+      }
     }
     __syncthreads();
-    const unsigned dest_mask = dest_masks[it & 1];
-    const size_t row_offset = slot * 2 * static_cast<size_t>(a.hidden);
+    const int nodes = num_node[par];
+    uint8_t* const own_row = s.sym + payload_at;
     for (int base = 0; base < chunks; base += blockDim.x) {  // block-uniform trip count (shuffles)
       const int i = base + threadIdx.x;
       const bool active = i < chunks;  // FP8: chunks % 8 == 0, a 128-channel block is all in or all out
@@ -208,35 +244,44 @@ __global__ void __launch_bounds__(1024) dispatch_send_kernel(const DispatchSendA
         if constexpr (kRoundScale) scale = round_up_pow2(scale);
         if (!active) continue;
         const uint4 q = quantize16(f, scale);
-        for (int d = 0; d < c.nranks; ++d) {
-          if (!(dest_mask >> d & 1u)) continue;
-          uint8_t* row = a.payload[d] + row_offset;
+        for (int d = -1; d < nodes; ++d) {  // -1: the own slot
+          uint8_t* row = d < 0 ? own_row : node_rows[par][d];
           reinterpret_cast<uint4*>(row)[i] = q;
           if ((i & 7) == 0) reinterpret_cast<float*>(row + a.hidden)[i >> 3] = scale;
         }
       } else {
         if (!active) continue;
-        for (int d = 0; d < c.nranks; ++d)
-          if (dest_mask >> d & 1u) reinterpret_cast<uint4*>(a.payload[d] + row_offset)[i] = v[0];
+        for (int d = -1; d < nodes; ++d) reinterpret_cast<uint4*>(d < 0 ? own_row : node_rows[par][d])[i] = v[0];
       }
     }
+    if (!s.network) continue;
+    const int nets = num_net[par];
+    if (nets == 0) continue;
+    __syncthreads();  // the own slot is complete: it is the source of the puts
+    const size_t payload_bytes = kFp8 ? a.hidden + static_cast<size_t>(a.hidden / 128) * sizeof(float) : row_bytes;
+    for (int j = warp; j < nets; j += warps) {
+      const int d = net_ranks[par][j];
+      fence_acq_rel_sys();
+      nvshmemx_putmem_nbi_warp(s.sym + meta_at, s.sym + meta_at, kMetaBytes, d);
+      nvshmemx_putmem_nbi_warp(own_row, own_row, payload_bytes, d);
+    }
   }
-  finish_send_block(c, a.done, kSigDispatch + set, kEpochDispatch, epoch);
+  finish_send_block(s, a.done, kSigDispatchNode + set, kSigDispatchNet, kEpochDispatch, epoch);
 }
 
-// First k at which staged token j = s * T + t names local expert e, or -1 (also when t >= N_s).
-__device__ __forceinline__ int first_k(const DispatchRecvArgs& a, const int* tokens, int set, int j, int e) {
-  const int s = j / a.max_tokens, t = j - s * a.max_tokens;
-  if (t >= tokens[s]) return -1;
+// First k at which staged token j = s * T + t names local expert e (global expert `expert`), or -1
+// (also when the row is stale: its tag is not this call's).
+__device__ __forceinline__ int first_k(const DispatchRecvArgs& a, int set, unsigned tag, int j, int expert) {
   const uint4* m = reinterpret_cast<const uint4*>(
-      a.meta + (static_cast<size_t>(set * a.comm.nranks) * a.max_tokens + j) * kMetaEntries);
+      a.meta + (static_cast<size_t>(set * a.peers.comm.nranks) * a.max_tokens + j) * kMetaBytes);
+  if (m[2].x != tag) return -1;
   const uint4 q0 = m[0];
   const uint4 q1 = a.num_topk > 8 ? m[1] : make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
   const unsigned w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
 #pragma unroll
   for (int k = 0; k < kMetaEntries; ++k) {
-    const int local = static_cast<int16_t>(w[k >> 1] >> (16 * (k & 1)));
-    if (k < a.num_topk && local == e) return k;
+    const int id = static_cast<int16_t>(w[k >> 1] >> (16 * (k & 1)));
+    if (k < a.num_topk && id == expert) return k;
   }
   return -1;
 }
@@ -269,29 +314,30 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int* 
 // Receive half; protocol in the file comment (dispatch_recv_kernel).
 template <bool kFp8>
 __global__ void __launch_bounds__(kRecvThreads, 2) dispatch_recv_kernel(const DispatchRecvArgs a) {
-  __shared__ int tokens[kMaxRanks];
   __shared__ int warp_sums[32];
   __shared__ int staged_j[kSharedRows];  // staged token (s * T + t) of the block's first rows
-  __shared__ int ok;
-  const Comm& c = a.comm;
+  const Peers& sp = a.peers;
+  const Comm& c = sp.comm;
   const unsigned long long epoch = c.epochs[kEpochDispatch];
   const int set = static_cast<int>(epoch & 1);
-  if (!wait_all_sources(c, kSigDispatch + set, arrivals_after(epoch, a.send_blocks), kPhaseLowLatencyDispatchRecv,
-                        kSigDispatchCount + set, tokens, &ok))
+  if (!wait_all_sources(sp, kSigDispatchNode + set, arrivals_after(epoch, a.send_blocks), kSigDispatchNet, epoch,
+                        kPhaseLowLatencyDispatchRecv))
     return;
 
   const int e = blockIdx.y, p = blockIdx.x, parts = gridDim.x;
+  const int expert = c.rank * a.num_local_experts + e;
+  const unsigned tag = static_cast<unsigned>(epoch);
   const int capacity = c.nranks * a.max_tokens;
   const int per_thread = (capacity + blockDim.x - 1) / blockDim.x;
   const int j0 = min(static_cast<int>(threadIdx.x) * per_thread, capacity);
   const int j1 = min(j0 + per_thread, capacity);
   int mine = 0;
-  for (int j = j0; j < j1; ++j) mine += first_k(a, tokens, set, j, e) >= 0;
+  for (int j = j0; j < j1; ++j) mine += first_k(a, set, tag, j, expert) >= 0;
   int total;
   int m = block_exclusive_scan(mine, warp_sums, &total);
   const size_t expert_row0 = static_cast<size_t>(e) * capacity;
   for (int j = j0; j < j1; ++j) {
-    const int k = first_k(a, tokens, set, j, e);
+    const int k = first_k(a, set, tag, j, expert);
     if (k < 0) continue;
     if (m % parts == p) {
       const int s = j / a.max_tokens;
@@ -336,11 +382,9 @@ __global__ void __launch_bounds__(kRecvThreads, 2) dispatch_recv_kernel(const Di
 void dispatch_send(const LowLatencyParams& p, uintptr_t x, uintptr_t topk_idx, int num_tokens, bool use_fp8,
                    bool round_scale, uintptr_t stream) {
   DispatchSendArgs a{};
-  a.comm = make_comm(p);
-  for (int r = 0; r < p.nranks; ++r) {
-    a.payload[r] = reinterpret_cast<uint8_t*>(p.sym[r] + p.dispatch_payload_offset);
-    a.meta[r] = reinterpret_cast<int16_t*>(p.sym[r] + p.dispatch_meta_offset);
-  }
+  a.peers = make_peers(p);
+  a.payload_offset = p.dispatch_payload_offset;
+  a.meta_offset = p.dispatch_meta_offset;
   a.x = reinterpret_cast<const uint4*>(x);
   a.topk_idx = reinterpret_cast<const int64_t*>(topk_idx);
   a.num_tokens = num_tokens;
@@ -365,15 +409,16 @@ void dispatch_send(const LowLatencyParams& p, uintptr_t x, uintptr_t topk_idx, i
 void dispatch_recv(const LowLatencyParams& p, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t src_rank,
                    uintptr_t src_index, uintptr_t src_k, uintptr_t count, bool use_fp8, uintptr_t stream) {
   DispatchRecvArgs a{};
-  a.comm = make_comm(p);
-  a.payload = reinterpret_cast<const uint8_t*>(p.sym[p.rank] + p.dispatch_payload_offset);
-  a.meta = reinterpret_cast<const int16_t*>(p.sym[p.rank] + p.dispatch_meta_offset);
+  a.peers = make_peers(p);
+  a.payload = reinterpret_cast<const uint8_t*>(p.sym + p.dispatch_payload_offset);
+  a.meta = reinterpret_cast<const uint8_t*>(p.sym + p.dispatch_meta_offset);
   a.recv_x = reinterpret_cast<uint8_t*>(recv_x);
   a.recv_scales = reinterpret_cast<float*>(recv_scales);
   a.src_rank = reinterpret_cast<int*>(src_rank);
   a.src_index = reinterpret_cast<int*>(src_index);
   a.src_k = reinterpret_cast<int*>(src_k);
   a.count = reinterpret_cast<int*>(count);
+  a.num_local_experts = p.num_local_experts;
   a.num_topk = p.num_topk;
   a.hidden = p.hidden;
   a.max_tokens = p.max_tokens;

@@ -11,6 +11,10 @@ dispatch results may be held at once. A CUDA graph replays into the set it captu
 results are fresh tensors. With return_recv_hook=True the hook must run before the next call of
 the same kind (the buffer-reuse protocol in the kernels relies on it); the engine enforces that.
 Issue all calls of one Buffer on one stream; a hook launches on the stream of its call.
+
+Across nodes (cfg.ranks_per_node < R): ranks of this rank's node are reached by NVLink stores, all
+others only by NVSHMEM puts and signals (csrc/kernels/low_latency_dispatch.cu, protocol comment);
+the decision follows ranks_per_node, so ranks_per_node=1 on one machine runs the network code.
 """
 from __future__ import annotations
 
@@ -26,7 +30,10 @@ from .base import BufferConfig
 if TYPE_CHECKING:
     from .symmetric import ErrorWatch, NvshmemSession, SymmetricTensor
 
-META_ENTRIES = 16  # int16 expert ids per staged token: csrc/kernels/low_latency.h kMetaEntries
+# Mirrors of csrc/kernels/low_latency.h: kMetaBytes, kScratchRows, kNumSignals.
+META_BYTES = 48  # one staged token's meta row: 16 int16 expert ids, uint32 epoch tag, padding
+SCRATCH_ROWS = 8  # combine scratch rows per send block (several nodes)
+NUM_SIGNALS = 6  # signal words per source rank
 ALIGN = 256
 HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding of this one allocation
 # Per-expert kernels: P = clamp(PER_EXPERT_GRID // E_l, 1, MAX_BLOCKS_PER_EXPERT) blocks per expert, about
@@ -40,21 +47,31 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def blocks_per_expert(cfg: BufferConfig) -> int:
+    """P of the per-expert kernels (the combine send grid is P * E_l blocks)."""
+    return max(1, min(MAX_BLOCKS_PER_EXPERT, PER_EXPERT_GRID // cfg.num_local_experts))
+
+
 @dataclass(frozen=True)
 class SymmetricLayout:
-    """Byte offsets of the areas in the one symmetric allocation (each holds both buffer sets)."""
+    """Byte offsets of the areas in the one symmetric allocation (staging areas hold both buffer sets)."""
 
     dispatch_payload: int  # [2][R][T][2H] bytes: bf16 row, or e4m3 row + H/128 float32 scales
-    dispatch_meta: int  # [2][R][T][16] int16 local expert ids
+    dispatch_meta: int  # [2][R][T][META_BYTES]: int16 global expert ids, epoch tag
     combine_payload: int  # [2][T][K][H] bf16
+    combine_scratch: int  # [P * E_l][SCRATCH_ROWS][H] bf16, only when the group spans several nodes
+    signals: int  # [NUM_SIGNALS][R] uint64
     total: int
 
     @classmethod
     def of(cls, cfg: BufferConfig) -> "SymmetricLayout":
         r, t, h, k = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden, cfg.num_topk
         meta = _align(2 * r * t * 2 * h)
-        combine = _align(meta + 2 * r * t * META_ENTRIES * 2)
-        return cls(0, meta, combine, _align(combine + 2 * t * k * h * 2))
+        combine = _align(meta + 2 * r * t * META_BYTES)
+        scratch = _align(combine + 2 * t * k * h * 2)
+        scratch_rows = blocks_per_expert(cfg) * cfg.num_local_experts * SCRATCH_ROWS if cfg.num_nodes > 1 else 0
+        signals = _align(scratch + scratch_rows * h * 2)
+        return cls(0, meta, combine, scratch, signals, _align(signals + NUM_SIGNALS * r * 8))
 
 
 @dataclass(frozen=True)
@@ -109,28 +126,33 @@ class _Hook:
 
 
 class LowLatencyEngine:
-    """Runs the low-latency kernels of one Buffer; owns its symmetric staging and output sets."""
+    """Runs the low-latency kernels of one Buffer; owns its symmetric region (staging and signal
+    words) and output sets. `signals` (the Buffer's comm.h signal array, at most 8 sources per slot)
+    is not used: the low-latency signal words live in the region, R per slot, for any R."""
 
     def __init__(self, cfg: BufferConfig, session: NvshmemSession, signals: SymmetricTensor,
                  epochs: torch.Tensor, error: ErrorWatch) -> None:
         self.cfg = cfg
         self._session = session
-        self._signals, self._epochs, self._error = signals, epochs, error  # kept alive: the kernels use them
+        self._epochs, self._error = epochs, error  # kept alive: the kernels use them
         self._native: Any = _native.load()
         layout = SymmetricLayout.of(cfg)
         self._sym: Optional[SymmetricTensor] = session.alloc((layout.total,), torch.uint8)
+        node_first = cfg.node * cfg.ranks_per_node
         self._sets = [_OutputSet.allocate(cfg), _OutputSet.allocate(cfg)]
         self._done_counters = torch.zeros(2, dtype=torch.int32, device=cfg.device)
         t_k = cfg.max_tokens_per_rank * cfg.num_topk
         self._stash = torch.zeros(t_k * (8 + 4), dtype=torch.uint8, device=cfg.device)  # int64 ids, float32 weights
         self._ctx = self._native.LowLatencyContext(
-            rank=cfg.rank, nranks=cfg.world_size, num_local_experts=cfg.num_local_experts, num_topk=cfg.num_topk,
-            hidden=cfg.hidden, max_tokens=cfg.max_tokens_per_rank, timeout_s=cfg.timeout_s,
-            error=error.device_ptr, epochs=epochs.data_ptr(), signals=list(signals.peer_ptrs),
-            sym=list(self._sym.peer_ptrs), dispatch_payload_offset=layout.dispatch_payload,
-            dispatch_meta_offset=layout.dispatch_meta, combine_payload_offset=layout.combine_payload,
-            done_counters=self._done_counters.data_ptr(), combine_stash=self._stash.data_ptr(),
-            blocks_per_expert=max(1, min(MAX_BLOCKS_PER_EXPERT, PER_EXPERT_GRID // cfg.num_local_experts)),
+            rank=cfg.rank, nranks=cfg.world_size, ranks_per_node=cfg.ranks_per_node,
+            num_local_experts=cfg.num_local_experts, num_topk=cfg.num_topk, hidden=cfg.hidden,
+            max_tokens=cfg.max_tokens_per_rank, timeout_s=cfg.timeout_s, error=error.device_ptr,
+            epochs=epochs.data_ptr(), sym=self._sym.ptr,
+            node_sym=self._sym.peer_ptrs[node_first:node_first + cfg.ranks_per_node],
+            dispatch_payload_offset=layout.dispatch_payload, dispatch_meta_offset=layout.dispatch_meta,
+            combine_payload_offset=layout.combine_payload, combine_scratch_offset=layout.combine_scratch,
+            signals_offset=layout.signals, done_counters=self._done_counters.data_ptr(),
+            combine_stash=self._stash.data_ptr(), blocks_per_expert=blocks_per_expert(cfg),
         )
         torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
         self._device_index = torch.device(cfg.device).index
