@@ -138,11 +138,11 @@ class LowLatencyEngine:
         self._native: Any = _native.load()
         layout = SymmetricLayout.of(cfg)
         self._sym: Optional[SymmetricTensor] = session.alloc((layout.total,), torch.uint8)
-        node_first = cfg.node * cfg.ranks_per_node
         self._sets = [_OutputSet.allocate(cfg), _OutputSet.allocate(cfg)]
         self._done_counters = torch.zeros(2, dtype=torch.int32, device=cfg.device)
         t_k = cfg.max_tokens_per_rank * cfg.num_topk
         self._stash = torch.zeros(t_k * (8 + 4), dtype=torch.uint8, device=cfg.device)  # int64 ids, float32 weights
+        node_first = cfg.node * cfg.ranks_per_node  # node ranks: NVLink addresses; the others: PE + symmetric address
         self._ctx = self._native.LowLatencyContext(
             rank=cfg.rank, nranks=cfg.world_size, ranks_per_node=cfg.ranks_per_node,
             num_local_experts=cfg.num_local_experts, num_topk=cfg.num_topk, hidden=cfg.hidden,
