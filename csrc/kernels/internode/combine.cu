@@ -20,14 +20,16 @@
 //      last used this set, so comb_stage and its comb_recv are free; signal fetch + acquire fence).
 //   b. Warps take (n_s, slot) items whose forward_mask (from the dispatch) is non-zero and sum the
 //      rows of the local ranks in the mask, ascending, into comb_stage[set][n_s][slot] (bf16).
-//   c. After the barrier, warps put every run of such slots to comb_recv[set][n][slot] at (n_s, l)
-//      (nvshmemx_putmem_nbi_warp); after the next barrier thread n_s calls nvshmem_fence and
+//   c. After the barrier, warps take (n_s, slot) items and put each such partial for another node
+//      to comb_recv[set][n][slot] at (n_s, l) (nvshmemx_putmem_nbi_warp; my own node's partials stay
+//      in comb_stage, where C3 reads them); after the next barrier thread n_s calls nvshmem_fence and
 //      signal-ops comb_recv_sig[set][n][q] = e there (the partials are delivered before the signal),
 //      and threads j < L publish comb_nvl_credit[l][q] = e at local rank j.
 //  C3 finish (this rank as the source (n, l)):
 //   a. Threads n_d < N_n wait until comb_recv_sig[set][n_d][q] >= e (signal fetch + acquire fence).
 //   b. Warp per token t of the chunk: out[t] = bf16(sum over the nodes n_d that received t, in
-//      ascending order, of float(partial)), from +0.0 (tokens that went nowhere get +0).
+//      ascending order, of float(partial)), from +0.0 (tokens that went nowhere get +0); my own
+//      node's partial is read from comb_stage.
 //   c. After the barrier threads n_d signal-op comb_credit[n][q] = e at (n_d, l).
 // As in the dispatch no step waits for a later step of any rank. The last block adds the round count
 // to epochs[2]; a timeout leaves the loops and the host raises CommTimeoutError.
@@ -144,14 +146,12 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
             vecs, lane);
       }
       __syncthreads();
-      const int groups = (S + 31) / 32;
-      for (int item = warp; item < Nn * groups; item += kWarps) {
-        const int ns = item / groups, g = item % groups, t = lo + g * 32 + lane;
-        const bool present = g * 32 + lane < S && t < T && __ldg(forward_mask + (size_t)ns * T + t) != 0;
-        put_runs(ctx.at<char>(ctx.ws.comb_recv) + ((size_t)set * Nn + n) * C * row_bytes,
-                 ctx.at<char>(ctx.ws.comb_stage) + ((size_t)set * Nn + ns) * C * row_bytes, row_bytes, k0 + g * 32,
-                 __ballot_sync(kFullMask, present), same_local(ns));
-      }
+      put_chunk(ctx.at<char>(ctx.ws.comb_recv) + ((size_t)set * Nn + n) * C * row_bytes,
+                [&](int ns) { return ctx.at<char>(ctx.ws.comb_stage) + ((size_t)set * Nn + ns) * C * row_bytes; },
+                row_bytes, Nn, k0, S, same_local,
+                [&](int ns, int i) {
+                  return ns != n && lo + i < T && __ldg(forward_mask + (size_t)ns * T + lo + i) != 0;
+                });
       __syncthreads();
       for (int ns = tid; ns < Nn; ns += kThreads) {
         nvshmem_fence();
@@ -168,11 +168,13 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
       for (int i = warp; i < mine; i += kWarps) {
         const int t = lo + i, k = k0 + i;
         const char* partials = ctx.at<char>(ctx.ws.comb_recv);
+        const char* own = ctx.at<char>(ctx.ws.comb_stage);  // my node's partials never left this rank
         warp_sum_rows(
             reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out) + (size_t)t * row_bytes), Nn,
             [&](int nd) {
               return in_node[(size_t)t * Nn + nd]
-                         ? reinterpret_cast<const int4*>(partials + (((size_t)set * Nn + nd) * C + k) * row_bytes)
+                         ? reinterpret_cast<const int4*>((nd == n ? own : partials) +
+                                                         (((size_t)set * Nn + nd) * C + k) * row_bytes)
                          : nullptr;
             },
             vecs, lane);

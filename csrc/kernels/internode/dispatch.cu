@@ -13,25 +13,26 @@
 //   b. Warp per token: the row (and FP8 scales) into send_row[set][slot]; for each destination node
 //      its RowMeta (tag e, token index, local mask and positions of the node's ranks from pos,
 //      global topk ids and weights) into send_meta[set][n_d][slot].
-//   c. Warps take (n_d, 32-slot group) items and put every run of consecutive slots bound for n_d,
-//      rows and metas, to the same slots of rdma_row/rdma_meta[set][n] at (n_d, l)
-//      (nvshmemx_putmem_nbi_warp from symmetric staging). After the barrier thread n_d calls
+//   c. Warps take (n_d, slot) items and put each row and meta bound for another node n_d to the same
+//      slot of rdma_row/rdma_meta[set][n] at (n_d, l) (nvshmemx_putmem_nbi_warp from symmetric
+//      staging; rows for my own node stay in the staging, where D2 reads them). After the barrier thread n_d calls
 //      nvshmem_fence (orders this PE's puts to (n_d, l) before what follows) and signal-ops
 //      rdma_sig[set][n][q] = e there. So the rows are delivered before the signal (NVSHMEM).
 //  D2 forward (this rank as the forwarder of node n for local index l):
 //   a. Threads j < L wait until nvl_credit[j][q] >= e - 2 (local rank j finished reading the round
 //      that last used this set; NVLink flag, acquire); threads n_s < N_n wait until
 //      rdma_sig[set][n_s][q] >= e (signal fetch + acquire fence: the rows of round e are here).
-//   b. Warps take (n_s, slot) items; a slot whose meta tag is e holds a row of this round: its local
-//      mask goes to forward_mask[n_s][token] (combine replays it), and row and meta are stored (one
-//      load, one store per destination) into nvl_row/nvl_meta[set][l][n_s][slot] of every local rank
-//      in the mask, through NVLink peer addresses.
+//   b. Warps take (n_s, slot) items (node n_s's slots from rdma_row/meta, my own node's from my
+//      staging); a slot whose meta tag is e holds a row of this round: its local mask goes to
+//      forward_mask[n_s][token] (combine replays it); if I am in the mask the row goes straight to my
+//      output (as in D3b), and row and meta are stored (one load, one store per destination) into
+//      nvl_row/nvl_meta[set][l][n_s][slot] of every other local rank in the mask (NVLink).
 //   c. After the barrier, threads j < L publish nvl_sig[set][l][q] = e at local rank j (fence.acq_rel
 //      .sys, then a relaxed store: release), and threads n_s < N_n signal-op rdma_credit[n][q] = e at
 //      (n_s, l): every read of this round's rows is done.
 //  D3 receive (this rank as a destination, local index l):
 //   a. Threads l' < L wait until nvl_sig[set][l'][q] >= e (NVLink flag, acquire).
-//   b. Warps take (l', n_s, slot) items; a slot whose tag is e is the token of source s = n_s*L + l'
+//   b. Warps take (l', n_s, slot) items for l' != l; a slot whose tag is e is the token of source s = n_s*L + l'
 //      at position p = meta.pos[l]: row, scales, local expert ids (-1 where the expert is elsewhere),
 //      weights (0 there), token index and s go to output row first[s] + p (ld.cg reads).
 //   c. After the barrier threads l' < L publish nvl_credit[l][q] = e at local rank l'.
@@ -139,17 +140,13 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
       if (!ok) break;
       for (int i = warp; i < mine; i += kWarps) stage_token(ctx, a, t0 + i, k0 + i, set, e, lane);
       __syncthreads();
-      const int groups = (S + 31) / 32;
-      for (int item = warp; item < Nn * groups; item += kWarps) {
-        const int nd = item / groups, g = item % groups, i = g * 32 + lane;
-        const bool present = i < S && i < mine && in_node[(size_t)(t0 + i) * Nn + nd];
-        const unsigned bits = __ballot_sync(kFullMask, present);
-        put_runs(ctx.at<char>(ctx.ws.rdma_row) + ((size_t)set * Nn + n) * C * RB,
-                 ctx.at<char>(ctx.ws.send_row) + (size_t)set * C * RB, RB, k0 + g * 32, bits, same_local(nd));
-        put_runs(ctx.at<char>(ctx.ws.rdma_meta) + ((size_t)set * Nn + n) * C * M,
-                 ctx.at<char>(ctx.ws.send_meta) + ((size_t)set * Nn + nd) * C * M, M, k0 + g * 32, bits,
-                 same_local(nd));
-      }
+      const auto bound = [&](int nd, int i) { return nd != n && i < mine && in_node[(size_t)(t0 + i) * Nn + nd]; };
+      put_chunk(ctx.at<char>(ctx.ws.rdma_row) + ((size_t)set * Nn + n) * C * RB,
+                [&](int) { return ctx.at<char>(ctx.ws.send_row) + (size_t)set * C * RB; }, RB, Nn, k0, S, same_local,
+                bound);
+      put_chunk(ctx.at<char>(ctx.ws.rdma_meta) + ((size_t)set * Nn + n) * C * M,
+                [&](int nd) { return ctx.at<char>(ctx.ws.send_meta) + ((size_t)set * Nn + nd) * C * M; }, M, Nn, k0,
+                S, same_local, bound);
       __syncthreads();
       for (int nd = tid; nd < Nn; nd += kThreads) {
         nvshmem_fence();
@@ -167,15 +164,21 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
       for (int item = warp; item < Nn * S; item += kWarps) {
         const int ns = item / S, k = k0 + item % S;
         const size_t slot = ((size_t)set * Nn + ns) * C + k;
-        const RowMeta* m = ctx.at<RowMeta>(ctx.ws.rdma_meta) + slot;
+        // rows of my own node never left this rank: they are still in my staging
+        const RowMeta* m = ns == n ? ctx.at<RowMeta>(ctx.ws.send_meta) + ((size_t)set * Nn + n) * C + k
+                                   : ctx.at<RowMeta>(ctx.ws.rdma_meta) + slot;
+        const char* row = ns == n ? ctx.at<char>(ctx.ws.send_row) + ((size_t)set * C + k) * RB
+                                  : ctx.at<char>(ctx.ws.rdma_row) + slot * RB;
         if (__ldcg(reinterpret_cast<const unsigned long long*>(&m->tag)) != e) continue;
         const unsigned mask = static_cast<unsigned>(__ldcg(&m->local_mask));
         if (lane == 0 && a.forward_mask != 0)
           reinterpret_cast<int*>(a.forward_mask)[(size_t)ns * T + __ldcg(&m->src_index)] = static_cast<int>(mask);
+        if ((mask >> l) & 1u) receive_row(ctx, a, m, row, ns * L + l, lane);  // I am a destination too
+        const unsigned others = mask & ~(1u << l);
         const size_t nvl_slot = (((size_t)set * L + l) * Nn + ns) * C + k;
-        warp_copy_to_peers(ctx, ctx.ws.nvl_row + nvl_slot * RB,
-                           reinterpret_cast<const int4*>(ctx.at<char>(ctx.ws.rdma_row) + slot * RB), RB / 16, mask, lane);
-        warp_copy_to_peers(ctx, ctx.ws.nvl_meta + nvl_slot * M, reinterpret_cast<const int4*>(m), M / 16, mask, lane);
+        warp_copy_to_peers(ctx, ctx.ws.nvl_row + nvl_slot * RB, reinterpret_cast<const int4*>(row), RB / 16, others,
+                           lane);
+        warp_copy_to_peers(ctx, ctx.ws.nvl_meta + nvl_slot * M, reinterpret_cast<const int4*>(m), M / 16, others, lane);
       }
       __syncthreads();
       publish_to_node(ctx, ctx.ws.nvl_sig, ((size_t)set * L + l) * kChannels + q, L, e);
@@ -189,6 +192,7 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
       if (!ok) break;
       for (int item = warp; item < L * Nn * S; item += kWarps) {
         const int lp = item / (Nn * S), ns = item / S % Nn, k = k0 + item % S;
+        if (lp == l) continue;  // my own forwarding placed those rows in D2
         const size_t slot = (((size_t)set * L + lp) * Nn + ns) * C + k;
         const RowMeta* m = ctx.at<RowMeta>(ctx.ws.nvl_meta) + slot;
         if (__ldcg(reinterpret_cast<const unsigned long long*>(&m->tag)) != e) continue;

@@ -319,17 +319,18 @@ __device__ __forceinline__ void publish_to_node(const DeviceContext& ctx, uint64
   }
 }
 
-// The warp puts (network) every run of consecutive present slots among [k0, k0 + 32) — bit i of
-// `present` is slot k0 + i — from src + k * stride (this rank) to dst + k * stride at `pe`.
-__device__ __forceinline__ void put_runs(char* dst, const char* src, size_t stride, int k0, unsigned present,
-                                         int pe) {
-  while (present != 0) {
-    const int first = __ffs(present) - 1;
-    const unsigned rest = ~(present >> first);
-    const int len = rest == 0 ? 32 - first : __ffs(rest) - 1;
-    const size_t off = (size_t)(k0 + first) * stride;
-    nvshmemx_putmem_nbi_warp(dst + off, src + off, (size_t)len * stride, pe);
-    present &= len >= 32 ? 0u : ~(((1u << len) - 1u) << first);
+// Network puts of one chunk, spread over every warp of the block: item (p, i) for p < peers and
+// i < S puts slot k0 + i (`stride` bytes at src(p) + k * stride) to dst + k * stride at PE pe(p) when
+// present(p, i) holds (nvshmemx_putmem_nbi_warp; one row per warp at a time keeps every warp of the
+// block moving bytes). The caller makes the block join and fences before it signals.
+template <class Src, class Pe, class Present>
+__device__ __forceinline__ void put_chunk(char* dst, Src src, size_t stride, int peers, int k0, int S, Pe pe,
+                                          Present present) {
+  const int warp = threadIdx.x / 32;
+  for (int item = warp; item < peers * S; item += blockDim.x / 32) {
+    const int p = item / S, k = k0 + item % S;
+    if (!present(p, item % S)) continue;
+    nvshmemx_putmem_nbi_warp(dst + (size_t)k * stride, src(p) + (size_t)k * stride, stride, pe(p));
   }
 }
 
