@@ -381,6 +381,10 @@ def main() -> None:
         print_table(rows)
         print("device time per kernel (us, rank 0):")
         print_kernels(rows)
+    if use_gpu:
+        from .backends.symmetric import NvshmemSession
+
+        NvshmemSession.shutdown()  # collective; every Buffer above is closed
     dist.destroy_process_group()
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep import fp8
+from moe_ep.backends import internode
 from tests._dist import requires_gpus, run_workers
 from tests.oracle import random_topk
 
@@ -332,6 +333,17 @@ def _worker(rank: int, world: int, topo: dict) -> None:
                 if rank == 0:
                     print(f"{label} case {case.seed} shape {shape}", flush=True)
                 _run_case(nat, ref, shape, case, rank)
+    if topo:  # the cross-node path once more with exact-size outputs allocated after the count wait
+        internode.EAGER_OUTPUT_BYTES, eager = 0, internode.EAGER_OUTPUT_BYTES
+        shape = next(iter(SHAPES))
+        hidden, experts, k, t = shape
+        with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", hidden=hidden, num_experts=experts, num_topk=k,
+                           max_tokens_per_rank=t, **topo) as nat, \
+                moe_ep.Buffer(dist.group.WORLD, backend="reference", hidden=hidden, num_experts=experts,
+                              num_topk=k, max_tokens_per_rank=t, **topo) as ref:
+            for case in SHAPES[shape]:
+                _run_case(nat, ref, shape, case, rank)
+        internode.EAGER_OUTPUT_BYTES = eager
     for part in (_stress, _graph, _timeout):
         if rank == 0:
             print(f"{label} {part.__name__.strip('_')}", flush=True)

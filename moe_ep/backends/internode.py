@@ -8,9 +8,10 @@ for the budget below), not by R * T rows. The NvshmemBackend uses this engine fo
 calls when the group spans several nodes (or when asked to, with one node, to run the forwarding leg).
 
 The host computes each call's layout with torch (is_token_in_rank, each token's position among the
-tokens for each rank, the nodes it goes to), the notify kernel exchanges counts, and, outside
-worst-case mode, the host waits for them to allocate exact-size outputs (R * T rows would not fit
-at scale). Worst-case mode sizes every output at R * T rows and never waits, so it captures into a
+tokens for each rank, the nodes it goes to) and the notify kernel exchanges counts. Outside
+worst-case mode the host waits for the counts to size the result: while outputs of R * T rows fit in
+EAGER_OUTPUT_BYTES it allocates those and launches the dispatch kernel first (results are views of
+the first M rows), beyond that (large R) it allocates exact-size outputs after the wait. Worst-case mode sizes every output at R * T rows and never waits, so it captures into a
 CUDA graph. Calls of one Buffer must be ordered on the device (one stream, or events between
 streams). The channels are fixed (INTERNODE_CHANNELS) and a call's blocks serve them in turn, so
 ranks may pass different num_sms.
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
 # Symmetric memory one Buffer's cross-node workspace may take (per GPU); the round size follows.
 WORKSPACE_BUDGET_BYTES = 2 << 30
 HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding of the one allocation
+# Outside worst-case mode, outputs of R * T rows up to this size are allocated before the counts are
+# known, so the dispatch kernel starts without waiting for the host.
+EAGER_OUTPUT_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,7 @@ class InternodeEngine:
         dev, r, t, h, k = cfg.device, cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden, cfg.num_topk
         n, fp8 = x.shape[0], x.dtype == torch.float8_e4m3fn
         cached = handle is not None
+        counts_ready: Optional[torch.cuda.Event] = None  # recorded after notify, outside worst-case mode
         if cached:
             state: NodeDispatchState = handle.state
             worst_case, recv_counts = handle.worst_case, handle.recv_counts
@@ -150,16 +155,16 @@ class InternodeEngine:
             self._ctx.notify(layout.tokens_per_rank.data_ptr(), layout.tokens_per_expert.data_ptr(), n,
                              recv_info.data_ptr(), tokens_per_expert_tensor.data_ptr(), expert_alignment, worst_case,
                              stream.cuda_stream)
-            raw: Optional[list[int]] = None
-            if worst_case:
-                recv_counts = None
-            else:
-                torch.cuda.current_stream(dev).synchronize()
-                self._error.check()
-                recv_counts, raw = self._ctx.host_info()
             state = NodeDispatchState(layout.pos, layout.in_node, recv_info,
-                                      torch.zeros(cfg.num_nodes, t, dtype=torch.int32, device=dev), raw)
-        m = r * t if worst_case else sum(recv_counts)
+                                      torch.zeros(cfg.num_nodes, t, dtype=torch.int32, device=dev), None)
+            recv_counts = None
+            if not worst_case:
+                counts_ready = torch.cuda.Event()
+                counts_ready.record(stream)
+        eager = counts_ready is not None and r * t * (h * x.element_size() + 16 * k) <= EAGER_OUTPUT_BYTES
+        if counts_ready is not None and not eager:
+            recv_counts = self._wait_counts(counts_ready)
+        m = r * t if worst_case or eager else sum(recv_counts)
         out_x = torch.empty(m, h, dtype=x.dtype, device=dev)
         out_scales = torch.empty(m, cfg.num_scales, dtype=torch.float32, device=dev) if fp8 else None
         if cached:
@@ -185,6 +190,15 @@ class InternodeEngine:
             _ptr(out_topk_weights), 0 if cached else src_rank.data_ptr(), 0 if cached else src_index.data_ptr(),
             0 if cached else state.forward_mask.data_ptr(), cached, num_sms, stream.cuda_stream,
         )
+        if eager:
+            recv_counts = self._wait_counts(counts_ready)
+            m = sum(recv_counts)
+            out_x, src_rank, src_index = out_x[:m], src_rank[:m], src_index[:m]
+            out_topk_idx, out_topk_weights = out_topk_idx[:m], out_topk_weights[:m]
+            out_scales = out_scales[:m] if fp8 else None
+        if counts_ready is not None:
+            state = NodeDispatchState(state.pos, state.in_node, state.recv_info, state.forward_mask,
+                                      self._ctx.host_info()[1])
         new_handle = handle if cached else DispatchHandle(
             buffer_id=cfg.buffer_id, num_tokens=n, num_recv_rows=m, is_token_in_rank=in_rank,
             recv_counts=recv_counts, src_rank=src_rank, src_index=src_index, worst_case=worst_case, state=state,
@@ -195,6 +209,12 @@ class InternodeEngine:
             tokens_per_expert_tensor=tokens_per_expert_tensor, src_rank=src_rank, src_index=src_index,
             handle=new_handle, event=record_event(async_op, dev),
         )
+
+    def _wait_counts(self, counts_ready: torch.cuda.Event) -> list[int]:
+        """Rows from each source, once the notify kernel before `counts_ready` has run."""
+        counts_ready.synchronize()
+        self._error.check()
+        return self._ctx.host_info()[0]
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, *, num_sms: int,
                 stream: torch.cuda.Stream) -> torch.Tensor:
