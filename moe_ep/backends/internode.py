@@ -7,8 +7,8 @@ is bounded by rounds of C token slots (csrc/kernels/internode/internode.h owns t
 for the budget below), not by R * T rows. The NvshmemBackend uses this engine for its normal-mode
 calls when the group spans several nodes (or when asked to, with one node, to run the forwarding leg).
 
-The host computes each call's layout with torch (is_token_in_rank, each token's position among the
-tokens for each rank, the nodes it goes to) and the notify kernel exchanges counts. Outside
+A call's routing (is_token_in_rank, each token's position among the tokens for each rank, the nodes
+it goes to) comes from the route kernel, then the notify kernel exchanges counts. Outside
 worst-case mode the host waits for the counts to size the result: while outputs of R * T rows fit in
 EAGER_OUTPUT_BYTES it allocates those and launches the dispatch kernel first (results are views of
 the first M rows), beyond that (large R) it allocates exact-size outputs after the wait. Worst-case mode sizes every output at R * T rows and never waits, so it captures into a
@@ -40,7 +40,7 @@ EAGER_OUTPUT_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class Layout:
-    """One call's routing, computed on the device with torch."""
+    """One call's routing (csrc/kernels/internode/route.cu)."""
 
     in_rank: torch.Tensor  # [N, R] bool
     pos: torch.Tensor  # [N, R] int32: position of token n among the tokens for rank r, -1 if not sent
@@ -69,26 +69,6 @@ def workspace_plan(cfg: BufferConfig) -> tuple[int, int]:
 def heap_bytes(cfg: BufferConfig) -> int:
     """Symmetric heap this engine allocates."""
     return workspace_plan(cfg)[1] + HEAP_SLACK
-
-
-def route(cfg: BufferConfig, topk_idx: torch.Tensor) -> Layout:
-    """Where each token goes, from its expert ids (deterministic torch ops, no host sync)."""
-    n, r, e = topk_idx.shape[0], cfg.world_size, cfg.num_experts
-    owner = torch.where(topk_idx >= 0, topk_idx // cfg.num_local_experts, r)
-    in_rank = torch.zeros(n, r + 1, dtype=torch.bool, device=topk_idx.device).scatter_(1, owner, True)[:, :r]
-    in_rank = in_rank.contiguous()
-    # scanned along the innermost dimension (a scan along dim 0 of [N, R] is ~100x slower for small R)
-    before = torch.cumsum(in_rank.t().contiguous(), 1, dtype=torch.int32).t() - 1
-    pos = torch.where(in_rank, before, -1).to(torch.int32)
-    hit = torch.zeros(n, e + 1, dtype=torch.bool, device=topk_idx.device)
-    hit.scatter_(1, torch.where(topk_idx >= 0, topk_idx, e), True)
-    return Layout(
-        in_rank=in_rank,
-        pos=pos.contiguous(),
-        in_node=in_rank.view(n, cfg.num_nodes, cfg.ranks_per_node).any(dim=2).contiguous(),
-        tokens_per_rank=in_rank.sum(0, dtype=torch.int32),
-        tokens_per_expert=hit[:, :e].sum(0, dtype=torch.int32),
-    )
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -127,6 +107,21 @@ class InternodeEngine:
         """Token slots per round (C)."""
         return self._ctx.round_tokens
 
+    def route(self, topk_idx: torch.Tensor, stream: torch.cuda.Stream) -> Layout:
+        """Where each token goes, from its expert ids (the route kernel; no host sync)."""
+        cfg, n, dev = self.cfg, topk_idx.shape[0], self.cfg.device
+        layout = Layout(
+            in_rank=torch.empty(n, cfg.world_size, dtype=torch.bool, device=dev),
+            pos=torch.empty(n, cfg.world_size, dtype=torch.int32, device=dev),
+            in_node=torch.empty(n, cfg.num_nodes, dtype=torch.bool, device=dev),
+            tokens_per_rank=torch.empty(cfg.world_size, dtype=torch.int32, device=dev),
+            tokens_per_expert=torch.empty(cfg.num_experts, dtype=torch.int32, device=dev),
+        )
+        self._ctx.route(topk_idx.data_ptr(), n, layout.in_rank.data_ptr(), layout.pos.data_ptr(),
+                        layout.in_node.data_ptr(), layout.tokens_per_rank.data_ptr(),
+                        layout.tokens_per_expert.data_ptr(), stream.cuda_stream)
+        return layout
+
     @property
     def data(self) -> torch.Tensor:
         """The workspace's data areas (rows, metadata, counts), without its signal words."""
@@ -148,7 +143,7 @@ class InternodeEngine:
             tokens_per_expert_tensor = torch.div(raw_device + (expert_alignment - 1), expert_alignment,
                                                  rounding_mode="floor") * expert_alignment
         else:
-            layout = route(cfg, topk_idx)
+            layout = self.route(topk_idx, stream)
             in_rank = layout.in_rank
             recv_info = torch.empty(2 * r + cfg.num_local_experts + 1, dtype=torch.int32, device=dev)
             tokens_per_expert_tensor = torch.empty(cfg.num_local_experts, dtype=torch.int32, device=dev)

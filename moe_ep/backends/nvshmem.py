@@ -31,7 +31,7 @@ from ..types import (
 )
 from .base import Backend, BufferConfig, align_up, record_event
 from . import internode
-from .internode import InternodeEngine, route
+from .internode import InternodeEngine
 from .symmetric import NvshmemSession
 
 HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding, per allocation
@@ -124,7 +124,7 @@ class NvshmemBackend(Backend):
     def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
         cfg, n = self.cfg, topk_idx.shape[0]
         if self._internode is not None:
-            layout = route(cfg, topk_idx)
+            layout = self._internode.route(topk_idx, torch.cuda.current_stream(cfg.device))
             return DispatchLayout(num_tokens_per_rank=layout.tokens_per_rank,
                                   num_tokens_per_expert=layout.tokens_per_expert, is_token_in_rank=layout.in_rank)
         per_rank = torch.empty(cfg.world_size, dtype=torch.int32, device=cfg.device)

@@ -71,6 +71,12 @@ class InternodeContext {
     host_info_device_ = nullptr;
   }
 
+  void route(uintptr_t topk_idx, int num_tokens, uintptr_t in_rank, uintptr_t pos, uintptr_t in_node,
+             uintptr_t tokens_per_rank, uintptr_t tokens_per_expert, uintptr_t stream) const {
+    launch_route(ctx_, RouteArgs{topk_idx, num_tokens, in_rank, pos, in_node, tokens_per_rank, tokens_per_expert},
+                 stream);
+  }
+
   void notify(uintptr_t tokens_per_rank, uintptr_t tokens_per_expert, int num_tokens, uintptr_t recv_info,
               uintptr_t tokens_per_expert_aligned, int expert_alignment, bool worst_case, uintptr_t stream) const {
     const uintptr_t host = worst_case ? 0 : reinterpret_cast<uintptr_t>(host_info_device_);
@@ -166,6 +172,8 @@ void register_internode(py::module_& m) {
            py::arg("error"), py::arg("epochs"), py::arg("block_counters"), py::arg("workspace"),
            py::arg("node_peers"))
       .def("close", &InternodeContext::close, "Free the host-mapped count mailbox.")
+      .def("route", &InternodeContext::route,
+           "Launch the routing kernel: is_token_in_rank, positions, nodes, tokens per rank and expert.")
       .def("notify", &InternodeContext::notify, "Launch the count exchange; fills recv_info.")
       .def("host_info", &InternodeContext::host_info,
            "(rows per source, rows per local expert) written by the last non-worst-case notify.")

@@ -163,6 +163,16 @@ struct Context {
 // [2R, 2R + E_l) received rows per local expert (not aligned); [2R + E_l] rounds of this call.
 inline int recv_info_entries(const Dims& d) { return 2 * d.nranks + d.num_local_experts() + 1; }
 
+struct RouteArgs {
+  uintptr_t topk_idx;           // [N, K] int64
+  int num_tokens;               // N
+  uintptr_t in_rank;            // out [N, R] bool
+  uintptr_t pos;                // out [N, R] int32: position among my tokens for rank r, -1 if not sent
+  uintptr_t in_node;            // out [N, N_n] bool
+  uintptr_t tokens_per_rank;    // out [R] int32
+  uintptr_t tokens_per_expert;  // out [E] int32 (a token naming an expert twice counts once)
+};
+
 struct NotifyArgs {
   uintptr_t tokens_per_rank;    // [R] int32: my tokens for each rank
   uintptr_t tokens_per_expert;  // [E] int32: my tokens for each expert (once per token)
@@ -202,6 +212,7 @@ struct CombineArgs {
   int num_blocks;
 };
 
+void launch_route(const Context& c, const RouteArgs& a, uintptr_t stream);
 void launch_notify(const Context& c, const NotifyArgs& a, uintptr_t stream);
 void launch_dispatch(const Context& c, const DispatchArgs& a, uintptr_t stream);
 void launch_combine(const Context& c, const CombineArgs& a, uintptr_t stream);
