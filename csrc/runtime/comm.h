@@ -56,7 +56,8 @@ enum Phase : int {
   kPhaseNodeCombineGather = 14,      // cross-node combine: forwarder waiting for a local rank's rows
   kPhaseNodeCombineCredit = 15,      // cross-node combine: waiting for a rank to free a buffer
   kPhaseNodeCombineRecv = 16,        // cross-node combine: waiting for a node's partial sums
-  kNumPhases = 17,
+  kPhaseNodeStart = 17,              // cross-node: waiting for a peer to finish its previous call
+  kNumPhases = 18,
 };
 
 // Written once by the first wait that times out; lives in host-mapped memory so the host reads it

@@ -29,6 +29,7 @@ constexpr const char* kPhaseNames[] = {
     "cross-node combine: forwarder waiting for a local rank's rows",
     "cross-node combine: waiting for a rank to free a buffer",
     "cross-node combine: waiting for a node's partial sums",
+    "cross-node: waiting for a peer to finish its previous call",
 };
 static_assert(sizeof(kPhaseNames) / sizeof(kPhaseNames[0]) == kNumPhases, "kPhaseNames must name every Phase");
 

@@ -13,8 +13,9 @@ worst-case mode the host waits for the counts to size the result: while outputs 
 EAGER_OUTPUT_BYTES it allocates those and launches the dispatch kernel first (results are views of
 the first M rows), beyond that (large R) it allocates exact-size outputs after the wait. Worst-case mode sizes every output at R * T rows and never waits, so it captures into a
 CUDA graph. Calls of one Buffer must be ordered on the device (one stream, or events between
-streams). The channels are fixed (INTERNODE_CHANNELS) and a call's blocks serve them in turn, so
-ranks may pass different num_sms.
+streams), and every rank must pass the same num_sms to a call: block q of every rank is channel q
+of that call (at most INTERNODE_MAX_CHANNELS); a rank that launched fewer blocks leaves its peers'
+extra channels waiting until the timeout names it.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class NodeDispatchState:
     in_node: torch.Tensor
     recv_info: torch.Tensor  # [2R + E_l + 1] int32 (internode.h recv_info_entries)
     forward_mask: torch.Tensor  # [N_n, T] int32: as forwarder, the local ranks each token went to
+    own_row: torch.Tensor  # [N_n, T] int32: as forwarder, my output row of each token I forwarded to myself
     tokens_per_expert: Optional[list[int]]  # raw received rows per local expert; None in worst-case mode
 
 
@@ -151,7 +153,8 @@ class InternodeEngine:
                              recv_info.data_ptr(), tokens_per_expert_tensor.data_ptr(), expert_alignment, worst_case,
                              stream.cuda_stream)
             state = NodeDispatchState(layout.pos, layout.in_node, recv_info,
-                                      torch.zeros(cfg.num_nodes, t, dtype=torch.int32, device=dev), None)
+                                      torch.zeros(cfg.num_nodes, t, dtype=torch.int32, device=dev),
+                                      torch.empty(cfg.num_nodes, t, dtype=torch.int32, device=dev), None)
             recv_counts = None
             if not worst_case:
                 counts_ready = torch.cuda.Event()
@@ -183,7 +186,7 @@ class InternodeEngine:
             state.in_node.data_ptr(), state.recv_info.data_ptr(), n, h * x.element_size(),
             cfg.num_scales if fp8 else 0, out_x.data_ptr(), _ptr(out_scales), _ptr(out_topk_idx),
             _ptr(out_topk_weights), 0 if cached else src_rank.data_ptr(), 0 if cached else src_index.data_ptr(),
-            0 if cached else state.forward_mask.data_ptr(), cached, num_sms, stream.cuda_stream,
+            state.forward_mask.data_ptr(), state.own_row.data_ptr(), cached, num_sms, stream.cuda_stream,
         )
         if eager:
             recv_counts = self._wait_counts(counts_ready)
@@ -192,7 +195,7 @@ class InternodeEngine:
             out_topk_idx, out_topk_weights = out_topk_idx[:m], out_topk_weights[:m]
             out_scales = out_scales[:m] if fp8 else None
         if counts_ready is not None:
-            state = NodeDispatchState(state.pos, state.in_node, state.recv_info, state.forward_mask,
+            state = NodeDispatchState(state.pos, state.in_node, state.recv_info, state.forward_mask, state.own_row,
                                       self._ctx.host_info()[1])
         new_handle = handle if cached else DispatchHandle(
             buffer_id=cfg.buffer_id, num_tokens=n, num_recv_rows=m, is_token_in_rank=in_rank,
@@ -217,8 +220,8 @@ class InternodeEngine:
         state: NodeDispatchState = handle.state
         out = torch.empty(handle.num_tokens, self.cfg.hidden, dtype=torch.bfloat16, device=self.cfg.device)
         self._ctx.combine(x.data_ptr(), handle.src_index.data_ptr(), state.recv_info.data_ptr(),
-                          state.forward_mask.data_ptr(), state.in_node.data_ptr(), handle.num_tokens, out.data_ptr(),
-                          num_sms, stream.cuda_stream)
+                          state.forward_mask.data_ptr(), state.own_row.data_ptr(), state.in_node.data_ptr(),
+                          handle.num_tokens, out.data_ptr(), num_sms, stream.cuda_stream)
         return out
 
     def close(self) -> None:

@@ -41,9 +41,8 @@ class InternodeContext {
                    int num_experts, int round_tokens, double timeout_s, uintptr_t error, uintptr_t epochs,
                    uintptr_t block_counters, uintptr_t workspace, const std::vector<uintptr_t>& node_peers) {
     ctx_.dims = make_dims(rank, nranks, ranks_per_node, max_tokens, hidden, num_topk, num_experts, round_tokens);
-    if (round_tokens < kChannels || round_tokens % kChannels != 0)
-      throw std::invalid_argument("InternodeContext: round_tokens must be a positive multiple of " +
-                                  std::to_string(kChannels));
+    if (round_tokens < 1 || round_tokens > max_tokens)
+      throw std::invalid_argument("InternodeContext: round_tokens must be in [1, max_tokens]");
     if (static_cast<int>(node_peers.size()) != ranks_per_node)
       throw std::invalid_argument("InternodeContext: need one workspace address per rank of this node");
     ctx_.ws = workspace_layout(ctx_.dims);
@@ -97,7 +96,8 @@ class InternodeContext {
   void dispatch(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t pos,
                 uintptr_t in_node, uintptr_t recv_info, int num_tokens, int row_bytes, int num_scales, uintptr_t out_x,
                 uintptr_t out_scales, uintptr_t out_topk_idx, uintptr_t out_topk_weights, uintptr_t out_src_rank,
-                uintptr_t out_src_index, uintptr_t forward_mask, bool cached, int num_blocks, uintptr_t stream) const {
+                uintptr_t out_src_index, uintptr_t forward_mask, uintptr_t own_row, bool cached, int num_blocks,
+                uintptr_t stream) const {
     DispatchArgs a{};
     a.x = x;
     a.x_scales = x_scales;
@@ -116,16 +116,17 @@ class InternodeContext {
     a.out_src_rank = out_src_rank;
     a.out_src_index = out_src_index;
     a.forward_mask = forward_mask;
+    a.own_row = own_row;
     a.cached = cached;
-    a.num_blocks = num_blocks < kChannels ? num_blocks : kChannels;
+    a.num_blocks = num_blocks < kMaxChannels ? num_blocks : kMaxChannels;
     launch_dispatch(ctx_, a, stream);
   }
 
-  void combine(uintptr_t x, uintptr_t src_index, uintptr_t recv_info, uintptr_t forward_mask, uintptr_t in_node,
-               int num_tokens, uintptr_t out, int num_blocks, uintptr_t stream) const {
+  void combine(uintptr_t x, uintptr_t src_index, uintptr_t recv_info, uintptr_t forward_mask, uintptr_t own_row,
+               uintptr_t in_node, int num_tokens, uintptr_t out, int num_blocks, uintptr_t stream) const {
     launch_combine(ctx_,
-                   CombineArgs{x, src_index, recv_info, forward_mask, in_node, num_tokens, out,
-                               num_blocks < kChannels ? num_blocks : kChannels},
+                   CombineArgs{x, src_index, recv_info, forward_mask, own_row, in_node, num_tokens, out,
+                               num_blocks < kMaxChannels ? num_blocks : kMaxChannels},
                    stream);
   }
 
@@ -142,7 +143,7 @@ class InternodeContext {
 // Round size and workspace bytes of a Buffer: the largest round whose workspace fits the budget.
 std::pair<int, uint64_t> plan(int nranks, int ranks_per_node, int max_tokens, int hidden, int num_topk,
                               int num_experts, uint64_t budget_bytes) {
-  Dims d = make_dims(0, nranks, ranks_per_node, max_tokens, hidden, num_topk, num_experts, kChannels);
+  Dims d = make_dims(0, nranks, ranks_per_node, max_tokens, hidden, num_topk, num_experts, 1);
   d.round_tokens = choose_round_tokens(d, budget_bytes);
   return {d.round_tokens, workspace_layout(d).total};
 }
@@ -156,11 +157,12 @@ void register_internode(py::module_& m) {
   using moe_ep::internode::InternodeContext;
   m.attr("INTERNODE_MAX_RANKS") = moe_ep::internode::kMaxRanks;
   m.attr("INTERNODE_MAX_RANKS_PER_NODE") = moe_ep::internode::kMaxLocal;
-  m.attr("INTERNODE_CHANNELS") = moe_ep::internode::kChannels;
+  m.attr("INTERNODE_MAX_CHANNELS") = moe_ep::internode::kMaxChannels;
   m.attr("INTERNODE_NUM_EPOCHS") = moe_ep::internode::kEpochCounters;
   m.def("internode_plan", &moe_ep::internode::plan, py::arg("nranks"), py::arg("ranks_per_node"),
         py::arg("max_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"), py::arg("budget_bytes"),
-        "(round_tokens, workspace_bytes): the largest round of token slots whose cross-node workspace fits "
+        "(round_tokens, workspace_bytes): the largest round of token slots (at most max_tokens) whose "
+        "cross-node workspace fits "
         "budget_bytes (kernels/internode/internode.h), and that workspace's size.");
   py::class_<InternodeContext>(m, "InternodeContext",
                                "Fixed device addresses of one Buffer's cross-node normal-mode kernels, and their "

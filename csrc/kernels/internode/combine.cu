@@ -4,20 +4,24 @@
 // partials in ascending node order in float32 and rounds once. Bit for bit the reference backend's
 // two-level rule (docs/api.md).
 //
-// Protocol (grid = num_blocks blocks of 1024 threads; the same rounds and channels as the dispatch
-// that made the handle: epoch e = epochs[2] + r + 1, set e & 1, slots [q*S, q*S + S) of round r).
+// Protocol (grid = Q blocks of 1024 threads, the same Q on every rank; the same rounds as the dispatch
+// that made the handle; block q is channel q: epoch e = epochs[2] + r + 1, set e & 1, slots
+// [q*S, q*S + S) of round r). It opens with internode.h start_barrier (kind 0): every rank it
+// exchanges data with finished its previous call, so both sets are free.
 //  C1 gather (this rank (n, l) as a destination):
-//   a. Threads j < L wait until comb_nvl_credit[j][q] >= e - 2 (forwarder j finished reading the round
-//      that last used this set; NVLink flag, acquire).
+//   a. From round 2 on, threads j < L wait until comb_nvl_credit[j][q] >= e - 2 (forwarder j finished
+//      reading the round that last used this set; NVLink flag, acquire).
 //   b. Threads s < R find, by binary search in src_index (ascending inside source s's rows), the
 //      rows of source s whose token lies in this chunk (shared memory). Warps then take those rows
 //      and store each into comb_nvl[set][l][n_s][slot] at the forwarder (n, l_s) of its source
-//      (NVLink).
+//      (NVLink), except rows of sources with my local index: I forwarded those myself, and C2 reads
+//      them in place (own_row from the dispatch).
 //   c. After the barrier, threads j < L publish comb_nvl_sig[set][l][q] = e at local rank j (release).
 //  C2 reduce (this rank as the forwarder of node n for local index l):
-//   a. Threads j < L wait until comb_nvl_sig[set][j][q] >= e (acquire); threads n_s < N_n wait until
-//      comb_credit[n_s][q] >= e - 2 (source (n_s, l) finished reading the partials of the round that
-//      last used this set, so comb_stage and its comb_recv are free; signal fetch + acquire fence).
+//   a. Threads j < L wait until comb_nvl_sig[set][j][q] >= e (acquire); from round 2 on, threads
+//      n_s < N_n wait until comb_credit[n_s][q] >= e - 2 (source (n_s, l) finished reading the
+//      partials of the round that last used this set, so comb_stage and its comb_recv are free;
+//      signal fetch + acquire fence).
 //   b. Warps take (n_s, slot) items whose forward_mask (from the dispatch) is non-zero and sum the
 //      rows of the local ranks in the mask, ascending, into comb_stage[set][n_s][slot] (bf16).
 //   c. After the barrier, warps take (n_s, slot) items and put each such partial for another node
@@ -32,7 +36,7 @@
 //      node's partial is read from comb_stage.
 //   c. After the barrier threads n_d signal-op comb_credit[n][q] = e at (n_d, l).
 // As in the dispatch no step waits for a later step of any rank. The last block adds the round count
-// to epochs[2]; a timeout leaves the loops and the host raises CommTimeoutError.
+// to epochs[2] and advances epochs[3]; a timeout leaves the loop and the host raises CommTimeoutError.
 #include "kernels/internode/internode.h"
 
 namespace moe_ep {
@@ -81,112 +85,115 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
   const Comm& comm = ctx.comm;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = comm.nranks, L = ctx.dims.local, Nn = ctx.nodes(), n = ctx.node(), l = ctx.local();
-  const int C = ctx.dims.round_tokens, S = C / kChannels, T = ctx.dims.max_tokens;
+  const int C = ctx.dims.round_tokens, T = ctx.dims.max_tokens, q = blockIdx.x;
   const size_t row_bytes = 2ull * ctx.dims.hidden;
   const int vecs = static_cast<int>(row_bytes / 16);
   const auto* recv_info = reinterpret_cast<const int*>(a.recv_info);
   const auto* src_index = reinterpret_cast<const int*>(a.src_index);
   const auto* forward_mask = reinterpret_cast<const int*>(a.forward_mask);
+  const auto* own_row = reinterpret_cast<const int*>(a.own_row);
   const auto* in_node = reinterpret_cast<const bool*>(a.in_node);
+  const char* x = reinterpret_cast<const char*>(a.x);
   const int rounds = recv_info[2 * R + ctx.dims.num_local_experts()];
-  const uint64_t base = comm.epochs[2];
+  const uint64_t base = comm.epochs[2], start_epoch = comm.epochs[3] + 1;
+  const Channel ch = my_channel(C);
   const auto same_local = [&](int node) { return node * L + l; };
   const auto in_my_node = [&](int j) { return n * L + j; };
 
-  bool ok = true;
-  for (int q = blockIdx.x; ok && q < kChannels; q += gridDim.x) {
-    for (int r = 0; ok && r < rounds; ++r) {
-      const uint64_t e = base + r + 1;
-      const int set = static_cast<int>(e & 1), k0 = q * S, lo = r * C + k0;
+  bool ok = start_barrier(ctx, 0, start_epoch);
+  for (int r = 0; ok && r < rounds; ++r) {
+    const uint64_t e = base + r + 1;
+    const int set = static_cast<int>(e & 1), k0 = ch.first, lo = r * C + k0;
 
-      // C1 gather
-      if (e > 2)
-        ok = block_wait<false>(comm, ctx.word(ctx.ws.comb_nvl_credit, q), L, kChannels, e - 2,
-                               kPhaseNodeCombineCredit, in_my_node);
-      if (!ok) break;
-      for (int s = tid; s < R; s += kThreads) {
-        const int first = recv_info[R + s], last = first + recv_info[s];
-        row_begin[s] = lower_bound(src_index, first, last, lo);
-        row_end[s] = lower_bound(src_index, row_begin[s], last, lo + S);
-      }
-      __syncthreads();
-      for (int s = 0; s < R; ++s) {
-        const int ns = s / L, ls = s % L;
-        for (int j = row_begin[s] + warp; j < row_end[s]; j += kWarps) {
-          const int k = __ldg(src_index + j) - r * C;
-          const size_t slot = (((size_t)set * L + l) * Nn + ns) * C + k;
-          warp_copy_to_peers(ctx, ctx.ws.comb_nvl + slot * row_bytes,
-                             reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + (size_t)j * row_bytes),
-                             vecs, 1u << ls, lane);
-        }
-      }
-      __syncthreads();
-      publish_to_node(ctx, ctx.ws.comb_nvl_sig, ((size_t)set * L + l) * kChannels + q, L, e);
-
-      // C2 reduce
-      ok = block_wait<false>(comm, ctx.word(ctx.ws.comb_nvl_sig, (size_t)set * L * kChannels + q), L, kChannels, e,
-                             kPhaseNodeCombineGather, in_my_node);
-      if (ok && e > 2)
-        ok = block_wait<true>(comm, ctx.word(ctx.ws.comb_credit, q), Nn, kChannels, e - 2, kPhaseNodeCombineCredit,
-                              same_local);
-      if (!ok) break;
-      for (int item = warp; item < Nn * S; item += kWarps) {
-        const int ns = item / S, k = k0 + item % S, t = r * C + k;
-        const unsigned mask = t < T ? static_cast<unsigned>(__ldg(forward_mask + (size_t)ns * T + t)) : 0u;
-        if (mask == 0) continue;
-        const char* gathered = ctx.at<char>(ctx.ws.comb_nvl);
-        warp_sum_rows(
-            reinterpret_cast<int4*>(ctx.at<char>(ctx.ws.comb_stage) + (((size_t)set * Nn + ns) * C + k) * row_bytes),
-            L,
-            [&](int j) {
-              return (mask >> j) & 1u ? reinterpret_cast<const int4*>(
-                                            gathered + ((((size_t)set * L + j) * Nn + ns) * C + k) * row_bytes)
-                                      : nullptr;
-            },
-            vecs, lane);
-      }
-      __syncthreads();
-      put_chunk(ctx.at<char>(ctx.ws.comb_recv) + ((size_t)set * Nn + n) * C * row_bytes,
-                [&](int ns) { return ctx.at<char>(ctx.ws.comb_stage) + ((size_t)set * Nn + ns) * C * row_bytes; },
-                row_bytes, Nn, k0, S, same_local,
-                [&](int ns, int i) {
-                  return ns != n && lo + i < T && __ldg(forward_mask + (size_t)ns * T + lo + i) != 0;
-                });
-      __syncthreads();
-      for (int ns = tid; ns < Nn; ns += kThreads) {
-        nvshmem_fence();
-        nvshmemx_signal_op(ctx.word(ctx.ws.comb_recv_sig, ((size_t)set * Nn + n) * kChannels + q), e,
-                           NVSHMEM_SIGNAL_SET, same_local(ns));
-      }
-      publish_to_node(ctx, ctx.ws.comb_nvl_credit, (size_t)l * kChannels + q, L, e);
-
-      // C3 finish
-      ok = block_wait<true>(comm, ctx.word(ctx.ws.comb_recv_sig, (size_t)set * Nn * kChannels + q), Nn, kChannels, e,
-                            kPhaseNodeCombineRecv, same_local);
-      if (!ok) break;
-      const int mine = max(0, min(S, a.num_tokens - lo));
-      for (int i = warp; i < mine; i += kWarps) {
-        const int t = lo + i, k = k0 + i;
-        const char* partials = ctx.at<char>(ctx.ws.comb_recv);
-        const char* own = ctx.at<char>(ctx.ws.comb_stage);  // my node's partials never left this rank
-        warp_sum_rows(
-            reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out) + (size_t)t * row_bytes), Nn,
-            [&](int nd) {
-              return in_node[(size_t)t * Nn + nd]
-                         ? reinterpret_cast<const int4*>((nd == n ? own : partials) +
-                                                         (((size_t)set * Nn + nd) * C + k) * row_bytes)
-                         : nullptr;
-            },
-            vecs, lane);
-      }
-      __syncthreads();
-      for (int nd = tid; nd < Nn; nd += kThreads)
-        nvshmemx_signal_op(ctx.word(ctx.ws.comb_credit, (size_t)n * kChannels + q), e, NVSHMEM_SIGNAL_SET,
-                           same_local(nd));
+    // C1 gather
+    if (r >= 2)
+      ok = block_wait<false>(comm, ctx.word(ctx.ws.comb_nvl_credit, q), L, kMaxChannels, e - 2,
+                             kPhaseNodeCombineCredit, in_my_node);
+    if (!ok) break;
+    for (int s = tid; s < R; s += kThreads) {
+      const int first = recv_info[R + s], last = first + recv_info[s];
+      row_begin[s] = lower_bound(src_index, first, last, lo);
+      row_end[s] = lower_bound(src_index, row_begin[s], last, lo + ch.width);
     }
+    __syncthreads();
+    for (int s = 0; s < R; ++s) {
+      const int ns = s / L, ls = s % L;
+      if (ls == l) continue;  // I forwarded these rows myself: C2 reads them from x (own_row)
+      for (int j = row_begin[s] + warp; j < row_end[s]; j += kWarps) {
+        const int k = __ldg(src_index + j) - r * C;
+        const size_t slot = (((size_t)set * L + l) * Nn + ns) * C + k;
+        warp_copy_to_peers(ctx, ctx.ws.comb_nvl + slot * row_bytes,
+                           reinterpret_cast<const int4*>(x + (size_t)j * row_bytes), vecs, 1u << ls, lane);
+      }
+    }
+    __syncthreads();
+    publish_to_node(ctx, ctx.ws.comb_nvl_sig, ((size_t)set * L + l) * kMaxChannels + q, L, e);
+
+    // C2 reduce
+    ok = block_wait<false>(comm, ctx.word(ctx.ws.comb_nvl_sig, (size_t)set * L * kMaxChannels + q), L,
+                           kMaxChannels, e, kPhaseNodeCombineGather, in_my_node);
+    if (ok && r >= 2)
+      ok = block_wait<true>(comm, ctx.word(ctx.ws.comb_credit, q), Nn, kMaxChannels, e - 2, kPhaseNodeCombineCredit,
+                            same_local);
+    if (!ok) break;
+    for (int item = warp; item < Nn * ch.width; item += kWarps) {
+      const int ns = item / ch.width, k = k0 + item % ch.width, t = r * C + k;
+      const size_t token = (size_t)ns * T + t;
+      const unsigned mask = t < T ? static_cast<unsigned>(__ldg(forward_mask + token)) : 0u;
+      if (mask == 0) continue;
+      const char* gathered = ctx.at<char>(ctx.ws.comb_nvl);
+      warp_sum_rows(
+          reinterpret_cast<int4*>(ctx.at<char>(ctx.ws.comb_stage) + (((size_t)set * Nn + ns) * C + k) * row_bytes), L,
+          [&](int j) -> const int4* {
+            if (!((mask >> j) & 1u)) return nullptr;
+            if (j == l) return reinterpret_cast<const int4*>(x + (size_t)__ldg(own_row + token) * row_bytes);
+            return reinterpret_cast<const int4*>(gathered + ((((size_t)set * L + j) * Nn + ns) * C + k) * row_bytes);
+          },
+          vecs, lane);
+    }
+    __syncthreads();
+    put_chunk(ctx.at<char>(ctx.ws.comb_recv) + ((size_t)set * Nn + n) * C * row_bytes,
+              [&](int ns) { return ctx.at<char>(ctx.ws.comb_stage) + ((size_t)set * Nn + ns) * C * row_bytes; },
+              row_bytes, Nn, k0, ch.width, same_local, [&](int ns, int i) {
+                return ns != n && lo + i < T && __ldg(forward_mask + (size_t)ns * T + lo + i) != 0;
+              });
+    __syncthreads();
+    for (int ns = tid; ns < Nn; ns += kThreads) {
+      nvshmem_fence();
+      nvshmemx_signal_op(ctx.word(ctx.ws.comb_recv_sig, ((size_t)set * Nn + n) * kMaxChannels + q), e,
+                         NVSHMEM_SIGNAL_SET, same_local(ns));
+    }
+    publish_to_node(ctx, ctx.ws.comb_nvl_credit, (size_t)l * kMaxChannels + q, L, e);
+
+    // C3 finish
+    ok = block_wait<true>(comm, ctx.word(ctx.ws.comb_recv_sig, (size_t)set * Nn * kMaxChannels + q), Nn,
+                          kMaxChannels, e, kPhaseNodeCombineRecv, same_local);
+    if (!ok) break;
+    const int mine = max(0, min(ch.width, a.num_tokens - lo));
+    for (int i = warp; i < mine; i += kWarps) {
+      const int t = lo + i, k = k0 + i;
+      const char* partials = ctx.at<char>(ctx.ws.comb_recv);
+      const char* own = ctx.at<char>(ctx.ws.comb_stage);  // my node's partials never left this rank
+      warp_sum_rows(
+          reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out) + (size_t)t * row_bytes), Nn,
+          [&](int nd) {
+            return in_node[(size_t)t * Nn + nd]
+                       ? reinterpret_cast<const int4*>((nd == n ? own : partials) +
+                                                       (((size_t)set * Nn + nd) * C + k) * row_bytes)
+                       : nullptr;
+          },
+          vecs, lane);
+    }
+    __syncthreads();
+    for (int nd = tid; nd < Nn; nd += kThreads)
+      nvshmemx_signal_op(ctx.word(ctx.ws.comb_credit, (size_t)n * kMaxChannels + q), e, NVSHMEM_SIGNAL_SET,
+                         same_local(nd));
   }
 
-  if (arrive_last(ctx.block_counters + 1)) comm.epochs[2] = base + rounds;
+  if (arrive_last(ctx.block_counters + 1)) {
+    comm.epochs[2] = base + rounds;
+    comm.epochs[3] = start_epoch;
+  }
 }
 
 }  // namespace

@@ -2,14 +2,16 @@
 // same local index there (the forwarder), which stores it over NVLink into the ranks of that node
 // that hold its experts; they place it at its final output row (source rank, then token order).
 //
-// Protocol (grid = num_blocks blocks of 1024 threads, after notify on the same stream, which left the
-// round count in recv_info). Block b serves channels b, b + grid, ... one after the other; for each
-// channel q it runs every round r (epoch e = epochs[1] + r + 1, set e & 1, slots [q*S, q*S + S) of
-// the round, i.e. my tokens t = r*C + slot) through three steps, each ending in a block barrier:
+// Protocol (grid = Q blocks of 1024 threads, the same Q on every rank, after notify on the same
+// stream, which left the round count in recv_info; notify's count exchange is also the start barrier:
+// every rank passed it only after every rank finished its previous call). A cached dispatch has no
+// notify and starts with internode.h start_barrier instead. Block q is channel q: it runs every
+// round r (epoch e = epochs[1] + r + 1, set e & 1, its slots [q*S, q*S + S) of the round, i.e. my
+// tokens t = r*C + slot) through three steps, each ending in a block barrier:
 //  D1 send (this rank as source (n, l)):
-//   a. Threads n_d < N_n wait until rdma_credit[n_d][q] >= e - 2 (the forwarder in node n_d finished
-//      the round that last used this set: its buffer and my staging of this set are free; NVSHMEM
-//      signal fetch + acquire fence).
+//   a. From round 2 on, threads n_d < N_n wait until rdma_credit[n_d][q] >= e - 2 (the forwarder in
+//      node n_d finished the round that last used this set: its buffer and my staging of this set
+//      are free; NVSHMEM signal fetch + acquire fence).
 //   b. Warp per token: the row (and FP8 scales) into send_row[set][slot]; for each destination node
 //      its RowMeta (tag e, token index, local mask and positions of the node's ranks from pos,
 //      global topk ids and weights) into send_meta[set][n_d][slot].
@@ -19,13 +21,14 @@
 //      nvshmem_fence (orders this PE's puts to (n_d, l) before what follows) and signal-ops
 //      rdma_sig[set][n][q] = e there. So the rows are delivered before the signal (NVSHMEM).
 //  D2 forward (this rank as the forwarder of node n for local index l):
-//   a. Threads j < L wait until nvl_credit[j][q] >= e - 2 (local rank j finished reading the round
-//      that last used this set; NVLink flag, acquire); threads n_s < N_n wait until
+//   a. From round 2 on, threads j < L wait until nvl_credit[j][q] >= e - 2 (local rank j finished
+//      reading the round that last used this set; NVLink flag, acquire); threads n_s < N_n wait until
 //      rdma_sig[set][n_s][q] >= e (signal fetch + acquire fence: the rows of round e are here).
 //   b. Warps take (n_s, slot) items (node n_s's slots from rdma_row/meta, my own node's from my
 //      staging); a slot whose meta tag is e holds a row of this round: its local mask goes to
 //      forward_mask[n_s][token] (combine replays it); if I am in the mask the row goes straight to my
-//      output (as in D3b), and row and meta are stored (one load, one store per destination) into
+//      output (as in D3b) and its output row to own_row[n_s][token] (combine reads it there), and
+//      row and meta are stored (one load, one store per destination) into
 //      nvl_row/nvl_meta[set][l][n_s][slot] of every other local rank in the mask (NVLink).
 //   c. After the barrier, threads j < L publish nvl_sig[set][l][q] = e at local rank j (fence.acq_rel
 //      .sys, then a relaxed store: release), and threads n_s < N_n signal-op rdma_credit[n][q] = e at
@@ -36,11 +39,12 @@
 //      at position p = meta.pos[l]: row, scales, local expert ids (-1 where the expert is elsewhere),
 //      weights (0 there), token index and s go to output row first[s] + p (ld.cg reads).
 //   c. After the barrier threads l' < L publish nvl_credit[l][q] = e at local rank l'.
-// No step waits for a later step of any rank, so the rounds cannot deadlock; blocks serving other
-// channels are independent (a channel only waits for the same channel elsewhere).
+// No step waits for a later step of any rank, so the rounds cannot deadlock; the channels are
+// independent (a block only waits for the same block elsewhere).
 // Tags make slots self-describing: a set's previous round has tag e - 2 and a never-used slot 0.
-// The last block to finish (arrive_last) adds the round count to epochs[1]. A timeout leaves the
-// loops (every block still arrives); the host raises CommTimeoutError.
+// The last block to finish (arrive_last) adds the round count to epochs[1] (and advances epochs[4]
+// after a cached dispatch). A timeout leaves the loop (every block still arrives); the host raises
+// CommTimeoutError.
 #include "kernels/internode/internode.h"
 
 namespace moe_ep {
@@ -89,8 +93,8 @@ __device__ __forceinline__ void stage_token(const DeviceContext& ctx, const Disp
   }
 }
 
-// D3b: the row in nvl slot (l', n_s, k) to its output row.
-__device__ __forceinline__ void receive_row(const DeviceContext& ctx, const DispatchArgs& a, const RowMeta* m,
+// D3b: the row in nvl slot (l', n_s, k) to its output row, which it returns.
+__device__ __forceinline__ int receive_row(const DeviceContext& ctx, const DispatchArgs& a, const RowMeta* m,
                                             const char* row, int s, int lane) {
   const int R = ctx.comm.nranks, me = ctx.comm.rank, K = ctx.dims.num_topk, E_l = ctx.dims.num_local_experts();
   const auto* recv_info = reinterpret_cast<const int*>(a.recv_info);
@@ -100,7 +104,7 @@ __device__ __forceinline__ void receive_row(const DeviceContext& ctx, const Disp
   if (a.num_scales > 0)
     warp_copy_cg<1>(reinterpret_cast<float*>(a.out_scales) + out_row * a.num_scales,
                     reinterpret_cast<const float*>(row + ctx.dims.scale_offset()), a.num_scales, lane);
-  if (a.cached) return;
+  if (a.cached) return static_cast<int>(out_row);
   if (lane < K) {
     const int id = __ldcg(&m->topk[lane]);
     const int local = id >= me * E_l && id < (me + 1) * E_l ? id - me * E_l : -1;
@@ -111,6 +115,7 @@ __device__ __forceinline__ void receive_row(const DeviceContext& ctx, const Disp
     reinterpret_cast<int*>(a.out_src_index)[out_row] = __ldcg(&m->src_index);
     reinterpret_cast<int*>(a.out_src_rank)[out_row] = s;
   }
+  return static_cast<int>(out_row);
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -118,92 +123,98 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
   const Comm& comm = ctx.comm;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = comm.nranks, L = ctx.dims.local, Nn = ctx.nodes(), n = ctx.node(), l = ctx.local();
-  const int C = ctx.dims.round_tokens, S = C / kChannels, RB = ctx.dims.row_stride(), T = ctx.dims.max_tokens;
+  const int C = ctx.dims.round_tokens, RB = ctx.dims.row_stride(), T = ctx.dims.max_tokens, q = blockIdx.x;
   const size_t M = sizeof(RowMeta);
   const auto* in_node = reinterpret_cast<const bool*>(a.in_node);
   const int rounds = reinterpret_cast<const int*>(a.recv_info)[2 * R + ctx.dims.num_local_experts()];
-  const uint64_t base = comm.epochs[1];
+  const uint64_t base = comm.epochs[1], start_epoch = comm.epochs[4] + 1;
+  const Channel ch = my_channel(C);
   const auto same_local = [&](int node) { return node * L + l; };
   const auto in_my_node = [&](int j) { return n * L + j; };
 
-  bool ok = true;
-  for (int q = blockIdx.x; ok && q < kChannels; q += gridDim.x) {
-    for (int r = 0; ok && r < rounds; ++r) {
-      const uint64_t e = base + r + 1;
-      const int set = static_cast<int>(e & 1), k0 = q * S, t0 = r * C + k0;
-      const int mine = max(0, min(S, a.num_tokens - t0));  // my tokens in this chunk
+  // a cached dispatch has no notify, whose count exchange is otherwise the start barrier
+  bool ok = !a.cached || start_barrier(ctx, 1, start_epoch);
+  for (int r = 0; ok && r < rounds; ++r) {
+    const uint64_t e = base + r + 1;
+    const int set = static_cast<int>(e & 1), k0 = ch.first, t0 = r * C + k0;
+    const int mine = max(0, min(ch.width, a.num_tokens - t0));  // my tokens in this chunk
 
-      // D1 send
-      if (e > 2)
-        ok = block_wait<true>(comm, ctx.word(ctx.ws.rdma_credit, q), Nn, kChannels, e - 2, kPhaseNodeSendCredit,
-                              same_local);
-      if (!ok) break;
-      for (int i = warp; i < mine; i += kWarps) stage_token(ctx, a, t0 + i, k0 + i, set, e, lane);
-      __syncthreads();
-      const auto bound = [&](int nd, int i) { return nd != n && i < mine && in_node[(size_t)(t0 + i) * Nn + nd]; };
-      put_chunk(ctx.at<char>(ctx.ws.rdma_row) + ((size_t)set * Nn + n) * C * RB,
-                [&](int) { return ctx.at<char>(ctx.ws.send_row) + (size_t)set * C * RB; }, RB, Nn, k0, S, same_local,
-                bound);
-      put_chunk(ctx.at<char>(ctx.ws.rdma_meta) + ((size_t)set * Nn + n) * C * M,
-                [&](int nd) { return ctx.at<char>(ctx.ws.send_meta) + ((size_t)set * Nn + nd) * C * M; }, M, Nn, k0,
-                S, same_local, bound);
-      __syncthreads();
-      for (int nd = tid; nd < Nn; nd += kThreads) {
-        nvshmem_fence();
-        nvshmemx_signal_op(ctx.word(ctx.ws.rdma_sig, ((size_t)set * Nn + n) * kChannels + q), e, NVSHMEM_SIGNAL_SET,
-                           same_local(nd));
-      }
-
-      // D2 forward
-      if (e > 2)
-        ok = block_wait<false>(comm, ctx.word(ctx.ws.nvl_credit, q), L, kChannels, e - 2, kPhaseNodeForwardCredit,
-                               in_my_node);
-      ok = ok && block_wait<true>(comm, ctx.word(ctx.ws.rdma_sig, (size_t)set * Nn * kChannels + q), Nn, kChannels, e,
-                                  kPhaseNodeForwardRecv, same_local);
-      if (!ok) break;
-      for (int item = warp; item < Nn * S; item += kWarps) {
-        const int ns = item / S, k = k0 + item % S;
-        const size_t slot = ((size_t)set * Nn + ns) * C + k;
-        // rows of my own node never left this rank: they are still in my staging
-        const RowMeta* m = ns == n ? ctx.at<RowMeta>(ctx.ws.send_meta) + ((size_t)set * Nn + n) * C + k
-                                   : ctx.at<RowMeta>(ctx.ws.rdma_meta) + slot;
-        const char* row = ns == n ? ctx.at<char>(ctx.ws.send_row) + ((size_t)set * C + k) * RB
-                                  : ctx.at<char>(ctx.ws.rdma_row) + slot * RB;
-        if (__ldcg(reinterpret_cast<const unsigned long long*>(&m->tag)) != e) continue;
-        const unsigned mask = static_cast<unsigned>(__ldcg(&m->local_mask));
-        if (lane == 0 && a.forward_mask != 0)
-          reinterpret_cast<int*>(a.forward_mask)[(size_t)ns * T + __ldcg(&m->src_index)] = static_cast<int>(mask);
-        if ((mask >> l) & 1u) receive_row(ctx, a, m, row, ns * L + l, lane);  // I am a destination too
-        const unsigned others = mask & ~(1u << l);
-        const size_t nvl_slot = (((size_t)set * L + l) * Nn + ns) * C + k;
-        warp_copy_to_peers(ctx, ctx.ws.nvl_row + nvl_slot * RB, reinterpret_cast<const int4*>(row), RB / 16, others,
-                           lane);
-        warp_copy_to_peers(ctx, ctx.ws.nvl_meta + nvl_slot * M, reinterpret_cast<const int4*>(m), M / 16, others, lane);
-      }
-      __syncthreads();
-      publish_to_node(ctx, ctx.ws.nvl_sig, ((size_t)set * L + l) * kChannels + q, L, e);
-      for (int ns = tid; ns < Nn; ns += kThreads)
-        nvshmemx_signal_op(ctx.word(ctx.ws.rdma_credit, (size_t)n * kChannels + q), e, NVSHMEM_SIGNAL_SET,
-                           same_local(ns));
-
-      // D3 receive
-      ok = block_wait<false>(comm, ctx.word(ctx.ws.nvl_sig, (size_t)set * L * kChannels + q), L, kChannels, e,
-                             kPhaseNodeDispatchRecv, in_my_node);
-      if (!ok) break;
-      for (int item = warp; item < L * Nn * S; item += kWarps) {
-        const int lp = item / (Nn * S), ns = item / S % Nn, k = k0 + item % S;
-        if (lp == l) continue;  // my own forwarding placed those rows in D2
-        const size_t slot = (((size_t)set * L + lp) * Nn + ns) * C + k;
-        const RowMeta* m = ctx.at<RowMeta>(ctx.ws.nvl_meta) + slot;
-        if (__ldcg(reinterpret_cast<const unsigned long long*>(&m->tag)) != e) continue;
-        receive_row(ctx, a, m, ctx.at<char>(ctx.ws.nvl_row) + slot * RB, ns * L + lp, lane);
-      }
-      __syncthreads();
-      publish_to_node(ctx, ctx.ws.nvl_credit, (size_t)l * kChannels + q, L, e);
+    // D1 send
+    if (r >= 2)
+      ok = block_wait<true>(comm, ctx.word(ctx.ws.rdma_credit, q), Nn, kMaxChannels, e - 2, kPhaseNodeSendCredit,
+                            same_local);
+    if (!ok) break;
+    for (int i = warp; i < mine; i += kWarps) stage_token(ctx, a, t0 + i, k0 + i, set, e, lane);
+    __syncthreads();
+    const auto bound = [&](int nd, int i) { return nd != n && i < mine && in_node[(size_t)(t0 + i) * Nn + nd]; };
+    put_chunk(ctx.at<char>(ctx.ws.rdma_row) + ((size_t)set * Nn + n) * C * RB,
+              [&](int) { return ctx.at<char>(ctx.ws.send_row) + (size_t)set * C * RB; }, RB, Nn, k0, ch.width,
+              same_local, bound);
+    put_chunk(ctx.at<char>(ctx.ws.rdma_meta) + ((size_t)set * Nn + n) * C * M,
+              [&](int nd) { return ctx.at<char>(ctx.ws.send_meta) + ((size_t)set * Nn + nd) * C * M; }, M, Nn, k0,
+              ch.width, same_local, bound);
+    __syncthreads();
+    for (int nd = tid; nd < Nn; nd += kThreads) {
+      nvshmem_fence();
+      nvshmemx_signal_op(ctx.word(ctx.ws.rdma_sig, ((size_t)set * Nn + n) * kMaxChannels + q), e, NVSHMEM_SIGNAL_SET,
+                         same_local(nd));
     }
+
+    // D2 forward
+    if (r >= 2)
+      ok = block_wait<false>(comm, ctx.word(ctx.ws.nvl_credit, q), L, kMaxChannels, e - 2, kPhaseNodeForwardCredit,
+                             in_my_node);
+    ok = ok && block_wait<true>(comm, ctx.word(ctx.ws.rdma_sig, (size_t)set * Nn * kMaxChannels + q), Nn,
+                                kMaxChannels, e, kPhaseNodeForwardRecv, same_local);
+    if (!ok) break;
+    for (int item = warp; item < Nn * ch.width; item += kWarps) {
+      const int ns = item / ch.width, k = k0 + item % ch.width;
+      const size_t slot = ((size_t)set * Nn + ns) * C + k;
+      // rows of my own node never left this rank: they are still in my staging
+      const RowMeta* m = ns == n ? ctx.at<RowMeta>(ctx.ws.send_meta) + ((size_t)set * Nn + n) * C + k
+                                 : ctx.at<RowMeta>(ctx.ws.rdma_meta) + slot;
+      const char* row = ns == n ? ctx.at<char>(ctx.ws.send_row) + ((size_t)set * C + k) * RB
+                                : ctx.at<char>(ctx.ws.rdma_row) + slot * RB;
+      if (__ldcg(reinterpret_cast<const unsigned long long*>(&m->tag)) != e) continue;
+      const unsigned mask = static_cast<unsigned>(__ldcg(&m->local_mask));
+      const size_t token = (size_t)ns * T + __ldcg(&m->src_index);
+      if (lane == 0 && !a.cached) reinterpret_cast<int*>(a.forward_mask)[token] = static_cast<int>(mask);
+      if ((mask >> l) & 1u) {  // I am a destination too
+        const int out_row = receive_row(ctx, a, m, row, ns * L + l, lane);
+        if (lane == 0 && !a.cached) reinterpret_cast<int*>(a.own_row)[token] = out_row;
+      }
+      const unsigned others = mask & ~(1u << l);
+      const size_t nvl_slot = (((size_t)set * L + l) * Nn + ns) * C + k;
+      warp_copy_to_peers(ctx, ctx.ws.nvl_row + nvl_slot * RB, reinterpret_cast<const int4*>(row), RB / 16, others,
+                         lane);
+      warp_copy_to_peers(ctx, ctx.ws.nvl_meta + nvl_slot * M, reinterpret_cast<const int4*>(m), M / 16, others, lane);
+    }
+    __syncthreads();
+    publish_to_node(ctx, ctx.ws.nvl_sig, ((size_t)set * L + l) * kMaxChannels + q, L, e);
+    for (int ns = tid; ns < Nn; ns += kThreads)
+      nvshmemx_signal_op(ctx.word(ctx.ws.rdma_credit, (size_t)n * kMaxChannels + q), e, NVSHMEM_SIGNAL_SET,
+                         same_local(ns));
+
+    // D3 receive
+    ok = block_wait<false>(comm, ctx.word(ctx.ws.nvl_sig, (size_t)set * L * kMaxChannels + q), L, kMaxChannels, e,
+                           kPhaseNodeDispatchRecv, in_my_node);
+    if (!ok) break;
+    for (int item = warp; item < L * Nn * ch.width; item += kWarps) {
+      const int lp = item / (Nn * ch.width), ns = item / ch.width % Nn, k = k0 + item % ch.width;
+      if (lp == l) continue;  // my own forwarding placed those rows in D2
+      const size_t slot = (((size_t)set * L + lp) * Nn + ns) * C + k;
+      const RowMeta* m = ctx.at<RowMeta>(ctx.ws.nvl_meta) + slot;
+      if (__ldcg(reinterpret_cast<const unsigned long long*>(&m->tag)) != e) continue;
+      receive_row(ctx, a, m, ctx.at<char>(ctx.ws.nvl_row) + slot * RB, ns * L + lp, lane);
+    }
+    __syncthreads();
+    publish_to_node(ctx, ctx.ws.nvl_credit, (size_t)l * kMaxChannels + q, L, e);
   }
 
-  if (arrive_last(ctx.block_counters + 0)) comm.epochs[1] = base + rounds;
+  if (arrive_last(ctx.block_counters + 0)) {
+    comm.epochs[1] = base + rounds;
+    if (a.cached) comm.epochs[4] = start_epoch;
+  }
 }
 
 }  // namespace

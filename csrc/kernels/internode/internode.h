@@ -16,13 +16,16 @@
 //
 // Rounds and channels bound the memory: a call moves tokens in rounds of C token slots (token t of a
 // source is slot t % C of round t / C, every rank runs ceil(max N / C) rounds), and each round is cut
-// into kChannels channels of S = C / kChannels consecutive slots. Channel q of every rank only talks to
-// channel q of other ranks, so each channel is an independent pipeline, served by one block (a block
-// serves channels b, b + grid, ...). Every buffer below has two sets, used by rounds of alternating
-// parity of a global round counter (the round's "epoch", which numbers every round of every call of
-// the Buffer and so never repeats); a producer reuses a set only after the consumer returned a credit
-// for the round that last used it. Slots are indexed by the token's slot, not packed: a slot holds a
-// row of round e when its RowMeta::tag == e, so no counts travel with the rows.
+// into Q channels of S = ceil(C / Q) consecutive slots, Q being the call's grid (at most
+// kMaxChannels; every rank launches the same grid, num_sms). Block q is channel q and only talks to
+// block q of other ranks: each channel is an independent pipeline. Every buffer below has two sets,
+// used by rounds of alternating parity of a global round counter (the round's "epoch", which numbers
+// every round of every call of the Buffer and so never repeats); inside a call a producer reuses a set
+// only after the consumer returned a credit for the round that last used it, and a call starts only
+// once every rank it exchanges data with finished its previous call (notify, or start_sig), so the
+// sets are free at a call's start whatever grid the previous call had. Slots are indexed by the
+// token's slot, not packed: a slot holds a row of round e when its RowMeta::tag == e, so no counts
+// travel with the rows.
 //
 // Symmetric workspace of one rank (WorkspaceLayout; uint64 signal words first, all zero at start):
 //   rdma_sig        [2][N_n][Q]   network: source node n_s's rows of round e (set e&1) landed (SET e)
@@ -34,6 +37,8 @@
 //   comb_recv_sig   [2][N_n][Q]   network: node n_d's partials of round e landed (SET e)
 //   comb_credit     [N_n][Q]      network: source in node n_s finished reading my partials of round e
 //   notify_sig      [R]           network: rank s's counts of call epoch e landed (SET e)
+//   start_sig       [2][R]        network: rank s started its combine ([0]) / cached dispatch ([1]) of
+//                                 call epoch e, so it finished its previous call (SET e)
 //   counts          [2][R][CS]    int32, set = call epoch & 1; row s from rank s: [N_s, rows s sends
 //                                 here, then s's token counts for my E_l local experts]
 //   notify_stage    [R][CS]       int32, my counts for each destination (the put source)
@@ -60,8 +65,10 @@ namespace internode {
 constexpr int kMaxLocal = 8;     // ranks per node, at most
 constexpr int kMaxRanks = 1024;  // R, at most
 constexpr int kMaxTopk = 16;
-constexpr int kChannels = 32;    // Q: independent pipelines per round
-constexpr int kEpochCounters = 4;  // device int64: [0] notify call, [1] dispatch rounds, [2] combine rounds
+constexpr int kMaxChannels = 64;  // Q (the grid of a dispatch or combine), at most
+// Device int64 counters: [0] notify calls, [1] dispatch rounds, [2] combine rounds, [3] combine calls,
+// [4] cached dispatch calls.
+constexpr int kEpochCounters = 5;
 
 // What travels with a row on both legs (176 bytes, a multiple of 16).
 struct alignas(16) RowMeta {
@@ -82,7 +89,7 @@ struct Dims {
   int hidden;          // H
   int num_topk;        // K
   int num_experts;     // E
-  int round_tokens;    // C, a multiple of kChannels
+  int round_tokens;    // C
 
   MOE_EP_HOST_DEVICE int nodes() const { return nranks / local; }
   MOE_EP_HOST_DEVICE int num_local_experts() const { return num_experts / nranks; }
@@ -93,7 +100,7 @@ struct Dims {
 
 struct WorkspaceLayout {
   uint64_t rdma_sig, rdma_credit, nvl_sig, nvl_credit, comb_nvl_sig, comb_nvl_credit, comb_recv_sig, comb_credit,
-      notify_sig;
+      notify_sig, start_sig;
   uint64_t counts, notify_stage, send_row, send_meta, rdma_row, rdma_meta, nvl_row, nvl_meta, comb_nvl, comb_stage,
       comb_recv;
   uint64_t total;
@@ -101,7 +108,7 @@ struct WorkspaceLayout {
 
 // Byte offsets of every area (see the top of this file); depends on every Dims field.
 inline WorkspaceLayout workspace_layout(const Dims& d) {
-  const uint64_t R = d.nranks, L = d.local, Nn = d.nodes(), Q = kChannels, C = d.round_tokens;
+  const uint64_t R = d.nranks, L = d.local, Nn = d.nodes(), Q = kMaxChannels, C = d.round_tokens;
   const uint64_t RB = d.row_stride(), M = sizeof(RowMeta), row2 = 2ull * d.hidden, CS = d.count_stride();
   WorkspaceLayout w{};
   uint64_t at = 0;
@@ -119,6 +126,7 @@ inline WorkspaceLayout workspace_layout(const Dims& d) {
   w.comb_recv_sig = take(2 * Nn * Q * 8);
   w.comb_credit = take(Nn * Q * 8);
   w.notify_sig = take(R * 8);
+  w.start_sig = take(2 * R * 8);
   w.counts = take(2 * R * CS * 4);
   w.notify_stage = take(R * CS * 4);
   w.send_row = take(2 * C * RB);
@@ -134,16 +142,14 @@ inline WorkspaceLayout workspace_layout(const Dims& d) {
   return w;
 }
 
-// Largest round C (a multiple of kChannels, at most T rounded up to one) whose workspace fits in
-// `budget_bytes`; kChannels when even that does not fit (the caller reports the size).
+// Largest round C (at most T) whose workspace fits in `budget_bytes`; 1 when even that does not fit
+// (the caller reports the size).
 inline int choose_round_tokens(Dims d, uint64_t budget_bytes) {
-  const int most = (d.max_tokens + kChannels - 1) / kChannels * kChannels;
-  int lo = kChannels, hi = most;
-  while (lo < hi) {  // the workspace grows with C: binary search on multiples of kChannels
-    const int mid = ((lo + hi) / 2 + kChannels) / kChannels * kChannels;
-    d.round_tokens = mid > hi ? hi : mid;
+  int lo = 1, hi = d.max_tokens;
+  while (lo < hi) {  // the workspace grows with C
+    d.round_tokens = (lo + hi + 1) / 2;
     if (workspace_layout(d).total <= budget_bytes) lo = d.round_tokens;
-    else hi = d.round_tokens - kChannels;
+    else hi = d.round_tokens - 1;
   }
   return lo;
 }
@@ -197,6 +203,8 @@ struct DispatchArgs {
   int num_scales;               // H / 128 for FP8, else 0
   uintptr_t out_x, out_scales, out_topk_idx, out_topk_weights, out_src_rank, out_src_index;
   uintptr_t forward_mask;       // out [N_n, T] int32: as forwarder, local mask of each (source node, token)
+  uintptr_t own_row;            // out [N_n, T] int32: as forwarder, my output row of each token I received
+                                // from source (n_s, my local index) (0 for a cached dispatch)
   bool cached;
   int num_blocks;
 };
@@ -206,6 +214,7 @@ struct CombineArgs {
   uintptr_t src_index;          // [M] int32 (ascending inside each source's rows)
   uintptr_t recv_info;          // of the dispatch
   uintptr_t forward_mask;       // [N_n, T] int32 of the dispatch
+  uintptr_t own_row;            // [N_n, T] int32 of the dispatch
   uintptr_t in_node;            // [N, N_n] bool of the dispatch
   int num_tokens;               // N
   uintptr_t out;                // [N, H] bf16
@@ -296,6 +305,35 @@ __device__ __forceinline__ bool block_wait(const Comm& c, uint64_t* words, int c
   return __syncthreads_and(ok) != 0;
 }
 
+// Start barrier of a call that has no notify (combine: kind 0, cached dispatch: kind 1). Block 0 sets
+// start_sig[kind][me] = epoch (nvshmemx_signal_op) at every rank it exchanges data with (the same
+// local index in every node, and every rank of its node); every block then waits for theirs. A rank
+// does this only once its stream finished its previous call, so afterwards no peer still reads or
+// writes a buffer that this call uses, whatever grid the previous call had.
+__device__ __forceinline__ bool start_barrier(const DeviceContext& ctx, int kind, uint64_t epoch) {
+  const int L = ctx.dims.local, Nn = ctx.nodes(), n = ctx.node(), l = ctx.local();
+  uint64_t* words = ctx.word(ctx.ws.start_sig, (size_t)kind * ctx.comm.nranks);
+  const auto peer = [&](int i) { return i < Nn ? i * L + l : n * L + i - Nn; };
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < Nn + L; i += blockDim.x)
+      nvshmemx_signal_op(words + ctx.comm.rank, epoch, NVSHMEM_SIGNAL_SET, peer(i));
+  bool ok = true;
+  for (int i = threadIdx.x; ok && i < Nn + L; i += blockDim.x)
+    ok = wait_signal_geq(ctx.comm, words + peer(i), epoch, kPhaseNodeStart, peer(i));
+  return __syncthreads_and(ok) != 0;
+}
+
+// This block's channel of the call: slots [first, first + width) of every round.
+struct Channel {
+  int first;
+  int width;
+};
+
+__device__ __forceinline__ Channel my_channel(int round_tokens) {
+  const int S = (round_tokens + gridDim.x - 1) / gridDim.x, first = blockIdx.x * S;
+  return Channel{first, max(0, min(S, round_tokens - first))};
+}
+
 // dst at local rank j (offset `dst_offset` of its workspace) = src, `vecs` int4, for every j in
 // `mask`, by one warp: each chunk of kCopyUnroll int4 per lane is loaded once (through L2: another
 // GPU or the NIC wrote it) and stored to every destination.
@@ -331,7 +369,7 @@ __device__ __forceinline__ void publish_to_node(const DeviceContext& ctx, uint64
 }
 
 // Network puts of one chunk, spread over every warp of the block: item (p, i) for p < peers and
-// i < S puts slot k0 + i (`stride` bytes at src(p) + k * stride) to dst + k * stride at PE pe(p) when
+// i < S (the channel's width) puts slot k0 + i (`stride` bytes at src(p) + k * stride) to dst + k * stride at PE pe(p) when
 // present(p, i) holds (nvshmemx_putmem_nbi_warp; one row per warp at a time keeps every warp of the
 // block moving bytes). The caller makes the block join and fences before it signals.
 template <class Src, class Pe, class Present>
