@@ -11,21 +11,22 @@
 //  D1 send (this rank as source (n, l)):
 //   a. From round 2 on, threads n_d < N_n wait until rdma_credit[n_d][q] >= e - 2 (the forwarder in
 //      node n_d finished the round that last used this set: its buffer and my staging of this set
-//      are free; NVSHMEM signal fetch + acquire fence).
+//      are free; NVSHMEM signal fetch + acquire fence), then threads j < L until nvl_credit[j][q] >=
+//      e - 2 (local rank j finished reading the nvl area of that round; NVLink flag, acquire).
 //   b. Warp per token: the row (and FP8 scales) into send_row[set][slot]; for each destination node
 //      its RowMeta (tag e, token index, local mask and positions of the node's ranks from pos,
 //      global topk ids and weights) into send_meta[set][n_d][slot].
-//   c. Warps take (n_d, slot) items and put each row and meta bound for another node n_d to the same
-//      slot of rdma_row/rdma_meta[set][n] at (n_d, l) (nvshmemx_putmem_nbi_warp from symmetric
-//      staging; rows for my own node stay in the staging, where D2 reads them). After the barrier thread n_d calls
+//   c. Half the warps take (n_d, slot) items and put each row and meta bound for another node n_d to
+//      the same slot of rdma_row/rdma_meta[set][n] at (n_d, l) (nvshmemx_putmem_nbi_warp from
+//      symmetric staging); meanwhile the other half forward my own node's rows straight from the
+//      staging (D2b below), so local copies overlap the network puts. After the barrier thread n_d calls
 //      nvshmem_fence (orders this PE's puts to (n_d, l) before what follows) and signal-ops
 //      rdma_sig[set][n][q] = e there. So the rows are delivered before the signal (NVSHMEM).
 //  D2 forward (this rank as the forwarder of node n for local index l):
-//   a. From round 2 on, threads j < L wait until nvl_credit[j][q] >= e - 2 (local rank j finished
-//      reading the round that last used this set; NVLink flag, acquire); threads n_s < N_n wait until
-//      rdma_sig[set][n_s][q] >= e (signal fetch + acquire fence: the rows of round e are here).
-//   b. Warps take (n_s, slot) items (node n_s's slots from rdma_row/meta, my own node's from my
-//      staging); a slot whose meta tag is e holds a row of this round: its local mask goes to
+//   a. Threads n_s < N_n wait until rdma_sig[set][n_s][q] >= e (signal fetch + acquire fence: the
+//      rows of round e are here).
+//   b. Warps take (n_s, slot) items of the other nodes (rdma_row/meta; my own node's rows went in
+//      D1c, from my staging); a slot whose meta tag is e holds a row of this round: its local mask goes to
 //      forward_mask[n_s][token] (combine replays it); if I am in the mask the row goes straight to my
 //      output (as in D3b) and its output row to own_row[n_s][token] (combine reads it there), and
 //      row and meta are stored (one load, one store per destination) into
@@ -51,6 +52,8 @@ namespace moe_ep {
 namespace internode {
 
 namespace {
+
+constexpr int kPutWarps = kWarps / 2;  // D1: warps that put; the others forward my own node's rows
 
 // D1b: token t's row into send_row[set][k], and a RowMeta into send_meta[set][n_d][k] for every
 // destination node n_d. The whole warp calls it.
@@ -118,12 +121,34 @@ __device__ __forceinline__ int receive_row(const DeviceContext& ctx, const Dispa
   return static_cast<int>(out_row);
 }
 
+// D2b for one slot of source node n_s: if its meta tag is e, record the local mask (and, when I am a
+// destination, place the row in my output and record its row), then store row and meta into the nvl
+// area of the other local ranks in the mask. The whole warp calls it.
+__device__ __forceinline__ void forward_slot(const DeviceContext& ctx, const DispatchArgs& a, const RowMeta* m,
+                                             const char* row, int ns, int k, int set, uint64_t e, int lane) {
+  const int L = ctx.dims.local, Nn = ctx.nodes(), l = ctx.local(), C = ctx.dims.round_tokens;
+  const int RB = ctx.dims.row_stride();
+  if (__ldcg(reinterpret_cast<const unsigned long long*>(&m->tag)) != e) return;
+  const unsigned mask = static_cast<unsigned>(__ldcg(&m->local_mask));
+  const size_t token = (size_t)ns * ctx.dims.max_tokens + __ldcg(&m->src_index);
+  if (lane == 0 && !a.cached) reinterpret_cast<int*>(a.forward_mask)[token] = static_cast<int>(mask);
+  if ((mask >> l) & 1u) {  // I am a destination too
+    const int out_row = receive_row(ctx, a, m, row, ns * L + l, lane);
+    if (lane == 0 && !a.cached) reinterpret_cast<int*>(a.own_row)[token] = out_row;
+  }
+  const unsigned others = mask & ~(1u << l);
+  const size_t nvl_slot = (((size_t)set * L + l) * Nn + ns) * C + k;
+  warp_copy_to_peers(ctx, ctx.ws.nvl_row + nvl_slot * RB, reinterpret_cast<const int4*>(row), RB / 16, others, lane);
+  warp_copy_to_peers(ctx, ctx.ws.nvl_meta + nvl_slot * sizeof(RowMeta), reinterpret_cast<const int4*>(m),
+                     sizeof(RowMeta) / 16, others, lane);
+}
+
 __global__ void __launch_bounds__(kThreads, 1)
 dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ DispatchArgs a) {
   const Comm& comm = ctx.comm;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = comm.nranks, L = ctx.dims.local, Nn = ctx.nodes(), n = ctx.node(), l = ctx.local();
-  const int C = ctx.dims.round_tokens, RB = ctx.dims.row_stride(), T = ctx.dims.max_tokens, q = blockIdx.x;
+  const int C = ctx.dims.round_tokens, RB = ctx.dims.row_stride(), q = blockIdx.x;
   const size_t M = sizeof(RowMeta);
   const auto* in_node = reinterpret_cast<const bool*>(a.in_node);
   const int rounds = reinterpret_cast<const int*>(a.recv_info)[2 * R + ctx.dims.num_local_experts()];
@@ -139,20 +164,28 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
     const int set = static_cast<int>(e & 1), k0 = ch.first, t0 = r * C + k0;
     const int mine = max(0, min(ch.width, a.num_tokens - t0));  // my tokens in this chunk
 
-    // D1 send
+    // D1 send (and D2 for my own node's rows, which need no network)
     if (r >= 2)
       ok = block_wait<true>(comm, ctx.word(ctx.ws.rdma_credit, q), Nn, kMaxChannels, e - 2, kPhaseNodeSendCredit,
-                            same_local);
+                            same_local) &&
+           block_wait<false>(comm, ctx.word(ctx.ws.nvl_credit, q), L, kMaxChannels, e - 2, kPhaseNodeForwardCredit,
+                             in_my_node);
     if (!ok) break;
     for (int i = warp; i < mine; i += kWarps) stage_token(ctx, a, t0 + i, k0 + i, set, e, lane);
     __syncthreads();
-    const auto bound = [&](int nd, int i) { return nd != n && i < mine && in_node[(size_t)(t0 + i) * Nn + nd]; };
-    put_chunk(ctx.at<char>(ctx.ws.rdma_row) + ((size_t)set * Nn + n) * C * RB,
-              [&](int) { return ctx.at<char>(ctx.ws.send_row) + (size_t)set * C * RB; }, RB, Nn, k0, ch.width,
-              same_local, bound);
-    put_chunk(ctx.at<char>(ctx.ws.rdma_meta) + ((size_t)set * Nn + n) * C * M,
-              [&](int nd) { return ctx.at<char>(ctx.ws.send_meta) + ((size_t)set * Nn + nd) * C * M; }, M, Nn, k0,
-              ch.width, same_local, bound);
+    if (warp < kPutWarps) {  // these warps put rows for other nodes ...
+      const auto bound = [&](int nd, int i) { return nd != n && i < mine && in_node[(size_t)(t0 + i) * Nn + nd]; };
+      put_chunk(ctx.at<char>(ctx.ws.rdma_row) + ((size_t)set * Nn + n) * C * RB,
+                [&](int) { return ctx.at<char>(ctx.ws.send_row) + (size_t)set * C * RB; }, RB, Nn, k0, ch.width,
+                same_local, bound, warp, kPutWarps);
+      put_chunk(ctx.at<char>(ctx.ws.rdma_meta) + ((size_t)set * Nn + n) * C * M,
+                [&](int nd) { return ctx.at<char>(ctx.ws.send_meta) + ((size_t)set * Nn + nd) * C * M; }, M, Nn, k0,
+                ch.width, same_local, bound, warp, kPutWarps);
+    } else {  // ... while the others forward my own node's rows from the staging
+      for (int i = warp - kPutWarps; i < mine; i += kWarps - kPutWarps)
+        forward_slot(ctx, a, ctx.at<RowMeta>(ctx.ws.send_meta) + ((size_t)set * Nn + n) * C + k0 + i,
+                     ctx.at<char>(ctx.ws.send_row) + ((size_t)set * C + k0 + i) * RB, n, k0 + i, set, e, lane);
+    }
     __syncthreads();
     for (int nd = tid; nd < Nn; nd += kThreads) {
       nvshmem_fence();
@@ -160,34 +193,16 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
                          same_local(nd));
     }
 
-    // D2 forward
-    if (r >= 2)
-      ok = block_wait<false>(comm, ctx.word(ctx.ws.nvl_credit, q), L, kMaxChannels, e - 2, kPhaseNodeForwardCredit,
-                             in_my_node);
-    ok = ok && block_wait<true>(comm, ctx.word(ctx.ws.rdma_sig, (size_t)set * Nn * kMaxChannels + q), Nn,
-                                kMaxChannels, e, kPhaseNodeForwardRecv, same_local);
+    // D2 forward the other nodes' rows
+    ok = block_wait<true>(comm, ctx.word(ctx.ws.rdma_sig, (size_t)set * Nn * kMaxChannels + q), Nn, kMaxChannels, e,
+                          kPhaseNodeForwardRecv, same_local);
     if (!ok) break;
     for (int item = warp; item < Nn * ch.width; item += kWarps) {
       const int ns = item / ch.width, k = k0 + item % ch.width;
+      if (ns == n) continue;
       const size_t slot = ((size_t)set * Nn + ns) * C + k;
-      // rows of my own node never left this rank: they are still in my staging
-      const RowMeta* m = ns == n ? ctx.at<RowMeta>(ctx.ws.send_meta) + ((size_t)set * Nn + n) * C + k
-                                 : ctx.at<RowMeta>(ctx.ws.rdma_meta) + slot;
-      const char* row = ns == n ? ctx.at<char>(ctx.ws.send_row) + ((size_t)set * C + k) * RB
-                                : ctx.at<char>(ctx.ws.rdma_row) + slot * RB;
-      if (__ldcg(reinterpret_cast<const unsigned long long*>(&m->tag)) != e) continue;
-      const unsigned mask = static_cast<unsigned>(__ldcg(&m->local_mask));
-      const size_t token = (size_t)ns * T + __ldcg(&m->src_index);
-      if (lane == 0 && !a.cached) reinterpret_cast<int*>(a.forward_mask)[token] = static_cast<int>(mask);
-      if ((mask >> l) & 1u) {  // I am a destination too
-        const int out_row = receive_row(ctx, a, m, row, ns * L + l, lane);
-        if (lane == 0 && !a.cached) reinterpret_cast<int*>(a.own_row)[token] = out_row;
-      }
-      const unsigned others = mask & ~(1u << l);
-      const size_t nvl_slot = (((size_t)set * L + l) * Nn + ns) * C + k;
-      warp_copy_to_peers(ctx, ctx.ws.nvl_row + nvl_slot * RB, reinterpret_cast<const int4*>(row), RB / 16, others,
-                         lane);
-      warp_copy_to_peers(ctx, ctx.ws.nvl_meta + nvl_slot * M, reinterpret_cast<const int4*>(m), M / 16, others, lane);
+      forward_slot(ctx, a, ctx.at<RowMeta>(ctx.ws.rdma_meta) + slot, ctx.at<char>(ctx.ws.rdma_row) + slot * RB, ns,
+                   k, set, e, lane);
     }
     __syncthreads();
     publish_to_node(ctx, ctx.ws.nvl_sig, ((size_t)set * L + l) * kMaxChannels + q, L, e);

@@ -368,15 +368,15 @@ __device__ __forceinline__ void publish_to_node(const DeviceContext& ctx, uint64
   }
 }
 
-// Network puts of one chunk, spread over every warp of the block: item (p, i) for p < peers and
-// i < S (the channel's width) puts slot k0 + i (`stride` bytes at src(p) + k * stride) to dst + k * stride at PE pe(p) when
+// Network puts of one chunk, spread over warps [first_warp, first_warp + warps) of the block (every
+// warp by default): item (p, i) for p < peers and i < S (the channel's width) puts slot k0 + i (`stride` bytes at src(p) + k * stride) to dst + k * stride at PE pe(p) when
 // present(p, i) holds (nvshmemx_putmem_nbi_warp; one row per warp at a time keeps every warp of the
 // block moving bytes). The caller makes the block join and fences before it signals.
 template <class Src, class Pe, class Present>
 __device__ __forceinline__ void put_chunk(char* dst, Src src, size_t stride, int peers, int k0, int S, Pe pe,
-                                          Present present) {
-  const int warp = threadIdx.x / 32;
-  for (int item = warp; item < peers * S; item += blockDim.x / 32) {
+                                          Present present, int warp = threadIdx.x / 32,
+                                          int warps = blockDim.x / 32) {
+  for (int item = warp; item < peers * S; item += warps) {
     const int p = item / S, k = k0 + item % S;
     if (!present(p, item % S)) continue;
     nvshmemx_putmem_nbi_warp(dst + (size_t)k * stride, src(p) + (size_t)k * stride, stride, pe(p));
