@@ -28,6 +28,7 @@
 
 #include "kernels/intranode.h"
 #include "runtime/error_check.h"
+#include "runtime/host_mailbox.h"
 
 namespace py = pybind11;
 
@@ -70,7 +71,8 @@ class IntranodeContext {
   IntranodeContext(int rank, int nranks, int max_tokens, int hidden, int num_topk, int num_experts, double timeout_s,
                    uintptr_t error, uintptr_t epochs, uintptr_t block_counters, uintptr_t layout_scratch,
                    const std::vector<uintptr_t>& signals, const std::vector<uintptr_t>& workspace,
-                   const std::vector<uintptr_t>& row_flags) {
+                   const std::vector<uintptr_t>& row_flags)
+      : host_info_(nranks > 0 ? nranks + num_experts / nranks : 1, "intranode host info") {
     if (nranks < 1 || nranks > kMaxPeers || rank < 0 || rank >= nranks)
       throw std::invalid_argument("IntranodeContext: rank " + std::to_string(rank) + " of " + std::to_string(nranks) +
                                   " (at most " + std::to_string(kMaxPeers) + " ranks)");
@@ -90,23 +92,11 @@ class IntranodeContext {
       ctx_.workspace[r] = workspace[r];
       ctx_.row_flags[r] = row_flags[r];
     }
-    host_info_entries_ = nranks + num_experts / nranks;
-    MOE_EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_info_), host_info_entries_ * sizeof(int),
-                                    cudaHostAllocMapped));
-    const cudaError_t status = cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_info_device_), host_info_, 0);
-    if (status != cudaSuccess) {
-      close();
-      check_cuda(status, "cudaHostGetDevicePointer(intranode host info)");
-    }
   }
 
   ~IntranodeContext() { close(); }
 
-  void close() {
-    if (host_info_ != nullptr) cudaFreeHost(host_info_);
-    host_info_ = nullptr;
-    host_info_device_ = nullptr;
-  }
+  void close() { host_info_.close(); }
 
   void layout(uintptr_t topk_idx, int num_tokens, uintptr_t tokens_per_rank, uintptr_t tokens_per_expert,
               uintptr_t is_token_in_rank, uintptr_t stream) const {
@@ -116,7 +106,7 @@ class IntranodeContext {
 
   void notify(uintptr_t topk_idx, int num_tokens, uintptr_t is_token_in_rank, uintptr_t pos, uintptr_t recv_info,
               uintptr_t tokens_per_expert, int expert_alignment, bool worst_case, uintptr_t stream) const {
-    const uintptr_t host = worst_case ? 0 : reinterpret_cast<uintptr_t>(host_info_device_);
+    const uintptr_t host = worst_case ? 0 : host_info_.device();
     launch_notify(ctx_,
                   NotifyArgs{topk_idx, num_tokens, is_token_in_rank, pos, recv_info, tokens_per_expert, host,
                              expert_alignment, worst_case},
@@ -136,8 +126,7 @@ class IntranodeContext {
   // once the host has synchronised with that kernel.
   std::pair<std::vector<int>, std::vector<int>> host_info() const {
     const int nranks = ctx_.dims.nranks;
-    return {std::vector<int>(host_info_, host_info_ + nranks),
-            std::vector<int>(host_info_ + nranks, host_info_ + host_info_entries_)};
+    return {host_info_.read(0, nranks), host_info_.read(nranks, ctx_.dims.num_experts / nranks)};
   }
 
   void dispatch(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t pos,
@@ -177,9 +166,7 @@ class IntranodeContext {
 
  private:
   Context ctx_{};
-  int* host_info_ = nullptr;         // [R] rows per source, then [E_l] rows per local expert
-  int* host_info_device_ = nullptr;  // the same memory as addressed by the device
-  int host_info_entries_ = 0;
+  HostMailbox host_info_;  // [R] rows per source, then [E_l] rows per local expert
 };
 
 uint64_t workspace_bytes(int nranks, int max_tokens, int hidden, int num_topk, int num_experts) {

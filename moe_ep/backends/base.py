@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,60 @@ def record_event(async_op: bool, device: torch.device) -> Optional[EventHandle]:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return EventHandle(event)
+
+
+@dataclass(frozen=True)
+class DispatchOutputs:
+    """The tensors a native dispatch kernel writes, m rows each. A cached dispatch writes no expert
+    ids or weights (None) and reuses its handle's source rows."""
+
+    x: torch.Tensor
+    scales: Optional[torch.Tensor]
+    topk_idx: Optional[torch.Tensor]
+    topk_weights: Optional[torch.Tensor]
+    src_rank: torch.Tensor
+    src_index: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: "BufferConfig", m: int, dtype: torch.dtype,
+                 handle: Optional[DispatchHandle]) -> "DispatchOutputs":
+        dev, fresh = cfg.device, handle is None
+        return cls(
+            x=torch.empty(m, cfg.hidden, dtype=dtype, device=dev),
+            scales=torch.empty(m, cfg.num_scales, dtype=torch.float32, device=dev)
+            if dtype == torch.float8_e4m3fn else None,
+            topk_idx=torch.empty(m, cfg.num_topk, dtype=torch.int64, device=dev) if fresh else None,
+            topk_weights=torch.empty(m, cfg.num_topk, dtype=torch.float32, device=dev) if fresh else None,
+            src_rank=torch.empty(m, dtype=torch.int32, device=dev) if fresh else handle.src_rank,
+            src_index=torch.empty(m, dtype=torch.int32, device=dev) if fresh else handle.src_index,
+        )
+
+    def head(self, m: int) -> "DispatchOutputs":
+        """Views of the first m rows (outputs allocated for R * T rows before the counts were known)."""
+        def cut(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t[:m]
+
+        return DispatchOutputs(cut(self.x), cut(self.scales), cut(self.topk_idx), cut(self.topk_weights),
+                               cut(self.src_rank), cut(self.src_index))
+
+
+def native_dispatch_result(cfg: "BufferConfig", handle: Optional[DispatchHandle], out: DispatchOutputs, *,
+                           num_tokens: int, is_token_in_rank: torch.Tensor, recv_counts: Optional[list[int]],
+                           worst_case: bool, state: Any, tokens_per_expert_raw: Optional[list[int]],
+                           expert_alignment: int, tokens_per_expert_tensor: torch.Tensor,
+                           async_op: bool) -> DispatchResult:
+    """A native backend's DispatchResult: the kernel's outputs, and a new handle unless cached."""
+    new_handle = handle if handle is not None else DispatchHandle(
+        buffer_id=cfg.buffer_id, num_tokens=num_tokens, num_recv_rows=out.x.shape[0],
+        is_token_in_rank=is_token_in_rank, recv_counts=recv_counts, src_rank=out.src_rank, src_index=out.src_index,
+        worst_case=worst_case, state=state,
+    )
+    return DispatchResult(
+        x=out.x, x_scales=out.scales, topk_idx=out.topk_idx, topk_weights=out.topk_weights,
+        tokens_per_expert=None if worst_case else align_up(tokens_per_expert_raw, expert_alignment),
+        tokens_per_expert_tensor=tokens_per_expert_tensor, src_rank=out.src_rank, src_index=out.src_index,
+        handle=new_handle, event=record_event(async_op, cfg.device),
+    )
 
 
 @dataclass(frozen=True)

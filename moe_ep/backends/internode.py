@@ -26,7 +26,7 @@ import torch
 
 from .. import _native
 from ..types import DispatchHandle, DispatchResult
-from .base import BufferConfig, align_up, record_event
+from .base import BufferConfig, DispatchOutputs, native_dispatch_result
 
 if TYPE_CHECKING:
     from .symmetric import ErrorWatch, NvshmemSession
@@ -140,13 +140,11 @@ class InternodeEngine:
         if cached:
             state: NodeDispatchState = handle.state
             worst_case, recv_counts = handle.worst_case, handle.recv_counts
-            in_rank = handle.is_token_in_rank
             raw_device = state.recv_info[2 * r:2 * r + cfg.num_local_experts]
             tokens_per_expert_tensor = torch.div(raw_device + (expert_alignment - 1), expert_alignment,
                                                  rounding_mode="floor") * expert_alignment
         else:
             layout = self.route(topk_idx, stream)
-            in_rank = layout.in_rank
             recv_info = torch.empty(2 * r + cfg.num_local_experts + 1, dtype=torch.int32, device=dev)
             tokens_per_expert_tensor = torch.empty(cfg.num_local_experts, dtype=torch.int32, device=dev)
             self._ctx.notify(layout.tokens_per_rank.data_ptr(), layout.tokens_per_expert.data_ptr(), n,
@@ -163,50 +161,35 @@ class InternodeEngine:
         if counts_ready is not None and not eager:
             recv_counts = self._wait_counts(counts_ready)
         m = r * t if worst_case or eager else sum(recv_counts)
-        out_x = torch.empty(m, h, dtype=x.dtype, device=dev)
-        out_scales = torch.empty(m, cfg.num_scales, dtype=torch.float32, device=dev) if fp8 else None
-        if cached:
-            out_topk_idx = out_topk_weights = None
-            src_rank, src_index = handle.src_rank, handle.src_index
-        else:
-            out_topk_idx = torch.empty(m, k, dtype=torch.int64, device=dev)
-            out_topk_weights = torch.empty(m, k, dtype=torch.float32, device=dev)
-            src_rank = torch.empty(m, dtype=torch.int32, device=dev)
-            src_index = torch.empty(m, dtype=torch.int32, device=dev)
+        out = DispatchOutputs.allocate(cfg, m, x.dtype, handle)
         if worst_case:  # rows no source fills are padding
-            if out_scales is not None:
-                out_scales.zero_()
+            if out.scales is not None:
+                out.scales.zero_()
             if not cached:
-                out_topk_idx.fill_(-1)
-                out_topk_weights.zero_()
-                src_rank.fill_(-1)
-                src_index.fill_(-1)
+                out.topk_idx.fill_(-1)
+                out.topk_weights.zero_()
+                out.src_rank.fill_(-1)
+                out.src_index.fill_(-1)
         self._ctx.dispatch(
             x.data_ptr(), _ptr(x_scales), _ptr(topk_idx), _ptr(topk_weights), state.pos.data_ptr(),
             state.in_node.data_ptr(), state.recv_info.data_ptr(), n, h * x.element_size(),
-            cfg.num_scales if fp8 else 0, out_x.data_ptr(), _ptr(out_scales), _ptr(out_topk_idx),
-            _ptr(out_topk_weights), 0 if cached else src_rank.data_ptr(), 0 if cached else src_index.data_ptr(),
-            state.forward_mask.data_ptr(), state.own_row.data_ptr(), cached, num_sms, stream.cuda_stream,
+            cfg.num_scales if fp8 else 0, out.x.data_ptr(), _ptr(out.scales), _ptr(out.topk_idx),
+            _ptr(out.topk_weights), 0 if cached else out.src_rank.data_ptr(),
+            0 if cached else out.src_index.data_ptr(), state.forward_mask.data_ptr(), state.own_row.data_ptr(),
+            cached, num_sms, stream.cuda_stream,
         )
         if eager:
             recv_counts = self._wait_counts(counts_ready)
             m = sum(recv_counts)
-            out_x, src_rank, src_index = out_x[:m], src_rank[:m], src_index[:m]
-            out_topk_idx, out_topk_weights = out_topk_idx[:m], out_topk_weights[:m]
-            out_scales = out_scales[:m] if fp8 else None
+            out = out.head(m)
         if counts_ready is not None:
             state = NodeDispatchState(state.pos, state.in_node, state.recv_info, state.forward_mask, state.own_row,
                                       self._ctx.host_info()[1])
-        new_handle = handle if cached else DispatchHandle(
-            buffer_id=cfg.buffer_id, num_tokens=n, num_recv_rows=m, is_token_in_rank=in_rank,
-            recv_counts=recv_counts, src_rank=src_rank, src_index=src_index, worst_case=worst_case, state=state,
-        )
-        return DispatchResult(
-            x=out_x, x_scales=out_scales, topk_idx=out_topk_idx, topk_weights=out_topk_weights,
-            tokens_per_expert=None if worst_case else align_up(state.tokens_per_expert, expert_alignment),
-            tokens_per_expert_tensor=tokens_per_expert_tensor, src_rank=src_rank, src_index=src_index,
-            handle=new_handle, event=record_event(async_op, dev),
-        )
+        return native_dispatch_result(
+            cfg, handle, out, num_tokens=n, is_token_in_rank=handle.is_token_in_rank if cached else layout.in_rank,
+            recv_counts=recv_counts, worst_case=worst_case, state=state,
+            tokens_per_expert_raw=state.tokens_per_expert, expert_alignment=expert_alignment,
+            tokens_per_expert_tensor=tokens_per_expert_tensor, async_op=async_op)
 
     def _wait_counts(self, counts_ready: torch.cuda.Event) -> list[int]:
         """Rows from each source, once the notify kernel before `counts_ready` has run."""

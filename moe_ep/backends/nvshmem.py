@@ -21,7 +21,6 @@ import torch
 
 from .. import _native
 from ..types import (
-    DispatchHandle,
     DispatchLayout,
     DispatchResult,
     EventHandle,
@@ -29,7 +28,7 @@ from ..types import (
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
-from .base import Backend, BufferConfig, align_up, record_event
+from .base import Backend, BufferConfig, DispatchOutputs, native_dispatch_result, record_event
 from . import internode
 from .internode import InternodeEngine
 from .symmetric import NvshmemSession
@@ -154,7 +153,7 @@ class NvshmemBackend(Backend):
         host waits for the counts (to size the result) while rows already move. Outputs are
         allocated with R * T rows and returned as views of the first M."""
         cfg = self.cfg
-        dev, r, h, k = cfg.device, cfg.world_size, cfg.hidden, cfg.num_topk
+        r, h = cfg.world_size, cfg.hidden
         stream = self._stream(previous_event)
         if self._internode is not None:
             return self._internode.dispatch(x, x_scales, topk_idx, topk_weights, handle=handle,
@@ -175,21 +174,12 @@ class NvshmemBackend(Backend):
                 counts_ready = torch.cuda.Event()
                 counts_ready.record(stream)
         m = r * cfg.max_tokens_per_rank if worst_case or not cached else sum(recv_counts)
-        out_x = torch.empty(m, h, dtype=x.dtype, device=dev)
-        out_scales = torch.empty(m, cfg.num_scales, dtype=torch.float32, device=dev) if fp8 else None
-        if cached:
-            out_topk_idx = out_topk_weights = None
-            src_rank, src_index = handle.src_rank, handle.src_index
-        else:
-            out_topk_idx = torch.empty(m, k, dtype=torch.int64, device=dev)
-            out_topk_weights = torch.empty(m, k, dtype=torch.float32, device=dev)
-            src_rank = torch.empty(m, dtype=torch.int32, device=dev)
-            src_index = torch.empty(m, dtype=torch.int32, device=dev)
+        out = DispatchOutputs.allocate(cfg, m, x.dtype, handle)
         self._ctx.dispatch(
             x.data_ptr(), _ptr(x_scales), _ptr(topk_idx), _ptr(topk_weights), state.pos.data_ptr(),
-            state.recv_info.data_ptr(), n, h * x.element_size(), cfg.num_scales if fp8 else 0, out_x.data_ptr(),
-            _ptr(out_scales), _ptr(out_topk_idx), _ptr(out_topk_weights), 0 if cached else src_rank.data_ptr(),
-            0 if cached else src_index.data_ptr(), worst_case, cached, num_sms, stream.cuda_stream,
+            state.recv_info.data_ptr(), n, h * x.element_size(), cfg.num_scales if fp8 else 0, out.x.data_ptr(),
+            _ptr(out.scales), _ptr(out.topk_idx), _ptr(out.topk_weights), 0 if cached else out.src_rank.data_ptr(),
+            0 if cached else out.src_index.data_ptr(), worst_case, cached, num_sms, stream.cuda_stream,
         )
         if counts_ready is not None:
             counts_ready.synchronize()
@@ -197,21 +187,14 @@ class NvshmemBackend(Backend):
             recv_counts, raw = self._ctx.host_info()
             state = DispatchState(state.pos, state.recv_info, raw)
             m = sum(recv_counts)
-            out_x, src_rank, src_index = out_x[:m], src_rank[:m], src_index[:m]
-            out_topk_idx, out_topk_weights = out_topk_idx[:m], out_topk_weights[:m]
-            out_scales = out_scales[:m] if fp8 else None
+            out = out.head(m)
         elif not cached:
             recv_counts = None
-        new_handle = handle if cached else DispatchHandle(
-            buffer_id=cfg.buffer_id, num_tokens=n, num_recv_rows=m, is_token_in_rank=in_rank,
-            recv_counts=recv_counts, src_rank=src_rank, src_index=src_index, worst_case=worst_case, state=state,
-        )
-        return DispatchResult(
-            x=out_x, x_scales=out_scales, topk_idx=out_topk_idx, topk_weights=out_topk_weights,
-            tokens_per_expert=None if worst_case else align_up(state.tokens_per_expert, expert_alignment),
-            tokens_per_expert_tensor=tokens_per_expert_tensor, src_rank=src_rank, src_index=src_index,
-            handle=new_handle, event=record_event(async_op, cfg.device),
-        )
+        return native_dispatch_result(
+            cfg, handle, out, num_tokens=n, is_token_in_rank=handle.is_token_in_rank if cached else in_rank,
+            recv_counts=recv_counts, worst_case=worst_case, state=state,
+            tokens_per_expert_raw=state.tokens_per_expert, expert_alignment=expert_alignment,
+            tokens_per_expert_tensor=tokens_per_expert_tensor, async_op=async_op)
 
     def combine(self, x, handle, *, num_sms, previous_event, async_op):
         cfg = self.cfg

@@ -13,6 +13,7 @@
 
 #include "kernels/internode/internode.h"
 #include "runtime/error_check.h"
+#include "runtime/host_mailbox.h"
 
 namespace py = pybind11;
 
@@ -39,7 +40,8 @@ class InternodeContext {
  public:
   InternodeContext(int rank, int nranks, int ranks_per_node, int max_tokens, int hidden, int num_topk,
                    int num_experts, int round_tokens, double timeout_s, uintptr_t error, uintptr_t epochs,
-                   uintptr_t block_counters, uintptr_t workspace, const std::vector<uintptr_t>& node_peers) {
+                   uintptr_t block_counters, uintptr_t workspace, const std::vector<uintptr_t>& node_peers)
+      : host_info_(nranks > 0 ? nranks + num_experts / nranks : 1, "internode host info") {
     ctx_.dims = make_dims(rank, nranks, ranks_per_node, max_tokens, hidden, num_topk, num_experts, round_tokens);
     if (round_tokens < 1 || round_tokens > max_tokens)
       throw std::invalid_argument("InternodeContext: round_tokens must be in [1, max_tokens]");
@@ -52,23 +54,11 @@ class InternodeContext {
     ctx_.block_counters = block_counters;
     ctx_.workspace = workspace;
     for (int j = 0; j < ranks_per_node; ++j) ctx_.node_peers[j] = node_peers[j];
-    host_info_entries_ = nranks + num_experts / nranks;
-    MOE_EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_info_), host_info_entries_ * sizeof(int),
-                                    cudaHostAllocMapped));
-    const cudaError_t status = cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_info_device_), host_info_, 0);
-    if (status != cudaSuccess) {
-      close();
-      check_cuda(status, "cudaHostGetDevicePointer(internode host info)");
-    }
   }
 
   ~InternodeContext() { close(); }
 
-  void close() {
-    if (host_info_ != nullptr) cudaFreeHost(host_info_);
-    host_info_ = nullptr;
-    host_info_device_ = nullptr;
-  }
+  void close() { host_info_.close(); }
 
   void route(uintptr_t topk_idx, int num_tokens, uintptr_t in_rank, uintptr_t pos, uintptr_t in_node,
              uintptr_t tokens_per_rank, uintptr_t tokens_per_expert, uintptr_t stream) const {
@@ -78,7 +68,7 @@ class InternodeContext {
 
   void notify(uintptr_t tokens_per_rank, uintptr_t tokens_per_expert, int num_tokens, uintptr_t recv_info,
               uintptr_t tokens_per_expert_aligned, int expert_alignment, bool worst_case, uintptr_t stream) const {
-    const uintptr_t host = worst_case ? 0 : reinterpret_cast<uintptr_t>(host_info_device_);
+    const uintptr_t host = worst_case ? 0 : host_info_.device();
     launch_notify(ctx_,
                   NotifyArgs{tokens_per_rank, tokens_per_expert, num_tokens, recv_info, tokens_per_expert_aligned, host,
                              expert_alignment, worst_case},
@@ -89,8 +79,7 @@ class InternodeContext {
   // once the host has synchronised with that kernel.
   std::pair<std::vector<int>, std::vector<int>> host_info() const {
     const int nranks = ctx_.dims.nranks;
-    return {std::vector<int>(host_info_, host_info_ + nranks),
-            std::vector<int>(host_info_ + nranks, host_info_ + host_info_entries_)};
+    return {host_info_.read(0, nranks), host_info_.read(nranks, ctx_.dims.num_experts / nranks)};
   }
 
   void dispatch(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t pos,
@@ -135,9 +124,7 @@ class InternodeContext {
 
  private:
   Context ctx_{};
-  int* host_info_ = nullptr;
-  int* host_info_device_ = nullptr;
-  int host_info_entries_ = 0;
+  HostMailbox host_info_;  // [R] rows per source, then [E_l] rows per local expert
 };
 
 // Round size and workspace bytes of a Buffer: the largest round whose workspace fits the budget.
