@@ -1,11 +1,11 @@
-"""`torchrun --nproc-per-node R -m moe_ep.bench`: time dispatch/combine as shared/BENCH.md says.
+"""`torchrun --nproc-per-node R -m moe_ep.bench`: time dispatch/combine as docs/benchmarks.md says.
 
 On GPUs (NCCL group): N1 (normal mode, native backend at several SM budgets, the reference backend
 on NCCL, and raw NCCL all_to_all_single moving the same bytes), L1 (low-latency) and optionally a
 hidden x tokens sweep. With --ranks-per-node K the native N1 and L1 rows are measured a second time
 with the group cut into nodes of K ranks (K=1 on one machine: every byte between GPUs takes the
-cross-node kernels' network leg), next to the NVLink rows in the same table. Without GPUs (gloo): the reference backend on a small case. Prints a table,
-writes JSON and a PNG plot.
+cross-node kernels' network leg), next to the NVLink rows in the same table. Without GPUs (gloo):
+the reference backend on a small case. Prints a table, writes JSON and a PNG plot.
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ import torch.distributed as dist
 from . import fp8
 from .buffer import Buffer
 
-# DeepEP V1 on our 2xH200, N1 (shared/BENCH.md): SMs -> (FP8 dispatch, BF16 dispatch, BF16 combine) us.
+# DeepEP V1 on our 2xH200, N1 (docs/benchmarks.md, Method): SMs -> (FP8 dispatch, BF16 dispatch, BF16 combine) us.
 DEEPEP_N1 = {8: (647.9, 972.6, 999.7), 16: (344.2, 500.4, 532.3), 24: (245.1, 343.7, 400.0), 32: (193.1, 292.7, 318.1)}
-# DeepEP V1 low-latency, EP2 (shared/BENCH.md): tokens -> (dispatch, combine) us.
+# DeepEP V1 low-latency, EP2 (docs/benchmarks.md, Method): tokens -> (dispatch, combine) us.
 DEEPEP_L1 = {128: (30.5, 41.2), 256: (44.8, 72.0)}
-# NVLink limit per direction with int4 stores, 1024 threads, 4 loads in flight (shared/BENCH.md), GB/s.
+# NVLink limit per direction with int4 stores, 1024 threads, 4 loads in flight (docs/benchmarks.md), GB/s.
 NVLINK_LIMIT_GBPS = {8: 349.0, 16: 343.0, 24: 346.0, 32: 349.0}
 NVLINK_LIMIT_ANY_GBPS = 365.0  # 132 SMs through nvshmem_ptr
 
@@ -170,7 +170,7 @@ def _max_over_ranks(value: float) -> float:
 
 
 def n1_inputs(tokens: int, hidden: int, experts: int, topk: int, device: torch.device, seed: int):
-    """BENCH.md's routing: topk of |randn| + 1 scores; random bf16 rows; random weights."""
+    """The canonical routing (docs/benchmarks.md): topk of |randn| + 1 scores; random bf16 rows; random weights."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)
     scores = torch.randn(tokens, experts, generator=g, device=device).abs() + 1
@@ -222,8 +222,15 @@ def bench_nccl_a2a(buf: Buffer, timer: Timer, case: str, tokens: int) -> Row:
                sum(recv) * 2 * cfg.hidden, remote * 2 * cfg.hidden)
 
 
+def _graph_capturable(buf: Buffer) -> bool:
+    """Whether the Buffer's calls can be captured in a CUDA graph: only the native backend's can (the
+    reference backend's NCCL collectives and host syncs stop a capture)."""
+    return buf.backend_name == "nvshmem"
+
+
 def bench_low_latency(buf: Buffer, timer: Timer, tokens: int) -> list[Row]:
-    """L1: FP8 dispatch and BF16 combine, whole calls and the hook's send/receive halves."""
+    """L1: FP8 dispatch and BF16 combine, whole calls (also replayed from a CUDA graph where the
+    backend can be captured) and the hook's send/receive halves."""
     cfg = buf.cfg
     x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, cfg.device, seed=cfg.rank)
     d = buf.low_latency_dispatch(x, idx, use_fp8=True)
@@ -232,12 +239,14 @@ def bench_low_latency(buf: Buffer, timer: Timer, tokens: int) -> list[Row]:
     row_fp8, row_bf16 = cfg.hidden + 4 * cfg.num_scales, 2 * cfg.hidden
     ref = DEEPEP_L1.get(tokens)
     rows = []
+    graph = _graph_capturable(buf)
 
     def add(op: str, fn: Callable[[], object], row_bytes: int, ref_us: Optional[float]) -> None:
         rows.append(Row("L1", op, buf.backend_name, None, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
                         pairs * row_bytes, 0, ref_us, extra={"kernels": timer.last_kernels}, topology=_topology(buf)))
-        rows.append(Row("L1", op + "_graph", buf.backend_name, None, tokens, cfg.hidden, timer.graph_us(fn), None,
-                        pairs * row_bytes, 0, ref_us, topology=_topology(buf)))
+        if graph:
+            rows.append(Row("L1", op + "_graph", buf.backend_name, None, tokens, cfg.hidden, timer.graph_us(fn), None,
+                            pairs * row_bytes, 0, ref_us, topology=_topology(buf)))
 
     # Combine first: a low-latency dispatch result (and its handle) stays valid for two dispatches only.
     add("ll_combine_bf16", lambda: buf.low_latency_combine(y, idx, w, d.handle), row_bf16, ref[1] if ref else None)
