@@ -7,7 +7,10 @@ import ctypes
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import json
+import os
+import shutil
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -15,6 +18,8 @@ from typing import Any
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUILD_INFO = PACKAGE_DIR / "_build_info.json"
 HOST_LIBRARY = "libnvshmem_host.so.3"
+REBUILD = ("reinstall with `python -m pip install .` (offline: `python -m pip install --no-build-isolation "
+           "--no-deps -e .`) and read the build's output")
 
 
 class NativeUnavailableError(RuntimeError):
@@ -26,6 +31,36 @@ def build_info() -> dict[str, Any] | None:
     if not BUILD_INFO.is_file():
         return None
     return json.loads(BUILD_INFO.read_text())
+
+
+def find_nvcc() -> Path | None:
+    """The nvcc the build would use: $CUDA_HOME/bin/nvcc, else nvcc on PATH (as moe_ep_build.toolchain)."""
+    home = os.environ.get("CUDA_HOME")
+    if home and (Path(home) / "bin" / "nvcc").is_file():
+        return Path(home) / "bin" / "nvcc"
+    found = shutil.which("nvcc")
+    return Path(found) if found else None
+
+
+def extension_file() -> Path | None:
+    """The compiled moe_ep._C file, found without importing it, or None."""
+    spec = importlib.util.find_spec("moe_ep._C")
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def _not_built() -> str:
+    """Why there is no usable build: the build records success by writing BUILD_INFO next to _C, so
+    without it either the install had no nvcc (and built nothing) or the build failed."""
+    missing = f"{BUILD_INFO.name} is missing in {PACKAGE_DIR}"
+    extension = extension_file()
+    if extension is not None:
+        return f"moe_ep._C is not built completely ({extension.name} is there but {missing}): {REBUILD}"
+    nvcc = find_nvcc()
+    if nvcc is not None:
+        return (f"moe_ep._C is not built ({missing}) although nvcc is here ({nvcc}): its build failed, or moe_ep "
+                f"was installed before nvcc was; {REBUILD}")
+    return (f"moe_ep._C is not built ({missing}): the install found no CUDA compiler; reinstall with nvcc on PATH "
+            "or CUDA_HOME set")
 
 
 def _version_text(version: Any) -> str:
@@ -47,16 +82,18 @@ def nvshmem_host_library(dist: str) -> Path:
 def _import_checked() -> ModuleType:
     info = build_info()
     if info is None:
+        raise NativeUnavailableError(_not_built())
+    if extension_file() is None:
         raise NativeUnavailableError(
-            f"moe_ep._C is not built ({BUILD_INFO.name} is missing in {PACKAGE_DIR}): the install found no CUDA "
-            "compiler; reinstall with nvcc on PATH or CUDA_HOME set")
+            f"moe_ep._C is missing in {PACKAGE_DIR} although {BUILD_INFO.name} says it was built: the build failed "
+            f"or _C was removed; {REBUILD}")
     dist, built = info["nvshmem_dist"], info["nvshmem_dist_version"]
     library = nvshmem_host_library(dist)
     installed = importlib.metadata.version(dist)
     if installed != built:
         raise NativeUnavailableError(
             f"moe_ep._C was built against {dist} {built} but {installed} is installed: "
-            f"pip install {dist}=={built}, or rebuild moe_ep")
+            f"python -m pip install {dist}=={built}, or rebuild moe_ep")
     try:
         ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
     except OSError as err:
@@ -64,7 +101,8 @@ def _import_checked() -> ModuleType:
     try:
         module = importlib.import_module("moe_ep._C")
     except ImportError as err:
-        raise NativeUnavailableError(f"moe_ep._C does not import: {err}") from err
+        raise NativeUnavailableError(f"moe_ep._C was built but does not import ({err}): the build is broken or "
+                                     f"incomplete; {REBUILD}") from err
     build_version, runtime_version = tuple(module.build_version()), tuple(module.runtime_version())
     if build_version != runtime_version:
         raise NativeUnavailableError(

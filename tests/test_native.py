@@ -3,12 +3,12 @@ phase names and error layout match comm.h, and NVSHMEM sessions fail clearly whe
 from __future__ import annotations
 
 import ctypes
+import importlib
 import importlib.metadata
-import os
+import json
 import pickle
 import random
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +26,6 @@ COMM_H = ROOT / "csrc" / "runtime" / "comm.h"
 needs_native = pytest.mark.skipif(not _native.available()[0], reason=f"moe_ep._C unavailable: {_native.available()[1]}")
 
 
-def _nvcc_present() -> bool:
-    home = os.environ.get("CUDA_HOME")
-    return bool(home and (Path(home) / "bin" / "nvcc").is_file()) or shutil.which("nvcc") is not None
-
-
 def _comm_h_phases() -> list[tuple[int, str]]:
     """(value, comment) of every Phase enumerator in comm.h; kPhaseNone has no comment and is 'none'."""
     body = re.search(r"enum Phase : int \{(.*?)\};", COMM_H.read_text(), re.S)[1]
@@ -42,10 +37,70 @@ def _comm_h_phases() -> list[tuple[int, str]]:
 
 def test_native_is_built_wherever_nvcc_is() -> None:
     ok, why = _native.available()
-    if _nvcc_present():
+    if _native.find_nvcc() is not None:
         assert ok, why
     else:
         assert not ok and "not built" in why
+
+
+@pytest.fixture
+def fresh_load():
+    """_native._load is cached per process: clear it around a test that fakes the install."""
+    _native._load.cache_clear()
+    yield
+    _native._load.cache_clear()
+
+
+def _why(monkeypatch: pytest.MonkeyPatch, *, info: bool, extension: bool, nvcc: bool, tmp_path: Path) -> str:
+    """Why _C is unavailable in a faked install (build info written or not, _C file present or not,
+    nvcc on this machine or not)."""
+    build_info = tmp_path / "_build_info.json"
+    if info:
+        build_info.write_text(json.dumps({"nvshmem_dist": "nvidia-nvshmem-cu13", "nvshmem_dist_version": "3.4.5"}))
+    monkeypatch.setattr(_native, "BUILD_INFO", build_info)
+    monkeypatch.setattr(_native, "extension_file", lambda: tmp_path / "_C.so" if extension else None)
+    monkeypatch.setattr(_native, "find_nvcc", lambda: Path("/opt/cuda/bin/nvcc") if nvcc else None)
+    _native._load.cache_clear()
+    ok, why = _native.available()
+    assert not ok
+    with pytest.raises(_native.NativeUnavailableError, match=re.escape(why)):
+        _native.load()
+    return why
+
+
+def test_message_without_nvcc_says_no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_load) -> None:
+    why = _why(monkeypatch, info=False, extension=False, nvcc=False, tmp_path=tmp_path)
+    assert "not built" in why and "found no CUDA compiler" in why and "failed" not in why
+
+
+def test_message_with_nvcc_says_the_build_failed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_load) -> None:
+    why = _why(monkeypatch, info=False, extension=False, nvcc=True, tmp_path=tmp_path)
+    assert "not built" in why and "build failed" in why and "/opt/cuda/bin/nvcc" in why
+    assert "no CUDA compiler" not in why
+
+
+def test_message_for_an_unfinished_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_load) -> None:
+    for nvcc in (False, True):
+        why = _why(monkeypatch, info=False, extension=True, nvcc=nvcc, tmp_path=tmp_path)
+        assert "not built completely" in why and "_C.so is there" in why and "no CUDA compiler" not in why
+    why = _why(monkeypatch, info=True, extension=False, nvcc=True, tmp_path=tmp_path)
+    assert "_C is missing" in why and "build failed" in why and "no CUDA compiler" not in why
+
+
+def test_message_when_the_built_module_does_not_import(monkeypatch: pytest.MonkeyPatch, fresh_load) -> None:
+    if _native.build_info() is None:
+        pytest.skip("moe_ep._C is not built")
+    real_import = importlib.import_module
+
+    def fail(name: str, *args):
+        if name == "moe_ep._C":
+            raise ImportError("undefined symbol: nvshmemx_fake")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", fail)
+    ok, why = _native.available()
+    assert not ok and "was built but does not import" in why and "nvshmemx_fake" in why
+    assert "no CUDA compiler" not in why
 
 
 @needs_native
