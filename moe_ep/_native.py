@@ -18,6 +18,12 @@ from typing import Any
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUILD_INFO = PACKAGE_DIR / "_build_info.json"
 HOST_LIBRARY = "libnvshmem_host.so.3"
+# Limits compiled into the kernels, for Python to validate against. `constant` reads them from moe_ep._C
+# where it loads and exports them; these fallbacks, equal to the C++ values (tests/test_native.py
+# checks), serve the pure-Python install, so that the reference backend accepts what the kernels do.
+FALLBACK_CONSTANTS = {
+    "MAX_TOPK": 16,  # top-k entries per token (csrc/kernels/intranode.h and internode/internode.h kMaxTopk)
+}
 REBUILD = ("reinstall with `python -m pip install .` (offline: `python -m pip install --no-build-isolation "
            "--no-deps -e .`) and read the build's output")
 
@@ -132,3 +138,11 @@ def available() -> tuple[bool, str]:
     """(True, "") when moe_ep._C loads, else (False, why)."""
     result = _load()
     return (False, result) if isinstance(result, str) else (True, "")
+
+
+def constant(name: str) -> int:
+    """A limit shared with the kernels (a key of FALLBACK_CONSTANTS): moe_ep._C's value where _C loads
+    and exports it, else the fallback."""
+    fallback = FALLBACK_CONSTANTS[name]
+    ok, _ = available()
+    return int(getattr(load(), name, fallback)) if ok else fallback

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import topology
+from . import _native, topology
 from .backends.base import Backend, BufferConfig
 from .types import (
     DispatchHandle,
@@ -20,7 +20,6 @@ from .types import (
     LowLatencyHandle,
 )
 
-MAX_TOPK = 16
 DEFAULT_NUM_SMS = 24
 _buffer_ids = itertools.count(1)
 
@@ -65,8 +64,6 @@ def auto_backend(device: torch.device) -> tuple[str, str]:
     nodes get the native backend too: it crosses nodes over NVSHMEM's network transports."""
     if device.type != "cuda":
         return "reference", f"the native backend needs CUDA devices and NCCL; the group runs on {device.type}"
-    from . import _native
-
     ok, why = _native.available()
     return ("nvshmem", "moe_ep._C loads and the group runs on CUDA devices") if ok else ("reference", why)
 
@@ -126,8 +123,9 @@ class Buffer:
             raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
         if num_experts % world != 0:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the group size ({world})")
-        if num_topk > MAX_TOPK:
-            raise ValueError(f"num_topk must be at most {MAX_TOPK}, got {num_topk}")
+        max_topk = _native.constant("MAX_TOPK")
+        if num_topk > max_topk:
+            raise ValueError(f"num_topk must be at most {max_topk}, got {num_topk}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         device = _device_of(group)
@@ -155,8 +153,6 @@ class Buffer:
         if self.cfg.device.type != "cuda":
             raise RuntimeError("backend='nvshmem' needs a CUDA device and an NCCL process group; "
                                f"this group runs on {self.cfg.device}")
-        from . import _native
-
         ok, why = _native.available()
         if not ok:
             raise RuntimeError(f"backend='nvshmem' is unavailable: {why}")

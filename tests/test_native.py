@@ -217,3 +217,25 @@ def test_info_reports_build_and_backend() -> None:
     assert re.search(r"^torch\s+" + re.escape(torch.__version__), out, re.M)
     assert re.search(r"^moe_ep\._C\s+(loads|not available: .+)$", out, re.M)
     assert re.search(r'^Buffer\(backend="auto"\) -> (nvshmem|reference) \(.+\)$', out, re.M)
+
+
+def test_fallback_constants_equal_the_kernels_limits() -> None:
+    for header in ("kernels/intranode.h", "kernels/internode/internode.h"):
+        value = re.search(r"constexpr int kMaxTopk = (\d+);", (ROOT / "csrc" / header).read_text())[1]
+        assert int(value) == _native.FALLBACK_CONSTANTS["MAX_TOPK"], header
+    if _native.available()[0]:
+        native = _native.load()
+        for name, fallback in _native.FALLBACK_CONSTANTS.items():
+            assert getattr(native, name, fallback) == fallback == _native.constant(name), name
+
+
+def test_constant_from_the_module_else_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Exports:
+        MAX_TOPK = 12
+
+    monkeypatch.setattr(_native, "_load", lambda: Exports())
+    assert _native.constant("MAX_TOPK") == 12
+    monkeypatch.setattr(_native, "_load", lambda: object())  # a _C that does not export it
+    assert _native.constant("MAX_TOPK") == _native.FALLBACK_CONSTANTS["MAX_TOPK"]
+    monkeypatch.setattr(_native, "_load", lambda: "moe_ep._C is not built")  # no _C at all
+    assert _native.constant("MAX_TOPK") == _native.FALLBACK_CONSTANTS["MAX_TOPK"]
