@@ -1,0 +1,540 @@
+"""DeepEP V1's public Python API on top of `moe_ep.Buffer`, so code written for DeepEP switches with
+one import: `import moe_ep.deep_ep as deep_ep`. Every difference is listed in docs/deep_ep_compat.md.
+
+The DeepEP constructor gives byte budgets, not shapes, so this module creates its moe_ep Buffers
+lazily from the calls' shapes and caches them: one normal-mode Buffer per (hidden, num_experts) and
+one low-latency Buffer per (hidden, num_experts, num_topk, num_max_dispatch_tokens_per_rank). Both
+keys are equal on every rank (DeepEP requires that too), so the collective creation stays in step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+import moe_ep
+from .backends.base import align_up, record_event
+from .buffer import _device_of, _resolve_topology
+
+topk_idx_t = torch.int64
+
+# Top-k columns of the normal-mode Buffers: callers' top-k is padded to it with -1, so dispatches with
+# any top-k up to 16, and without top-k (one stand-in expert per destination rank), share one Buffer.
+NORMAL_TOPK = 16
+
+FP8_BLOCK = 128
+# Normal mode: about this many bytes per received row and source rank (bf16 row, FP8 scales, top-k
+# ids and weights padded to NORMAL_TOPK, source index, flag) turn num_nvl_bytes into max_tokens_per_rank.
+_ROW_META_BYTES = 12 * NORMAL_TOPK + 16
+# Config.get_nvl_buffer_size_hint reserves room for this many tokens per rank.
+HINT_TOKENS_PER_RANK = 4096
+# Low-latency mode per (source, slot): a payload row and a 48-byte meta row; per (slot, top-k): a bf16 row.
+_LL_META_BYTES = 48
+
+XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _row_bytes(hidden: int) -> int:
+    return 2 * hidden + 4 * (hidden // FP8_BLOCK) + _ROW_META_BYTES
+
+
+def _unsupported(option: str, why: str) -> NotImplementedError:
+    return NotImplementedError(f"moe_ep.deep_ep does not support {option}: {why} (docs/deep_ep_compat.md)")
+
+
+@dataclass
+class Config:
+    """DeepEP's tuning config. moe_ep uses `num_sms` only; the chunk sizes are kept so code that sets
+    them still runs."""
+
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """num_nvl_bytes that give moe_ep room for HINT_TOKENS_PER_RANK tokens per rank (bf16 rows)."""
+        return num_ranks * HINT_TOKENS_PER_RANK * _row_bytes(hidden_bytes // 2)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0: moe_ep sizes its cross-node workspace itself (docs/design.md, at most 2 GiB)."""
+        return 0
+
+
+@dataclass
+class EventOverlap:
+    """DeepEP's event wrapper around a `moe_ep.EventHandle` (None when the call was not async_finish)."""
+
+    event: Optional[moe_ep.EventHandle] = None
+    extra_tensors: Optional[tuple[torch.Tensor, ...]] = None  # DeepEP's stream-lifetime hint; moe_ep needs none
+
+    def current_stream_wait(self) -> None:
+        """Make the current stream wait for the event; there must be one (async_finish=True)."""
+        if self.event is None:
+            raise RuntimeError("this EventOverlap holds no event: pass async_finish=True to get one")
+        self.event.wait()
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.event is not None:
+            self.event.wait()
+
+
+class DispatchHandle(tuple):
+    """DeepEP's intranode handle tuple (rank_prefix_matrix, channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head); moe_ep has no channels,
+    so positions 1, 2 and 5 are None. The moe_ep Buffer and handle it stands for ride along."""
+
+    buffer: moe_ep.Buffer
+    inner: moe_ep.DispatchHandle
+    rows: Optional[torch.Tensor]  # num_worst_tokens: which moe_ep row fills each output row, else None
+    num_topk: Optional[int]  # top-k of the dispatch, None without top-k
+
+    def __new__(cls, fields: tuple, buffer: moe_ep.Buffer, inner: moe_ep.DispatchHandle,
+                rows: Optional[torch.Tensor], num_topk: Optional[int]) -> "DispatchHandle":
+        self = super().__new__(cls, fields)
+        self.buffer, self.inner, self.rows, self.num_topk = buffer, inner, rows, num_topk
+        return self
+
+
+class LowLatencyHandle(tuple):
+    """DeepEP's low-latency handle tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank,
+    hidden, num_experts), carrying the moe_ep Buffer and handle it stands for."""
+
+    buffer: moe_ep.Buffer
+    inner: moe_ep.LowLatencyHandle
+
+    def __new__(cls, fields: tuple, buffer: moe_ep.Buffer, inner: moe_ep.LowLatencyHandle) -> "LowLatencyHandle":
+        self = super().__new__(cls, fields)
+        self.buffer, self.inner = buffer, inner
+        return self
+
+
+def _gather_rows(t: Optional[torch.Tensor], rows: torch.Tensor, num_rows: int, fill: float) -> Optional[torch.Tensor]:
+    """t's rows at `rows` (the valid ones first), then `fill` up to num_rows rows (num_worst_tokens)."""
+    if t is None:
+        return None
+    raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    out = raw.new_full((num_rows, *t.shape[1:]), fill)
+    take = min(num_rows, rows.numel())
+    out[:take] = raw[rows[:take]]
+    return out.view(t.dtype)
+
+
+def _scatter_rows(t: torch.Tensor, rows: torch.Tensor, num_inner: int) -> torch.Tensor:
+    """Inverse of _gather_rows: a [num_worst_tokens, ...] tensor back into moe_ep's R * T rows."""
+    out = t.new_zeros((num_inner, *t.shape[1:]))
+    take = min(t.shape[0], rows.numel())
+    out[rows[:take]] = t[:take]
+    return out
+
+
+def _chain(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    """A receive hook that runs moe_ep's hook, then this module's follow-up on the received data."""
+    def hook() -> None:
+        first()
+        then()
+
+    return hook
+
+
+def _layout_range(src_rank: torch.Tensor, count: torch.Tensor, world: int) -> torch.Tensor:
+    """[E_l, R] int64, (first row << 32) | rows, per local expert and source rank (rows are
+    ordered by source rank). Device ops only: no host sync."""
+    slots = torch.arange(src_rank.shape[1], device=src_rank.device)
+    src = torch.where(slots < count.unsqueeze(1), src_rank.long(), world)
+    per = torch.zeros(src.shape[0], world + 1, dtype=torch.int64, device=src.device)
+    per.scatter_add_(1, src, torch.ones_like(src))
+    per = per[:, :world]
+    return ((per.cumsum(1) - per) << 32) | per
+
+
+class Buffer:
+    """DeepEP's `deep_ep.Buffer` (V1) served by moe_ep. Creating it is collective over `group`.
+
+    Keyword-only extensions (not in DeepEP): `backend` (moe_ep's), `max_tokens_per_rank` (normal
+    mode's token limit per rank; default: what fits in num_nvl_bytes) and `ranks_per_node`."""
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Optional[Any] = None, *,
+                 backend: str = "auto", max_tokens_per_rank: Optional[int] = None,
+                 ranks_per_node: Optional[int] = None) -> None:
+        if comm is not None:
+            raise _unsupported("comm (an mpi4py communicator)", "pass a torch.distributed process group")
+        if not allow_nvlink_for_low_latency_mode:
+            raise _unsupported("allow_nvlink_for_low_latency_mode=False", "the low-latency kernels use NVLink inside a node")
+        if allow_mnnvl:
+            raise _unsupported("allow_mnnvl=True", "moe_ep's NVLink domain is one host")
+        if use_fabric:
+            raise _unsupported("use_fabric=True", "moe_ep allocates its buffers through NVSHMEM")
+        if enable_shrink:
+            raise _unsupported("enable_shrink=True", "moe_ep has no rank mask")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.device = _device_of(self.group)
+        self._backend, self._max_tokens = backend, max_tokens_per_rank
+        topo = _resolve_topology(self.group, ranks_per_node)
+        self._ranks_per_node, self._num_nodes = topo.ranks_per_node, topo.num_nodes
+        self._normal: dict[tuple[int, int], moe_ep.Buffer] = {}
+        self._low_latency: dict[tuple[int, int, int, int], moe_ep.Buffer] = {}
+        self._zero_copy: dict[moe_ep.Buffer, torch.Tensor] = {}
+
+    # ---- static helpers -------------------------------------------------------------------
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: moe_ep's FP8 paths work on every backend (DeepEP's tests gate FP8 on this)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """SMs of the normal-mode kernels in the default configs (even, as DeepEP requires)."""
+        if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"the SM count must be a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current stream (an empty one without CUDA)."""
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        return EventOverlap(record_event(True, device))
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """moe_ep's low-latency symmetric memory for these shapes at top-k 16 (an upper bound)."""
+        t = num_max_dispatch_tokens_per_rank
+        return 2 * num_ranks * t * (2 * hidden + _LL_META_BYTES) + 4 * t * NORMAL_TOPK * hidden
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """Config(Buffer.num_sms): moe_ep tunes nothing else per rank count."""
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """Config(Buffer.num_sms), as for dispatch."""
+        return Config(Buffer.num_sms)
+
+    # ---- buffers --------------------------------------------------------------------------
+    def _new_buffer(self, hidden: int, num_experts: int, num_topk: int, max_tokens: int,
+                    low_latency: bool) -> moe_ep.Buffer:
+        return moe_ep.Buffer(self.group, hidden=hidden, num_experts=num_experts, num_topk=num_topk,
+                             max_tokens_per_rank=max_tokens, backend=self._backend, low_latency=low_latency,
+                             ranks_per_node=self._ranks_per_node)
+
+    def _normal_buffer(self, hidden: int, num_experts: int) -> moe_ep.Buffer:
+        """The normal-mode Buffer of these shapes (top-k padded to 16), created on first use."""
+        key = (hidden, num_experts)
+        if key not in self._normal:
+            t = self._max_tokens
+            if t is None:
+                t = self.num_nvl_bytes // (self.group_size * _row_bytes(hidden))
+                if t <= 0:
+                    raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} leaves no room for a token of hidden {hidden}"
+                                     f" (about {self.group_size * _row_bytes(hidden)} bytes per token): raise it or "
+                                     "pass max_tokens_per_rank")
+            self._normal[key] = self._new_buffer(hidden, num_experts, NORMAL_TOPK, t, low_latency=False)
+        return self._normal[key]
+
+    def _low_latency_buffer(self, hidden: int, num_experts: int, num_topk: int, max_tokens: int) -> moe_ep.Buffer:
+        if not self.low_latency_mode:
+            raise ValueError("low-latency calls need a Buffer created with low_latency_mode=True")
+        key = (hidden, num_experts, num_topk, max_tokens)
+        if key not in self._low_latency:
+            self._low_latency[key] = self._new_buffer(hidden, num_experts, num_topk, max_tokens, low_latency=True)
+        return self._low_latency[key]
+
+    def _finish(self, async_finish: bool) -> EventOverlap:
+        """The call's event: recorded after all of its work on the current stream when async_finish."""
+        return EventOverlap(record_event(True, self.device) if async_finish else None)
+
+    @staticmethod
+    def _wait(previous_event: Optional[EventOverlap]) -> None:
+        if previous_event is not None and previous_event.event is not None:
+            previous_event.event.wait()
+
+    # ---- normal mode ----------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False
+                            ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """(num_tokens_per_rank [R], num_tokens_per_rdma_rank [nodes] or None on one node,
+        num_tokens_per_expert [E], is_token_in_rank [N, R], event), int32 counts of tokens (a token
+        that names a rank or expert twice counts once)."""
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != topk_idx_t or topk_idx.dim() != 2:
+            raise TypeError("topk_idx must be a 2-D torch.int64 tensor (deep_ep.topk_idx_t)")
+        if num_experts <= 0 or num_experts % self.group_size:
+            raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the group size")
+        self._wait(previous_event)
+        r, e_l = self.group_size, num_experts // self.group_size
+        hit = torch.zeros(topk_idx.shape[0], num_experts + 1, dtype=torch.bool, device=topk_idx.device)
+        hit.scatter_(1, torch.where(topk_idx >= 0, topk_idx, num_experts), True)
+        per_expert = hit[:, :num_experts]
+        in_rank = per_expert.reshape(-1, r, e_l).any(dim=2)
+        per_node = None
+        if self._num_nodes > 1:
+            per_node = in_rank.view(-1, self._num_nodes, self._ranks_per_node).any(dim=2).sum(0, dtype=torch.int32)
+        return (in_rank.sum(0, dtype=torch.int32), per_node, per_expert.sum(0, dtype=torch.int32), in_rank,
+                self._finish(async_finish))
+
+    def _rank_prefix_matrix(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:
+        """[R, R] int32: entry [s, j] counts the tokens ranks 0..s sent to rank j (one all_gather)."""
+        sent = is_token_in_rank.sum(0, dtype=torch.int32)
+        rows = [torch.empty_like(sent) for _ in range(self.group_size)]
+        dist.all_gather(rows, sent, group=self.group)
+        return torch.stack(rows).cumsum(0, dtype=torch.int32)
+
+    def dispatch(self, x: XType, handle: Optional[DispatchHandle] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event).
+
+        recv_x is a tensor, or (e4m3, scales) for a tuple x. With `handle` (cached dispatch) the
+        four middle results are None. With num_worst_tokens the outputs have that many rows, the
+        received ones first, and the list is empty (no host sync)."""
+        x, scales = x if isinstance(x, tuple) else (x, None)
+        scales = scales.contiguous() if scales is not None else None  # DeepEP accepts column-major scales
+        sms = (config or self.get_dispatch_config(self.group_size)).num_sms
+        self._wait(previous_event)
+        if handle is not None:
+            if not isinstance(handle, DispatchHandle):
+                raise TypeError(f"handle must come from moe_ep.deep_ep dispatch, got {type(handle).__name__}")
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("a cached dispatch (handle=...) takes no topk_idx or topk_weights")
+            got = handle.buffer.dispatch(x, x_scales=scales, handle=handle.inner, num_sms=sms)
+            recv = self._recv_rows(got.x, got.x_scales, handle.rows, handle[3].shape[0])
+            return recv, None, None, None, None, self._finish(async_finish)
+
+        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ValueError("dispatch needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert "
+                             "(from get_dispatch_layout), or a handle")
+        num_experts, r = num_tokens_per_expert.shape[0], self.group_size
+        buf = self._normal_buffer(x.shape[1], num_experts)
+        e_l, n = buf.num_local_experts, x.shape[0]
+        if topk_idx is not None:
+            if topk_weights is None:
+                raise ValueError("dispatch with topk_idx needs topk_weights")
+            k = topk_idx.shape[1]
+            if k > NORMAL_TOPK:
+                raise ValueError(f"topk_idx has {k} columns, at most {NORMAL_TOPK} are supported")
+            pad = (0, NORMAL_TOPK - k)
+            idx = torch.nn.functional.pad(topk_idx, pad, value=-1)
+            weights = torch.nn.functional.pad(topk_weights, pad, value=0.0)
+        else:
+            if r > NORMAL_TOPK:
+                raise _unsupported(f"dispatch without topk_idx on {r} ranks", f"it routes by rank, at most {NORMAL_TOPK}")
+            # One stand-in expert per destination rank (its first local expert) reproduces is_token_in_rank.
+            first = torch.arange(r, device=x.device) * e_l
+            idx = torch.where(is_token_in_rank, first, -1)
+            idx = torch.nn.functional.pad(idx, (0, NORMAL_TOPK - r), value=-1)
+            weights = torch.zeros(n, NORMAL_TOPK, dtype=torch.float32, device=x.device)
+        layout = moe_ep.DispatchLayout(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
+        worst = num_worst_tokens > 0
+        got = buf.dispatch(x, idx, weights, x_scales=scales, layout=layout,
+                           expert_alignment=expert_alignment if topk_idx is not None else 1,
+                           worst_case=worst, num_sms=sms)
+        inner = got.handle
+        rows = None
+        if worst:
+            padding = got.src_rank < 0
+            rows = torch.argsort(padding.to(torch.int8), stable=True)  # received rows first, in order
+            if num_worst_tokens < rows.numel():  # a device-side check: no host sync
+                torch._assert_async((~padding).sum() <= num_worst_tokens,
+                                    "num_worst_tokens is smaller than the number of received tokens")
+        recv_topk = recv_weights = None
+        if topk_idx is not None:
+            recv_topk = got.topk_idx[:, :k]
+            recv_weights = got.topk_weights[:, :k]
+            if worst:
+                recv_topk = _gather_rows(recv_topk, rows, num_worst_tokens, -1)
+                recv_weights = _gather_rows(recv_weights, rows, num_worst_tokens, 0.0)
+            else:
+                recv_topk, recv_weights = recv_topk.contiguous(), recv_weights.contiguous()
+        if worst:
+            counts: list[int] = []
+        elif topk_idx is not None:
+            counts = got.tokens_per_expert
+        else:  # DeepEP's list comes from num_tokens_per_expert, summed over the source ranks
+            total = num_tokens_per_expert.to(torch.int64).clone()
+            dist.all_reduce(total, group=self.group)
+            counts = align_up(total[buf.rank * e_l:(buf.rank + 1) * e_l].tolist(), expert_alignment)
+        src_idx = _gather_rows(inner.src_index, rows, num_worst_tokens, -1) if worst else inner.src_index
+        fields = (self._rank_prefix_matrix(inner.is_token_in_rank), None, None, src_idx, inner.is_token_in_rank, None)
+        new_handle = DispatchHandle(fields, buf, inner, rows, k if topk_idx is not None else None)
+        recv = self._recv_rows(got.x, got.x_scales, rows, num_worst_tokens)
+        return recv, recv_topk, recv_weights, counts, new_handle, self._finish(async_finish)
+
+    @staticmethod
+    def _recv_rows(x: torch.Tensor, scales: Optional[torch.Tensor], rows: Optional[torch.Tensor],
+                   num_rows: int) -> XType:
+        """DeepEP's recv_x: moe_ep's rows (compacted to num_rows for num_worst_tokens), a tuple for FP8."""
+        if rows is not None:
+            x, scales = _gather_rows(x, rows, num_rows, 0), _gather_rows(scales, rows, num_rows, 0.0)
+        return (x, scales) if scales is not None else x
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """(combined_x, combined_topk_weights, event): each token's rows summed back on its source
+        rank (moe_ep's fixed-order float32 sum, docs/api.md), then `bias` (one tensor or two) added
+        in float32 and rounded once more; the weights are summed exactly in float32 (_combine_weights)."""
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must come from moe_ep.deep_ep dispatch, got {type(handle).__name__}")
+        sms = (config or self.get_combine_config(self.group_size)).num_sms
+        self._wait(previous_event)
+        inner = handle.inner
+        if handle.rows is not None:
+            x = _scatter_rows(x, handle.rows, inner.num_recv_rows)
+            topk_weights = _scatter_rows(topk_weights, handle.rows, inner.num_recv_rows) \
+                if topk_weights is not None else None
+        out = handle.buffer.combine(x, inner, num_sms=sms)
+        biases = bias if isinstance(bias, tuple) else (bias,) if bias is not None else ()
+        if biases:
+            acc = out.float()
+            for b in biases:
+                acc = acc + b.float()
+            out = acc.to(torch.bfloat16)
+        weights = self._combine_weights(handle, topk_weights) if topk_weights is not None else None
+        return out, weights, self._finish(async_finish)
+
+    def _combine_weights(self, handle: DispatchHandle, weights: torch.Tensor) -> torch.Tensor:
+        """[N, K] float32: for each token, the float32 sum over the ranks that received it, in
+        ascending rank order from +0.0, of the weight rows they return. One all_to_all of R * T rows
+        per rank (T = max_tokens_per_rank), so no host sync."""
+        inner, buf = handle.inner, handle.buffer
+        r, t = self.group_size, buf.cfg.max_tokens_per_rank
+        weights = weights.float()
+        k, m = weights.shape[1], weights.shape[0]
+        # Row j of source s goes to slot s * T + (j's position among s's rows): rows are by source.
+        src = inner.src_rank.long()
+        valid = src >= 0
+        at = torch.arange(m, device=weights.device)
+        first = torch.full((r,), m, dtype=torch.int64, device=weights.device)
+        first.scatter_reduce_(0, src[valid], at[valid], reduce="amin")
+        send = torch.zeros(r * t, k, dtype=torch.float32, device=weights.device)
+        send[(src * t + at - first[src.clamp(min=0)])[valid]] = weights[valid]
+        back = torch.empty_like(send)
+        dist.all_to_all_single(back, send, group=self.group)
+        mask = inner.is_token_in_rank
+        pos = mask.to(torch.int64).cumsum(0) - 1  # each token's slot among those sent to a rank
+        acc = torch.zeros(mask.shape[0], k, dtype=torch.float32, device=weights.device)
+        for dst in range(r):
+            term = back[dst * t + pos[:, dst].clamp(min=0)]
+            acc = torch.where(mask[:, dst:dst + 1], acc + term, acc)
+        return acc
+
+    # ---- low-latency mode -----------------------------------------------------------------
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Nothing to clean: moe_ep's low-latency rows carry the call's epoch, so stale data is ignored."""
+        if not self.low_latency_mode:
+            raise ValueError("clean_low_latency_buffer needs a Buffer created with low_latency_mode=True")
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """(recv_x or (e4m3, scales), recv_count, handle, event, hook), expert-major [E_l, R * T, ...]."""
+        if use_ue8m0:
+            raise _unsupported("use_ue8m0=True", "scales are float32 (round_scale=True makes them powers of two)")
+        if dispatch_wait_recv_cost_stats is not None:
+            raise _unsupported("dispatch_wait_recv_cost_stats", "moe_ep records no per-peer wait times")
+        t = num_max_dispatch_tokens_per_rank
+        buf = self._low_latency_buffer(x.shape[1], num_experts, topk_idx.shape[1], t)
+        got = buf.low_latency_dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+                                       return_recv_hook=return_recv_hook)
+        layout_range = torch.empty(buf.num_local_experts, self.group_size, dtype=torch.int64, device=x.device)
+
+        def received() -> None:
+            layout_range.copy_(_layout_range(got.handle.src_rank, got.count, self.group_size))
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(got.count)
+
+        hook = _chain(got.hook, received) if return_recv_hook else None
+        if not return_recv_hook:
+            received()
+        handle = LowLatencyHandle((got.handle.src_index, layout_range, t, x.shape[1], num_experts), buf, got.handle)
+        recv = (got.x, got.x_scales) if use_fp8 else got.x
+        return recv, got.count, handle, self._finish(async_finish), hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, EventOverlap, Optional[Callable[[], None]]]:
+        """(combined_x, event, hook): moe_ep's weighted sum over k ascending, one rounding (docs/api.md).
+        zero_copy=True combines what get_next_low_latency_combine_buffer's tensor holds instead of x."""
+        if use_logfmt:
+            raise _unsupported("use_logfmt=True", "moe_ep has no LogFMT combine; it sends bf16 rows")
+        if combine_wait_recv_cost_stats is not None:
+            raise _unsupported("combine_wait_recv_cost_stats", "moe_ep records no per-peer wait times")
+        if not isinstance(handle, LowLatencyHandle):
+            raise TypeError(f"handle must come from moe_ep.deep_ep low_latency_dispatch, got {type(handle).__name__}")
+        if zero_copy:
+            if handle.buffer not in self._zero_copy:
+                raise ValueError("zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled first")
+            x = self._zero_copy[handle.buffer]
+        got = handle.buffer.low_latency_combine(x, topk_idx, topk_weights, handle.inner,
+                                                return_recv_hook=return_recv_hook)
+
+        def received() -> None:
+            if out is not None:
+                out.copy_(got.x)
+
+        hook = _chain(got.hook, received) if return_recv_hook else None
+        if not return_recv_hook:
+            received()
+        return got.x if out is None else out, self._finish(async_finish), hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """A [E_l, R * T, H] bf16 tensor to fill for the next combine with zero_copy=True (ordinary
+        memory that the combine reads as its x: the API works, no copy is saved)."""
+        buf = handle.buffer
+        if buf not in self._zero_copy:
+            self._zero_copy[buf] = torch.empty(*handle.inner.src_index.shape, handle[3], dtype=torch.bfloat16,
+                                               device=handle.inner.src_index.device)
+        return self._zero_copy[buf]
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        raise _unsupported("low_latency_update_mask_buffer", "moe_ep has no rank mask")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        raise _unsupported("low_latency_query_mask_buffer", "moe_ep has no rank mask")
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        raise _unsupported("low_latency_clean_mask_buffer", "moe_ep has no rank mask")
+
+    # ---- lifetime -------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Close every moe_ep Buffer this one created (collective); needs explicitly_destroy=True."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy() needs a Buffer created with explicitly_destroy=True")
+        for buf in [*self._normal.values(), *self._low_latency.values()]:
+            buf.close()
+        self._normal.clear()
+        self._low_latency.clear()
+        self._zero_copy.clear()
+
+
+__all__ = ["Buffer", "Config", "DispatchHandle", "EventOverlap", "LowLatencyHandle", "topk_idx_t"]
