@@ -26,7 +26,7 @@ CASES = {
     1: [(21, [29], 128, 8, 4, "random", 32, None)],
     2: [
         (22, [33, 0], 128, 16, 8, "random", 40, None),
-        (23, [40, 17], 256, 8, 2, "skewed", 48, None),
+        (23, [40, 17], 512, 8, 2, "skewed", 48, None),
         (24, [25, 31], 128, 8, 4, "one_expert", 32, 1),
     ],
     3: [(25, [20, 0, 31], 128, 12, 4, "random", 32, None)],
@@ -198,11 +198,14 @@ def _check_low_latency(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, ex
     num_local, hidden = experts // world, inp.x[me].shape[1]
     x, idx, w = inp.x[me], inp.topk_idx[me], inp.topk_weights[me]
     buf.clean_low_latency_buffer(t, hidden, experts)
-    for use_fp8, round_scale, hook in ((False, False, False), (True, False, True), (True, True, False)):
+    modes = [(False, False, False, False), (True, False, True, False), (True, True, False, False)]
+    if hidden % 512 == 0:
+        modes += [(True, True, True, True), (True, True, False, True)]
+    for use_fp8, round_scale, hook, ue8m0 in modes:
         stats = torch.zeros(num_local, dtype=torch.int32)
         recv, count, handle, event, hook_fn = buf.low_latency_dispatch(
             x, idx, t, experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, round_scale=round_scale,
-            async_finish=not hook, return_recv_hook=hook)
+            use_ue8m0=ue8m0, async_finish=not hook, return_recv_hook=hook)
         if hook:
             assert event.event is None
             hook_fn()
@@ -211,6 +214,9 @@ def _check_low_latency(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, ex
             event.current_stream_wait()
         want = expected_low_latency_dispatch(inp, me, world, experts, use_fp8, round_scale)
         recv_x, recv_s = recv if use_fp8 else (recv, None)
+        if ue8m0:  # exponent bytes, four per int32, read back as DeepEP's tests do
+            assert recv_s.dtype == torch.int32 and recv_s.shape[2] == hidden // 512
+            recv_s = (recv_s.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
         assert recv_x.shape == (num_local, world * t, hidden) and _same(stats, count)
         assert tuple(handle[2:]) == (t, hidden, experts) and handle[1].dtype == torch.int64
         for e in range(num_local):
@@ -252,8 +258,8 @@ def _check_unsupported(buf: deep_ep.Buffer) -> None:
     with pytest.raises(NotImplementedError, match="comm"):
         deep_ep.Buffer(None, comm=object())
     x, idx = torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.int64)
-    with pytest.raises(NotImplementedError, match="use_ue8m0"):
-        buf.low_latency_dispatch(x, idx, 4, 8, round_scale=True, use_ue8m0=True)
+    with pytest.raises(ValueError, match="use_ue8m0"):
+        buf.low_latency_dispatch(x, idx, 4, 8, use_ue8m0=True)
     with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
         buf.low_latency_dispatch(x, idx, 4, 8, dispatch_wait_recv_cost_stats=torch.zeros(1, 1, dtype=torch.int64))
     with pytest.raises(NotImplementedError, match="use_logfmt"):
