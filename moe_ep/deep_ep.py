@@ -8,7 +8,7 @@ keys are equal on every rank (DeepEP requires that too), so the collective creat
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -93,12 +93,11 @@ class DispatchHandle(tuple):
     buffer: moe_ep.Buffer
     inner: moe_ep.DispatchHandle
     rows: Optional[torch.Tensor]  # num_worst_tokens: which moe_ep row fills each output row, else None
-    num_topk: Optional[int]  # top-k of the dispatch, None without top-k
 
     def __new__(cls, fields: tuple, buffer: moe_ep.Buffer, inner: moe_ep.DispatchHandle,
-                rows: Optional[torch.Tensor], num_topk: Optional[int]) -> "DispatchHandle":
+                rows: Optional[torch.Tensor]) -> "DispatchHandle":
         self = super().__new__(cls, fields)
-        self.buffer, self.inner, self.rows, self.num_topk = buffer, inner, rows, num_topk
+        self.buffer, self.inner, self.rows = buffer, inner, rows
         return self
 
 
@@ -177,7 +176,8 @@ class Buffer:
         if comm is not None:
             raise _unsupported("comm (an mpi4py communicator)", "pass a torch.distributed process group")
         if not allow_nvlink_for_low_latency_mode:
-            raise _unsupported("allow_nvlink_for_low_latency_mode=False", "the low-latency kernels use NVLink inside a node")
+            raise _unsupported("allow_nvlink_for_low_latency_mode=False",
+                               "the low-latency kernels use NVLink inside a node")
         if allow_mnnvl:
             raise _unsupported("allow_mnnvl=True", "moe_ep's NVLink domain is one host")
         if use_fabric:
@@ -332,26 +332,8 @@ class Buffer:
         if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
             raise ValueError("dispatch needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert "
                              "(from get_dispatch_layout), or a handle")
-        num_experts, r = num_tokens_per_expert.shape[0], self.group_size
-        buf = self._normal_buffer(x.shape[1], num_experts)
-        e_l, n = buf.num_local_experts, x.shape[0]
-        if topk_idx is not None:
-            if topk_weights is None:
-                raise ValueError("dispatch with topk_idx needs topk_weights")
-            k = topk_idx.shape[1]
-            if k > NORMAL_TOPK:
-                raise ValueError(f"topk_idx has {k} columns, at most {NORMAL_TOPK} are supported")
-            pad = (0, NORMAL_TOPK - k)
-            idx = torch.nn.functional.pad(topk_idx, pad, value=-1)
-            weights = torch.nn.functional.pad(topk_weights, pad, value=0.0)
-        else:
-            if r > NORMAL_TOPK:
-                raise _unsupported(f"dispatch without topk_idx on {r} ranks", f"it routes by rank, at most {NORMAL_TOPK}")
-            # One stand-in expert per destination rank (its first local expert) reproduces is_token_in_rank.
-            first = torch.arange(r, device=x.device) * e_l
-            idx = torch.where(is_token_in_rank, first, -1)
-            idx = torch.nn.functional.pad(idx, (0, NORMAL_TOPK - r), value=-1)
-            weights = torch.zeros(n, NORMAL_TOPK, dtype=torch.float32, device=x.device)
+        buf = self._normal_buffer(x.shape[1], num_tokens_per_expert.shape[0])
+        idx, weights = self._routing(buf, is_token_in_rank, topk_idx, topk_weights)
         layout = moe_ep.DispatchLayout(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
         worst = num_worst_tokens > 0
         got = buf.dispatch(x, idx, weights, x_scales=scales, layout=layout,
@@ -360,13 +342,10 @@ class Buffer:
         inner = got.handle
         rows = None
         if worst:
-            padding = got.src_rank < 0
-            rows = torch.argsort(padding.to(torch.int8), stable=True)  # received rows first, in order
-            if num_worst_tokens < rows.numel():  # a device-side check: no host sync
-                torch._assert_async((~padding).sum() <= num_worst_tokens,
-                                    "num_worst_tokens is smaller than the number of received tokens")
+            rows = torch.argsort((got.src_rank < 0).to(torch.int8), stable=True)  # received rows first, in order
         recv_topk = recv_weights = None
         if topk_idx is not None:
+            k = topk_idx.shape[1]
             recv_topk = got.topk_idx[:, :k]
             recv_weights = got.topk_weights[:, :k]
             if worst:
@@ -381,12 +360,36 @@ class Buffer:
         else:  # DeepEP's list comes from num_tokens_per_expert, summed over the source ranks
             total = num_tokens_per_expert.to(torch.int64).clone()
             dist.all_reduce(total, group=self.group)
+            e_l = buf.num_local_experts
             counts = align_up(total[buf.rank * e_l:(buf.rank + 1) * e_l].tolist(), expert_alignment)
         src_idx = _gather_rows(inner.src_index, rows, num_worst_tokens, -1) if worst else inner.src_index
         fields = (self._rank_prefix_matrix(inner.is_token_in_rank), None, None, src_idx, inner.is_token_in_rank, None)
-        new_handle = DispatchHandle(fields, buf, inner, rows, k if topk_idx is not None else None)
+        new_handle = DispatchHandle(fields, buf, inner, rows)
         recv = self._recv_rows(got.x, got.x_scales, rows, num_worst_tokens)
+        if worst and num_worst_tokens < rows.numel():  # after every collective; on the device: no host sync
+            torch._assert_async((got.src_rank >= 0).sum() <= num_worst_tokens,
+                                "num_worst_tokens is smaller than the number of received tokens")
         return recv, recv_topk, recv_weights, counts, new_handle, self._finish(async_finish)
+
+    def _routing(self, buf: moe_ep.Buffer, is_token_in_rank: torch.Tensor, topk_idx: Optional[torch.Tensor],
+                 topk_weights: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """moe_ep's topk_idx and topk_weights, NORMAL_TOPK wide: the caller's padded with -1 and 0, or
+        without top-k one stand-in expert per destination rank (its first local expert)."""
+        if topk_idx is not None:
+            if topk_weights is None:
+                raise ValueError("dispatch with topk_idx needs topk_weights")
+            k = topk_idx.shape[1]
+            if k > NORMAL_TOPK:
+                raise ValueError(f"topk_idx has {k} columns, at most {NORMAL_TOPK} are supported")
+            pad = (0, NORMAL_TOPK - k)
+            return (torch.nn.functional.pad(topk_idx, pad, value=-1),
+                    torch.nn.functional.pad(topk_weights, pad, value=0.0))
+        r = self.group_size
+        if r > NORMAL_TOPK:
+            raise _unsupported(f"dispatch without topk_idx on {r} ranks", f"it routes by rank, at most {NORMAL_TOPK}")
+        first = torch.arange(r, device=is_token_in_rank.device) * buf.num_local_experts
+        idx = torch.nn.functional.pad(torch.where(is_token_in_rank, first, -1), (0, NORMAL_TOPK - r), value=-1)
+        return idx, torch.zeros(idx.shape, dtype=torch.float32, device=idx.device)
 
     @staticmethod
     def _recv_rows(x: torch.Tensor, scales: Optional[torch.Tensor], rows: Optional[torch.Tensor],

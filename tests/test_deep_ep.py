@@ -1,6 +1,7 @@
 """moe_ep.deep_ep (DeepEP V1's API) against brute force over all ranks' inputs (gloo, CPU, reference backend)."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -192,6 +193,10 @@ def _check_worst(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts:
         assert _same(out, summed) and _same(out_w, _expected_weights(inp, me, world, experts))
         cached, *_ = buf.dispatch(x, handle=handle)
         assert cached.shape[0] == worst and _same(cached[:m], want.x)
+    # too few rows for what arrived: an error on the ranks concerned, after the call's collectives
+    with pytest.raises(RuntimeError, match="num_worst_tokens") if m > 1 else contextlib.nullcontext():
+        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                     topk_idx=idx, topk_weights=w, num_worst_tokens=1)
 
 
 def _check_low_latency(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: int, t: int) -> None:
