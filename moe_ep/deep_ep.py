@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 import moe_ep
 from .backends.base import align_up, record_event
+from .backends.low_latency import META_BYTES
 from .buffer import _device_of, _resolve_topology
+from .fp8 import BLOCK as FP8_BLOCK
 
 topk_idx_t = torch.int64
 
@@ -24,14 +26,11 @@ topk_idx_t = torch.int64
 # any top-k up to 16, and without top-k (one stand-in expert per destination rank), share one Buffer.
 NORMAL_TOPK = 16
 
-FP8_BLOCK = 128
 # Normal mode: about this many bytes per received row and source rank (bf16 row, FP8 scales, top-k
 # ids and weights padded to NORMAL_TOPK, source index, flag) turn num_nvl_bytes into max_tokens_per_rank.
 _ROW_META_BYTES = 12 * NORMAL_TOPK + 16
 # Config.get_nvl_buffer_size_hint reserves room for this many tokens per rank.
 HINT_TOKENS_PER_RANK = 4096
-# Low-latency mode per (source, slot): a payload row and a 48-byte meta row; per (slot, top-k): a bf16 row.
-_LL_META_BYTES = 48
 
 XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -220,9 +219,10 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """moe_ep's low-latency symmetric memory for these shapes at top-k 16 (an upper bound)."""
+        """moe_ep's low-latency symmetric memory for these shapes at top-k 16 (an upper bound): two sets
+        of a payload and a meta row per (source, slot), and of a bf16 row per (slot, top-k)."""
         t = num_max_dispatch_tokens_per_rank
-        return 2 * num_ranks * t * (2 * hidden + _LL_META_BYTES) + 4 * t * NORMAL_TOPK * hidden
+        return 2 * num_ranks * t * (2 * hidden + META_BYTES) + 4 * t * NORMAL_TOPK * hidden
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
