@@ -269,6 +269,7 @@ class Buffer:
 
     @staticmethod
     def _wait(previous_event: Optional[EventOverlap]) -> None:
+        """The current stream waits for previous_event before the call's first operation."""
         if previous_event is not None and previous_event.event is not None:
             previous_event.event.wait()
 
