@@ -260,8 +260,8 @@ class Buffer:
 
     def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *, x_scales: Optional[torch.Tensor] = None,
-                 layout: Optional[DispatchLayout] = None, expert_alignment: int = 1,
-                 handle: Optional[DispatchHandle] = None, worst_case: bool = False, num_sms: Optional[int] = None,
+                 expert_alignment: int = 1, handle: Optional[DispatchHandle] = None, worst_case: bool = False,
+                 num_sms: Optional[int] = None,
                  previous_event: Optional[EventHandle] = None, async_op: bool = False) -> DispatchResult:
         """Send each token once to every rank holding one of its experts (docs/api.md)."""
         cfg = self.cfg
@@ -276,8 +276,8 @@ class Buffer:
             raise ValueError("x_scales is only for FP8 (torch.float8_e4m3fn) x")
         if handle is not None:
             self._check_handle(handle, DispatchHandle)
-            if topk_idx is not None or topk_weights is not None or layout is not None:
-                raise ValueError("a cached dispatch (handle=...) takes no topk_idx, topk_weights or layout")
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("a cached dispatch (handle=...) takes no topk_idx or topk_weights")
             if n != handle.num_tokens:
                 raise ValueError(f"x has {n} tokens but the handle was made for {handle.num_tokens}")
         else:
@@ -285,11 +285,6 @@ class Buffer:
                 raise ValueError("dispatch needs topk_idx and topk_weights (or a handle for a cached dispatch)")
             self._check_topk_idx(topk_idx, n)
             self._check_weights(topk_weights, n)
-            if layout is not None:
-                if not isinstance(layout, DispatchLayout):
-                    raise TypeError(f"layout must be a DispatchLayout, got {type(layout).__name__}")
-                _check_tensor("layout.is_token_in_rank", layout.is_token_in_rank, (torch.bool,),
-                              (n, cfg.world_size), cfg.device)
         if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
         return self.backend.dispatch(

@@ -335,9 +335,8 @@ class Buffer:
                              "(from get_dispatch_layout), or a handle")
         buf = self._normal_buffer(x.shape[1], num_tokens_per_expert.shape[0])
         idx, weights = self._routing(buf, is_token_in_rank, topk_idx, topk_weights)
-        layout = moe_ep.DispatchLayout(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
         worst = num_worst_tokens > 0
-        got = buf.dispatch(x, idx, weights, x_scales=scales, layout=layout,
+        got = buf.dispatch(x, idx, weights, x_scales=scales,
                            expert_alignment=expert_alignment if topk_idx is not None else 1,
                            worst_case=worst, num_sms=sms)
         inner = got.handle

@@ -42,7 +42,7 @@ def _check_normal(buf: moe_ep.Buffer, inp, me: int, world: int, num_experts: int
     assert torch.equal(layout.is_token_in_rank, want_mask)
 
     want = expected_dispatch(inp, me, world, num_experts)
-    got = buf.dispatch(x, idx, w, layout=layout, expert_alignment=alignment)
+    got = buf.dispatch(x, idx, w, expert_alignment=alignment)
     assert torch.equal(got.x.view(torch.int16), want.x.view(torch.int16))
     assert got.x_scales is None
     assert torch.equal(got.topk_idx, want.topk_idx)

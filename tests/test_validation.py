@@ -204,6 +204,12 @@ def test_cached_dispatch_takes_no_topk(buf):
         buf.dispatch(x, idx, w, handle=got.handle)
 
 
+def test_dispatch_takes_no_layout(buf):
+    x, idx, w = _inputs()
+    with pytest.raises(TypeError, match="layout"):
+        buf.dispatch(x, idx, w, layout=buf.get_dispatch_layout(idx))
+
+
 def test_low_latency_needs_flag():
     with moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference") as b:
         x, idx, _ = _inputs()
