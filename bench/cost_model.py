@@ -19,7 +19,6 @@ NIC_GBPS = 50.0  # one 400 Gb/s NIC per GPU
 NVLINK_GBPS = 350.0  # per direction, measured on our 2xH200 (docs/benchmarks.md)
 HOP_US = 8.0  # one signalled network hop (put + signal seen), assumed
 ROUND_HOPS = 3  # send, forward, credit: network/NVLink hops a round of the normal mode waits for
-META_BYTES = 176  # RowMeta (csrc/kernels/internode/internode.h)
 H, E, K, L = 7168, 256, 8, 8
 
 
@@ -30,7 +29,7 @@ def p_hit(group_experts: int) -> float:
 
 def n1(r: int, tokens: int = 4096, fp8: bool = False) -> dict:
     nodes = r // L
-    row = (H + 4 * H // 128 if fp8 else 2 * H) + META_BYTES
+    row = (H + 4 * H // 128 if fp8 else 2 * H) + _native.load().INTERNODE_ROW_META_BYTES
     node_hit = p_hit(E // nodes)
     rank_hit = p_hit(E // r)
     net = tokens * (nodes - 1) * node_hit * row  # one row per (token, other node) leaves this GPU

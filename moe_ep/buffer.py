@@ -84,8 +84,8 @@ def _check_ranks_per_node(ranks_per_node: Optional[int], world: int) -> None:
         raise TypeError(f"ranks_per_node must be an int or None, got {type(ranks_per_node).__name__}")
     if ranks_per_node <= 0:
         raise ValueError(f"ranks_per_node must be positive, got {ranks_per_node}")
-    if ranks_per_node > topology.MAX_RANKS_PER_NODE:
-        raise ValueError(f"ranks_per_node must be at most {topology.MAX_RANKS_PER_NODE} (one NVLink domain), "
+    if ranks_per_node > topology.max_ranks_per_node():
+        raise ValueError(f"ranks_per_node must be at most {topology.max_ranks_per_node()} (one NVLink domain), "
                          f"got {ranks_per_node}")
     if world % ranks_per_node:
         raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide the group size ({world})")

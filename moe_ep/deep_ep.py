@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
+from . import _native
 from .backends.base import align_up, record_event
-from .backends.low_latency import META_BYTES
 from .buffer import _device_of, _resolve_topology
 from .fp8 import BLOCK as FP8_BLOCK
 
@@ -222,7 +222,7 @@ class Buffer:
         """moe_ep's low-latency symmetric memory for these shapes at top-k 16 (an upper bound): two sets
         of a payload and a meta row per (source, slot), and of a bf16 row per (slot, top-k)."""
         t = num_max_dispatch_tokens_per_rank
-        return 2 * num_ranks * t * (2 * hidden + META_BYTES) + 4 * t * NORMAL_TOPK * hidden
+        return 2 * num_ranks * t * (2 * hidden + _native.constant("LL_META_BYTES")) + 4 * t * NORMAL_TOPK * hidden
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:

@@ -10,7 +10,12 @@ from typing import Optional
 
 import torch.distributed as dist
 
-MAX_RANKS_PER_NODE = 8  # one NVLink domain of the native kernels (csrc/runtime/comm.h kMaxRanks)
+from . import _native
+
+
+def max_ranks_per_node() -> int:
+    """The largest node (NVLink domain) the native kernels serve (moe_ep._C, else its fallback)."""
+    return _native.constant("INTERNODE_MAX_RANKS_PER_NODE")
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ def node_size(per_host: int) -> int:
     """The node size for `per_host` ranks on each host: all of them up to 8; above 8 (more ranks
     on a host than one NVLink domain of the kernels serves) the largest divisor of `per_host` that
     is at most 8, so every host splits into equal nodes."""
-    return max(d for d in range(1, MAX_RANKS_PER_NODE + 1) if per_host % d == 0)
+    return max(d for d in range(1, max_ranks_per_node() + 1) if per_host % d == 0)
 
 
 def hostnames(group: dist.ProcessGroup) -> list[str]:

@@ -181,6 +181,7 @@ uint64_t workspace_bytes(int nranks, int max_tokens, int hidden, int num_topk, i
 void register_intranode(py::module_& m) {
   using moe_ep::intranode::IntranodeContext;
   m.attr("SIGNAL_WORDS") = moe_ep::intranode::kSignalWords;
+  m.attr("MAX_TOPK") = moe_ep::intranode::kMaxTopk;
   m.attr("NUM_EPOCHS") = moe_ep::intranode::kEpochCounters;
   m.def("intranode_workspace_bytes", &moe_ep::intranode::workspace_bytes, py::arg("nranks"), py::arg("max_tokens"),
         py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"),

@@ -62,6 +62,9 @@ LowLatencyParams make_params(int rank, int nranks, int ranks_per_node, int num_l
 }  // namespace
 
 void register_low_latency(py::module_& m) {
+  m.attr("LL_META_BYTES") = moe_ep::ll::kMetaBytes;
+  m.attr("LL_SCRATCH_ROWS") = moe_ep::ll::kScratchRows;
+  m.attr("LL_NUM_SIGNALS") = moe_ep::ll::kNumSignals;
   py::class_<LowLatencyParams>(m, "LowLatencyContext",
                                "Fixed state of one Buffer's low-latency kernels (addresses are device pointers).")
       .def(py::init(&make_params), py::kw_only(), py::arg("rank"), py::arg("nranks"), py::arg("ranks_per_node"),

@@ -30,10 +30,6 @@ from .base import BufferConfig
 if TYPE_CHECKING:
     from .symmetric import ErrorWatch, NvshmemSession, SymmetricTensor
 
-# Mirrors of csrc/kernels/low_latency.h: kMetaBytes, kScratchRows, kNumSignals.
-META_BYTES = 48  # one staged token's meta row: 16 int16 expert ids, uint32 epoch tag, padding
-SCRATCH_ROWS = 8  # combine scratch rows per send block (several nodes)
-NUM_SIGNALS = 6  # signal words per source rank
 ALIGN = 256
 HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding of this one allocation
 # Per-expert kernels: P = clamp(PER_EXPERT_GRID // E_l, 1, MAX_BLOCKS_PER_EXPERT) blocks per expert, about
@@ -57,21 +53,24 @@ class SymmetricLayout:
     """Byte offsets of the areas in the one symmetric allocation (staging areas hold both buffer sets)."""
 
     dispatch_payload: int  # [2][R][T][2H] bytes: bf16 row, or e4m3 row + H/128 float32 scales
-    dispatch_meta: int  # [2][R][T][META_BYTES]: int16 global expert ids, epoch tag
+    dispatch_meta: int  # [2][R][T][LL_META_BYTES]: int16 global expert ids, epoch tag
     combine_payload: int  # [2][T][K][H] bf16
-    combine_scratch: int  # [P * E_l][SCRATCH_ROWS][H] bf16, only when the group spans several nodes
-    signals: int  # [NUM_SIGNALS][R] uint64
+    combine_scratch: int  # [P * E_l][LL_SCRATCH_ROWS][H] bf16, only when the group spans several nodes
+    signals: int  # [LL_NUM_SIGNALS][R] uint64
     total: int
 
     @classmethod
     def of(cls, cfg: BufferConfig) -> "SymmetricLayout":
+        """The sizes of csrc/kernels/low_latency.h (kMetaBytes, kScratchRows, kNumSignals), read from moe_ep._C."""
+        native = _native.load()
         r, t, h, k = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden, cfg.num_topk
         meta = _align(2 * r * t * 2 * h)
-        combine = _align(meta + 2 * r * t * META_BYTES)
+        combine = _align(meta + 2 * r * t * native.LL_META_BYTES)
         scratch = _align(combine + 2 * t * k * h * 2)
-        scratch_rows = blocks_per_expert(cfg) * cfg.num_local_experts * SCRATCH_ROWS if cfg.num_nodes > 1 else 0
+        scratch_rows = (blocks_per_expert(cfg) * cfg.num_local_experts * native.LL_SCRATCH_ROWS
+                        if cfg.num_nodes > 1 else 0)
         signals = _align(scratch + scratch_rows * h * 2)
-        return cls(0, meta, combine, scratch, signals, _align(signals + NUM_SIGNALS * r * 8))
+        return cls(0, meta, combine, scratch, signals, _align(signals + native.LL_NUM_SIGNALS * r * 8))
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,7 @@ void register_internode(py::module_& m) {
   m.attr("INTERNODE_MAX_RANKS_PER_NODE") = moe_ep::internode::kMaxLocal;
   m.attr("INTERNODE_MAX_CHANNELS") = moe_ep::internode::kMaxChannels;
   m.attr("INTERNODE_NUM_EPOCHS") = moe_ep::internode::kEpochCounters;
+  m.attr("INTERNODE_ROW_META_BYTES") = static_cast<int>(sizeof(moe_ep::internode::RowMeta));
   m.def("internode_plan", &moe_ep::internode::plan, py::arg("nranks"), py::arg("ranks_per_node"),
         py::arg("max_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"), py::arg("budget_bytes"),
         "(round_tokens, workspace_bytes): the largest round of token slots (at most max_tokens) whose "
