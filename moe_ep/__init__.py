@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import fp8
+from . import fp8, ops
 from .buffer import Buffer
 from .types import (
     DispatchHandle,
@@ -35,5 +35,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Buffer", "DispatchHandle", "DispatchLayout", "DispatchResult", "EventHandle", "LowLatencyCombineResult",
-    "LowLatencyDispatchResult", "LowLatencyHandle", "fp8", *_LAZY,
+    "LowLatencyDispatchResult", "LowLatencyHandle", "fp8", "ops", *_LAZY,
 ]

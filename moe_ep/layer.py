@@ -6,12 +6,15 @@ Buffer fixes hidden size, expert count and top-k; this rank owns experts
 data-parallel); expert weights exist only on their owner.
 
 Two modes, which every rank of the group must pick alike:
-- "normal" (training, prefill): differentiable dispatch/combine (moe_ep.autograd).
+- "normal" (training, prefill): differentiable dispatch/combine (moe_ep.autograd); with
+  worst_case=True the dispatch output has R * T rows (static shapes, no host sync).
 - "low_latency" (decode, no autograd): expert-major buffers; the router weights are applied by
   low_latency_combine instead of the experts' epilogue. Needs a Buffer made with low_latency=True.
 mode=None picks low-latency when the Buffer has it, autograd is off and no rank has more than
 `low_latency_max_tokens` tokens (one small all-reduce decides it; pass the mode to avoid it, e.g.
-under CUDA-graph capture).
+under CUDA-graph capture or torch.compile).
+
+Communication goes through the moe_ep custom ops (moe_ep.ops), so torch.compile traces the layer.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd, fp8
+from . import autograd, fp8, ops
 from .buffer import Buffer
 from .experts import GroupedExperts
 from .router import RouterOutput, TopKRouter
@@ -45,6 +48,13 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+@torch.compiler.disable
+def _sparse_experts(experts: GroupedExperts, d: autograd.Dispatched) -> torch.Tensor:
+    """Exact-size mode's experts split their rows by per-expert counts on the host (a sync), so
+    torch.compile runs them eagerly: that mode's one graph break."""
+    return experts(d.x, d.topk_idx, d.topk_weights)
+
+
 class MoE(nn.Module):
     """Expert-parallel MoE feed-forward over `buffer`'s group; x [..., H] -> [..., H] in x's dtype.
 
@@ -52,6 +62,8 @@ class MoE(nn.Module):
     grouped-GEMM path on sm90); communication is always bf16. After each forward, `last_routing`
     holds the RouterOutput and `aux_loss` its two losses summed (add it to the training loss).
     With expert_bias=True, call update_expert_bias() once per optimizer step (collective).
+    worst_case=True: normal mode dispatches R * T rows and runs every local expert on all of them
+    (static shapes, no host sync: torch.compile without graph breaks, CUDA graphs).
     """
 
     def __init__(self, buffer: Buffer, ffn_hidden: int, *, score_func: str = "softmax", num_groups: int = 1,
@@ -59,12 +71,14 @@ class MoE(nn.Module):
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, expert_bias: bool = False,
                  bias_update_rate: float = 1e-3, capacity_factor: Optional[float] = None,
                  shared_ffn_hidden: int = 0, low_latency_max_tokens: int = 128, low_latency_fp8: bool = False,
-                 dtype: Optional[torch.dtype] = None) -> None:
+                 worst_case: bool = False, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         cfg = buffer.cfg
         if low_latency_fp8 and cfg.hidden % fp8.BLOCK != 0:
             raise ValueError(f"low_latency_fp8 needs hidden to be a multiple of {fp8.BLOCK}, got {cfg.hidden}")
         self.buffer = buffer
+        self.buffer_id = ops.register(buffer)
+        self.worst_case = worst_case
         self.hidden, self.num_experts, self.top_k = cfg.hidden, cfg.num_experts, cfg.num_topk
         self.low_latency_max_tokens = low_latency_max_tokens
         self.low_latency_fp8 = low_latency_fp8
@@ -102,19 +116,33 @@ class MoE(nn.Module):
 
     def _normal(self, x: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         d = autograd.dispatch(self.buffer, x.to(torch.bfloat16).contiguous(), routing.topk_idx,
-                              routing.topk_weights)
-        y = self.experts(d.x, d.topk_idx, d.topk_weights)
-        return autograd.combine(self.buffer, y.to(torch.bfloat16), d.handle)
+                              routing.topk_weights, worst_case=self.worst_case)
+        y = self._static_experts(d) if self.worst_case else _sparse_experts(self.experts, d)
+        return autograd.combine(y.to(torch.bfloat16), d.ref)
+
+    def _static_experts(self, d: autograd.Dispatched) -> torch.Tensor:
+        """Worst-case mode's experts, free of data-dependent shapes (torch.compile, CUDA graphs):
+        every local expert runs on every received row (padding rows zeroed first, as their x is
+        unspecified), and row m sums its weighted experts' outputs in ascending expert order in float32."""
+        m, e_l = d.x.shape[0], self.buffer.cfg.num_local_experts
+        rows = torch.where((d.src_rank >= 0).unsqueeze(1), d.x, torch.zeros_like(d.x)).to(self.experts.w1.dtype)
+        count = torch.full((e_l,), m, dtype=torch.int32, device=rows.device)
+        y = self.experts.forward_padded(rows.expand(e_l, m, self.hidden), count).float()
+        out = torch.zeros(m, self.hidden, dtype=torch.float32, device=rows.device)
+        for e in range(e_l):
+            w = torch.where(d.topk_idx == e, d.topk_weights, torch.zeros_like(d.topk_weights)).sum(1)
+            out = out + w.unsqueeze(1) * y[e]
+        return out
 
     def _low_latency(self, x: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or routing.topk_weights.requires_grad):
             raise RuntimeError("low-latency mode has no backward: run it under torch.no_grad() "
                                "or use mode='normal'")
-        res = self.buffer.low_latency_dispatch(x.to(torch.bfloat16).contiguous(), routing.topk_idx,
-                                               use_fp8=self.low_latency_fp8)
-        rows = fp8.dequantize(res.x, res.x_scales) if self.low_latency_fp8 else res.x
-        y = self.experts.forward_padded(rows, res.count).to(torch.bfloat16)
-        return self.buffer.low_latency_combine(y, routing.topk_idx, routing.topk_weights, res.handle).x
+        recv, scales, count, handle = ops.low_latency_dispatch(
+            x.to(torch.bfloat16).contiguous(), routing.topk_idx, self.buffer_id, self.low_latency_fp8, False)
+        rows = fp8.dequantize(recv, scales) if self.low_latency_fp8 else recv
+        y = self.experts.forward_padded(rows, count).to(torch.bfloat16)
+        return ops.low_latency_combine(y, routing.topk_idx, routing.topk_weights, handle, self.buffer_id)
 
     def forward(self, x: torch.Tensor, mode: Optional[str] = None) -> torch.Tensor:
         """Route, dispatch, run the local experts, combine; plus the shared expert when present."""

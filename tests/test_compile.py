@@ -1,0 +1,137 @@
+"""torch.compile of moe_ep (reference backend, gloo, CPU, R = 2): the custom ops pass
+torch.library.opcheck, and a compiled moe_ep.MoE equals eager bit for bit, forward and backward.
+
+Compiled with backend="aot_eager" (dynamo + AOT autograd over the moe_ep ops, eager kernels):
+inductor compiles too, but on CPU its fused float kernels (SiLU and friends, in the experts, not
+in moe_ep) round differently from eager in the last bit, and it takes ~30 s per graph here.
+Inputs are fresh each run; the seed is in every failure message.
+"""
+from __future__ import annotations
+
+import gc
+import random
+from typing import Optional
+
+import torch
+import torch._dynamo
+
+import moe_ep
+from moe_ep import MoE, fp8, ops
+from tests._dist import run_workers
+
+WORLD = 2
+HIDDEN, EXPERTS, TOPK, T = 16, 8, 3, 12
+FRESH_ID = ("test_schema", "test_autograd_registration", "test_faketensor")
+COMPILE_FLAGS = dict(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
+
+
+def _routing(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.rand(n, EXPERTS, generator=g).argsort(1)[:, :TOPK].contiguous()
+    idx[torch.rand(n, TOPK, generator=g) < 0.2] = -1
+    return idx, torch.rand(n, TOPK, generator=g)
+
+
+def _opcheck(buf: moe_ep.Buffer, fp8_buf: moe_ep.Buffer, g: torch.Generator) -> None:
+    """Every op on fresh inputs; opcheck runs each several times (collectively, alike on all ranks).
+
+    The two dispatch ops skip only opcheck's eager-vs-AOT output comparison: their handle output is
+    a fresh id on every call by design (moe_ep.ops), so two calls never agree on it. The compiled
+    MoE tests below compare everything else they return, traced through AOT autograd, bit for bit.
+    """
+    bid = ops.register(buf)
+    x = torch.randn(7, HIDDEN, generator=g).to(torch.bfloat16).requires_grad_()
+    idx, w = _routing(7, g)
+    w.requires_grad_()
+    for worst_case in (True, False):
+        torch.library.opcheck(torch.ops.moe_ep.dispatch.default, (x, idx, w, bid, worst_case), test_utils=FRESH_ID)
+    _, _, _, _, src_rank, _, handle = ops.dispatch(x.detach(), idx, w.detach(), bid, True)
+    y = torch.randn(src_rank.shape[0], HIDDEN, generator=g).to(torch.bfloat16).requires_grad_()
+    torch.library.opcheck(torch.ops.moe_ep.combine.default, (y, handle, 7, bid))
+    torch.library.opcheck(torch.ops.moe_ep.cached_dispatch.default,
+                          (x.detach(), handle, src_rank.shape[0], bid))
+    torch.library.opcheck(torch.ops.moe_ep.low_latency_dispatch.default, (x.detach(), idx, bid, False, False),
+                          test_utils=FRESH_ID)
+    recv, _, _, ll_handle = ops.low_latency_dispatch(x.detach(), idx, bid, False, False)
+    torch.library.opcheck(torch.ops.moe_ep.low_latency_combine.default,
+                          (torch.randn(recv.shape, generator=g).to(torch.bfloat16), idx, w.detach(), ll_handle, bid))
+    fid = ops.register(fp8_buf)
+    x8 = torch.randn(5, fp8_buf.cfg.hidden, generator=g).to(torch.bfloat16)
+    for round_scale in (False, True):
+        torch.library.opcheck(torch.ops.moe_ep.low_latency_dispatch.default,
+                              (x8, _routing(5, g)[0], fid, True, round_scale), test_utils=FRESH_ID)
+
+
+def _grads(moe: MoE, x: torch.Tensor, y: torch.Tensor) -> list[Optional[torch.Tensor]]:
+    """d(sum(y * probe))/d(x, parameters), with a probe that depends on nothing but y's shape."""
+    probe = torch.linspace(-1.0, 1.0, y.numel()).view(y.shape)
+    params = [p for p in moe.parameters()]
+    return list(torch.autograd.grad((y.float() * probe).sum(), [x, *params], allow_unused=True))
+
+
+def _same(got: object, want: object, what: str) -> None:
+    if want is None or got is None:
+        assert got is None and want is None, f"{what}: one side has no gradient"
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{list(got.shape)}"
+    assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), f"{what}: bits differ"
+
+
+def _check_mode(moe: MoE, mode: str, tokens: list[int], rank: int, g: torch.Generator, fullgraph: bool) -> None:
+    """Compile moe once, run it on several fresh batches and compare with eager, bit for bit."""
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=fullgraph)
+    grad = mode == "normal"
+    for step, n in enumerate(tokens):
+        x = torch.randn(n, HIDDEN, generator=g).requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            want, got = moe(x, mode=mode), compiled(x, mode=mode)
+        what = f"{mode} worst_case={moe.worst_case} step {step} rank {rank}"
+        _same(got, want, f"{what}: output")
+        if grad:
+            for i, (a, b) in enumerate(zip(_grads(moe, x, got), _grads(moe, x, want))):
+                _same(a, b, f"{what}: gradient {i}")
+
+
+def _worst_case_matches_exact(buf: moe_ep.Buffer, g: torch.Generator) -> None:
+    """The worst-case layer (static-shape experts) computes what the exact-size layer does, up to
+    float32 summation order before the bf16 combine: within one bf16 rounding of the largest value."""
+    torch.manual_seed(7)
+    exact = MoE(buf, 24, shared_ffn_hidden=8)
+    worst = MoE(buf, 24, shared_ffn_hidden=8, worst_case=True)
+    worst.load_state_dict(exact.state_dict())
+    x = torch.randn(9, HIDDEN, generator=g)
+    want, got = exact(x, mode="normal"), worst(x, mode="normal")
+    assert float((got - want).abs().max()) <= 2 ** -7 * float(want.abs().max())
+
+
+def _body(rank: int, world: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed * 31 + rank)
+    buf = moe_ep.Buffer(hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=T,
+                        backend="reference", low_latency=True)
+    fp8_buf = moe_ep.Buffer(hidden=2 * fp8.BLOCK, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8,
+                            backend="reference", low_latency=True)
+    _opcheck(buf, fp8_buf, g)
+    _worst_case_matches_exact(buf, g)
+    torch.manual_seed(seed)  # same weights on every rank where they are replicated
+    router = dict(score_func="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=1.5)
+    with torch._dynamo.config.patch(**COMPILE_FLAGS):
+        _check_mode(MoE(buf, 24, **router), "low_latency", [T, 5], rank, g, fullgraph=True)
+        _check_mode(MoE(buf, 24, shared_ffn_hidden=8, worst_case=True, **router), "normal", [T, 6 + 3 * rank],
+                    rank, g, fullgraph=True)
+        exact = MoE(buf, 24)
+        _check_mode(exact, "normal", [10, 4 + rank], rank, g, fullgraph=False)
+        torch._dynamo.reset()
+        breaks = torch._dynamo.explain(exact)(torch.randn(8, HIDDEN, generator=g), mode="normal").break_reasons
+        assert breaks and all("_sparse_experts" in str(b.reason) for b in breaks), [str(b.reason) for b in breaks]
+        torch._dynamo.reset()
+    gc.collect()
+    assert not ops._handles, f"{len(ops._handles)} dispatch handles outlived their tensors"
+    buf.close()
+    fp8_buf.close()
+
+
+def test_compile() -> None:
+    seed = random.randrange(2**31)
+    try:
+        run_workers(WORLD, _body, seed)
+    except AssertionError as e:
+        raise AssertionError(f"seed {seed}\n{e}") from None
