@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from typing import Any
+
 import torch
 
 from .buffer import Buffer
@@ -134,12 +136,12 @@ def combine_values(values: torch.Tensor, handle: torch.Tensor, num_tokens: int, 
     return (summed[..., 0] + summed[..., 1]) + summed[..., 2]
 
 
-def _dispatch_setup(ctx, inputs, output) -> None:
+def _dispatch_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.num_tokens, ctx.buffer_id = inputs[0].shape[0], inputs[3]
     ctx.save_for_backward(output[-1])
 
 
-def _dispatch_backward(ctx, grad_x, _grad_idx, grad_w, *_rest):
+def _dispatch_backward(ctx: Any, grad_x: torch.Tensor, _grad_idx: None, grad_w: torch.Tensor, *_rest: None) -> tuple:
     """Rows: a combine of their gradient; weights: an exact combine (moe_ep.autograd)."""
     (handle,) = ctx.saved_tensors
     gx = gw = None
@@ -150,12 +152,12 @@ def _dispatch_backward(ctx, grad_x, _grad_idx, grad_w, *_rest):
     return gx, None, gw, None, None
 
 
-def _combine_setup(ctx, inputs, output) -> None:
+def _combine_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.num_rows, ctx.buffer_id = inputs[0].shape[0], inputs[3]
     ctx.save_for_backward(inputs[1])
 
 
-def _combine_backward(ctx, grad):
+def _combine_backward(ctx: Any, grad: torch.Tensor) -> tuple:
     """A cached dispatch of the output gradient: every row gets the gradient of the token it fed."""
     (handle,) = ctx.saved_tensors
     return cached_dispatch(grad.to(torch.bfloat16).contiguous(), handle, ctx.num_rows, ctx.buffer_id), None, None, None

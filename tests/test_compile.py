@@ -1,9 +1,10 @@
 """torch.compile of moe_ep (reference backend, gloo, CPU, R = 2): the custom ops pass
 torch.library.opcheck, and a compiled moe_ep.MoE equals eager bit for bit, forward and backward.
 
-Compiled with backend="aot_eager" (dynamo + AOT autograd over the moe_ep ops, eager kernels):
-inductor compiles too, but on CPU its fused float kernels (SiLU and friends, in the experts, not
-in moe_ep) round differently from eager in the last bit, and it takes ~30 s per graph here.
+Bitwise checks compile with backend="aot_eager" (dynamo + AOT autograd over the moe_ep ops, eager
+kernels): inductor compiles too (checked forward, within a bf16 rounding), but on CPU its fused
+float kernels (SiLU and friends, in the experts, not in moe_ep) round differently from eager in the
+last bit, and a forward + backward takes ~30 s to compile here.
 Inputs are fresh each run; the seed is in every failure message.
 """
 from __future__ import annotations
@@ -83,12 +84,26 @@ def _check_mode(moe: MoE, mode: str, tokens: list[int], rank: int, g: torch.Gene
     for step, n in enumerate(tokens):
         x = torch.randn(n, HIDDEN, generator=g).requires_grad_(grad)
         with torch.set_grad_enabled(grad):
-            want, got = moe(x, mode=mode), compiled(x, mode=mode)
+            want = moe(x, mode=mode)
+            want_aux = moe.aux_loss
+            got = compiled(x, mode=mode)
         what = f"{mode} worst_case={moe.worst_case} step {step} rank {rank}"
         _same(got, want, f"{what}: output")
+        _same(moe.aux_loss, want_aux, f"{what}: aux loss")
         if grad:
             for i, (a, b) in enumerate(zip(_grads(moe, x, got), _grads(moe, x, want))):
                 _same(a, b, f"{what}: gradient {i}")
+
+
+def _check_inductor(moes: list[tuple[MoE, str]], rank: int, g: torch.Generator) -> None:
+    """Inductor compiles the no-break modes too (forward only, to keep the test short); its fused
+    float kernels may round differently from eager, so within one bf16 rounding of the largest value."""
+    for moe, mode in moes:
+        x = torch.randn(T - rank, HIDDEN, generator=g)
+        with torch.no_grad():
+            want, got = moe(x, mode=mode), torch.compile(moe, fullgraph=True)(x, mode=mode)
+        err = float((got - want).abs().max())
+        assert err <= 2 ** -7 * float(want.abs().max()), f"inductor {mode} rank {rank}: max error {err:.3e}"
 
 
 def _worst_case_matches_exact(buf: moe_ep.Buffer, g: torch.Generator) -> None:
@@ -112,11 +127,15 @@ def _body(rank: int, world: int, seed: int) -> None:
     _opcheck(buf, fp8_buf, g)
     _worst_case_matches_exact(buf, g)
     torch.manual_seed(seed)  # same weights on every rank where they are replicated
-    router = dict(score_func="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=1.5)
+    router = dict(score_func="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=1.5,
+                  aux_loss_coef=0.01, z_loss_coef=1e-3)
     with torch._dynamo.config.patch(**COMPILE_FLAGS):
-        _check_mode(MoE(buf, 24, **router), "low_latency", [T, 5], rank, g, fullgraph=True)
-        _check_mode(MoE(buf, 24, shared_ffn_hidden=8, worst_case=True, **router), "normal", [T, 6 + 3 * rank],
-                    rank, g, fullgraph=True)
+        low_latency = MoE(buf, 24, **router)
+        worst_case = MoE(buf, 24, shared_ffn_hidden=8, worst_case=True, **router)
+        _check_mode(low_latency, "low_latency", [T, 5], rank, g, fullgraph=True)
+        _check_mode(worst_case, "normal", [T, 6 + 3 * rank], rank, g, fullgraph=True)
+        torch._dynamo.reset()
+        _check_inductor([(low_latency, "low_latency"), (worst_case, "normal")], rank, g)
         exact = MoE(buf, 24)
         _check_mode(exact, "normal", [10, 4 + rank], rank, g, fullgraph=False)
         torch._dynamo.reset()
