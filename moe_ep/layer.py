@@ -7,7 +7,7 @@ data-parallel); expert weights exist only on their owner.
 
 Two modes, which every rank of the group must pick alike:
 - "normal" (training, prefill): differentiable dispatch/combine (moe_ep.autograd); with
-  worst_case=True the dispatch output has R * T rows (static shapes, no host sync).
+  worst_case=True the dispatch output has R * T rows (static shapes, no wait for the counts).
 - "low_latency" (decode, no autograd): expert-major buffers; the router weights are applied by
   low_latency_combine instead of the experts' epilogue. Needs a Buffer made with low_latency=True.
 mode=None picks low-latency when the Buffer has it, autograd is off and no rank has more than
@@ -63,7 +63,7 @@ class MoE(nn.Module):
     holds the RouterOutput and `aux_loss` its two losses summed (add it to the training loss).
     With expert_bias=True, call update_expert_bias() once per optimizer step (collective).
     worst_case=True: normal mode dispatches R * T rows and runs every local expert on all of them
-    (static shapes, no host sync: torch.compile without graph breaks, CUDA graphs).
+    (static shapes, no wait for the counts: torch.compile without graph breaks, CUDA graphs).
     """
 
     def __init__(self, buffer: Buffer, ffn_hidden: int, *, score_func: str = "softmax", num_groups: int = 1,
