@@ -27,7 +27,6 @@ import torch
 
 from . import ops
 from .buffer import Buffer
-from .ops import split_bf16 as _split_bf16  # noqa: F401  (the exact split, kept importable here)
 
 
 @dataclass

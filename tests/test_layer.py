@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import moe_ep
 from moe_ep import MoE, TopKRouter
-from moe_ep.autograd import _split_bf16
+from moe_ep.ops import split_bf16
 from moe_ep.experts import GroupedExperts, grouped_mm_supported
 from moe_ep.layer import SwiGLU
 from tests._dist import requires_gpus, run_workers
@@ -317,7 +317,7 @@ def test_bf16_split_is_exact() -> None:
     """The three bf16 terms that carry router-weight gradients through combine add back to the float32."""
     g = torch.Generator().manual_seed(0)
     v = torch.randn(4096, generator=g) * torch.exp(torch.randn(4096, generator=g) * 8)
-    terms = _split_bf16(v).float()
+    terms = split_bf16(v).float()
     assert torch.equal((terms[:, 0] + terms[:, 1]) + terms[:, 2], v)
 
 
