@@ -1,4 +1,5 @@
-"""FP8 (e4m3) quantisation with one float32 scale per token per 128 channels, as DESIGN.md defines it."""
+"""FP8 (e4m3) quantisation with one float32 scale per token per 128 channels, as docs/api.md defines it
+(amax over 128 channels floored at 1e-4, scale = amax / 448, or the next power of two with round_scale)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Result and handle types shared by every backend (the public contract of DESIGN.md)."""
+"""Result and handle types shared by every backend (the public contract of docs/api.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
