@@ -24,6 +24,11 @@ def align_up(counts: list[int], alignment: int) -> list[int]:
     return [-(-c // alignment) * alignment for c in counts]
 
 
+def align_up_device(counts: torch.Tensor, alignment: int) -> torch.Tensor:
+    """align_up on the device, with no host sync (a cached dispatch's tokens_per_expert_tensor)."""
+    return torch.div(counts + (alignment - 1), alignment, rounding_mode="floor") * alignment
+
+
 def record_event(async_op: bool, device: torch.device) -> Optional[EventHandle]:
     """For async_op: an EventHandle recorded on `device`'s current stream (an empty one on CPU)."""
     if not async_op:

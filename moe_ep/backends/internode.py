@@ -26,7 +26,7 @@ import torch
 
 from .. import _native
 from ..types import DispatchHandle, DispatchResult
-from .base import BufferConfig, DispatchOutputs, native_dispatch_result
+from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result
 
 if TYPE_CHECKING:
     from .symmetric import ErrorWatch, NvshmemSession
@@ -140,9 +140,8 @@ class InternodeEngine:
         if cached:
             state: NodeDispatchState = handle.state
             worst_case, recv_counts = handle.worst_case, handle.recv_counts
-            raw_device = state.recv_info[2 * r:2 * r + cfg.num_local_experts]
-            tokens_per_expert_tensor = torch.div(raw_device + (expert_alignment - 1), expert_alignment,
-                                                 rounding_mode="floor") * expert_alignment
+            tokens_per_expert_tensor = align_up_device(state.recv_info[2 * r:2 * r + cfg.num_local_experts],
+                                                       expert_alignment)
         else:
             layout = self.route(topk_idx, stream)
             recv_info = torch.empty(2 * r + cfg.num_local_experts + 1, dtype=torch.int32, device=dev)
@@ -158,8 +157,9 @@ class InternodeEngine:
                 counts_ready = torch.cuda.Event()
                 counts_ready.record(stream)
         eager = counts_ready is not None and r * t * (h * x.element_size() + 16 * k) <= EAGER_OUTPUT_BYTES
+        raw: Optional[list[int]] = None
         if counts_ready is not None and not eager:
-            recv_counts = self._wait_counts(counts_ready)
+            recv_counts, raw = self._wait_counts(counts_ready)
         m = r * t if worst_case or eager else sum(recv_counts)
         out = DispatchOutputs.allocate(cfg, m, x.dtype, handle)
         if worst_case:  # rows no source fills are padding
@@ -179,23 +179,23 @@ class InternodeEngine:
             cached, num_sms, stream.cuda_stream,
         )
         if eager:
-            recv_counts = self._wait_counts(counts_ready)
+            recv_counts, raw = self._wait_counts(counts_ready)
             m = sum(recv_counts)
             out = out.head(m)
         if counts_ready is not None:
-            state = NodeDispatchState(state.pos, state.in_node, state.recv_info, state.forward_mask, state.own_row,
-                                      self._ctx.host_info()[1])
+            state = NodeDispatchState(state.pos, state.in_node, state.recv_info, state.forward_mask, state.own_row, raw)
         return native_dispatch_result(
             cfg, handle, out, num_tokens=n, is_token_in_rank=handle.is_token_in_rank if cached else layout.in_rank,
             recv_counts=recv_counts, worst_case=worst_case, state=state,
             tokens_per_expert_raw=state.tokens_per_expert, expert_alignment=expert_alignment,
             tokens_per_expert_tensor=tokens_per_expert_tensor, async_op=async_op)
 
-    def _wait_counts(self, counts_ready: torch.cuda.Event) -> list[int]:
-        """Rows from each source, once the notify kernel before `counts_ready` has run."""
+    def _wait_counts(self, counts_ready: torch.cuda.Event) -> tuple[list[int], list[int]]:
+        """(rows from each source, raw rows per local expert), once the notify kernel before
+        `counts_ready` has run."""
         counts_ready.synchronize()
         self._error.check()
-        return self._ctx.host_info()[0]
+        return self._ctx.host_info()
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, *, num_sms: int,
                 stream: torch.cuda.Stream) -> torch.Tensor:

@@ -28,7 +28,7 @@ from ..types import (
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
-from .base import Backend, BufferConfig, DispatchOutputs, native_dispatch_result, record_event
+from .base import Backend, BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result, record_event
 from . import internode
 from .internode import InternodeEngine
 from .symmetric import NvshmemSession
@@ -165,9 +165,8 @@ class NvshmemBackend(Backend):
         if cached:
             state: DispatchState = handle.state
             worst_case, recv_counts = handle.worst_case, handle.recv_counts
-            raw_device = state.recv_info[2 * r:]  # received rows per local expert, from the original dispatch
-            tokens_per_expert_tensor = torch.div(raw_device + (expert_alignment - 1), expert_alignment,
-                                                 rounding_mode="floor") * expert_alignment
+            # received rows per local expert, from the original dispatch
+            tokens_per_expert_tensor = align_up_device(state.recv_info[2 * r:], expert_alignment)
         else:
             in_rank, state, tokens_per_expert_tensor = self._notify(topk_idx, expert_alignment, worst_case, stream)
             if not worst_case:
