@@ -240,6 +240,7 @@ namespace internode {
 
 using intranode::add_bf16x8;
 using intranode::arrive_last;
+using intranode::check_launch;
 using intranode::kFullMask;
 using intranode::round_bf16x8;
 using intranode::warp_copy_cg;
@@ -289,7 +290,6 @@ inline DeviceContext make_device_context(const Context& c) {
   return d;
 }
 
-inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
 
 // Threads of the block wait, one word each, until words[i * stride] >= target for i < count
 // (network words through wait_signal_geq, NVLink words through wait_geq); then the block joins, and
