@@ -110,7 +110,8 @@ class Buffer:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, hidden: int, num_experts: int, num_topk: int,
                  max_tokens_per_rank: int, backend: str = "auto", low_latency: bool = False,
                  num_sms: Optional[int] = None, timeout_s: float = 100.0,
-                 ranks_per_node: Optional[int] = None, hierarchical: Optional[bool] = None) -> None:
+                 ranks_per_node: Optional[int] = None, hierarchical: Optional[bool] = None,
+                 fault_tolerant: bool = False) -> None:
         group = group if group is not None else dist.group.WORLD
         if not dist.is_initialized():
             raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
@@ -130,6 +131,13 @@ class Buffer:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         device = _device_of(group)
         self.backend_name = _pick_backend(backend, device)
+        if self.backend_name == "nvshmem" and device.type == "cuda" and _native.available()[0]:
+            from .backends.symmetric import NvshmemSession
+
+            NvshmemSession.check_usable()  # before the collectives below, which would wait for a lost peer
+        if fault_tolerant and not (low_latency and self.backend_name == "nvshmem"):
+            raise ValueError("fault_tolerant=True needs low_latency=True and the native backend (backend='nvshmem'): "
+                             "only the low-latency kernels can mask a rank that went silent")
         topo = _resolve_topology(group, ranks_per_node)
         if hierarchical is not None and not isinstance(hierarchical, bool):
             raise TypeError(f"hierarchical must be None, True or False, got {hierarchical!r}")
@@ -142,6 +150,7 @@ class Buffer:
             num_sms=self._check_num_sms(num_sms if num_sms is not None else DEFAULT_NUM_SMS, device, default=num_sms is None),
             timeout_s=float(timeout_s), buffer_id=next(_buffer_ids), device=device,
             ranks_per_node=topo.ranks_per_node, hierarchical=bool(hierarchical) or topo.num_nodes > 1,
+            fault_tolerant=bool(fault_tolerant),
         )
         self._backend: Optional[Backend] = self._make_backend()
 
@@ -212,11 +221,18 @@ class Buffer:
         if n > self.cfg.max_tokens_per_rank:
             raise ValueError(f"{what} has {n} tokens, above max_tokens_per_rank={self.cfg.max_tokens_per_rank}")
 
-    def _check_topk_idx(self, topk_idx: object, n: Optional[int], check_values: bool = True) -> torch.Tensor:
-        """Shape/dtype always; the value range too unless that would need a host sync (graph
-        capture, low-latency calls)."""
+    @property
+    def masked_ranks(self) -> list[int]:
+        """Ranks a fault-tolerant low-latency Buffer stopped waiting for (they missed the timeout);
+        later calls treat their experts as dropped. Always empty without fault_tolerant=True."""
+        return self.backend.masked_ranks() if self.cfg.fault_tolerant else []
+
+    def _check_topk_idx(self, topk_idx: object, n: Optional[int], check_values: bool) -> torch.Tensor:
+        """Shape/dtype/alignment always; the value range too when asked (the reference backend: the
+        native kernels check every id themselves, without a host sync, and the call raises ValueError)."""
         cfg = self.cfg
-        t = _check_tensor("topk_idx", topk_idx, (torch.int64,), (n, cfg.num_topk), cfg.device)
+        t = _check_aligned("topk_idx", _check_tensor("topk_idx", topk_idx, (torch.int64,), (n, cfg.num_topk),
+                                                      cfg.device))
         self._check_tokens(t.shape[0], "topk_idx")
         capturing = cfg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if t.numel() and check_values and not capturing:
@@ -226,7 +242,13 @@ class Buffer:
         return t
 
     def _check_weights(self, topk_weights: object, n: int) -> torch.Tensor:
-        return _check_tensor("topk_weights", topk_weights, (torch.float32,), (n, self.cfg.num_topk), self.cfg.device)
+        return _check_aligned("topk_weights", _check_tensor("topk_weights", topk_weights, (torch.float32,),
+                                                            (n, self.cfg.num_topk), self.cfg.device))
+
+    @property
+    def _host_checks_ids(self) -> bool:
+        """Whether normal-mode calls check expert ids on the host (the reference backend has no kernel to do it)."""
+        return self.backend_name == "reference"
 
     def _check_x(self, x: object, fp8_ok: bool) -> torch.Tensor:
         dtypes = (torch.bfloat16, torch.float8_e4m3fn) if fp8_ok else (torch.bfloat16,)
@@ -256,7 +278,7 @@ class Buffer:
     # ---- normal mode ------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
         """Tokens per rank and per expert, and the token->rank mask."""
-        return self.backend.get_dispatch_layout(self._check_topk_idx(topk_idx, None))
+        return self.backend.get_dispatch_layout(self._check_topk_idx(topk_idx, None, self._host_checks_ids))
 
     def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *, x_scales: Optional[torch.Tensor] = None,
@@ -271,7 +293,8 @@ class Buffer:
             self._check_fp8_hidden()
             if x_scales is None:
                 raise ValueError("FP8 dispatch needs x_scales [N, hidden / 128] float32")
-            _check_tensor("x_scales", x_scales, (torch.float32,), (n, cfg.num_scales), cfg.device)
+            _check_aligned("x_scales", _check_tensor("x_scales", x_scales, (torch.float32,), (n, cfg.num_scales),
+                                                     cfg.device))
         elif x_scales is not None:
             raise ValueError("x_scales is only for FP8 (torch.float8_e4m3fn) x")
         if handle is not None:
@@ -283,7 +306,7 @@ class Buffer:
         else:
             if topk_idx is None or topk_weights is None:
                 raise ValueError("dispatch needs topk_idx and topk_weights (or a handle for a cached dispatch)")
-            self._check_topk_idx(topk_idx, n)
+            self._check_topk_idx(topk_idx, n, self._host_checks_ids)
             self._check_weights(topk_weights, n)
         if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")

@@ -84,9 +84,12 @@ class LowLatencyCombineResult:
 
 @dataclass
 class EventHandle:
-    """A CUDA event recorded on the stream that did the work; wait() orders the current stream."""
+    """A CUDA event recorded on the stream that did the work; wait() orders the current stream.
+    synchronize() waits for the work and then raises what its kernels recorded (CommTimeoutError for
+    a peer that went silent, ValueError for an expert id out of range)."""
 
     event: Optional[torch.cuda.Event] = field(default=None)
+    check: Optional[Callable[[], None]] = field(default=None, repr=False)
 
     def wait(self) -> None:
         if self.event is not None:
@@ -95,3 +98,5 @@ class EventHandle:
     def synchronize(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+        if self.check is not None:
+            self.check()

@@ -139,9 +139,9 @@ def test_phase_names_match_comm_h() -> None:
 
 def test_error_state_layout_matches_comm_h() -> None:
     body = re.search(r"struct ErrorState \{(.*?)\};", COMM_H.read_text(), re.S)[1]
-    fields = re.findall(r"^\s*int (\w+);", body, re.M)
-    assert [name for name, _ in _ErrorState._fields_] == fields
-    assert all(ctype is ctypes.c_int for _, ctype in _ErrorState._fields_)
+    fields = re.findall(r"^\s*(int|long long) (\w+);", body, re.M)
+    ctype_of = {"int": ctypes.c_int, "long long": ctypes.c_longlong}
+    assert [(name, ctype) for name, ctype in _ErrorState._fields_] == [(n, ctype_of[t]) for t, n in fields]
 
 
 class _FakeNative:
@@ -160,6 +160,9 @@ class _FakeNative:
 
     def phase_names(self) -> list[str]:
         return self.names
+
+    def error_state_bytes(self) -> int:
+        return ctypes.sizeof(self.state)
 
 
 def test_error_watch_reports_a_recorded_timeout_once() -> None:
@@ -182,6 +185,32 @@ def test_error_watch_reports_a_recorded_timeout_once() -> None:
     watch.close()
     watch.close()
     assert fake.freed == [address] and watch.device_ptr == 0
+
+
+def test_error_watch_reports_a_bad_expert_id_once() -> None:
+    fake = _FakeNative([c for _, c in _comm_h_phases()])
+    watch = ErrorWatch(fake, timeout_s=100.0, num_experts=256)
+    rng = random.Random(11)
+    for value in (256, -2, (1 << 40) + rng.randrange(1000)):
+        token, k = rng.randrange(4096), rng.randrange(8)
+        fake.state.bad_claim, fake.state.bad_token, fake.state.bad_k, fake.state.bad_value = 1, token, k, value
+        fake.state.bad_id = 1
+        with pytest.raises(ValueError, match=rf"^topk_idx\[{token}, {k}\] = {value}: expert ids must lie in "
+                                             rf"\[-1, 256\)"):
+            watch.check()
+        assert fake.state.bad_id == 0 and fake.state.bad_claim == 0
+        watch.check()
+    fake.state.code, fake.state.bad_id = 1, 1  # a timeout wins: the call's other outputs are not valid either
+    with pytest.raises(CommTimeoutError):
+        watch.check()
+    assert watch.peer_lost
+
+
+def test_error_watch_rejects_a_mismatched_build() -> None:
+    fake = _FakeNative(["none"])
+    fake.error_state_bytes = lambda: 16  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="reinstall moe_ep"):
+        ErrorWatch(fake)
 
 
 def test_comm_timeout_error_message_and_pickling() -> None:

@@ -22,7 +22,10 @@
 //     through L2) into float32 accumulators with __fadd_rn (never contracted), rounds once with
 //     __float2bfloat16_rn and stores out[i]. Tokens that went nowhere get +0.
 //  3. arrive_last: the last block resets the work counter and advances the device epochs.
-// A timeout leaves the loops early (every block still arrives, so epochs stay in step).
+// A timeout ends the waiting: the warp that gave up (and every warp of a block whose start barrier
+// gave up) writes NaN over the rest of its tokens and keeps taking work items only to write NaN, so
+// the failed call's output holds no row that looks valid; every block still arrives, so epochs stay
+// in step.
 #include <cuda_bf16.h>
 
 #include "kernels/intranode.h"
@@ -132,7 +135,8 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
 
   // 0. start barrier
   if (blockIdx.x == 0) signal_peers(comm, kSigCombineReady, ready_epoch);
-  if (wait_peers(comm, kSigCombineReady, ready_epoch, kPhaseCombineBarrier)) {
+  bool ok = wait_peers(comm, kSigCombineReady, ready_epoch, kPhaseCombineBarrier);
+  if (ok) {
     // 1. send rows back
     if (warp < send_warps) {
       const auto* src_rank = reinterpret_cast<const int*>(a.src_rank);
@@ -154,15 +158,19 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
       }
       pending.publish(epoch, lane);
     }
-    // 2. reduce this rank's tokens, B at a time
-    for (;;) {
-      const int first = take_work_item(ctx.block_counters + 3) * B;
-      if (first >= a.num_tokens) break;
-      const int last = min(first + B, a.num_tokens);
-      bool ok = true;
-      for (int i = first; ok && i < last; ++i) ok = reduce_token(ctx, a, i, epoch, lane);
-      if (!ok) break;
-    }
+  }
+  // 2. reduce this rank's tokens, B at a time; after a wait gave up, the warp writes NaN rows for the
+  //    rest (every token is still taken by some warp, so a failed call returns no row that looks valid)
+  const int vecs = 2 * ctx.dims.hidden / 16;
+  for (;;) {
+    const int first = take_work_item(ctx.block_counters + 3) * B;
+    if (first >= a.num_tokens) break;
+    const int last = min(first + B, a.num_tokens);
+    int i = first;
+    for (; ok && i < last; ++i) ok = reduce_token(ctx, a, i, epoch, lane);
+    if (ok) continue;
+    for (i = max(i - 1, first); i < last; ++i)  // from the token whose wait gave up
+      for (int k = lane; k < vecs; k += 32) reinterpret_cast<int4*>(a.out)[(size_t)i * vecs + k] = bf16_nan_x8();
   }
 
   // 3. bookkeeping for the next call

@@ -49,10 +49,11 @@ __device__ __forceinline__ void send_token(const DeviceContext& ctx, const Dispa
   const int S = a.num_scales;
 
   // topk loads first: their latency hides behind the row copy
-  int expert = -1;  // ids are below E, so their low word holds them
+  int expert = -1;
   float weight = 0.f;
   if (!a.cached && lane < K) {
-    expert = static_cast<int>(__ldg(reinterpret_cast<const long long*>(a.topk_idx) + (size_t)n * K + lane));
+    expert = checked_expert(ctx.comm.error, __ldg(reinterpret_cast<const long long*>(a.topk_idx) + (size_t)n * K + lane),
+                            ctx.dims.num_experts, n, lane);
     weight = __ldg(reinterpret_cast<const float*>(a.topk_weights) + (size_t)n * K + lane);
   }
   const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + (size_t)n * a.row_bytes);

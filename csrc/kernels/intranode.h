@@ -266,19 +266,23 @@ template <int kK>
 struct TokenExperts {
   int id[kK];
 
-  __device__ __forceinline__ TokenExperts(const int64_t* topk_idx, int n, int num_topk) {
+  // Ids outside [0, E) become -1; one outside [-1, E) is recorded in `error` (checked_expert).
+  __device__ __forceinline__ TokenExperts(const int64_t* topk_idx, int n, int num_topk, int num_experts,
+                                          ErrorState* error) {
     const int64_t* row = topk_idx + (size_t)n * num_topk;
-    if (num_topk % 2 == 0) {  // 16-byte aligned rows: two ids per load (low words hold the value)
+    if (num_topk % 2 == 0) {  // 16-byte aligned rows: two ids per load
 #pragma unroll
       for (int q = 0; q < kK / 2; ++q) {
-        int4 v = make_int4(-1, -1, -1, -1);
-        if (2 * q < num_topk) v = __ldg(reinterpret_cast<const int4*>(row) + q);
-        id[2 * q] = v.x;
-        id[2 * q + 1] = v.z;
+        longlong2 v = make_longlong2(-1, -1);
+        if (2 * q < num_topk) v = __ldg(reinterpret_cast<const longlong2*>(row) + q);
+        id[2 * q] = 2 * q < num_topk ? checked_expert(error, v.x, num_experts, n, 2 * q) : -1;
+        id[2 * q + 1] = 2 * q < num_topk ? checked_expert(error, v.y, num_experts, n, 2 * q + 1) : -1;
       }
     } else {
 #pragma unroll
-      for (int k = 0; k < kK; ++k) id[k] = k < num_topk ? static_cast<int>(__ldg(reinterpret_cast<const long long*>(row) + k)) : -1;
+      for (int k = 0; k < kK; ++k)
+        id[k] = k < num_topk ? checked_expert(error, __ldg(reinterpret_cast<const long long*>(row) + k), num_experts, n, k)
+                             : -1;
     }
   }
 
@@ -305,7 +309,8 @@ struct TokenExperts {
 };
 
 template <int kK>
-__device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk, int num_experts, int nranks) {
+__device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk, int num_experts, int nranks,
+                                              ErrorState* error) {
   __shared__ int expert_count[kExpertChunk];
   __shared__ int rank_count[kMaxRanks];
 
@@ -326,7 +331,7 @@ __device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk,
       const int n = step + tid;
       unsigned ranks = 0;
       if (n < num_tokens) {
-        const TokenExperts<kK> t(topk_idx, n, num_topk);
+        const TokenExperts<kK> t(topk_idx, n, num_topk, num_experts, error);
 #pragma unroll
         for (int k = 0; k < kK; ++k) {
           const int e = t.id[k] - e0;  // -1 entries land below 0

@@ -12,8 +12,8 @@ namespace {
 
 template <int kK>
 __global__ void __launch_bounds__(kLayoutThreads, 1)
-layout_kernel(const __grid_constant__ LayoutArgs a, int num_topk, int num_experts, int nranks) {
-  layout_counts<kK>(a, num_topk, num_experts, nranks);
+layout_kernel(const __grid_constant__ LayoutArgs a, int num_topk, int num_experts, int nranks, ErrorState* error) {
+  layout_counts<kK>(a, num_topk, num_experts, nranks, error);
 }
 
 }  // namespace
@@ -21,10 +21,11 @@ layout_kernel(const __grid_constant__ LayoutArgs a, int num_topk, int num_expert
 void launch_layout(const Context& c, const LayoutArgs& a, uintptr_t stream) {
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   const Dims& d = c.dims;
+  auto* error = reinterpret_cast<ErrorState*>(c.error);
   if (d.num_topk <= 8)
-    layout_kernel<8><<<1, kLayoutThreads, 0, st>>>(a, d.num_topk, d.num_experts, d.nranks);
+    layout_kernel<8><<<1, kLayoutThreads, 0, st>>>(a, d.num_topk, d.num_experts, d.nranks, error);
   else
-    layout_kernel<kMaxTopk><<<1, kLayoutThreads, 0, st>>>(a, d.num_topk, d.num_experts, d.nranks);
+    layout_kernel<kMaxTopk><<<1, kLayoutThreads, 0, st>>>(a, d.num_topk, d.num_experts, d.nranks, error);
   check_launch("moe_ep intranode layout kernel");
 }
 

@@ -46,6 +46,7 @@ struct LowLatencyParams {
   unsigned long long timeout_ns;
   uintptr_t error;                  // ErrorState*, device address of host-mapped memory
   uintptr_t epochs;                 // unsigned long long[kNumEpochs], device
+  uintptr_t masked;                 // int[nranks], device: fault-tolerant mode's masked ranks; 0 when off
   // dimensions
   int num_local_experts;
   int num_topk;
@@ -144,6 +145,7 @@ inline Peers make_peers(const LowLatencyParams& p) {
   s.comm.timeout_ns = p.timeout_ns;
   s.comm.error = reinterpret_cast<ErrorState*>(p.error);
   s.comm.epochs = reinterpret_cast<unsigned long long*>(p.epochs);
+  s.comm.masked = reinterpret_cast<int*>(p.masked);
   s.node_first = p.rank - p.rank % p.ranks_per_node;
   s.node_ranks = p.ranks_per_node;
   s.network = p.ranks_per_node < p.nranks;
@@ -204,6 +206,12 @@ __device__ __forceinline__ void warp_store_chunk(int4* dst, const int4 (&v)[kCop
   }
 }
 
+// A rank whose data this kernel must skip: masked in fault-tolerant mode (a plain load; in a receive
+// kernel after the block's wait_all_sources, so a rank masked later during the kernel may still be
+// used by it). A send kernel neither writes to nor signals a masked rank: if that rank comes back,
+// it times out waiting for this one and masks it in turn, instead of reading rows never sent.
+__device__ __forceinline__ bool skip_rank(const Comm& c, int r) { return c.masked != nullptr && c.masked[r] != 0; }
+
 // End of every block of a send kernel. The block joins; then thread 0:
 //   - with several nodes, nvshmem_quiet(): every put this PE issued so far, so all of this block's,
 //     is complete at its target (NVSHMEM's quiet guarantee; puts by other threads of the block were
@@ -228,7 +236,8 @@ __device__ __forceinline__ void finish_send_block(const Peers& s, int* done, int
   if (threadIdx.x == 0) {
     if (s.network) nvshmem_quiet();
     fence_acq_rel_sys();
-    for (int i = 0; i < s.node_ranks; ++i) red_add_relaxed_sys(signal_word(s, s.node_sym[i], node_slot, c.rank), 1);
+    for (int i = 0; i < s.node_ranks; ++i)
+      if (!skip_rank(c, s.node_first + i)) red_add_relaxed_sys(signal_word(s, s.node_sym[i], node_slot, c.rank), 1);
     const int blocks = static_cast<int>(gridDim.x * gridDim.y);
     last = atomicAdd(done, 1) == blocks - 1;
     if (last) {
@@ -241,7 +250,8 @@ __device__ __forceinline__ void finish_send_block(const Peers& s, int* done, int
   __syncthreads();
   if (!last) return;
   for (int d = threadIdx.x; d < c.nranks; d += blockDim.x)
-    if (!in_node(s, d)) nvshmemx_signal_op(signal_word(s, s.sym, net_slot, c.rank), epoch, NVSHMEM_SIGNAL_SET, d);
+    if (!in_node(s, d) && !skip_rank(c, d))
+      nvshmemx_signal_op(signal_word(s, s.sym, net_slot, c.rank), epoch, NVSHMEM_SIGNAL_SET, d);
 }
 
 // Every block of a receive kernel waits for every source's send of `epoch`: thread i waits for the
@@ -251,16 +261,21 @@ __device__ __forceinline__ void finish_send_block(const Peers& s, int* done, int
 // (wait_signal_geq: the signal was issued after the source's puts completed, and the fence after
 // the observing fetch orders this thread's later loads after it). The block barrier then hands the
 // acquired data to all threads. Returns false when a wait timed out (recorded in ErrorState with
-// rank, peer and phase); the block must then leave.
+// rank, peer and phase); the block must then poison its outputs and leave. In fault-tolerant mode
+// (Comm::masked) a source that misses the timeout is masked instead, a masked source is not waited
+// for, and the call goes on: the caller skips masked sources' data (read the mask after this wait).
 __device__ __forceinline__ bool wait_all_sources(const Peers& s, int node_slot, uint64_t node_target, int net_slot,
                                                  unsigned long long epoch, int phase) {
   const Comm& c = s.comm;
   int ok = 1;
   for (int r = threadIdx.x; ok && r < c.nranks; r += blockDim.x)
-    ok = in_node(s, r) ? wait_geq(c, signal_word(s, s.sym, node_slot, r), node_target, phase, r)
-                       : wait_signal_geq(c, signal_word(s, s.sym, net_slot, r), epoch, phase, r);
+    ok = (in_node(s, r) ? wait_geq(c, signal_word(s, s.sym, node_slot, r), node_target, phase, r)
+                        : wait_signal_geq(c, signal_word(s, s.sym, net_slot, r), epoch, phase, r)) ||
+         peer_masked(c, r);
   return __syncthreads_and(ok) != 0;
 }
+
+
 
 }  // namespace ll
 }  // namespace moe_ep

@@ -16,7 +16,8 @@ using moe_ep::ll::LowLatencyParams;
 namespace {
 
 LowLatencyParams make_params(int rank, int nranks, int ranks_per_node, int num_local_experts, int num_topk, int hidden,
-                             int max_tokens, double timeout_s, uintptr_t error, uintptr_t epochs, uintptr_t sym,
+                             int max_tokens, double timeout_s, uintptr_t error, uintptr_t epochs, uintptr_t masked,
+                             uintptr_t sym,
                              const std::vector<uintptr_t>& node_sym, uint64_t dispatch_payload_offset,
                              uint64_t dispatch_meta_offset, uint64_t combine_payload_offset,
                              uint64_t combine_scratch_offset, uint64_t signals_offset, uintptr_t done_counters,
@@ -42,6 +43,7 @@ LowLatencyParams make_params(int rank, int nranks, int ranks_per_node, int num_l
   p.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
   p.error = error;
   p.epochs = epochs;
+  p.masked = masked;
   p.num_local_experts = num_local_experts;
   p.num_topk = num_topk;
   p.hidden = hidden;
@@ -69,7 +71,8 @@ void register_low_latency(py::module_& m) {
                                "Fixed state of one Buffer's low-latency kernels (addresses are device pointers).")
       .def(py::init(&make_params), py::kw_only(), py::arg("rank"), py::arg("nranks"), py::arg("ranks_per_node"),
            py::arg("num_local_experts"), py::arg("num_topk"), py::arg("hidden"), py::arg("max_tokens"),
-           py::arg("timeout_s"), py::arg("error"), py::arg("epochs"), py::arg("sym"), py::arg("node_sym"),
+           py::arg("timeout_s"), py::arg("error"), py::arg("epochs"), py::arg("masked"), py::arg("sym"),
+           py::arg("node_sym"),
            py::arg("dispatch_payload_offset"), py::arg("dispatch_meta_offset"), py::arg("combine_payload_offset"),
            py::arg("combine_scratch_offset"), py::arg("signals_offset"), py::arg("done_counters"),
            py::arg("combine_stash"), py::arg("blocks_per_expert"))

@@ -99,6 +99,7 @@ struct CombineRecvArgs {
   int num_topk;
   int hidden;
   int max_tokens;
+  int num_local_experts;
   int send_blocks;  // every rank's combine send grid: P * E_l
 };
 
@@ -140,6 +141,7 @@ __global__ void __launch_bounds__(kSendThreads, 2) combine_send_kernel(const Com
       int4 v[kCopyUnroll];
       warp_load_chunk(v, a.y + m * row_int4, row_int4, chunk, lane);  // issued with the src_* loads below
       const int dst = a.src_rank[m];
+      if (skip_rank(c, dst)) continue;
       int4* row = in_node(s, dst)
                       ? reinterpret_cast<int4*>(node_addr(s, dst, staging_at(a, set, a.src_index[m], a.src_k[m])))
                       : scratch + static_cast<size_t>(r) * row_int4;
@@ -150,7 +152,7 @@ __global__ void __launch_bounds__(kSendThreads, 2) combine_send_kernel(const Com
     for (int r = warp; r < n; r += warps) {
       const size_t m = expert_row0 + p + static_cast<size_t>(parts) * (r0 + r);
       const int dst = a.src_rank[m];
-      if (in_node(s, dst)) continue;
+      if (in_node(s, dst) || skip_rank(c, dst)) continue;
       fence_acq_rel_sys();
       nvshmemx_putmem_nbi_warp(s.sym + staging_at(a, set, a.src_index[m], a.src_k[m]),
                                scratch + static_cast<size_t>(r) * row_int4, 2 * static_cast<size_t>(a.hidden), dst);
@@ -175,24 +177,36 @@ __global__ void __launch_bounds__(kRecvThreads, kSlots <= 8 ? 4 : 1) combine_rec
   const unsigned long long epoch = c.epochs[kEpochCombine];
   const int set = static_cast<int>(epoch & 1);
   const int n = blockIdx.x;
+  const int num_experts = a.num_local_experts * c.nranks;
   if (threadIdx.x < kMetaEntries && n < a.num_tokens) {
     const int k = threadIdx.x;
     const int64_t* idx = a.stash_idx + static_cast<size_t>(n) * a.num_topk;
+    const int id = k < a.num_topk ? checked_expert(c.error, idx[k], num_experts, n, k) : -1;
     int first = -1;
-    if (k < a.num_topk && idx[k] >= 0) {
+    if (id >= 0) {
       first = k;
       for (int q = k - 1; q >= 0; --q)
-        if (idx[q] == idx[k]) first = q;
+        if (idx[q] == id) first = q;
     }
     slot_k[k] = first;
     weight[k] = k < a.num_topk ? a.stash_weights[static_cast<size_t>(n) * a.num_topk + k] : 0.0f;
   }
-  if (!wait_all_sources(a.peers, kSigCombineNode + set, arrivals_after(epoch, a.send_blocks), kSigCombineNet, epoch,
-                        kPhaseLowLatencyCombineRecv))
-    return;
-
+  const bool ok = wait_all_sources(a.peers, kSigCombineNode + set, arrivals_after(epoch, a.send_blocks),
+                                   kSigCombineNet, epoch, kPhaseLowLatencyCombineRecv);
   const int row_int4 = a.hidden / 8;
   const int i = blockIdx.y * blockDim.x + threadIdx.x;
+  if (!ok) {  // a failed call's result is NaN, never rows that look valid
+    if (n < a.num_tokens && i < row_int4)
+      reinterpret_cast<int4*>(a.out)[static_cast<size_t>(n) * row_int4 + i] = bf16_nan_x8();
+    return;
+  }
+  if (c.masked != nullptr) {  // fault-tolerant: a masked rank's experts contribute nothing
+    if (threadIdx.x < kMetaEntries && n < a.num_tokens && slot_k[threadIdx.x] >= 0 &&
+        skip_rank(c, static_cast<int>(a.stash_idx[static_cast<size_t>(n) * a.num_topk + threadIdx.x]) /
+                         a.num_local_experts))
+      slot_k[threadIdx.x] = -1;
+    __syncthreads();
+  }
   if (n >= a.num_tokens || i >= row_int4) return;
   const int4* token_rows = a.payload + (static_cast<size_t>(set) * a.max_tokens + n) * a.num_topk * row_int4;
   int4 v[kSlots];
@@ -264,6 +278,7 @@ void combine_recv(const LowLatencyParams& p, uintptr_t out, int num_tokens, uint
   a.num_topk = p.num_topk;
   a.hidden = p.hidden;
   a.max_tokens = p.max_tokens;
+  a.num_local_experts = p.num_local_experts;
   a.send_blocks = p.blocks_per_expert * p.num_local_experts;
   const int row_int4 = p.hidden / 8;
   // With N == 0 one block still waits for every rank's blocks: that wait is a link of the buffer

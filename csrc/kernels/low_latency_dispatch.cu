@@ -193,8 +193,10 @@ __global__ void __launch_bounds__(1024) dispatch_send_kernel(const DispatchSendA
     const size_t payload_at = a.payload_offset + slot * row_bytes;
     const size_t meta_at = a.meta_offset + slot * kMetaBytes;
     if (warp == 0) {  // lane k owns topk id k
-      const int e = lane < a.num_topk ? static_cast<int>(a.topk_idx[static_cast<size_t>(t) * a.num_topk + lane]) : -1;
-      const int dst = e >= 0 ? e / a.num_local_experts : -1;
+      const int e = lane < a.num_topk ? checked_expert(c.error, a.topk_idx[static_cast<size_t>(t) * a.num_topk + lane],
+                                                       a.num_local_experts * c.nranks, t, lane)
+                                      : -1;
+      const int dst = e >= 0 && !skip_rank(c, e / a.num_local_experts) ? e / a.num_local_experts : -1;
       const unsigned same = __match_any_sync(0xffffffffu, dst);
       const bool first_of_rank = dst >= 0 && dst != c.rank && __ffs(same) - 1 == lane;
       const bool node = first_of_rank && in_node(s, dst);
@@ -272,6 +274,7 @@ __global__ void __launch_bounds__(1024) dispatch_send_kernel(const DispatchSendA
 // First k at which staged token j = s * T + t names local expert e (global expert `expert`), or -1
 // (also when the row is stale: its tag is not this call's).
 __device__ __forceinline__ int first_k(const DispatchRecvArgs& a, int set, unsigned tag, int j, int expert) {
+  if (skip_rank(a.peers.comm, j / a.max_tokens)) return -1;
   const uint4* m = reinterpret_cast<const uint4*>(
       a.meta + (static_cast<size_t>(set * a.peers.comm.nranks) * a.max_tokens + j) * kMetaBytes);
   if (m[2].x != tag) return -1;
@@ -320,11 +323,13 @@ __global__ void __launch_bounds__(kRecvThreads, 2) dispatch_recv_kernel(const Di
   const Comm& c = sp.comm;
   const unsigned long long epoch = c.epochs[kEpochDispatch];
   const int set = static_cast<int>(epoch & 1);
-  if (!wait_all_sources(sp, kSigDispatchNode + set, arrivals_after(epoch, a.send_blocks), kSigDispatchNet, epoch,
-                        kPhaseLowLatencyDispatchRecv))
-    return;
-
   const int e = blockIdx.y, p = blockIdx.x, parts = gridDim.x;
+  if (!wait_all_sources(sp, kSigDispatchNode + set, arrivals_after(epoch, a.send_blocks), kSigDispatchNet, epoch,
+                        kPhaseLowLatencyDispatchRecv)) {
+    if (p == 0 && threadIdx.x == 0) a.count[e] = 0;  // a failed call hands on no rows
+    return;
+  }
+
   const int expert = c.rank * a.num_local_experts + e;
   const unsigned tag = static_cast<unsigned>(epoch);
   const int capacity = c.nranks * a.max_tokens;

@@ -48,7 +48,7 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
   layout.tokens_per_expert = reinterpret_cast<uintptr_t>(tokens_per_expert);
   layout.is_token_in_rank = a.is_token_in_rank;
   layout.pos = a.pos;
-  layout_counts<kK>(layout, ctx.dims.num_topk, ctx.dims.num_experts, R);
+  layout_counts<kK>(layout, ctx.dims.num_topk, ctx.dims.num_experts, R, ctx.comm.error);
 
   // 2. my counts into row [me] of every rank's counts region, then the flags
   const uint64_t epoch = comm.epochs[kSigNotify] + 1;

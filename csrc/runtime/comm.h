@@ -60,13 +60,21 @@ enum Phase : int {
   kNumPhases = 18,
 };
 
-// Written once by the first wait that times out; lives in host-mapped memory so the host reads it
-// without a device sync, and every other waiting thread sees `code != 0` and gives up too.
+// Lives in host-mapped memory so the host reads it without a device sync (moe_ep/backends/symmetric.py
+// mirrors the fields). The timeout part is written once by the first wait that times out, and every
+// other waiting thread sees `code != 0` and gives up too. The bad-id part is written once by the first
+// thread that reads an expert id outside [-1, E) from topk_idx: the kernels then treat that entry as
+// -1, so the call's protocol still completes on every rank, and the host raises ValueError.
 struct ErrorState {
-  int code;   // 0 = fine, 1 = timeout
-  int rank;   // the rank that timed out
-  int phase;  // Phase
-  int peer;   // the rank it was waiting for
+  int code;       // 0 = fine, 1 = timeout
+  int rank;       // the rank that timed out
+  int phase;      // Phase
+  int peer;       // the rank it was waiting for
+  int bad_claim;  // 1 once a thread claimed the bad-id record (it fills the fields below, then bad_id)
+  int bad_id;     // 1 once bad_token / bad_k / bad_value are complete
+  int bad_token;  // token (row of topk_idx) and entry k of the first bad id seen
+  int bad_k;
+  long long bad_value;
 };
 
 // Everything a kernel needs to talk to its peers. Built once per Buffer on the host.
@@ -76,6 +84,8 @@ struct Comm {
   unsigned long long timeout_ns;
   ErrorState* error;               // device address of the host-mapped ErrorState
   unsigned long long* epochs;      // device-local counters [kNumEpochs]
+  int* masked;                     // low-latency fault-tolerant mode: int[nranks] in device memory, 1 for a
+                                   // rank that missed a timeout (its waits are skipped); nullptr otherwise
   uint64_t* signals[kMaxRanks];    // each rank's signal array, as addressed from this GPU
 };
 
@@ -110,6 +120,30 @@ __device__ __forceinline__ bool comm_aborted(const Comm& c) {
   return *reinterpret_cast<volatile int*>(&c.error->code) != 0;
 }
 
+// Whether `peer` is masked (fault-tolerant mode only). A plain volatile load: other blocks of the same
+// kernel may mask a peer while this thread waits.
+__device__ __forceinline__ bool peer_masked(const Comm& c, int peer) {
+  return c.masked != nullptr && *reinterpret_cast<volatile int*>(c.masked + peer) != 0;
+}
+
+// An expert id read from topk_idx: v when it lies in [0, E), else -1. A value outside [-1, E) is
+// recorded (the first one wins; ErrorState) so the host raises ValueError naming token and value.
+__device__ __forceinline__ int checked_expert(ErrorState* error, long long v, int num_experts, int token, int k) {
+  if (v >= 0 && v < num_experts) return static_cast<int>(v);
+  if (v != -1 && atomicCAS_system(&error->bad_claim, 0, 1) == 0) {
+    error->bad_token = token;
+    error->bad_k = k;
+    error->bad_value = v;
+    __threadfence_system();
+    atomicExch_system(&error->bad_id, 1);
+  }
+  return -1;
+}
+
+// Eight bf16 NaNs (0x7fc0) in one int4: written over the output rows of a call whose wait gave up, so
+// nothing downstream mistakes them for results.
+__device__ __forceinline__ int4 bf16_nan_x8() { return make_int4(0x7fc07fc0, 0x7fc07fc0, 0x7fc07fc0, 0x7fc07fc0); }
+
 __device__ __forceinline__ void report_timeout(const Comm& c, int phase, int peer) {
   if (atomicCAS_system(&c.error->code, 0, 1) == 0) {
     c.error->rank = c.rank;
@@ -140,22 +174,36 @@ __device__ __forceinline__ void red_add_relaxed_sys(uint64_t* p, uint64_t v) {
 
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
-// Spin (relaxed loads) until *flag >= target. Returns false (after recording the error once) when
-// the timeout passes or another thread already gave up; callers then leave the kernel without
-// hanging. Gives no ordering: the caller fences (acquire) after a true return.
+// A wait gave up: the timeout passed (or another thread already gave up). Without a mask this
+// records the timeout once (ErrorState) and the call aborts; in fault-tolerant mode it masks `peer`
+// instead (every later wait for it returns at once) and the call goes on without that peer.
+__device__ __forceinline__ void give_up(const Comm& c, int phase, int peer) {
+  if (c.masked != nullptr)
+    atomicExch(c.masked + peer, 1);
+  else
+    report_timeout(c, phase, peer);
+}
+
+// Whether a wait for `peer` started at `start` must stop: the call aborted, the peer is masked, or the
+// timeout passed (then give_up records or masks it).
+__device__ __forceinline__ bool stop_waiting(const Comm& c, uint64_t start, int phase, int peer) {
+  if (comm_aborted(c) || peer_masked(c, peer)) return true;
+  if (global_timer_ns() - start <= c.timeout_ns) return false;
+  give_up(c, phase, peer);
+  return true;
+}
+
+// Spin (relaxed loads) until *flag >= target. Returns false when stop_waiting says so; callers then
+// leave the kernel without hanging (or, in fault-tolerant mode, skip a masked peer). A masked peer
+// returns false at once. Gives no ordering: the caller fences (acquire) after a true return.
 __device__ __forceinline__ bool wait_relaxed_geq(const Comm& c, const uint64_t* flag, uint64_t target, int phase,
                                                  int peer) {
-  if (ld_relaxed_sys(flag) >= target) return true;
+  if (ld_relaxed_sys(flag) >= target) return !peer_masked(c, peer);
+  if (peer_masked(c, peer)) return false;
   const uint64_t start = global_timer_ns();
   for (uint32_t spin = 1;; ++spin) {
     if (ld_relaxed_sys(flag) >= target) return true;
-    if ((spin & 1023u) == 0) {
-      if (comm_aborted(c)) return false;
-      if (global_timer_ns() - start > c.timeout_ns) {
-        report_timeout(c, phase, peer);
-        return false;
-      }
-    }
+    if ((spin & 1023u) == 0 && stop_waiting(c, start, phase, peer)) return false;
   }
 }
 
@@ -170,17 +218,11 @@ __device__ __forceinline__ bool wait_geq(const Comm& c, const uint64_t* flag, ui
 // wait_relaxed_geq. On true, a fence.acq_rel.sys after the observing fetch orders this thread's
 // later loads after it, so the data NVSHMEM delivered before the signal is visible to them.
 __device__ __forceinline__ bool wait_signal_geq(const Comm& c, uint64_t* sig, uint64_t target, int phase, int peer) {
+  if (peer_masked(c, peer)) return false;
   if (nvshmem_signal_fetch(sig) < target) {
     const uint64_t start = global_timer_ns();
-    for (uint32_t spin = 1; nvshmem_signal_fetch(sig) < target; ++spin) {
-      if ((spin & 1023u) == 0) {
-        if (comm_aborted(c)) return false;
-        if (global_timer_ns() - start > c.timeout_ns) {
-          report_timeout(c, phase, peer);
-          return false;
-        }
-      }
-    }
+    for (uint32_t spin = 1; nvshmem_signal_fetch(sig) < target; ++spin)
+      if ((spin & 1023u) == 0 && stop_waiting(c, start, phase, peer)) return false;
   }
   fence_acq_rel_sys();
   return true;

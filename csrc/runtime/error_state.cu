@@ -50,6 +50,8 @@ std::pair<uintptr_t, uintptr_t> alloc_error_state() {
 
 void free_error_state(uintptr_t host_ptr) { MOE_EP_CUDA_CHECK(cudaFreeHost(reinterpret_cast<void*>(host_ptr))); }
 
+size_t error_state_bytes() { return sizeof(ErrorState); }
+
 std::vector<std::string> phase_names() { return {std::begin(kPhaseNames), std::end(kPhaseNames)}; }
 
 }  // namespace moe_ep::runtime

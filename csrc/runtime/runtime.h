@@ -34,6 +34,7 @@ Version runtime_version();
 // error_state.cu
 std::pair<uintptr_t, uintptr_t> alloc_error_state();  // (host pointer, device pointer)
 void free_error_state(uintptr_t host_ptr);
+size_t error_state_bytes();  // sizeof(ErrorState): the host mirror (moe_ep/backends/symmetric.py) checks it
 std::vector<std::string> phase_names();
 
 // device_info.cpp

@@ -45,6 +45,7 @@ void register_runtime(py::module_& m) {
         "Allocate a zeroed host-mapped ErrorState (runtime/comm.h); returns (host_ptr, device_ptr).");
   m.def("free_error_state", &rt::free_error_state, py::arg("host_ptr"), release_gil(),
         "Free an ErrorState from alloc_error_state().");
+  m.def("error_state_bytes", &rt::error_state_bytes, "sizeof(ErrorState) (runtime/comm.h).");
   m.def("phase_names", &rt::phase_names, "Names of the comm.h Phase values, by index.");
   m.def("sm_count", &rt::sm_count, py::arg("device"), "Number of SMs of CUDA device `device`.");
 }

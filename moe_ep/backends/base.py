@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,15 +29,17 @@ def align_up_device(counts: torch.Tensor, alignment: int) -> torch.Tensor:
     return torch.div(counts + (alignment - 1), alignment, rounding_mode="floor") * alignment
 
 
-def record_event(async_op: bool, device: torch.device) -> Optional[EventHandle]:
-    """For async_op: an EventHandle recorded on `device`'s current stream (an empty one on CPU)."""
+def record_event(async_op: bool, device: torch.device,
+                 check: Optional[Callable[[], None]] = None) -> Optional[EventHandle]:
+    """For async_op: an EventHandle recorded on `device`'s current stream (an empty one on CPU);
+    `check` raises what the call's kernels recorded, once the event completed."""
     if not async_op:
         return None
     if device.type != "cuda":
         return EventHandle(None)
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
-    return EventHandle(event)
+    return EventHandle(event, check)
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ def native_dispatch_result(cfg: "BufferConfig", handle: Optional[DispatchHandle]
                            num_tokens: int, is_token_in_rank: torch.Tensor, recv_counts: Optional[list[int]],
                            worst_case: bool, state: Any, tokens_per_expert_raw: Optional[list[int]],
                            expert_alignment: int, tokens_per_expert_tensor: torch.Tensor,
-                           async_op: bool) -> DispatchResult:
+                           async_op: bool, check: Callable[[], None]) -> DispatchResult:
     """A native backend's DispatchResult: the kernel's outputs, and a new handle unless cached."""
     new_handle = handle if handle is not None else DispatchHandle(
         buffer_id=cfg.buffer_id, num_tokens=num_tokens, num_recv_rows=out.x.shape[0],
@@ -90,7 +92,7 @@ def native_dispatch_result(cfg: "BufferConfig", handle: Optional[DispatchHandle]
         x=out.x, x_scales=out.scales, topk_idx=out.topk_idx, topk_weights=out.topk_weights,
         tokens_per_expert=None if worst_case else align_up(tokens_per_expert_raw, expert_alignment),
         tokens_per_expert_tensor=tokens_per_expert_tensor, src_rank=out.src_rank, src_index=out.src_index,
-        handle=new_handle, event=record_event(async_op, cfg.device),
+        handle=new_handle, event=record_event(async_op, cfg.device, check),
     )
 
 
@@ -112,6 +114,7 @@ class BufferConfig:
     device: torch.device
     ranks_per_node: int  # ranks of one NVLink domain ("node"); nodes are contiguous rank ranges
     hierarchical: bool = False  # normal mode on the cross-node kernels (always when num_nodes > 1)
+    fault_tolerant: bool = False  # low-latency kernels mask a rank that misses the timeout instead of failing
 
     @property
     def num_nodes(self) -> int:

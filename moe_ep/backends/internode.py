@@ -188,7 +188,7 @@ class InternodeEngine:
             cfg, handle, out, num_tokens=n, is_token_in_rank=handle.is_token_in_rank if cached else layout.in_rank,
             recv_counts=recv_counts, worst_case=worst_case, state=state,
             tokens_per_expert_raw=state.tokens_per_expert, expert_alignment=expert_alignment,
-            tokens_per_expert_tensor=tokens_per_expert_tensor, async_op=async_op)
+            tokens_per_expert_tensor=tokens_per_expert_tensor, async_op=async_op, check=self._error.check)
 
     def _wait_counts(self, counts_ready: torch.cuda.Event) -> tuple[list[int], list[int]]:
         """(rows from each source, raw rows per local expert), once the notify kernel before

@@ -141,12 +141,14 @@ class LowLatencyEngine:
         self._done_counters = torch.zeros(2, dtype=torch.int32, device=cfg.device)
         t_k = cfg.max_tokens_per_rank * cfg.num_topk
         self._stash = torch.zeros(t_k * (8 + 4), dtype=torch.uint8, device=cfg.device)  # int64 ids, float32 weights
+        # fault-tolerant mode: 1 per rank the kernels stopped waiting for (comm.h Comm::masked)
+        self._masked = torch.zeros(cfg.world_size, dtype=torch.int32, device=cfg.device) if cfg.fault_tolerant else None
         node_first = cfg.node * cfg.ranks_per_node  # node ranks: NVLink addresses; the others: PE + symmetric address
         self._ctx = self._native.LowLatencyContext(
             rank=cfg.rank, nranks=cfg.world_size, ranks_per_node=cfg.ranks_per_node,
             num_local_experts=cfg.num_local_experts, num_topk=cfg.num_topk, hidden=cfg.hidden,
             max_tokens=cfg.max_tokens_per_rank, timeout_s=cfg.timeout_s, error=error.device_ptr,
-            epochs=epochs.data_ptr(), sym=self._sym.ptr,
+            epochs=epochs.data_ptr(), masked=0 if self._masked is None else self._masked.data_ptr(), sym=self._sym.ptr,
             node_sym=self._sym.peer_ptrs[node_first:node_first + cfg.ranks_per_node],
             dispatch_payload_offset=layout.dispatch_payload, dispatch_meta_offset=layout.dispatch_meta,
             combine_payload_offset=layout.combine_payload, combine_scratch_offset=layout.combine_scratch,
@@ -159,6 +161,12 @@ class LowLatencyEngine:
             self._device_index = torch.cuda.current_device()
         self._dispatches = 0
         self._pending: dict[str, Optional[_Hook]] = {"dispatch": None, "combine": None}
+
+    def masked_ranks(self) -> list[int]:
+        """The ranks masked so far (fault-tolerant mode); reads the device mask after the current stream's work."""
+        if self._masked is None:
+            return []
+        return torch.nonzero(self._masked).flatten().tolist()
 
     @staticmethod
     def heap_bytes(cfg: BufferConfig) -> int:

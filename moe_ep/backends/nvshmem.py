@@ -79,19 +79,20 @@ class NvshmemBackend(Backend):
         torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
         self._session: Optional[NvshmemSession] = NvshmemSession.acquire(cfg.group, cfg.device, heap_bytes)
         self._signals = self._session.alloc((native.SIGNAL_WORDS,), torch.int64)
-        self._error = self._session.error_state(cfg.timeout_s)
+        self._error = self._session.error_state(cfg.timeout_s, cfg.num_experts)
         self._internode: Optional[InternodeEngine] = None
         self._ctx: Any = None
+        self._low_latency: Any = None
         try:
             if cfg.hierarchical:
                 self._internode = InternodeEngine(cfg, self._session, self._error)
             else:
                 self._ctx = self._intranode_context(native, workspace_bytes, row_flags_shape)
+            if engine_cls is not None:
+                self._low_latency = engine_cls(cfg, self._session, self._signals, self._epochs, self._error)
         except BaseException:
             self._session.release()
             raise
-        self._low_latency = (engine_cls(cfg, self._session, self._signals, self._epochs, self._error)
-                             if engine_cls is not None else None)
 
     def _intranode_context(self, native: Any, workspace_bytes: int, row_flags_shape: tuple[int, ...]) -> Any:
         """The NVLink kernels' context: every rank of the group must be reachable by loads/stores."""
@@ -193,21 +194,21 @@ class NvshmemBackend(Backend):
             cfg, handle, out, num_tokens=n, is_token_in_rank=handle.is_token_in_rank if cached else in_rank,
             recv_counts=recv_counts, worst_case=worst_case, state=state,
             tokens_per_expert_raw=state.tokens_per_expert, expert_alignment=expert_alignment,
-            tokens_per_expert_tensor=tokens_per_expert_tensor, async_op=async_op)
+            tokens_per_expert_tensor=tokens_per_expert_tensor, async_op=async_op, check=self._error.check)
 
     def combine(self, x, handle, *, num_sms, previous_event, async_op):
         cfg = self.cfg
         stream = self._stream(previous_event)
         if self._internode is not None:
             out = self._internode.combine(x, handle, num_sms=num_sms, stream=stream)
-            return out, record_event(async_op, cfg.device)
+            return out, record_event(async_op, cfg.device, self._error.check)
         state: DispatchState = handle.state
         n = handle.num_tokens
         out = torch.empty(n, cfg.hidden, dtype=torch.bfloat16, device=cfg.device)
         self._ctx.combine(x.data_ptr(), x.shape[0], handle.src_rank.data_ptr(), handle.src_index.data_ptr(),
                           handle.is_token_in_rank.data_ptr(), state.pos.data_ptr(), state.recv_info.data_ptr(), n,
                           out.data_ptr(), num_sms, stream.cuda_stream)
-        return out, record_event(async_op, cfg.device)
+        return out, record_event(async_op, cfg.device, self._error.check)
 
     # ---- low-latency mode ------------------------------------------------------------------
     def _engine(self) -> Any:
@@ -224,12 +225,33 @@ class NvshmemBackend(Backend):
                             return_recv_hook) -> LowLatencyCombineResult:
         return self._engine().combine(x, topk_idx, topk_weights, handle, return_recv_hook=return_recv_hook)
 
+    def masked_ranks(self) -> list[int]:
+        return self._engine().masked_ranks()
+
     # ---- lifetime --------------------------------------------------------------------------
+    def _lost_peers(self) -> Optional[str]:
+        """Why the group lost a peer (a recorded timeout, or a masked rank), or None."""
+        self._error.peer_lost = self._error.peer_lost or self._error.pending()
+        if self._error.peer_lost:
+            return f"rank {self.cfg.rank} timed out waiting for a peer"
+        masked = self._low_latency.masked_ranks() if self._low_latency is not None else []
+        return f"ranks {masked} were masked after missing the timeout" if masked else None
+
     def close(self) -> None:
-        """Collective: waits for this rank's kernels, frees the symmetric memory and the session."""
+        """Collective: waits for this rank's kernels, frees the symmetric memory and the session. After a
+        peer went silent, local instead: nothing is freed (a collective free would wait for it forever)."""
         if self._session is None:
             return
         torch.cuda.synchronize(self.cfg.device)
+        lost = self._lost_peers()
+        if lost is not None:
+            for part in (self._ctx, self._internode):
+                if part is not None:
+                    part.close()  # host memory only
+            self._session.abandon(lost)
+            self._session = None
+            self._low_latency = self._internode = None
+            return
         if self._low_latency is not None:
             self._low_latency.close()
             self._low_latency = None

@@ -67,32 +67,54 @@ class CommTimeoutError(RuntimeError):
 
 
 class _ErrorState(ctypes.Structure):
-    """Host view of comm.h's ErrorState (same fields, same order)."""
+    """Host view of comm.h's ErrorState (same fields, same order; its size is checked against _C's)."""
 
-    _fields_ = [("code", ctypes.c_int), ("rank", ctypes.c_int), ("phase", ctypes.c_int), ("peer", ctypes.c_int)]
+    _fields_ = [("code", ctypes.c_int), ("rank", ctypes.c_int), ("phase", ctypes.c_int), ("peer", ctypes.c_int),
+                ("bad_claim", ctypes.c_int), ("bad_id", ctypes.c_int), ("bad_token", ctypes.c_int),
+                ("bad_k", ctypes.c_int), ("bad_value", ctypes.c_longlong)]
 
 
 class ErrorWatch:
-    """One host-mapped ErrorState: kernels get `device_ptr` (Comm::error) and record the first timeout in it."""
+    """One host-mapped ErrorState: kernels get `device_ptr` (Comm::error) and record in it the first
+    timeout and the first expert id outside [-1, num_experts) they read."""
 
-    def __init__(self, native: ModuleType, timeout_s: Optional[float] = None) -> None:
+    def __init__(self, native: ModuleType, timeout_s: Optional[float] = None, num_experts: Optional[int] = None) -> None:
+        if native.error_state_bytes() != ctypes.sizeof(_ErrorState):
+            raise RuntimeError(f"moe_ep._C's ErrorState has {native.error_state_bytes()} bytes, the Python mirror "
+                               f"{ctypes.sizeof(_ErrorState)}: reinstall moe_ep so both come from one build")
         self._native = native
         self._host_ptr, self.device_ptr = native.alloc_error_state()
         self._state = _ErrorState.from_address(self._host_ptr)
         self._phase_names: list[str] = native.phase_names()
         self.timeout_s = timeout_s
+        self.num_experts = num_experts
+        self.peer_lost = False  # a kernel timed out waiting for a peer (raised or not yet)
 
     def check(self) -> None:
-        """Raises CommTimeoutError if a kernel recorded a timeout, and clears the record.
+        """Raises CommTimeoutError if a kernel recorded a timeout, else ValueError if one read an
+        expert id out of range, and clears the record.
 
-        Call it after the kernels that may time out have finished (a kernel writes `code` first).
+        Call it after the kernels that may record have finished (a kernel writes `code` first).
         """
-        if self._host_ptr == 0 or self._state.code == 0:
+        if self._host_ptr == 0:
             return
-        rank, phase, peer = self._state.rank, self._state.phase, self._state.peer
-        ctypes.memset(self._host_ptr, 0, ctypes.sizeof(_ErrorState))
-        name = self._phase_names[phase] if 0 <= phase < len(self._phase_names) else f"unknown phase {phase}"
-        raise CommTimeoutError(rank, peer, name, self.timeout_s)
+        state = self._state
+        if state.code != 0:
+            self.peer_lost = True
+            rank, phase, peer = state.rank, state.phase, state.peer
+            ctypes.memset(self._host_ptr, 0, ctypes.sizeof(_ErrorState))
+            name = self._phase_names[phase] if 0 <= phase < len(self._phase_names) else f"unknown phase {phase}"
+            raise CommTimeoutError(rank, peer, name, self.timeout_s)
+        if state.bad_id != 0:
+            token, k, value = state.bad_token, state.bad_k, state.bad_value
+            ctypes.memset(self._host_ptr, 0, ctypes.sizeof(_ErrorState))
+            bound = f"[-1, {self.num_experts})" if self.num_experts is not None else "[-1, num_experts)"
+            raise ValueError(f"topk_idx[{token}, {k}] = {value}: expert ids must lie in {bound} (the kernels "
+                             "treated it as -1; this call's results are not valid)")
+
+    def pending(self) -> bool:
+        """Whether a kernel recorded a timeout that check() has not raised yet."""
+        return self._host_ptr != 0 and self._state.code != 0
 
     def close(self) -> None:
         """Frees the ErrorState (once no kernel uses it); later checks are no-ops."""
@@ -144,6 +166,7 @@ class _Heap:
     capacity: int  # NVSHMEM_SYMMETRIC_SIZE it was started with
     reserved: int = 0  # sum of the open sessions' heap_bytes
     holders: int = 0  # open sessions
+    lost: Optional[str] = None  # why NVSHMEM can no longer be used in this process (a peer went silent)
 
 
 def _cuda_device(device: torch.device) -> torch.device:
@@ -191,6 +214,7 @@ class NvshmemSession:
         group = group if group is not None else dist.group.WORLD
         device = _cuda_device(device)
         ranks = tuple(dist.get_process_group_ranks(group))
+        cls.check_usable()
         heap = cls._heap
         if heap is not None and heap.holders == 0 and (
                 heap.ranks != ranks or heap.device != device or heap_bytes > heap.capacity):
@@ -211,6 +235,17 @@ class NvshmemSession:
         heap.holders += 1
         heap.reserved += heap_bytes
         return cls(heap, dist.get_rank(group), heap_bytes)
+
+    @classmethod
+    def check_usable(cls) -> None:
+        """Raises RuntimeError when a peer went silent earlier in this process (local: call it before any
+        collective, which would wait for that peer)."""
+        heap = cls._heap
+        if heap is not None and heap.lost is not None:
+            raise RuntimeError(
+                f"moe_ep: NVSHMEM in this process lost its peers ({heap.lost}); it cannot be finalized or started "
+                "again without every PE, so a native Buffer needs a new process (e.g. torchrun --max-restarts); "
+                "backend='reference' works on a new group")
 
     @classmethod
     def _start(cls, native: ModuleType, group: dist.ProcessGroup, ranks: tuple[int, ...], device: torch.device,
@@ -244,11 +279,25 @@ class NvshmemSession:
         with torch.cuda.device(self.device):
             self._shared.native.sym_free(t.ptr)
 
-    def error_state(self, timeout_s: Optional[float] = None) -> ErrorWatch:
-        """A fresh ErrorWatch (freed at release); `timeout_s` is what its errors report waiting for."""
-        watch = ErrorWatch(self._shared.native, timeout_s)
+    def error_state(self, timeout_s: Optional[float] = None, num_experts: Optional[int] = None) -> ErrorWatch:
+        """A fresh ErrorWatch (freed at release); `timeout_s` and `num_experts` go into its errors' messages."""
+        watch = ErrorWatch(self._shared.native, timeout_s, num_experts)
         self._watches.append(watch)
         return watch
+
+    def abandon(self, why: str) -> None:
+        """Local (no collective): gives up this session after a peer went silent, without freeing its
+        symmetric memory (NVSHMEM's free waits for every PE). NVSHMEM stays up but unusable in this process."""
+        if self._released:
+            return
+        self._released = True
+        self._allocations = []
+        for watch in self._watches:
+            watch.close()
+        heap = self._shared
+        heap.holders -= 1
+        heap.reserved -= self._heap_bytes
+        heap.lost = why
 
     def release(self) -> None:
         """Collective: frees this session's allocations and error states (NVSHMEM stays up: see shutdown)."""
@@ -268,7 +317,7 @@ class NvshmemSession:
         """Collective: finalizes NVSHMEM once no session holds it. NVSHMEM otherwise stays up after
         the last Buffer closes, so the next Buffer that fits starts without a new bootstrap (seconds)."""
         heap = cls._heap
-        if heap is None:
+        if heap is None or heap.lost is not None:  # finalize would wait for the lost peers forever
             return
         if heap.holders:
             raise RuntimeError(f"moe_ep: {heap.holders} Buffer(s) still use NVSHMEM; close them first")

@@ -101,7 +101,8 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
   const auto in_my_node = [&](int j) { return n * L + j; };
 
   bool ok = start_barrier(ctx, 0, start_epoch);
-  for (int r = 0; ok && r < rounds; ++r) {
+  int r = 0;
+  for (; ok && r < rounds; ++r) {
     const uint64_t e = base + r + 1;
     const int set = static_cast<int>(e & 1), k0 = ch.first, lo = r * C + k0;
 
@@ -190,6 +191,13 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
                          same_local(nd));
   }
 
+  // After a wait gave up (round r on): NaN over this block's tokens of the rounds it did not finish,
+  // so the failed call's output holds no row that looks valid.
+  for (r = ok ? rounds : r; r < rounds; ++r) {
+    const int lo = r * C + ch.first, mine = max(0, min(ch.width, a.num_tokens - lo));
+    for (int i = tid; i < mine * vecs; i += kThreads)
+      reinterpret_cast<int4*>(a.out)[(size_t)(lo + i / vecs) * vecs + i % vecs] = bf16_nan_x8();
+  }
   if (arrive_last(ctx.block_counters + 1)) {
     comm.epochs[2] = base + rounds;
     comm.epochs[3] = start_epoch;

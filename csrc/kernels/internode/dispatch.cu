@@ -73,7 +73,8 @@ __device__ __forceinline__ void stage_token(const DeviceContext& ctx, const Disp
   int expert = -1;
   float weight = 0.f;
   if (!a.cached && lane < K) {
-    expert = static_cast<int>(__ldg(reinterpret_cast<const long long*>(a.topk_idx) + (size_t)t * K + lane));
+    expert = checked_expert(ctx.comm.error, __ldg(reinterpret_cast<const long long*>(a.topk_idx) + (size_t)t * K + lane),
+                            ctx.dims.num_experts, t, lane);
     weight = __ldg(reinterpret_cast<const float*>(a.topk_weights) + (size_t)t * K + lane);
   }
   const auto* in_node = reinterpret_cast<const bool*>(a.in_node) + (size_t)t * Nn;

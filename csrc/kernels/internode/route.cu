@@ -36,7 +36,8 @@ route_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ 
     if (t < a.num_tokens) {
       int ids[kMaxTopk];
 #pragma unroll
-      for (int k = 0; k < kMaxTopk; ++k) ids[k] = k < K ? static_cast<int>(__ldg(topk + (size_t)t * K + k)) : -1;
+      for (int k = 0; k < kMaxTopk; ++k)
+        ids[k] = k < K ? checked_expert(ctx.comm.error, __ldg(topk + (size_t)t * K + k), ctx.dims.num_experts, t, k) : -1;
 #pragma unroll
       for (int k = 0; k < kMaxTopk; ++k) {
         if (k >= K || ids[k] < r * E_l || ids[k] >= (r + 1) * E_l) continue;

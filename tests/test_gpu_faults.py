@@ -1,0 +1,287 @@
+"""Faults on 2 GPUs: a rank killed (SIGKILL) or stalled past the timeout in the middle of a run, and
+expert ids out of range. Each rank reports what it saw (exception, message, seconds) to the parent,
+which checks it: normal mode raises CommTimeoutError naming the silent rank within the timeout, a
+fault-tolerant low-latency Buffer masks it and keeps computing without its experts (checked against
+the combine rule computed here on the host), a plain low-latency Buffer returns NaN and raises in its
+next call, and a bad expert id raises ValueError naming token and value with the Buffer still usable.
+
+The ranks run without torchrun, and a killed rank takes nothing else down; survivors leave with
+os._exit so that no teardown waits for the dead peer."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests._dist import _GPU_ENV, _free_port, requires_gpus
+
+pytestmark = requires_gpus(2)
+
+TIMEOUT_S = 3.0
+SLACK_S = 4.0  # launch, polling granularity and the host's own work on top of the kernel timeout
+H, E, K, T = 1024, 16, 4, 64
+
+
+def _run(rank: int, port: int, fn: Callable, reports: Any) -> None:
+    """One rank: NCCL group of 2, then fn(rank, report); leaves without any teardown."""
+    def report(key: str, value: Any) -> None:
+        reports.put((rank, key, value))
+
+    try:
+        for k, v in _GPU_ENV.items():
+            os.environ.setdefault(k, v)
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                device_id=torch.device("cuda", rank))
+        fn(rank, report)
+        torch.cuda.synchronize()
+        report("done", True)
+    except BaseException:
+        report("error", traceback.format_exc())
+    os._exit(0)
+
+
+def _launch(fn: Callable, wait_s: float = 150) -> dict[tuple[int, str], Any]:
+    """Runs fn on 2 fresh processes; returns {(rank, key): value} of everything they reported."""
+    ctx = mp.get_context("spawn")
+    reports = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_run, args=(r, port, fn, reports)) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    seen: dict[tuple[int, str], Any] = {}
+    while not reports.empty():
+        rank, key, value = reports.get()
+        seen[(rank, key)] = value
+    errors = {k: v for k, v in seen.items() if k[1] == "error"}
+    assert not errors, "\n".join(f"--- rank {r} ---\n{tb}" for (r, _), tb in errors.items())
+    return seen
+
+
+def _inputs(rank: int, step: int, n: int = T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(1000 * step + rank)
+    x = torch.randn(n, H, generator=g, device="cuda").to(torch.bfloat16)
+    idx = torch.rand(n, E, generator=g, device="cuda").topk(K, dim=1).indices
+    w = torch.rand(n, K, generator=g, device="cuda")
+    return x, idx, w
+
+
+def _timed(call: Callable[[], Any]) -> tuple[str, str, float]:
+    """(exception type, message, seconds) of a call expected to raise (after a device sync)."""
+    start = time.monotonic()
+    try:
+        call()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - the type is what the parent checks
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "none", "", time.monotonic() - start
+
+
+def _normal_round(buf: Any, rank: int, step: int) -> None:
+    """Dispatch + combine; the combine's event raises what its kernel recorded once it completed."""
+    x, idx, w = _inputs(rank, step)
+    res = buf.dispatch(x, idx, w)
+    _, event = buf.combine(res.x, res.handle, async_op=True)
+    event.synchronize()
+
+
+def _normal_kill(rank: int, report: Callable) -> None:
+    import moe_ep
+
+    buf = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
+                        timeout_s=TIMEOUT_S)
+    for step in range(3):
+        _normal_round(buf, rank, step)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    report("first", _timed(lambda: _normal_round(buf, rank, 3)))
+    report("second", _timed(lambda: _normal_round(buf, rank, 4)))
+    start = time.monotonic()
+    buf.close()
+    report("close_s", time.monotonic() - start)
+    report("rebuild", _timed(lambda: moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T,
+                                                    backend="nvshmem")))
+
+
+def test_killed_rank_normal_mode() -> None:
+    seen = _launch(_normal_kill)
+    assert (1, "done") not in seen, "rank 1 was to be killed"
+    for key in ("first", "second"):
+        kind, msg, secs = seen[(0, key)]
+        assert kind == "CommTimeoutError" and "waiting for rank 1" in msg and msg.startswith("moe_ep rank 0"), msg
+        assert secs < TIMEOUT_S + SLACK_S, (key, secs)
+    assert seen[(0, "close_s")] < TIMEOUT_S + SLACK_S  # waits for kernels still giving up, frees nothing
+    kind, msg, _ = seen[(0, "rebuild")]
+    assert kind == "RuntimeError" and "lost its peers" in msg, msg
+    assert seen[(0, "done")]
+
+
+def _normal_stall(rank: int, report: Callable) -> None:
+    import moe_ep
+
+    buf = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
+                        timeout_s=TIMEOUT_S)
+    _normal_round(buf, rank, 0)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        time.sleep(2 * TIMEOUT_S + 2)
+    report("stalled", _timed(lambda: _normal_round(buf, rank, 1)))
+
+
+def test_stalled_rank_normal_mode() -> None:
+    seen = _launch(_normal_stall)
+    kind, msg, secs = seen[(0, "stalled")]
+    assert kind == "CommTimeoutError" and "waiting for rank 1" in msg, msg
+    assert secs < TIMEOUT_S + SLACK_S, secs
+    kind, msg, _ = seen[(1, "stalled")]  # rank 0 gave up on this call long before rank 1 came back
+    assert kind == "CommTimeoutError" and "waiting for rank 0" in msg, msg
+
+
+def _expected_ll_combine(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, alive: set[int]) -> torch.Tensor:
+    """The low-latency combine rule with identity experts, experts of ranks not in `alive` dropped:
+    bf16 of the float32 sum over ascending k of w[n, k] * x[n] (each product and sum rounded once)."""
+    x, idx, w = x.float().cpu(), idx.cpu(), w.cpu()
+    acc = torch.zeros_like(x)
+    for k in range(idx.shape[1]):
+        keep = torch.tensor([int(e) // (E // 2) in alive for e in idx[:, k]])
+        term = w[:, k:k + 1] * x
+        acc = torch.where(keep[:, None], acc + term, acc)
+    return acc.to(torch.bfloat16)
+
+
+def _ll_round(buf: Any, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]:
+    x, idx, w = _inputs(rank, step)
+    d = buf.low_latency_dispatch(x, idx)
+    out = buf.low_latency_combine(d.x, idx, w, d.handle).x
+    return x, idx, w, d, out
+
+
+def _ll_kill(rank: int, report: Callable) -> None:
+    import moe_ep
+
+    buf = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
+                        low_latency=True, fault_tolerant=True, timeout_s=TIMEOUT_S)
+    for step in range(3):
+        x, idx, w, _, out = _ll_round(buf, rank, step)
+        assert torch.equal(out.cpu(), _expected_ll_combine(x, idx, w, {0, 1})), f"step {step} before the fault"
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    for step in (3, 4):
+        start = time.monotonic()
+        x, idx, w, _, out = _ll_round(buf, rank, step)
+        torch.cuda.synchronize()
+        secs = time.monotonic() - start
+        report(f"step{step}", (buf.masked_ranks, torch.equal(out.cpu(), _expected_ll_combine(x, idx, w, {0})), secs))
+    start = time.monotonic()
+    buf.close()
+    report("close_s", time.monotonic() - start)
+
+
+def test_killed_rank_fault_tolerant_low_latency() -> None:
+    seen = _launch(_ll_kill)
+    assert (1, "done") not in seen
+    masked, equal, secs = seen[(0, "step3")]
+    assert masked == [1] and equal and secs < TIMEOUT_S + SLACK_S, (masked, equal, secs)
+    masked, equal, secs = seen[(0, "step4")]
+    assert masked == [1] and equal and secs < TIMEOUT_S / 2, (masked, equal, secs)  # no second wait
+    assert seen[(0, "close_s")] < SLACK_S
+
+
+def _ll_stall(rank: int, report: Callable) -> None:
+    import moe_ep
+
+    buf = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
+                        low_latency=True, fault_tolerant=True, timeout_s=TIMEOUT_S)
+    _ll_round(buf, rank, 0)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        time.sleep(2 * TIMEOUT_S + 2)
+    x, idx, w, _, out = _ll_round(buf, rank, 1)
+    torch.cuda.synchronize()
+    report("stalled", (buf.masked_ranks, torch.equal(out.cpu(), _expected_ll_combine(x, idx, w, {rank}))))
+
+
+def test_stalled_rank_fault_tolerant_low_latency() -> None:
+    seen = _launch(_ll_stall)
+    assert seen[(0, "stalled")] == ([1], True)
+    assert seen[(1, "stalled")] == ([0], True)  # rank 0 had moved on: rank 1 masks it in turn
+
+
+def _ll_poison(rank: int, report: Callable) -> None:
+    import moe_ep
+
+    buf = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
+                        low_latency=True, timeout_s=TIMEOUT_S)
+    _ll_round(buf, rank, 0)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    _, _, _, d, out = _ll_round(buf, rank, 1)
+    torch.cuda.synchronize()
+    report("poisoned", (bool(torch.isnan(out.float()).all()), d.count.tolist()))
+    report("next", _timed(lambda: _ll_round(buf, rank, 2)))
+
+
+def test_killed_rank_low_latency_poisons_and_raises() -> None:
+    seen = _launch(_ll_poison)
+    all_nan, counts = seen[(0, "poisoned")]
+    assert all_nan and counts == [0] * (E // 2), (all_nan, counts)
+    kind, msg, _ = seen[(0, "next")]
+    assert kind == "CommTimeoutError" and "waiting for rank 1" in msg, msg
+
+
+def _bad_ids(rank: int, report: Callable) -> None:
+    import moe_ep
+
+    native = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem")
+    ref = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference")
+    for step, bad in enumerate((E + 5, -7, (1 << 32) + 3)):
+        x, idx, w = _inputs(rank, step)
+        x[5, :8] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0] * 2, dtype=torch.bfloat16)
+        clean = idx.clone()
+        if rank == 1:
+            idx[3, 2] = bad
+            clean[3, 2] = -1
+        kind, msg, _ = _timed(lambda: native.dispatch(x, idx, w))
+        report(f"bad{step}", (kind, msg))
+        # the Buffer stays usable: a clean call matches the reference backend bit for bit (NaN and Inf
+        # pass through dispatch unchanged)
+        got, want = native.dispatch(x, clean, w), ref.dispatch(x, clean, w)
+        same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in ((got.x, want.x),)) and \
+            torch.equal(got.topk_idx, want.topk_idx) and torch.equal(got.src_index, want.src_index)
+        y = torch.randn(got.x.shape, device="cuda").to(torch.bfloat16)
+        same = same and torch.equal(native.combine(y, got.handle), ref.combine(y, want.handle))
+        report(f"after{step}", same)
+
+
+def test_bad_expert_ids_raise_in_the_call() -> None:
+    seen = _launch(_bad_ids)
+    for step, bad in enumerate((E + 5, -7, (1 << 32) + 3)):
+        assert seen[(0, f"bad{step}")][0] == "none"  # rank 0's inputs were fine; it got rank 1's other rows
+        kind, msg = seen[(1, f"bad{step}")]
+        assert kind == "ValueError" and f"topk_idx[3, 2] = {bad}" in msg, msg
+        assert seen[(0, f"after{step}")] and seen[(1, f"after{step}")]
