@@ -4,11 +4,15 @@ Weights are stacked per local expert in nn.Linear layout (w1, w3: [E_l, F, H]; w
 out = w2 @ (silu(w1 @ x) * (w3 @ x)). The state dict holds one tensor per expert under its GLOBAL
 id (`{e}.w1`, `{e}.w2`, `{e}.w3`), so a checkpoint written at one expert-parallel size loads at
 another: merge the ranks' dicts and every rank picks its own experts.
+
+Rows and their (row, expert) pairs meet through fixed-order sums (`_sum_rows`) rather than
+index_add or autograd's index backward, whose atomic adds (CUDA; CPU threads in float32) make the
+bits change from run to run.
 """
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +20,59 @@ from torch import nn
 
 WEIGHT_NAMES = ("w1", "w2", "w3")
 INIT_STD = 0.02
+
+
+def _row_slots(rows: torch.Tensor, num_rows: int, width: int) -> torch.Tensor:
+    """[num_rows, width] int64: slots[r, j] is the position of the j-th occurrence of r in `rows`
+    (ascending), -1 past its last; no row may occur more than `width` times."""
+    order = torch.argsort(rows, stable=True)
+    sorted_rows = rows[order]
+    counts = torch.bincount(rows, minlength=num_rows)
+    first = torch.cumsum(counts, 0) - counts
+    nth = torch.arange(rows.numel(), device=rows.device) - first[sorted_rows]
+    slots = torch.full((num_rows, width), -1, dtype=torch.int64, device=rows.device)
+    slots[sorted_rows, nth] = order  # every (row, nth) once: no accumulation
+    return slots
+
+
+def _sum_rows(src: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """out[r] = +0.0 + src[slots[r, 0]] + src[slots[r, 1]] + ... left to right, in src's dtype: the
+    bits of a serial zeros.index_add(0, rows, src), on every device and run."""
+    out = src.new_zeros(slots.shape[0], *src.shape[1:])
+    if src.shape[0] == 0:
+        return out
+    for j in range(slots.shape[1]):
+        slot = slots[:, j]
+        out = torch.where((slot >= 0).unsqueeze(1), out + src[slot.clamp_min(0)], out)
+    return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """x[rows]; backward sums each row's gradients with _sum_rows (in x's dtype)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(slots)
+        return x[rows]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (slots,) = ctx.saved_tensors
+        return _sum_rows(grad, slots), None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """zeros(len(slots), ...).index_add(0, rows, src), summed by _sum_rows; backward gathers grad[rows]."""
+
+    @staticmethod
+    def forward(ctx: Any, src: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        return _sum_rows(src, slots)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (rows,) = ctx.saved_tensors
+        return grad[rows], None, None
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -78,7 +135,7 @@ class GroupedExperts(nn.Module):
 
         Each (row, local expert) pair becomes one row; pairs are sorted by expert (stable, so by row
         inside an expert), run through the experts, scaled by their weight (the epilogue) and summed
-        back into their rows in float32.
+        back into their rows in float32, in pair order (ascending expert, then k).
         """
         m, k = topk_idx.shape
         flat = topk_idx.reshape(-1)
@@ -87,14 +144,15 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(expert, stable=True)
         pairs, expert = pairs[order], expert[order]
         rows = pairs // k
-        xs = x[rows].to(self.w1.dtype)
+        slots = _row_slots(rows, m, k)
+        xs = _GatherRows.apply(x, rows, slots).to(self.w1.dtype)
         counts = torch.bincount(expert, minlength=self.num_local_experts)
         if grouped_mm_supported(xs) and xs.shape[0] > 0:
             y = self._swiglu_grouped(xs, counts)
         else:
             y = self._swiglu_loop(xs, counts.tolist())
         y = y.float() * topk_weights.reshape(-1)[pairs].unsqueeze(1)
-        return torch.zeros(m, self.hidden, dtype=torch.float32, device=x.device).index_add(0, rows, y)
+        return _SumRows.apply(y, rows, slots)
 
     def forward_padded(self, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """Low-latency mode: x [E_l, C, H] expert-major rows, count [E_l] valid rows per expert

@@ -145,6 +145,8 @@ class TopKRouter(nn.Module):
         if self.expert_bias is not None:
             choice = choice + self.expert_bias
         topk_idx = self._select(choice)
+        # gather's backward scatter-adds (atomics on CUDA), but a row's top-k ids are distinct: each
+        # element gets at most one add, so the bits do not depend on the order
         weights = scores.gather(1, topk_idx)
         if self.norm_topk_prob and self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
