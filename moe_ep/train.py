@@ -7,6 +7,10 @@ ranks, so runs with the same seed see the same data and follow the same loss cur
 Runs on CPU (gloo, reference backend) and on GPUs (NCCL, --backend auto picks the native one when
 moe_ep._C is built). Each rank writes its own checkpoint file (expert weights under their global
 ids); --resume continues from the latest complete step with the same number of ranks.
+
+Runs are deterministic: the same seed gives the same bits on every run, with no global
+torch.use_deterministic_algorithms. On CUDA the model avoids the two kernels whose backward adds with
+atomics (the embedding lookup and fused attention; see `embed` and `causal_attention`).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 from .buffer import Buffer
@@ -77,6 +82,24 @@ class TrainConfig:
 
 
 # ---- model ------------------------------------------------------------------------------------
+def embed(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight[idx]. On CUDA as a one-hot matmul (the same values), whose weight gradient is a GEMM:
+    nn.Embedding's CUDA backward adds rows with atomics, so its bits change from run to run."""
+    if idx.is_cuda:
+        return F.one_hot(idx, weight.shape[0]).to(weight.dtype) @ weight
+    return F.embedding(idx, weight)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal scaled dot-product attention. On CUDA through SDPA's math backend: the fused kernels'
+    backward adds dQ with atomics (run-to-run bits) unless torch.use_deterministic_algorithms is on.
+    The CPU's fused kernel is deterministic."""
+    if q.is_cuda:
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention."""
 
@@ -89,7 +112,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = causal_attention(q, k, v)
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -128,7 +151,7 @@ class MoELM(nn.Module):
         return [b.moe for b in self.blocks]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx) + self.pos[: idx.shape[1]]
+        x = embed(idx, self.embed.weight) + self.pos[: idx.shape[1]]
         for block in self.blocks:
             x = block(x)
         return F.linear(self.norm(x), self.embed.weight)
