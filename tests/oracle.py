@@ -180,3 +180,17 @@ def expected_low_latency_combine(inp: Inputs, me: int, world: int, num_experts: 
                 acc = acc + inp.topk_weights[me][n, k] * expert_row(e, me, n, k).float()
         out[n] = acc.to(torch.bfloat16)
     return out
+
+
+def assert_same_bits(got: Optional[torch.Tensor], want: Optional[torch.Tensor], what: str) -> None:
+    """got has want's dtype, shape and bytes: NaN payloads and -0.0 count, unlike torch.equal."""
+    if want is None:
+        assert got is None, f"{what}: expected None, got {type(got).__name__}"
+        return
+    assert got is not None, f"{what}: expected a tensor, got None"
+    assert (got.dtype, got.shape) == (want.dtype, want.shape), \
+        f"{what}: {got.dtype} {list(got.shape)} != {want.dtype} {list(want.shape)}"
+    a, b = got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+    if not torch.equal(a, b):
+        first = int((a != b).nonzero()[0]) // want.element_size()
+        raise AssertionError(f"{what}: differs, first at flat element {first} of {want.numel()}")
