@@ -365,6 +365,14 @@ class Buffer:
             self._backend.close()
             self._backend = None
 
+    def abort(self) -> None:
+        """Give this Buffer up without its peers (not collective), after a CommTimeoutError or with
+        masked ranks, when a peer may be dead: close() would wait for it forever. Frees nothing that
+        needs the peers; NVSHMEM is then unusable in this process (docs/api.md, Errors)."""
+        if self._backend is not None:
+            self._backend.abort()
+            self._backend = None
+
     def __enter__(self) -> "Buffer":
         return self
 

@@ -148,6 +148,9 @@ class Backend(abc.ABC):
     def __init__(self, cfg: BufferConfig) -> None:
         self.cfg = cfg
 
+    def abort(self) -> None:
+        """Local: gives the Buffer up after a peer went silent, releasing nothing that waits for peers."""
+
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout: ...
 

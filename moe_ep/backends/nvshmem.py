@@ -228,30 +228,26 @@ class NvshmemBackend(Backend):
     def masked_ranks(self) -> list[int]:
         return self._engine().masked_ranks()
 
-    # ---- lifetime --------------------------------------------------------------------------
-    def _lost_peers(self) -> Optional[str]:
-        """Why the group lost a peer (a recorded timeout, or a masked rank), or None."""
-        self._error.peer_lost = self._error.peer_lost or self._error.pending()
-        if self._error.peer_lost:
-            return f"rank {self.cfg.rank} timed out waiting for a peer"
-        masked = self._low_latency.masked_ranks() if self._low_latency is not None else []
-        return f"ranks {masked} were masked after missing the timeout" if masked else None
-
-    def close(self) -> None:
-        """Collective: waits for this rank's kernels, frees the symmetric memory and the session. After a
-        peer went silent, local instead: nothing is freed (a collective free would wait for it forever)."""
+    def abort(self) -> None:
+        """Local: waits for this rank's kernels (each gives up within the timeout), frees host memory
+        only and gives the NVSHMEM session up (symmetric memory is freed collectively, with every PE)."""
         if self._session is None:
             return
         torch.cuda.synchronize(self.cfg.device)
-        lost = self._lost_peers()
-        if lost is not None:
-            for part in (self._ctx, self._internode):
-                if part is not None:
-                    part.close()  # host memory only
-            self._session.abandon(lost)
-            self._session = None
-            self._low_latency = self._internode = None
+        for part in (self._ctx, self._internode):
+            if part is not None:
+                part.close()
+        masked = self._low_latency.masked_ranks() if self._low_latency is not None else []
+        self._session.abandon(f"rank {self.cfg.rank} aborted a Buffer" + (f"; ranks {masked} were masked" if masked else ""))
+        self._session = None
+        self._low_latency = self._internode = self._ctx = None
+
+    # ---- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Collective: waits for this rank's kernels, frees the symmetric memory and the session."""
+        if self._session is None:
             return
+        torch.cuda.synchronize(self.cfg.device)
         if self._low_latency is not None:
             self._low_latency.close()
             self._low_latency = None

@@ -88,7 +88,6 @@ class ErrorWatch:
         self._phase_names: list[str] = native.phase_names()
         self.timeout_s = timeout_s
         self.num_experts = num_experts
-        self.peer_lost = False  # a kernel timed out waiting for a peer (raised or not yet)
 
     def check(self) -> None:
         """Raises CommTimeoutError if a kernel recorded a timeout, else ValueError if one read an
@@ -100,7 +99,6 @@ class ErrorWatch:
             return
         state = self._state
         if state.code != 0:
-            self.peer_lost = True
             rank, phase, peer = state.rank, state.phase, state.peer
             ctypes.memset(self._host_ptr, 0, ctypes.sizeof(_ErrorState))
             name = self._phase_names[phase] if 0 <= phase < len(self._phase_names) else f"unknown phase {phase}"
@@ -111,10 +109,6 @@ class ErrorWatch:
             bound = f"[-1, {self.num_experts})" if self.num_experts is not None else "[-1, num_experts)"
             raise ValueError(f"topk_idx[{token}, {k}] = {value}: expert ids must lie in {bound} (the kernels "
                              "treated it as -1; this call's results are not valid)")
-
-    def pending(self) -> bool:
-        """Whether a kernel recorded a timeout that check() has not raised yet."""
-        return self._host_ptr != 0 and self._state.code != 0
 
     def close(self) -> None:
         """Frees the ErrorState (once no kernel uses it); later checks are no-ops."""
