@@ -63,6 +63,19 @@ class Config:
         return 0
 
 
+class EventHandle(moe_ep.EventHandle):
+    """DeepEP's EventHandle: `EventHandle()` records an event on the current CUDA stream (an empty
+    one without CUDA), as Megatron-Core's `EventOverlap(EventHandle())` expects."""
+
+    def __init__(self) -> None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        super().__init__(record_event(True, device).event)
+
+    def current_stream_wait(self) -> None:
+        """The current stream waits for the event."""
+        self.wait()
+
+
 @dataclass
 class EventOverlap:
     """DeepEP's event wrapper around a `moe_ep.EventHandle` (None when the call was not async_finish)."""
@@ -189,8 +202,8 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         self.enable_shrink = enable_shrink
-        self.device = _device_of(self.group)
         self._backend, self._max_tokens = backend, max_tokens_per_rank
+        self._device_group: Optional[dist.ProcessGroup] = None
         topo = _resolve_topology(self.group, ranks_per_node)
         self._ranks_per_node, self._num_nodes = topo.ranks_per_node, topo.num_nodes
         self._normal: dict[tuple[int, int], moe_ep.Buffer] = {}
@@ -213,8 +226,7 @@ class Buffer:
     @staticmethod
     def capture() -> EventOverlap:
         """An event recorded on the current stream (an empty one without CUDA)."""
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        return EventOverlap(record_event(True, device))
+        return EventOverlap(EventHandle())
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -235,14 +247,26 @@ class Buffer:
         return Config(Buffer.num_sms)
 
     # ---- buffers --------------------------------------------------------------------------
-    def _new_buffer(self, hidden: int, num_experts: int, num_topk: int, max_tokens: int,
-                    low_latency: bool) -> moe_ep.Buffer:
-        return moe_ep.Buffer(self.group, hidden=hidden, num_experts=num_experts, num_topk=num_topk,
-                             max_tokens_per_rank=max_tokens, backend=self._backend, low_latency=low_latency,
-                             ranks_per_node=self._ranks_per_node)
+    def _group_for(self, device: torch.device) -> dist.ProcessGroup:
+        """The group of the moe_ep Buffers for tensors on `device`: the caller's, except for CUDA
+        tensors over a CPU (gloo) group, as vLLM passes its CPU group: then an NCCL group of the same
+        ranks, created once, by the members alone."""
+        if device.type != "cuda" or _device_of(self.group).type == "cuda":
+            return self.group
+        if self._device_group is None:
+            self._device_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="nccl",
+                                                use_local_synchronization=True)
+        return self._device_group
 
-    def _normal_buffer(self, hidden: int, num_experts: int) -> moe_ep.Buffer:
-        """The normal-mode Buffer of these shapes (top-k padded to 16), created on first use."""
+    def _new_buffer(self, x: torch.Tensor, num_experts: int, num_topk: int, max_tokens: int,
+                    low_latency: bool) -> moe_ep.Buffer:
+        return moe_ep.Buffer(self._group_for(x.device), hidden=x.shape[1], num_experts=num_experts,
+                             num_topk=num_topk, max_tokens_per_rank=max_tokens, backend=self._backend,
+                             low_latency=low_latency, ranks_per_node=self._ranks_per_node)
+
+    def _normal_buffer(self, x: torch.Tensor, num_experts: int) -> moe_ep.Buffer:
+        """The normal-mode Buffer for x's hidden size and device (top-k padded to 16), created on first use."""
+        hidden = x.shape[1]
         key = (hidden, num_experts)
         if key not in self._normal:
             t = self._max_tokens
@@ -252,20 +276,21 @@ class Buffer:
                     raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} leaves no room for a token of hidden {hidden}"
                                      f" (about {self.group_size * _row_bytes(hidden)} bytes per token): raise it or "
                                      "pass max_tokens_per_rank")
-            self._normal[key] = self._new_buffer(hidden, num_experts, NORMAL_TOPK, t, low_latency=False)
+            self._normal[key] = self._new_buffer(x, num_experts, NORMAL_TOPK, t, low_latency=False)
         return self._normal[key]
 
-    def _low_latency_buffer(self, hidden: int, num_experts: int, num_topk: int, max_tokens: int) -> moe_ep.Buffer:
+    def _low_latency_buffer(self, x: torch.Tensor, num_experts: int, num_topk: int, max_tokens: int) -> moe_ep.Buffer:
         if not self.low_latency_mode:
             raise ValueError("low-latency calls need a Buffer created with low_latency_mode=True")
-        key = (hidden, num_experts, num_topk, max_tokens)
+        key = (x.shape[1], num_experts, num_topk, max_tokens)
         if key not in self._low_latency:
-            self._low_latency[key] = self._new_buffer(hidden, num_experts, num_topk, max_tokens, low_latency=True)
+            self._low_latency[key] = self._new_buffer(x, num_experts, num_topk, max_tokens, low_latency=True)
         return self._low_latency[key]
 
-    def _finish(self, async_finish: bool) -> EventOverlap:
+    @staticmethod
+    def _finish(async_finish: bool) -> EventOverlap:
         """The call's event: recorded after all of its work on the current stream when async_finish."""
-        return EventOverlap(record_event(True, self.device) if async_finish else None)
+        return EventOverlap(EventHandle() if async_finish else None)
 
     @staticmethod
     def _wait(previous_event: Optional[EventOverlap]) -> None:
@@ -297,11 +322,11 @@ class Buffer:
         return (in_rank.sum(0, dtype=torch.int32), per_node, per_expert.sum(0, dtype=torch.int32), in_rank,
                 self._finish(async_finish))
 
-    def _rank_prefix_matrix(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:
+    def _rank_prefix_matrix(self, buf: moe_ep.Buffer, is_token_in_rank: torch.Tensor) -> torch.Tensor:
         """[R, R] int32: entry [s, j] counts the tokens ranks 0..s sent to rank j (one all_gather)."""
         sent = is_token_in_rank.sum(0, dtype=torch.int32)
         rows = [torch.empty_like(sent) for _ in range(self.group_size)]
-        dist.all_gather(rows, sent, group=self.group)
+        dist.all_gather(rows, sent, group=buf.cfg.group)
         return torch.stack(rows).cumsum(0, dtype=torch.int32)
 
     def dispatch(self, x: XType, handle: Optional[DispatchHandle] = None,
@@ -333,7 +358,7 @@ class Buffer:
         if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
             raise ValueError("dispatch needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert "
                              "(from get_dispatch_layout), or a handle")
-        buf = self._normal_buffer(x.shape[1], num_tokens_per_expert.shape[0])
+        buf = self._normal_buffer(x, num_tokens_per_expert.shape[0])
         idx, weights = self._routing(buf, is_token_in_rank, topk_idx, topk_weights)
         worst = num_worst_tokens > 0
         got = buf.dispatch(x, idx, weights, x_scales=scales,
@@ -359,11 +384,12 @@ class Buffer:
             counts = got.tokens_per_expert
         else:  # DeepEP's list comes from num_tokens_per_expert, summed over the source ranks
             total = num_tokens_per_expert.to(torch.int64).clone()
-            dist.all_reduce(total, group=self.group)
+            dist.all_reduce(total, group=buf.cfg.group)
             e_l = buf.num_local_experts
             counts = align_up(total[buf.rank * e_l:(buf.rank + 1) * e_l].tolist(), expert_alignment)
         src_idx = _gather_rows(inner.src_index, rows, num_worst_tokens, -1) if worst else inner.src_index
-        fields = (self._rank_prefix_matrix(inner.is_token_in_rank), None, None, src_idx, inner.is_token_in_rank, None)
+        prefix = self._rank_prefix_matrix(buf, inner.is_token_in_rank)
+        fields = (prefix, None, None, src_idx, inner.is_token_in_rank, None)
         new_handle = DispatchHandle(fields, buf, inner, rows)
         recv = self._recv_rows(got.x, got.x_scales, rows, num_worst_tokens)
         if worst and num_worst_tokens < rows.numel():  # after every collective; on the device: no host sync
@@ -443,7 +469,7 @@ class Buffer:
         send = torch.zeros(r * t, k, dtype=torch.float32, device=weights.device)
         send[(src * t + at - first[src.clamp(min=0)])[valid]] = weights[valid]
         back = torch.empty_like(send)
-        dist.all_to_all_single(back, send, group=self.group)
+        dist.all_to_all_single(back, send, group=buf.cfg.group)
         mask = inner.is_token_in_rank
         pos = mask.to(torch.int64).cumsum(0) - 1  # each token's slot among those sent to a rank
         acc = torch.zeros(mask.shape[0], k, dtype=torch.float32, device=weights.device)
@@ -469,7 +495,7 @@ class Buffer:
         if dispatch_wait_recv_cost_stats is not None:
             raise _unsupported("dispatch_wait_recv_cost_stats", "moe_ep records no per-peer wait times")
         t = num_max_dispatch_tokens_per_rank
-        buf = self._low_latency_buffer(x.shape[1], num_experts, topk_idx.shape[1], t)
+        buf = self._low_latency_buffer(x, num_experts, topk_idx.shape[1], t)
         got = buf.low_latency_dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
                                        return_recv_hook=return_recv_hook)
         layout_range = torch.empty(buf.num_local_experts, self.group_size, dtype=torch.int64, device=x.device)
@@ -551,4 +577,4 @@ class Buffer:
         self._zero_copy.clear()
 
 
-__all__ = ["Buffer", "Config", "DispatchHandle", "EventOverlap", "LowLatencyHandle", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "DispatchHandle", "EventHandle", "EventOverlap", "LowLatencyHandle", "topk_idx_t"]

@@ -1,4 +1,6 @@
-"""moe_ep.deep_ep (DeepEP V1's API) against brute force over all ranks' inputs (gloo, CPU, reference backend)."""
+"""moe_ep.deep_ep (DeepEP V1's API) against brute force over all ranks' inputs: on CPU (gloo, reference
+backend) and on 2 GPUs (NCCL, native and reference backends). Inputs and the oracle live on the CPU;
+each check moves its rank's inputs to the device under test and the results back."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +12,7 @@ import torch.distributed as dist
 
 import moe_ep.deep_ep as deep_ep
 from moe_ep import fp8
-from tests._dist import run_workers
+from tests._dist import requires_gpus, run_workers
 from tests.oracle import (
     Inputs,
     expected_combine,
@@ -36,11 +38,17 @@ CASES = {
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.cpu()
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16) if t.element_size() == 2 else t
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+def _mine(inp: Inputs, me: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank me's x, topk_idx and topk_weights on the device under test."""
+    return inp.x[me].to(dev), inp.topk_idx[me].to(dev), inp.topk_weights[me].to(dev)
 
 
 def _aligned(counts: list[int], alignment: int) -> list[int]:
@@ -52,12 +60,13 @@ def _sent(inp: Inputs, s: int, world: int, experts: int) -> list[int]:
     return [sum(1 for row in inp.topk_idx[s].tolist() if r in owners(row, experts // world)) for r in range(world)]
 
 
-def _layout(buf: deep_ep.Buffer, inp: Inputs, me: int, experts: int) -> tuple:
-    return buf.get_dispatch_layout(inp.topk_idx[me], experts)
+def _layout(buf: deep_ep.Buffer, inp: Inputs, me: int, experts: int, dev: torch.device) -> tuple:
+    return buf.get_dispatch_layout(inp.topk_idx[me].to(dev), experts)
 
 
-def _check_layout(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: int, per_node: int) -> None:
-    per_rank, per_rdma, per_expert, in_rank, event = _layout(buf, inp, me, experts)
+def _check_layout(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: int, per_node: int,
+                  dev: torch.device) -> None:
+    per_rank, per_rdma, per_expert, in_rank, event = _layout(buf, inp, me, experts, dev)
     want_rank, want_expert, want_mask = expected_layout(inp, me, world, experts)
     assert _same(per_rank, want_rank) and _same(per_expert, want_expert) and _same(in_rank, want_mask)
     if per_node == world:
@@ -69,7 +78,8 @@ def _check_layout(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts
     assert event.event is None
     with pytest.raises(RuntimeError, match="async_finish"):
         event.current_stream_wait()
-    *_, event = buf.get_dispatch_layout(inp.topk_idx[me], experts, previous_event=buf.capture(), async_finish=True)
+    *_, event = buf.get_dispatch_layout(inp.topk_idx[me].to(dev), experts, previous_event=buf.capture(),
+                                        async_finish=True)
     event.current_stream_wait()
     with event:
         pass
@@ -99,10 +109,16 @@ def _row_back(inp: Inputs):
     return lambda r, s, i: (inp.x[s][i].float() * (r + 1) + s).to(torch.bfloat16)
 
 
+def _returned(recv_x: torch.Tensor, me: int, src_rank: list[int], dev: torch.device) -> torch.Tensor:
+    """What rank me's experts return for its received rows: bf16(x * (me + 1) + source rank), see _row_back."""
+    src = torch.tensor(src_rank, dtype=torch.float32).unsqueeze(1)
+    return (recv_x.cpu().float() * (me + 1) + src).to(torch.bfloat16).to(dev)
+
+
 def _check_normal(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: int, per_node: int,
-                  alignment: int, async_mode: bool) -> None:
-    x, idx, w = inp.x[me], inp.topk_idx[me], inp.topk_weights[me]
-    per_rank, _, per_expert, in_rank, _ = _layout(buf, inp, me, experts)
+                  alignment: int, async_mode: bool, dev: torch.device) -> None:
+    x, idx, w = _mine(inp, me, dev)
+    per_rank, _, per_expert, in_rank, _ = _layout(buf, inp, me, experts, dev)
     extra = {"async_finish": async_mode, "previous_event": buf.capture() if async_mode else None}
     recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
@@ -118,31 +134,33 @@ def _check_normal(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts
     assert handle[3].tolist() == want.src_index and _same(handle[4], in_rank)
 
     # combine with weights and two biases: moe_ep's sum, then the biases in float32, one more rounding
-    y = (recv_x.float() * (me + 1) + torch.tensor(want.src_rank).unsqueeze(1).float()).to(torch.bfloat16)
+    y = _returned(recv_x, me, want.src_rank, dev)
     g = torch.Generator().manual_seed(1000 + me)
     b0, b1 = ((torch.randn(x.shape, generator=g) * 4).to(torch.bfloat16) for _ in range(2))
-    out, out_w, event = buf.combine(y, handle, topk_weights=_weights_back(recv_w, me), bias=(b0, b1), **extra)
+    out, out_w, event = buf.combine(y, handle, topk_weights=_weights_back(recv_w, me),
+                                    bias=(b0.to(dev), b1.to(dev)), **extra)
     if async_mode:
         event.current_stream_wait()
     summed = expected_combine(inp, me, world, experts, _row_back(inp), per_node)
     assert _same(out, (summed.float() + b0.float() + b1.float()).to(torch.bfloat16))
     assert _same(out_w, _expected_weights(inp, me, world, experts))
-    out, out_w, _ = buf.combine(y, handle, bias=b0)
+    out, out_w, _ = buf.combine(y, handle, bias=b0.to(dev))
     assert out_w is None and _same(out, (summed.float() + b0.float()).to(torch.bfloat16))
 
     # cached dispatch of another tensor follows the same layout
     grads = [(torch.randn(t.shape, generator=torch.Generator().manual_seed(s)) * 3).to(torch.bfloat16)
              for s, t in enumerate(inp.x)]
-    recv, a, b, c, d, _ = buf.dispatch(grads[me], handle=handle)
+    recv, a, b, c, d, _ = buf.dispatch(grads[me].to(dev), handle=handle)
     assert (a, b, c, d) == (None, None, None, None)
     rows = [grads[s][i] for s, i in zip(want.src_rank, want.src_index)]
     assert _same(recv, torch.stack(rows) if rows else torch.empty(0, x.shape[1], dtype=torch.bfloat16))
 
 
-def _check_without_topk(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: int, alignment: int) -> None:
-    per_rank, _, per_expert, in_rank, _ = _layout(buf, inp, me, experts)
+def _check_without_topk(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: int, alignment: int,
+                        dev: torch.device) -> None:
+    per_rank, _, per_expert, in_rank, _ = _layout(buf, inp, me, experts, dev)
     recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
-        inp.x[me], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        inp.x[me].to(dev), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         expert_alignment=alignment)
     want = expected_dispatch(inp, me, world, experts)
     assert _same(recv_x, want.x) and recv_idx is None and recv_w is None
@@ -150,16 +168,17 @@ def _check_without_topk(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, e
     num_local = experts // world
     assert counts == _aligned(total[me * num_local:(me + 1) * num_local].tolist(), alignment)
     out, out_w, _ = buf.combine(recv_x, handle)
-    visits = in_rank.sum(1, keepdim=True).float()
+    visits = in_rank.cpu().sum(1, keepdim=True).float()
     assert out_w is None and _same(out, (inp.x[me].float() * visits + 0.0).to(torch.bfloat16))
 
 
-def _check_fp8(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: int) -> None:
+def _check_fp8(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: int, dev: torch.device) -> None:
     quantized = [fp8.quantize(x) for x in inp.x]
-    q, s = quantized[me]
-    per_rank, _, per_expert, in_rank, _ = _layout(buf, inp, me, experts)
+    q, s = (t.to(dev) for t in quantized[me])
+    per_rank, _, per_expert, in_rank, _ = _layout(buf, inp, me, experts, dev)
+    _, idx, w = _mine(inp, me, dev)
     args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                topk_idx=inp.topk_idx[me], topk_weights=inp.topk_weights[me])
+                topk_idx=idx, topk_weights=w)
     (recv_q, recv_s), *_ = buf.dispatch((q, s.T.contiguous().T), **args)  # column-major scales, as DeepEP's tests
     want = expected_dispatch(Inputs([t[0] for t in quantized], inp.topk_idx, inp.topk_weights), me, world, experts,
                              scales=[t[1] for t in quantized])
@@ -170,10 +189,12 @@ def _check_fp8(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: i
     assert worst_q.shape[0] == worst and _same(worst_q[:m], want.x) and _same(worst_s[:m], want.scales)
 
 
-def _check_worst(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: int, t: int, per_node: int) -> None:
-    """num_worst_tokens: the exact results first, then padding; fewer rows than moe_ep's R * T, and more."""
-    x, idx, w = inp.x[me], inp.topk_idx[me], inp.topk_weights[me]
-    per_rank, _, per_expert, in_rank, _ = _layout(buf, inp, me, experts)
+def _check_worst(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: int, t: int, per_node: int,
+                 dev: torch.device) -> None:
+    """num_worst_tokens: the exact results first, then padding; fewer rows than moe_ep's R * T, and more.
+    Too few rows is checked on CPU only: on CUDA it is a device-side assert, which ends the process."""
+    x, idx, w = _mine(inp, me, dev)
+    per_rank, _, per_expert, in_rank, _ = _layout(buf, inp, me, experts, dev)
     want = expected_dispatch(inp, me, world, experts)
     m = want.x.shape[0]
     summed = expected_combine(inp, me, world, experts, _row_back(inp), per_node)
@@ -185,29 +206,32 @@ def _check_worst(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts:
         assert _same(recv_x[:m], want.x) and _same(recv_idx[:m], want.topk_idx) and _same(recv_w[:m], want.topk_weights)
         assert (recv_idx[m:] == -1).all() and (recv_w[m:] == 0).all()
         assert handle[3][:m].tolist() == want.src_index and (handle[3][m:] == -1).all()
-        y = torch.randn(recv_x.shape).to(torch.bfloat16)  # padding rows hold anything
-        y[:m] = (recv_x[:m].float() * (me + 1) + torch.tensor(want.src_rank).unsqueeze(1).float()).to(torch.bfloat16)
-        weights_back = torch.randn(recv_w.shape)
+        y = torch.randn(recv_x.shape, device=dev).to(torch.bfloat16)  # padding rows hold anything
+        y[:m] = _returned(recv_x[:m], me, want.src_rank, dev)
+        weights_back = torch.randn(recv_w.shape, device=dev)
         weights_back[:m] = _weights_back(recv_w[:m], me)
         out, out_w, _ = buf.combine(y, handle, topk_weights=weights_back)
         assert _same(out, summed) and _same(out_w, _expected_weights(inp, me, world, experts))
         cached, *_ = buf.dispatch(x, handle=handle)
         assert cached.shape[0] == worst and _same(cached[:m], want.x)
+    if dev.type == "cuda":
+        return
     # too few rows for what arrived: an error on the ranks concerned, after the call's collectives
     with pytest.raises(RuntimeError, match="num_worst_tokens") if m > 1 else contextlib.nullcontext():
         buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                      topk_idx=idx, topk_weights=w, num_worst_tokens=1)
 
 
-def _check_low_latency(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: int, t: int) -> None:
+def _check_low_latency(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts: int, t: int,
+                       dev: torch.device) -> None:
     num_local, hidden = experts // world, inp.x[me].shape[1]
-    x, idx, w = inp.x[me], inp.topk_idx[me], inp.topk_weights[me]
+    x, idx, w = _mine(inp, me, dev)
     buf.clean_low_latency_buffer(t, hidden, experts)
     modes = [(False, False, False, False), (True, False, True, False), (True, True, False, False)]
     if hidden % 512 == 0:
         modes += [(True, True, True, True), (True, True, False, True)]
     for use_fp8, round_scale, hook, ue8m0 in modes:
-        stats = torch.zeros(num_local, dtype=torch.int32)
+        stats = torch.zeros(num_local, dtype=torch.int32, device=dev)
         recv, count, handle, event, hook_fn = buf.low_latency_dispatch(
             x, idx, t, experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, round_scale=round_scale,
             use_ue8m0=ue8m0, async_finish=not hook, return_recv_hook=hook)
@@ -238,13 +262,13 @@ def _check_low_latency(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, ex
 
     recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, experts, use_fp8=False)
     scale = (torch.arange(num_local) + me * num_local) % 7 + 1
-    y = (recv.float() * scale.view(-1, 1, 1).float() + 0.25).to(torch.bfloat16)
+    y = (recv.cpu().float() * scale.view(-1, 1, 1).float() + 0.25).to(torch.bfloat16).to(dev)
     ref = expected_low_latency_combine(
         inp, me, world, experts, lambda e, s, n, k: (inp.x[s][n].float() * (e % 7 + 1) + 0.25).to(torch.bfloat16))
     out, event, hook_fn = buf.low_latency_combine(y, idx, w, handle, async_finish=True)
     event.current_stream_wait()
     assert hook_fn is None and _same(out, ref)
-    target = torch.empty_like(ref)
+    target = torch.empty_like(ref, device=dev)
     out, _, hook_fn = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True, out=target)
     hook_fn()
     assert out is target and _same(target, ref)
@@ -299,30 +323,57 @@ def _check_budget_and_modes(rank: int, world: int) -> None:
             num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=torch.zeros(3, 2))
 
 
-def _worker(rank: int, world: int) -> None:
-    for seed, tokens, hidden, experts, topk, routing, t, per_node in CASES[world]:
+def _run_cases(rank: int, world: int, cases: list[tuple], backend: str, group: dist.ProcessGroup) -> None:
+    """Every check on each case, through a deep_ep.Buffer over `group` whose moe_ep Buffers use `backend`;
+    tensors on the default group's device."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    for seed, tokens, hidden, experts, topk, routing, t, per_node in cases:
         inp = make_inputs(seed, [tokens[r % len(tokens)] for r in range(world)], hidden, experts, topk, routing)
-        buf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True, explicitly_destroy=True, backend="reference",
+        buf = deep_ep.Buffer(group, low_latency_mode=True, explicitly_destroy=True, backend=backend,
                              max_tokens_per_rank=t, ranks_per_node=per_node)
         node = per_node or world
         try:
-            _check_layout(buf, inp, rank, world, experts, node)
+            _check_layout(buf, inp, rank, world, experts, node, dev)
             for alignment, async_mode in ((1, False), (4, True)):
-                _check_normal(buf, inp, rank, world, experts, node, alignment, async_mode)
-                _check_without_topk(buf, inp, rank, world, experts, alignment)
-            _check_fp8(buf, inp, rank, world, experts)
-            _check_worst(buf, inp, rank, world, experts, t, node)
-            _check_low_latency(buf, inp, rank, world, experts, t)
+                _check_normal(buf, inp, rank, world, experts, node, alignment, async_mode, dev)
+                _check_without_topk(buf, inp, rank, world, experts, alignment, dev)
+            _check_fp8(buf, inp, rank, world, experts, dev)
+            _check_worst(buf, inp, rank, world, experts, t, node, dev)
+            _check_low_latency(buf, inp, rank, world, experts, t, dev)
             _check_unsupported(buf)
+            assert {b.backend_name for b in [*buf._normal.values(), *buf._low_latency.values()]} == {backend}
         except AssertionError as e:
-            raise AssertionError(f"case seed={seed} rank={rank}: {e}") from e
+            raise AssertionError(f"{backend} case seed={seed} rank={rank}: {e}") from e
         buf.destroy()
+
+
+def _worker(rank: int, world: int) -> None:
+    _run_cases(rank, world, CASES[world], "reference", dist.group.WORLD)
     _check_budget_and_modes(rank, world)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_deep_ep_semantics(world: int) -> None:
     run_workers(world, _worker)
+
+
+# GPU: the two-rank cases (one node, and ranks_per_node=1 where every byte takes the network path), plus
+# a larger one with 32 local experts.
+GPU_CASES = CASES[2] + [(27, [300, 257], 2048, 64, 8, "random", 320, None)]
+
+
+def _gpu_worker(rank: int, world: int) -> None:
+    for backend in ("nvshmem", "reference"):
+        _run_cases(rank, world, GPU_CASES, backend, dist.group.WORLD)
+    # CUDA tensors over a CPU (gloo) group, which vLLM passes: moe_ep runs them over NCCL
+    _run_cases(rank, world, GPU_CASES[:1], "nvshmem", dist.new_group(backend="gloo"))
+
+
+@requires_gpus(2)
+def test_deep_ep_gpu() -> None:
+    """The same checks on 2 GPUs: native backend, the reference backend over NCCL, and the native
+    backend behind a gloo group."""
+    run_workers(2, _gpu_worker, backend="nccl", timeout_s=600)
 
 
 # DeepEP V1's parameter names, in order (deepseek-ai/DeepEP deep_ep/buffer.py), so calls by position
@@ -380,3 +431,4 @@ def test_static_helpers() -> None:
     event.current_stream_wait()
     with event:
         pass
+    deep_ep.EventOverlap(deep_ep.EventHandle()).current_stream_wait()  # Megatron-Core's use
