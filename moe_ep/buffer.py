@@ -228,8 +228,8 @@ class Buffer:
         return self.backend.masked_ranks() if self.cfg.fault_tolerant else []
 
     def _check_topk_idx(self, topk_idx: object, n: Optional[int], check_values: bool) -> torch.Tensor:
-        """Shape/dtype/alignment always; the value range too when asked (the reference backend: the
-        native kernels check every id themselves, without a host sync, and the call raises ValueError)."""
+        """Shape/dtype/alignment always; the value range too when asked (where the backend's kernels do
+        not check every id themselves, without a host sync)."""
         cfg = self.cfg
         t = _check_aligned("topk_idx", _check_tensor("topk_idx", topk_idx, (torch.int64,), (n, cfg.num_topk),
                                                       cfg.device))
@@ -244,11 +244,6 @@ class Buffer:
     def _check_weights(self, topk_weights: object, n: int) -> torch.Tensor:
         return _check_aligned("topk_weights", _check_tensor("topk_weights", topk_weights, (torch.float32,),
                                                             (n, self.cfg.num_topk), self.cfg.device))
-
-    @property
-    def _host_checks_ids(self) -> bool:
-        """Whether normal-mode calls check expert ids on the host (the reference backend has no kernel to do it)."""
-        return self.backend_name == "reference"
 
     def _check_x(self, x: object, fp8_ok: bool) -> torch.Tensor:
         dtypes = (torch.bfloat16, torch.float8_e4m3fn) if fp8_ok else (torch.bfloat16,)
@@ -278,7 +273,8 @@ class Buffer:
     # ---- normal mode ------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
         """Tokens per rank and per expert, and the token->rank mask."""
-        return self.backend.get_dispatch_layout(self._check_topk_idx(topk_idx, None, self._host_checks_ids))
+        backend = self.backend
+        return backend.get_dispatch_layout(self._check_topk_idx(topk_idx, None, not backend.checks_expert_ids))
 
     def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *, x_scales: Optional[torch.Tensor] = None,
@@ -306,7 +302,7 @@ class Buffer:
         else:
             if topk_idx is None or topk_weights is None:
                 raise ValueError("dispatch needs topk_idx and topk_weights (or a handle for a cached dispatch)")
-            self._check_topk_idx(topk_idx, n, self._host_checks_ids)
+            self._check_topk_idx(topk_idx, n, not self.backend.checks_expert_ids)
             self._check_weights(topk_weights, n)
         if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")

@@ -39,6 +39,11 @@ def _row_bytes(hidden: int) -> int:
     return 2 * hidden + 4 * (hidden // FP8_BLOCK) + _ROW_META_BYTES
 
 
+# Why DeepEP's shrink mode (a rank mask the caller updates) is not offered.
+_SHRINK = ("moe_ep masks ranks itself: moe_ep.Buffer(low_latency=True, fault_tolerant=True) masks a rank that "
+           "misses the timeout and lists it in masked_ranks; no mask is set from Python")
+
+
 def _unsupported(option: str, why: str) -> NotImplementedError:
     return NotImplementedError(f"moe_ep.deep_ep does not support {option}: {why} (docs/deep_ep_compat.md)")
 
@@ -195,7 +200,7 @@ class Buffer:
         if use_fabric:
             raise _unsupported("use_fabric=True", "moe_ep allocates its buffers through NVSHMEM")
         if enable_shrink:
-            raise _unsupported("enable_shrink=True", "moe_ep has no rank mask")
+            raise _unsupported("enable_shrink=True", _SHRINK)
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
@@ -557,13 +562,13 @@ class Buffer:
         return self._zero_copy[buf]
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        raise _unsupported("low_latency_update_mask_buffer", "moe_ep has no rank mask")
+        raise _unsupported("low_latency_update_mask_buffer", _SHRINK)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        raise _unsupported("low_latency_query_mask_buffer", "moe_ep has no rank mask")
+        raise _unsupported("low_latency_query_mask_buffer", _SHRINK)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        raise _unsupported("low_latency_clean_mask_buffer", "moe_ep has no rank mask")
+        raise _unsupported("low_latency_clean_mask_buffer", _SHRINK)
 
     # ---- lifetime -------------------------------------------------------------------------
     def destroy(self) -> None:

@@ -44,20 +44,7 @@ __device__ __forceinline__ void send_row(const DeviceContext& ctx, const Combine
   const int me = ctx.comm.rank, row_bytes = 2 * ctx.dims.hidden;
   const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + (size_t)j * row_bytes);
   int4* dst = reinterpret_cast<int4*>(ctx.region(s, ctx.ws.data) + me * ctx.ws.slot_bytes + (size_t)i * row_bytes);
-  const int vecs = row_bytes / 16;
-  for (int first = 0; first < vecs; first += 32 * kU) {
-    int4 v[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int k = first + u * 32 + lane;
-      if (k < vecs) v[u] = ld_nc_int4(src + k);
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int k = first + u * 32 + lane;
-      if (k < vecs) dst[k] = v[u];
-    }
-  }
+  warp_copy<kU>(src, row_bytes / 16, lane, LoadNc{}, 1u, [dst](int) { return dst; });
 }
 
 // out[i] = bf16(sum over the ranks r that received token i, ascending, of float(their row)).

@@ -49,31 +49,15 @@ __device__ __forceinline__ void send_token(const DeviceContext& ctx, const Dispa
   const int S = a.num_scales;
 
   // topk loads first: their latency hides behind the row copy
-  int expert = -1;
-  float weight = 0.f;
-  if (!a.cached && lane < K) {
-    expert = checked_expert(ctx.comm.error, __ldg(reinterpret_cast<const long long*>(a.topk_idx) + (size_t)n * K + lane),
-                            ctx.dims.num_experts, n, lane);
-    weight = __ldg(reinterpret_cast<const float*>(a.topk_weights) + (size_t)n * K + lane);
-  }
+  const LaneRoute route = a.cached ? LaneRoute{-1, 0.f}
+                                   : lane_route(a.topk_idx, a.topk_weights, n, K, ctx.dims.num_experts,
+                                                ctx.comm.error, lane);
+  const int expert = route.expert;
+  const float weight = route.weight;
   const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + (size_t)n * a.row_bytes);
-  const int vecs = a.row_bytes / 16;
-  for (int first = 0; first < vecs; first += 32 * kU) {
-    int4 v[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int i = first + u * 32 + lane;
-      if (i < vecs) v[u] = ld_nc_int4(src + i);
-    }
-    for (unsigned m = dests; m != 0; m &= m - 1) {
-      int4* dst = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), __ffs(m) - 1));
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int i = first + u * 32 + lane;
-        if (i < vecs) dst[i] = v[u];
-      }
-    }
-  }
+  warp_copy<kU>(src, a.row_bytes / 16, lane, LoadNc{}, dests, [&](int r) {  // lane r holds rank r's row address
+    return reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), r));
+  });
 
   for (unsigned m = dests; m != 0; m &= m - 1) {
     const int r = __ffs(m) - 1;

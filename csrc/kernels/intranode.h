@@ -496,23 +496,60 @@ __device__ __forceinline__ int4 ld_nc_int4(const int4* p) {
   return v;
 }
 
-// dst[i] = src[i] for i < count, by one warp, kU loads per lane in flight, src read by ld.cg (data
-// another GPU wrote, already acquired). T: a 4-, 8- or 16-byte type.
-template <int kU, class T>
-__device__ __forceinline__ void warp_copy_cg(T* dst, const T* src, int count, int lane) {
+// Lane k < K of a warp: token n's expert id k (checked_expert: -1, and recorded, when outside
+// [-1, E)) and its router weight; other lanes get -1 and 0. Both normal-mode dispatch paths read
+// their routing through it.
+struct LaneRoute {
+  int expert;
+  float weight;
+};
+
+__device__ __forceinline__ LaneRoute lane_route(uintptr_t topk_idx, uintptr_t topk_weights, int n, int num_topk,
+                                                int num_experts, ErrorState* error, int lane) {
+  if (lane >= num_topk) return LaneRoute{-1, 0.f};
+  const size_t at = (size_t)n * num_topk + lane;
+  return LaneRoute{checked_expert(error, __ldg(reinterpret_cast<const long long*>(topk_idx) + at), num_experts, n, lane),
+                   __ldg(reinterpret_cast<const float*>(topk_weights) + at)};
+}
+
+// The row copy of every normal-mode kernel: one warp copies src[0, count) to dst_of(d) for every bit
+// d of `dests`. Per step each lane issues all its kU loads (`load`: LoadNc for kernel inputs, LoadCg
+// for data another GPU or the NIC wrote) before any store, and each element is loaded once
+// whatever the number of destinations. T: a 4-, 8- or 16-byte type; `dests` must be warp-uniform.
+template <int kU, class T, class Load, class DstOf>
+__device__ __forceinline__ void warp_copy(const T* src, int count, int lane, Load load, unsigned dests,
+                                          DstOf dst_of) {
   for (int first = 0; first < count; first += 32 * kU) {
     T v[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int i = first + u * 32 + lane;
-      if (i < count) v[u] = __ldcg(src + i);
+      if (i < count) v[u] = load(src + i);
     }
+    for (unsigned m = dests; m != 0; m &= m - 1) {
+      T* dst = dst_of(__ffs(m) - 1);
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int i = first + u * 32 + lane;
-      if (i < count) dst[i] = v[u];
+      for (int u = 0; u < kU; ++u) {
+        const int i = first + u * 32 + lane;
+        if (i < count) dst[i] = v[u];
+      }
     }
   }
+}
+
+struct LoadNc {
+  __device__ __forceinline__ int4 operator()(const int4* p) const { return ld_nc_int4(p); }
+};
+
+struct LoadCg {  // through L2 (ld.cg): data another GPU wrote, already acquired
+  template <class T>
+  __device__ __forceinline__ T operator()(const T* p) const { return __ldcg(p); }
+};
+
+// dst[i] = src[i] for i < count, by one warp (warp_copy with one destination, src read by ld.cg).
+template <int kU, class T>
+__device__ __forceinline__ void warp_copy_cg(T* dst, const T* src, int count, int lane) {
+  warp_copy<kU>(src, count, lane, LoadCg{}, 1u, [dst](int) { return dst; });
 }
 
 // Float32 accumulation of 8 bf16 values (one int4) with __fadd_rn (never contracted), and the one

@@ -144,6 +144,7 @@ class Backend(abc.ABC):
     """Moves already-validated tensors; nothing below Buffer re-checks its inputs."""
 
     name: str = "?"
+    checks_expert_ids = False  # its kernels check every expert id (no host sync; the call raises ValueError)
 
     def __init__(self, cfg: BufferConfig) -> None:
         self.cfg = cfg

@@ -54,6 +54,7 @@ class NvshmemBackend(Backend):
     """Device-initiated NVLink dispatch/combine through NVSHMEM peer addresses."""
 
     name = "nvshmem"
+    checks_expert_ids = True
 
     def __init__(self, cfg: BufferConfig) -> None:
         super().__init__(cfg)

@@ -70,13 +70,9 @@ __device__ __forceinline__ void stage_token(const DeviceContext& ctx, const Disp
     float* out = reinterpret_cast<float*>(row + ctx.dims.scale_offset());
     for (int j = lane; j < a.num_scales; j += 32) out[j] = __ldg(in + j);
   }
-  int expert = -1;
-  float weight = 0.f;
-  if (!a.cached && lane < K) {
-    expert = checked_expert(ctx.comm.error, __ldg(reinterpret_cast<const long long*>(a.topk_idx) + (size_t)t * K + lane),
-                            ctx.dims.num_experts, t, lane);
-    weight = __ldg(reinterpret_cast<const float*>(a.topk_weights) + (size_t)t * K + lane);
-  }
+  const LaneRoute route = a.cached ? LaneRoute{-1, 0.f}
+                                   : lane_route(a.topk_idx, a.topk_weights, t, K, ctx.dims.num_experts,
+                                                ctx.comm.error, lane);
   const auto* in_node = reinterpret_cast<const bool*>(a.in_node) + (size_t)t * Nn;
   const auto* pos = reinterpret_cast<const int*>(a.pos) + (size_t)t * R;
   for (int nd = 0; nd < Nn; ++nd) {
@@ -86,8 +82,8 @@ __device__ __forceinline__ void stage_token(const DeviceContext& ctx, const Disp
     const unsigned mask = __ballot_sync(kFullMask, p >= 0);
     if (lane < kMaxLocal) m->pos[lane] = p;
     if (lane < kMaxTopk) {
-      m->topk[lane] = expert;
-      m->weights[lane] = weight;
+      m->topk[lane] = route.expert;
+      m->weights[lane] = route.weight;
     }
     if (lane == 0) {
       m->tag = e;

@@ -242,7 +242,10 @@ using intranode::add_bf16x8;
 using intranode::arrive_last;
 using intranode::check_launch;
 using intranode::kFullMask;
+using intranode::lane_route;
+using intranode::LaneRoute;
 using intranode::round_bf16x8;
+using intranode::warp_copy;
 using intranode::warp_copy_cg;
 
 constexpr int kThreads = 1024;
@@ -339,22 +342,8 @@ __device__ __forceinline__ Channel my_channel(int round_tokens) {
 // GPU or the NIC wrote it) and stored to every destination.
 __device__ __forceinline__ void warp_copy_to_peers(const DeviceContext& ctx, uint64_t dst_offset, const int4* src,
                                                    int vecs, unsigned mask, int lane) {
-  for (int first = 0; first < vecs; first += 32 * kCopyUnroll) {
-    int4 v[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int i = first + u * 32 + lane;
-      if (i < vecs) v[u] = __ldcg(src + i);
-    }
-    for (unsigned m = mask; m != 0; m &= m - 1) {
-      int4* dst = ctx.at_peer<int4>(__ffs(m) - 1, dst_offset);
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int i = first + u * 32 + lane;
-        if (i < vecs) dst[i] = v[u];
-      }
-    }
-  }
+  warp_copy<kCopyUnroll>(src, vecs, lane, intranode::LoadCg{}, mask,
+                         [&](int j) { return ctx.at_peer<int4>(j, dst_offset); });
 }
 
 // Threads j < count of the block publish `value` into word `index` of area `offset` at local rank j:
