@@ -92,6 +92,7 @@ def _check_worst_case(buf: moe_ep.Buffer, inp, me: int, world: int, num_experts:
     assert got.src_rank[pos].tolist() == want.src_rank and got.src_index[pos].tolist() == want.src_index
     assert (got.src_rank[~valid] == -1).all() and (got.src_index[~valid] == -1).all()
     assert (got.topk_idx[~valid] == -1).all() and (got.topk_weights[~valid] == 0).all()
+    assert (got.x[~valid].view(torch.int16) == 0).all()  # padding rows are zero
     y = torch.randn(got.x.shape).to(torch.bfloat16)
     y[valid] = got.x[valid]
     back = buf.combine(y, got.handle)

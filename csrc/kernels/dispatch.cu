@@ -22,8 +22,8 @@
 //     one system fence per G flags instead of one per token.
 //  2. Receive (the other warps from the start, the sending warps once their tokens are done). Work
 //     item k (from a grid-wide counter) is the run of positions [jB, jB + B) of source s, with
-//     j = k / R and s = k % R. In worst-case mode the run's padding rows (p >= count_s) get src = -1,
-//     topk_idx = -1, weights = 0, scales = 0. For peer rows (s != me, p < count_s) lane l waits for
+//     j = k / R and s = k % R. In worst-case mode the run's padding rows (p >= count_s) get zero x and scales, src = -1,
+//     topk_idx = -1, weights = 0. For peer rows (s != me, p < count_s) lane l waits for
 //     the row flag of position jB + l to reach `epoch` (comm.h wait_geq: relaxed polls, then acquire); after
 //     __syncwarp (which hands every lane's acquire to the whole warp) the warp copies the run's rows,
 //     which are contiguous in slot s and in the output (output rows first[s] + p), as one span with U
@@ -89,7 +89,7 @@ __device__ __forceinline__ void send_token(const DeviceContext& ctx, const Dispa
   }
 }
 
-// Padding metadata of worst-case output rows [row, row + count).
+// Worst-case output rows [row, row + count) that no source fills: zero rows and scales, padding metadata.
 __device__ __forceinline__ void write_padding(const DeviceContext& ctx, const DispatchArgs& a, size_t row, int count,
                                               int lane) {
   const int K = ctx.dims.num_topk, S = a.num_scales;
@@ -104,6 +104,8 @@ __device__ __forceinline__ void write_padding(const DeviceContext& ctx, const Di
     }
   }
   for (int e = lane; e < count * S; e += 32) reinterpret_cast<float*>(a.out_scales)[row * S + e] = 0.f;
+  int4* x = reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out_x) + row * a.row_bytes);
+  for (size_t e = lane; e < (size_t)count * (a.row_bytes / 16); e += 32) x[e] = make_int4(0, 0, 0, 0);
 }
 
 // The run of positions [p0, p0 + B) of source s: padding (worst case), then peer rows and their

@@ -162,7 +162,8 @@ class InternodeEngine:
             recv_counts, raw = self._wait_counts(counts_ready)
         m = r * t if worst_case or eager else sum(recv_counts)
         out = DispatchOutputs.allocate(cfg, m, x.dtype, handle)
-        if worst_case:  # rows no source fills are padding
+        if worst_case:  # rows no source fills are padding (zero rows, as the intranode kernel writes them)
+            out.x.zero_()
             if out.scales is not None:
                 out.scales.zero_()
             if not cached:
