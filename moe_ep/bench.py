@@ -2,20 +2,24 @@
 
 On GPUs (NCCL group): N1 (normal mode, native backend at several SM budgets, the reference backend
 on NCCL, and raw NCCL all_to_all_single moving the same bytes), L1 (low-latency) and optionally a
-hidden x tokens sweep. With --ranks-per-node K the native N1 and L1 rows are measured a second time
-with the group cut into nodes of K ranks (K=1 on one machine: every byte between GPUs takes the
-cross-node kernels' network leg), next to the NVLink rows in the same table. Without GPUs (gloo):
-the reference backend on a small case. Prints a table, writes JSON and a PNG plot.
+hidden x tokens sweep. Normal and eager low-latency calls are also timed "cold" (right after a
+device sync and a host barrier, so the host's own time counts). The "layer" case times moe_ep.MoE
+forward and backward on the native and the reference backend. With --ranks-per-node K the native
+N1 and L1 rows are measured a second time with the group cut into nodes of K ranks (K=1 on one
+machine: every byte between GPUs takes the cross-node kernels' network leg), next to the NVLink
+rows in the same table. Without GPUs (gloo): the reference backend on a small case (and the layer
+case, at sizes given by --layer-*). Prints a table, writes JSON and a PNG plot.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -23,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from . import fp8
-from .buffer import Buffer
+from .buffer import Buffer, auto_backend
+from .layer import MoE
 
 # DeepEP V1 on our 2xH200, N1 (docs/benchmarks.md, Method): SMs -> (FP8 dispatch, BF16 dispatch, BF16 combine) us.
 DEEPEP_N1 = {8: (647.9, 972.6, 999.7), 16: (344.2, 500.4, 532.3), 24: (245.1, 343.7, 400.0), 32: (193.1, 292.7, 318.1)}
@@ -49,6 +54,7 @@ class Row:
     recv_bytes: int
     remote_bytes: int
     deepep_us: Optional[float] = None
+    cold_us: Optional[float] = None  # after a device sync and a host barrier (Timer.cold_us)
     extra: dict = field(default_factory=dict)
     topology: str = ""  # "nodes x ranks per node" of the Buffer
 
@@ -59,6 +65,27 @@ class Row:
     @property
     def remote_gbps(self) -> float:
         return self.remote_bytes / (self.call_us * 1e3)
+
+    @property
+    def overhead_us(self) -> Optional[float]:
+        """What the host adds to a cold call over the pipelined one."""
+        return None if self.cold_us is None else self.cold_us - self.call_us
+
+    @property
+    def link_us(self) -> float:
+        """The time the remote bytes take at the NVLink limit for this SM budget: the floor for the call."""
+        return self.remote_bytes / (NVLINK_LIMIT_GBPS.get(self.sms or 0, NVLINK_LIMIT_ANY_GBPS) * 1e3)
+
+
+@dataclass
+class LayerShape:
+    """Sizes of the "layer" case (one flag --layer-<field> each), the canonical N1 layer by default."""
+
+    tokens: int = 4096  # per rank
+    hidden: int = 7168
+    experts: int = 256
+    topk: int = 8
+    ffn: int = 2048  # each expert's SwiGLU hidden size
 
 
 class Timer:
@@ -74,12 +101,14 @@ class Timer:
             torch.cuda.synchronize()
         dist.barrier()
 
-    def _run(self, calls: list[Callable[[], object]]) -> list[list[float]]:
+    def _run(self, calls: list[Callable[[], object]], cold: bool = False) -> list[list[float]]:
         """Warm up, then time each of `calls` in turn per iteration; returns [iteration][call] us.
 
         On GPU, as DeepEP's tests do: no host barrier between iterations (the collective calls
         keep the ranks in step by themselves), the 256 MB flush is enqueued before each iteration,
-        and CUDA events bracket each call. On CPU: a barrier and the host clock per iteration."""
+        and CUDA events bracket each call. cold=True adds a device sync and a host barrier after
+        the flush, so the first call starts on an idle device and its host time counts. On CPU
+        (either way): a barrier and the host clock per iteration."""
         samples = []
         self._align()
         for i in range(self.warmup + self.iters):
@@ -92,6 +121,8 @@ class Timer:
                 times = [(b - a) * 1e6 for a, b in zip(stamps, stamps[1:])]
             else:
                 self.flush_buf.zero_()
+                if cold:
+                    self._align()
                 events = [torch.cuda.Event(enable_timing=True) for _ in range(len(calls) + 1)]
                 events[0].record()
                 for fn, ev in zip(calls, events[1:]):
@@ -105,15 +136,25 @@ class Timer:
             samples = [[a.elapsed_time(b) * 1e3 for a, b in zip(ev, ev[1:])] for ev in samples]
         return samples
 
+    def parts_us(self, calls: list[Callable[[], object]], cold: bool = False) -> list[float]:
+        """Median time of each of `calls` (made in turn every iteration), then of their per-iteration
+        sum; each the maximum over ranks."""
+        samples = self._run(calls, cold)
+        return [_max_over_ranks(statistics.median(col)) for col in [*zip(*samples), [sum(t) for t in samples]]]
+
     def call_us(self, fn: Callable[[], object]) -> float:
-        return _max_over_ranks(statistics.median(t[0] for t in self._run([fn])))
+        return self.parts_us([fn])[0]
+
+    def cold_us(self, fn: Callable[[], object]) -> float:
+        """Median time of a call made right after a device sync and a host barrier, so the host's
+        own time counts, as for the first MoE layer after any sync (/work/shared/BENCH.md)."""
+        return self.parts_us([fn], cold=True)[0]
 
     def split_us(self, send: Callable[[], object]) -> tuple[float, float]:
         """Median times of a hooked call's send half (the call) and receive half (its hook())."""
         pending: list = []
-        samples = self._run([lambda: pending.append(send()), lambda: pending.pop().hook()])
-        return (_max_over_ranks(statistics.median(t[0] for t in samples)),
-                _max_over_ranks(statistics.median(t[1] for t in samples)))
+        send_us, recv_us, _ = self.parts_us([lambda: pending.append(send()), lambda: pending.pop().hook()])
+        return send_us, recv_us
 
     def kernel_us(self, fn: Callable[[], object], calls: int = 10) -> Optional[float]:
         """Device time per call of every kernel and copy the call launched (torch.profiler); the L2
@@ -200,7 +241,7 @@ def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: li
         ops.append(("combine_bf16", lambda: buf.combine(y, probe.handle, num_sms=sms), row_bf16, ref[2] if ref else None))
         for op, fn, row_bytes, ref_us in ops:
             rows.append(Row(case, op, buf.backend_name, sms, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
-                            recv * row_bytes, remote * row_bytes, ref_us,
+                            recv * row_bytes, remote * row_bytes, ref_us, cold_us=timer.cold_us(fn),
                             extra={"kernels": timer.last_kernels, "tuning": _tuning(buf)}, topology=_topology(buf)))
     return rows
 
@@ -243,7 +284,8 @@ def bench_low_latency(buf: Buffer, timer: Timer, tokens: int) -> list[Row]:
 
     def add(op: str, fn: Callable[[], object], row_bytes: int, ref_us: Optional[float]) -> None:
         rows.append(Row("L1", op, buf.backend_name, None, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
-                        pairs * row_bytes, 0, ref_us, extra={"kernels": timer.last_kernels}, topology=_topology(buf)))
+                        pairs * row_bytes, 0, ref_us, cold_us=timer.cold_us(fn), extra={"kernels": timer.last_kernels},
+                        topology=_topology(buf)))
         if graph:
             rows.append(Row("L1", op + "_graph", buf.backend_name, None, tokens, cfg.hidden, timer.graph_us(fn), None,
                             pairs * row_bytes, 0, ref_us, topology=_topology(buf)))
@@ -263,19 +305,42 @@ def bench_low_latency(buf: Buffer, timer: Timer, tokens: int) -> list[Row]:
     return rows
 
 
+def bench_layer(timer: Timer, shape: LayerShape, backend: str) -> list[Row]:
+    """moe_ep.MoE forward, backward and both (normal mode, bf16 experts) on one backend; what it
+    allocates is garbage once it returns (the caller collects it before the next case)."""
+    with Buffer(hidden=shape.hidden, num_experts=shape.experts, num_topk=shape.topk,
+                max_tokens_per_rank=shape.tokens, backend=backend) as buf:
+        torch.manual_seed(0)  # the router is replicated: the same weights on every rank
+        moe = MoE(buf, shape.ffn, dtype=torch.bfloat16)
+        g = torch.Generator(device=buf.device).manual_seed(buf.rank)
+        x = torch.randn(shape.tokens, shape.hidden, generator=g, device=buf.device).to(torch.bfloat16).requires_grad_()
+        grad = torch.randn(shape.tokens, shape.hidden, generator=g, device=buf.device).to(torch.bfloat16)
+        outputs: list[torch.Tensor] = []
+        times = timer.parts_us([lambda: outputs.append(moe(x, mode="normal")), lambda: outputs.pop().backward(grad)])
+        sms = buf.cfg.num_sms if buf.backend_name == "nvshmem" else None
+        return [Row("layer", op, buf.backend_name, sms, shape.tokens, shape.hidden, us, None, 0, 0,
+                    topology=_topology(buf)) for op, us in zip(("forward", "backward", "forward_backward"), times)]
+
+
+def _cell(value: Optional[float], width: int, sign: str = "") -> str:
+    """A right-aligned table cell with one decimal ("+": always signed), "-" for no value."""
+    return f"{value:{sign}{width}.1f}" if value is not None else f"{'-':>{width}}"
+
+
 def print_table(rows: list[Row]) -> None:
     head = f"{'case':<6} {'op':<22} {'backend':<9} {'nodes':>5} {'SMs':>4} {'tokens':>6} {'hidden':>6} {'call us':>9} " \
-           f"{'kernel us':>9} {'GB/s':>7} {'remote':>7} {'%link':>6} {'DeepEP':>8} {'speedup':>7}"
+           f"{'cold us':>9} {'overhead':>8} {'kernel us':>9} {'GB/s':>7} {'remote':>7} {'%link':>6} {'DeepEP':>8} " \
+           f"{'speedup':>7}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        limit = NVLINK_LIMIT_GBPS.get(r.sms or 0, NVLINK_LIMIT_ANY_GBPS)
-        link = f"{100 * r.remote_gbps / limit:5.1f}%" if r.remote_bytes and r.case != "cpu" else "     -"
-        kern = f"{r.kernel_us:9.1f}" if r.kernel_us is not None else "        -"
+        link = f"{100 * r.link_us / r.call_us:5.1f}%" if r.remote_bytes and r.case != "cpu" else "     -"
         ref = f"{r.deepep_us:8.1f}" if r.deepep_us else "       -"
         speed = f"{r.deepep_us / r.call_us:6.2f}x" if r.deepep_us else "      -"
-        print(f"{r.case:<6} {r.op:<22} {r.backend:<9} {r.topology or '-':>5} {r.sms or '-':>4} {r.tokens:>6} {r.hidden:>6} {r.call_us:9.1f} "
-              f"{kern} {r.gbps:7.1f} {r.remote_gbps:7.1f} {link} {ref} {speed}")
+        print(f"{r.case:<6} {r.op:<22} {r.backend:<9} {r.topology or '-':>5} {r.sms or '-':>4} {r.tokens:>6} "
+              f"{r.hidden:>6} {r.call_us:9.1f} {_cell(r.cold_us, 9)} {_cell(r.overhead_us, 8, '+')} {_cell(r.kernel_us, 9)} "
+              f"{_cell(r.gbps if r.recv_bytes else None, 7)} {_cell(r.remote_gbps if r.recv_bytes else None, 7)} "
+              f"{link} {ref} {speed}")
 
 
 def print_kernels(rows: list[Row]) -> None:
@@ -288,23 +353,28 @@ def print_kernels(rows: list[Row]) -> None:
 
 
 def plot(rows: list[Row], path: Path) -> None:
-    """N1 times per SM budget against DeepEP, and the sweep's bandwidth per token count."""
+    """N1 times per SM budget against DeepEP and the link limit (the remote bytes at NVLINK_LIMIT_GBPS for
+    that SM budget), for the first topology measured; and the sweep's bandwidth per token count."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     n1 = [r for r in rows if r.case == "N1" and r.sms]
+    n1 = [r for r in n1 if r.topology == n1[0].topology]  # not the --ranks-per-node pass
     sweep = [r for r in rows if r.case == "sweep"]
     fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(13 if sweep else 7, 4.5), squeeze=False)
     ax = axes[0][0]
     for op, color in (("dispatch_bf16", "C0"), ("dispatch_fp8", "C1"), ("combine_bf16", "C2")):
-        pts = sorted((r.sms, r.call_us, r.deepep_us) for r in n1 if r.op == op)
+        pts = sorted((r for r in n1 if r.op == op), key=lambda r: r.sms)
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=f"moe_ep {op}")
-            ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=color, alpha=0.6, label=f"DeepEP {op}")
+            sms = [r.sms for r in pts]
+            ax.plot(sms, [r.call_us for r in pts], "o-", color=color, label=f"moe_ep {op}")
+            ax.plot(sms, [r.deepep_us for r in pts], "x:", color=color, alpha=0.6, label=f"DeepEP {op}")
+            ax.plot(sms, [r.link_us for r in pts], "--", color=color, lw=1, alpha=0.8, label=f"link limit {op}")
     ax.set(xlabel="SMs", ylabel="us per call (lower is better)", title="N1: EP2, 4096 tokens, hidden 7168, top-8/256")
-    ax.legend(fontsize=7)
+    if n1:
+        ax.legend(fontsize=7)
     if sweep:
         ax = axes[0][1]
         for hidden in sorted({r.hidden for r in sweep}):
@@ -321,14 +391,17 @@ def plot(rows: list[Row], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="auto",
-                   help="comma list of n1,n1-native (N1 without the NCCL baselines),l1,sweep,cpu "
-                        "(auto: n1,l1 on GPU, cpu otherwise)")
+                   help="comma list of n1,n1-native (N1 without the NCCL baselines),l1,sweep,cpu,layer "
+                        "(moe_ep.MoE forward/backward, sizes from --layer-*) (auto: n1,l1 on GPU, cpu otherwise)")
     p.add_argument("--sms", default="8,16,24,32", help="SM budgets for the native backend")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="also measure native N1/L1 with nodes of this many ranks (1: network leg between GPUs)")
+    for f in fields(LayerShape):
+        p.add_argument(f"--layer-{f.name}", type=int, default=f.default,
+                       help=f"layer case: {f.name} (default %(default)s)")
     args = p.parse_args()
 
     use_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -346,6 +419,13 @@ def main() -> None:
         with Buffer(hidden=2048, num_experts=64, num_topk=8, max_tokens_per_rank=512, backend="reference",
                     low_latency=True) as buf:
             rows += bench_normal(buf, timer, "cpu", 512, [None], with_fp8=True, deepep=False)
+    if "layer" in cases:
+        shape = LayerShape(**{f.name: getattr(args, f"layer_{f.name}") for f in fields(LayerShape)})
+        for backend in dict.fromkeys([auto_backend(device)[0], "reference"]):  # native first where built
+            rows += bench_layer(timer, shape, backend)
+            gc.collect()  # the MoE's weights, gradients and autograd state, before the next case allocates
+            if use_gpu:
+                torch.cuda.empty_cache()
     topologies = [None] + ([args.ranks_per_node] if args.ranks_per_node is not None else [])
     if "n1" in cases or "n1-native" in cases:
         for rpn in topologies:
@@ -381,7 +461,8 @@ def main() -> None:
         }
         stem = "bench_" + "_".join(cases)
         (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [
-            {**asdict(r), "gbps": r.gbps, "remote_gbps": r.remote_gbps} for r in rows]}, indent=1))
+            {**asdict(r), "gbps": r.gbps, "remote_gbps": r.remote_gbps, "overhead_us": r.overhead_us}
+            for r in rows]}, indent=1))
         try:
             plot(rows, out / f"{stem}.png")
         except ImportError:
