@@ -154,23 +154,16 @@ class GroupedExperts(nn.Module):
         y = y.float() * topk_weights.reshape(-1)[pairs].unsqueeze(1)
         return _SumRows.apply(y, rows, slots)
 
-    def forward_padded(self, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        """Low-latency mode: x [E_l, C, H] expert-major rows, count [E_l] valid rows per expert
-        -> [E_l, C, H] unweighted outputs in x's dtype (rows past count are unspecified).
+    def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """Low-latency mode: x [E_l, C, H] expert-major rows (each expert's valid rows first)
+        -> [E_l, C, H] unweighted outputs in x's dtype (outputs of rows past the valid ones are unspecified).
 
-        On the grouped-GEMM path every slot is computed (batched matmul, no host sync, capturable);
-        elsewhere only the counted rows are.
+        Every slot is computed (batched matmul): no host sync on the counts, so the call can be captured
+        in a CUDA graph and traced by torch.compile without data-dependent shapes.
         """
         xs = x.to(self.w1.dtype)
-        if grouped_mm_supported(xs):
-            h = F.silu(torch.bmm(xs, self.w1.transpose(1, 2))) * torch.bmm(xs, self.w3.transpose(1, 2))
-            return torch.bmm(h, self.w2.transpose(1, 2)).to(x.dtype)
-        out = torch.zeros_like(x)
-        for e, c in enumerate(count.tolist()):
-            rows = xs[e, :c]
-            h = F.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())
-            out[e, :c] = (h @ self.w2[e].t()).to(x.dtype)
-        return out
+        h = F.silu(torch.bmm(xs, self.w1.transpose(1, 2))) * torch.bmm(xs, self.w3.transpose(1, 2))
+        return torch.bmm(h, self.w2.transpose(1, 2)).to(x.dtype)
 
     # ---- per-expert state dict ----------------------------------------------------------------
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:

@@ -122,12 +122,11 @@ class MoE(nn.Module):
 
     def _static_experts(self, d: autograd.Dispatched) -> torch.Tensor:
         """Worst-case mode's experts, free of data-dependent shapes (torch.compile, CUDA graphs):
-        every local expert runs on every received row (padding rows zeroed first, as their x is
-        unspecified), and row m sums its weighted experts' outputs in ascending expert order in float32."""
+        every local expert runs on every received row (padding rows are zero), and row m sums its
+        weighted experts' outputs in ascending expert order in float32."""
         m, e_l = d.x.shape[0], self.buffer.cfg.num_local_experts
-        rows = torch.where((d.src_rank >= 0).unsqueeze(1), d.x, torch.zeros_like(d.x)).to(self.experts.w1.dtype)
-        count = torch.full((e_l,), m, dtype=torch.int32, device=rows.device)
-        y = self.experts.forward_padded(rows.expand(e_l, m, self.hidden), count).float()
+        rows = d.x.to(self.experts.w1.dtype)
+        y = self.experts.forward_padded(rows.expand(e_l, m, self.hidden)).float()
         out = torch.zeros(m, self.hidden, dtype=torch.float32, device=rows.device)
         for e in range(e_l):
             w = torch.where(d.topk_idx == e, d.topk_weights, torch.zeros_like(d.topk_weights)).sum(1)
@@ -138,10 +137,10 @@ class MoE(nn.Module):
         if torch.is_grad_enabled() and (x.requires_grad or routing.topk_weights.requires_grad):
             raise RuntimeError("low-latency mode has no backward: run it under torch.no_grad() "
                                "or use mode='normal'")
-        recv, scales, count, handle = ops.low_latency_dispatch(
+        recv, scales, _count, handle = ops.low_latency_dispatch(
             x.to(torch.bfloat16).contiguous(), routing.topk_idx, self.buffer_id, self.low_latency_fp8, False)
         rows = fp8.dequantize(recv, scales) if self.low_latency_fp8 else recv
-        y = self.experts.forward_padded(rows, count).to(torch.bfloat16)
+        y = self.experts.forward_padded(rows).to(torch.bfloat16)
         return ops.low_latency_combine(y, routing.topk_idx, routing.topk_weights, handle, self.buffer_id)
 
     def forward(self, x: torch.Tensor, mode: Optional[str] = None) -> torch.Tensor:
