@@ -2,22 +2,19 @@
 registered on the moe_ep custom ops (moe_ep.ops, torch.library.register_autograd), so they hold
 under torch.compile too; this module wraps those ops for layers.
 
-- dispatch(x, topk_idx, topk_weights): backward of the received rows is a combine of their
-  gradient (a token's gradient is the sum of the gradients of its copies); backward of the received
-  weights is a combine too (each (token, k) weight has exactly one receiving rank, see below).
+- dispatch(x, topk_idx, topk_weights): backward is one combine of the received rows' gradient (a
+  token's gradient is the sum of the gradients of its copies) that carries the received weights'
+  gradient with the rows (`Buffer.combine(..., topk_weights=...)`, the moe_ep::combine_with_weights
+  op), so a backward step costs one combine and one dispatch per layer.
 - combine(y, ref): backward is a cached dispatch of the output gradient through the same handle
   (`Buffer.dispatch(grad, handle=handle)`): every row gets the gradient of the token it fed.
 
-Communication is bf16, as the Buffer requires, so gradients that cross ranks are rounded to bf16
-once per crossing. Both backwards are collective: every rank of the Buffer's group runs them, in
-the same order, which autograd guarantees when every rank runs the same model.
-
-Weight gradients: the gradient of the received weight w[m, k] is nonzero only on the rank that
-owns expert topk_idx[m, k], and the Buffer's combine sums a token's rows over ranks in float32,
-starting from +0.0, rounding to bf16 once. A float32 value split into three bf16 terms
-(hi + mid + lo, 8 significant bits each) therefore survives a combine exactly: each term is added
-to zeros only. The terms of all K weights are packed into the first 3K columns of [M, H] rows (more
-combines when 3K > H).
+Rows are communicated in bf16, as the Buffer requires, so row gradients that cross ranks are rounded
+to bf16 once per crossing. Weight gradients stay float32 and are exact: the gradient of the received
+weight w[m, k] is nonzero only on the rank that owns expert topk_idx[m, k], and combine sums a
+token's weight rows over ranks in float32 from +0.0, never rounding, so each sum has one nonzero
+term. Both backwards are collective: every rank of the Buffer's group runs them, in the same order,
+which autograd guarantees when every rank runs the same model.
 """
 from __future__ import annotations
 

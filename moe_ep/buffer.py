@@ -312,15 +312,22 @@ class Buffer:
             async_op=bool(async_op),
         )
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, *, num_sms: Optional[int] = None,
-                previous_event: Optional[EventHandle] = None, async_op: bool = False):
-        """Sum each token's rows back on its source rank; returns out, or (out, event) when async_op."""
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, *, topk_weights: Optional[torch.Tensor] = None,
+                num_sms: Optional[int] = None, previous_event: Optional[EventHandle] = None, async_op: bool = False):
+        """Sum each token's rows (and topk_weights rows) back on its source rank (docs/api.md); returns out,
+        (out, weights) with topk_weights, and the EventHandle last when async_op."""
         self._check_handle(handle, DispatchHandle)
         x = _check_tensor("x", x, (torch.bfloat16,), (handle.num_recv_rows, self.cfg.hidden), self.cfg.device)
         _check_aligned("x", x)
-        out, event = self.backend.combine(x, handle, num_sms=self._sms(num_sms),
-                                          previous_event=self._check_event(previous_event), async_op=bool(async_op))
-        return (out, event) if async_op else out
+        if topk_weights is not None:
+            self._check_weights(topk_weights, handle.num_recv_rows)
+        out, weights, event = self.backend.combine(x, handle, topk_weights=topk_weights, num_sms=self._sms(num_sms),
+                                                   previous_event=self._check_event(previous_event),
+                                                   async_op=bool(async_op))
+        result = (out,) if topk_weights is None else (out, weights)
+        if async_op:
+            result += (event,)
+        return result if len(result) > 1 else out
 
     # ---- low-latency mode -------------------------------------------------------------------
     def _check_low_latency(self) -> None:

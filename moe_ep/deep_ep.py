@@ -435,53 +435,35 @@ class Buffer:
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
-        """(combined_x, combined_topk_weights, event): each token's rows summed back on its source
-        rank (moe_ep's fixed-order float32 sum, docs/api.md), then `bias` (one tensor or two) added
-        in float32 and rounded once more; the weights are summed exactly in float32 (_combine_weights)."""
+        """(combined_x, combined_topk_weights, event): each token's rows, and topk_weights rows with
+        them, summed back on its source rank by one moe_ep combine (fixed-order float32 sums,
+        docs/api.md), then `bias` (one tensor or two) added in float32 and rounded once more."""
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must come from moe_ep.deep_ep dispatch, got {type(handle).__name__}")
         sms = (config or self.get_combine_config(self.group_size)).num_sms
         self._wait(previous_event)
         inner = handle.inner
+        weights, k = None, 0
+        if topk_weights is not None:  # NORMAL_TOPK wide, as the dispatch's weights (results cut back to k)
+            k = topk_weights.shape[-1]
+            if k > NORMAL_TOPK:
+                raise ValueError(f"topk_weights has {k} columns, at most {NORMAL_TOPK} are supported")
+            weights = torch.nn.functional.pad(topk_weights.float(), (0, NORMAL_TOPK - k))
         if handle.rows is not None:
             x = _scatter_rows(x, handle.rows, inner.num_recv_rows)
-            topk_weights = _scatter_rows(topk_weights, handle.rows, inner.num_recv_rows) \
-                if topk_weights is not None else None
-        out = handle.buffer.combine(x, inner, num_sms=sms)
+            weights = _scatter_rows(weights, handle.rows, inner.num_recv_rows) if weights is not None else None
+        if weights is None:
+            out, out_w = handle.buffer.combine(x, inner, num_sms=sms), None
+        else:
+            out, out_w = handle.buffer.combine(x, inner, topk_weights=weights, num_sms=sms)
+            out_w = out_w[:, :k].contiguous()
         biases = bias if isinstance(bias, tuple) else (bias,) if bias is not None else ()
         if biases:
             acc = out.float()
             for b in biases:
                 acc = acc + b.float()
             out = acc.to(torch.bfloat16)
-        weights = self._combine_weights(handle, topk_weights) if topk_weights is not None else None
-        return out, weights, self._finish(async_finish)
-
-    def _combine_weights(self, handle: DispatchHandle, weights: torch.Tensor) -> torch.Tensor:
-        """[N, K] float32: for each token, the float32 sum over the ranks that received it, in
-        ascending rank order from +0.0, of the weight rows they return. One all_to_all of R * T rows
-        per rank (T = max_tokens_per_rank), so no host sync."""
-        inner, buf = handle.inner, handle.buffer
-        r, t = self.group_size, buf.cfg.max_tokens_per_rank
-        weights = weights.float()
-        k, m = weights.shape[1], weights.shape[0]
-        # Row j of source s goes to slot s * T + (j's position among s's rows): rows are by source.
-        src = inner.src_rank.long()
-        valid = src >= 0
-        at = torch.arange(m, device=weights.device)
-        first = torch.full((r,), m, dtype=torch.int64, device=weights.device)
-        first.scatter_reduce_(0, src[valid], at[valid], reduce="amin")
-        send = torch.zeros(r * t, k, dtype=torch.float32, device=weights.device)
-        send[(src * t + at - first[src.clamp(min=0)])[valid]] = weights[valid]
-        back = torch.empty_like(send)
-        dist.all_to_all_single(back, send, group=buf.cfg.group)
-        mask = inner.is_token_in_rank
-        pos = mask.to(torch.int64).cumsum(0) - 1  # each token's slot among those sent to a rank
-        acc = torch.zeros(mask.shape[0], k, dtype=torch.float32, device=weights.device)
-        for dst in range(r):
-            term = back[dst * t + pos[:, dst].clamp(min=0)]
-            acc = torch.where(mask[:, dst:dst + 1], acc + term, acc)
-        return acc
+        return out, out_w, self._finish(async_finish)
 
     # ---- low-latency mode -----------------------------------------------------------------
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:

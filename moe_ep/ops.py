@@ -23,8 +23,6 @@ import torch
 from .buffer import Buffer
 from .types import DispatchHandle, LowLatencyHandle
 
-SPLIT_TERMS = 3  # bf16 terms that carry a float32 value exactly (3 x 8 significant bits)
-
 _buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
 _handles: dict[int, DispatchHandle | LowLatencyHandle] = {}
 _handle_ids = itertools.count(1)
@@ -98,6 +96,19 @@ def _(x, handle, num_tokens, buffer_id):
     return x.new_empty(num_tokens, x.shape[1])
 
 
+@torch.library.custom_op("moe_ep::combine_with_weights", mutates_args=())
+def combine_with_weights(x: torch.Tensor, topk_weights: torch.Tensor, handle: torch.Tensor, num_tokens: int,
+                         buffer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffer.combine(x, handle, topk_weights=...) -> ([num_tokens, H] bf16, [num_tokens, K] float32): the
+    weights travel with the rows. Dispatch's backward; it has no backward of its own."""
+    return _buffer(buffer_id).combine(x, _handle(handle), topk_weights=topk_weights)
+
+
+@combine_with_weights.register_fake
+def _(x, topk_weights, handle, num_tokens, buffer_id):
+    return x.new_empty(num_tokens, x.shape[1]), topk_weights.new_empty(num_tokens, topk_weights.shape[1])
+
+
 @torch.library.custom_op("moe_ep::cached_dispatch", mutates_args=())
 def cached_dispatch(x: torch.Tensor, handle: torch.Tensor, num_rows: int, buffer_id: int) -> torch.Tensor:
     """Buffer.dispatch(x, handle=...) -> [num_rows, H] (num_rows: the handle's dispatch output rows)."""
@@ -110,46 +121,20 @@ def _(x, handle, num_rows, buffer_id):
 
 
 # ---- autograd: dispatch <-> combine ----------------------------------------------------------------
-def split_bf16(v: torch.Tensor) -> torch.Tensor:
-    """float32 [...] -> bf16 [..., 3] whose float32 sum is v (each rounding error is exact in float32)."""
-    terms, rest = [], v.float()
-    for _ in range(SPLIT_TERMS):
-        t = rest.to(torch.bfloat16)
-        terms.append(t)
-        rest = rest - t.float()
-    return torch.stack(terms, dim=-1)
-
-
-def combine_values(values: torch.Tensor, handle: torch.Tensor, num_tokens: int, buffer_id: int) -> torch.Tensor:
-    """Sum float32 values [M, C] back to their source tokens [num_tokens, C], exactly, when each value
-    is nonzero on at most one of the ranks that received its token (see moe_ep.autograd)."""
-    m, c = values.shape
-    hidden = _buffer(buffer_id).cfg.hidden
-    packed = split_bf16(values).reshape(m, c * SPLIT_TERMS)
-    out = []
-    for start in range(0, packed.shape[1], hidden):
-        chunk = packed[:, start : start + hidden]
-        rows = torch.zeros(m, hidden, dtype=torch.bfloat16, device=values.device)
-        rows[:, : chunk.shape[1]] = chunk
-        out.append(combine(rows, handle, num_tokens, buffer_id)[:, : chunk.shape[1]])
-    summed = torch.cat(out, dim=1).float().view(num_tokens, c, SPLIT_TERMS)
-    return (summed[..., 0] + summed[..., 1]) + summed[..., 2]
-
-
 def _dispatch_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.num_tokens, ctx.buffer_id = inputs[0].shape[0], inputs[3]
     ctx.save_for_backward(output[-1])
 
 
 def _dispatch_backward(ctx: Any, grad_x: torch.Tensor, _grad_idx: None, grad_w: torch.Tensor, *_rest: None) -> tuple:
-    """Rows: a combine of their gradient; weights: an exact combine (moe_ep.autograd)."""
+    """One combine of the rows' gradient, carrying the weights' gradient when that is needed
+    (moe_ep.autograd); Buffer.combine always moves rows, so a weights-only backward sends them too."""
     (handle,) = ctx.saved_tensors
-    gx = gw = None
-    if ctx.needs_input_grad[0]:
-        gx = combine(grad_x.to(torch.bfloat16).contiguous(), handle, ctx.num_tokens, ctx.buffer_id)
-    if ctx.needs_input_grad[2]:
-        gw = combine_values(grad_w, handle, ctx.num_tokens, ctx.buffer_id)
-    return gx, None, gw, None, None
+    rows = grad_x.to(torch.bfloat16).contiguous()
+    if not ctx.needs_input_grad[2]:
+        return combine(rows, handle, ctx.num_tokens, ctx.buffer_id), None, None, None, None
+    gx, gw = combine_with_weights(rows, grad_w.contiguous(), handle, ctx.num_tokens, ctx.buffer_id)
+    return gx if ctx.needs_input_grad[0] else None, None, gw, None, None
 
 
 def _combine_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:

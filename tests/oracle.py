@@ -122,26 +122,51 @@ def expected_dispatch(inp: Inputs, me: int, world: int, num_experts: int,
     )
 
 
+def _two_level_sums(inp: Inputs, me: int, world: int, num_experts: int, value_of, width: int,
+                    ranks_per_node: Optional[int], round_partials: bool) -> torch.Tensor:
+    """float32 [N, width]: for each token i of rank me, the sum over its receiving nodes n ascending of
+    partial_n, where partial_n is the sum over node n's receiving ranks r ascending of
+    float(value_of(r, me, i)), rounded to bf16 when round_partials; both sums in float32 from +0.0.
+    ranks_per_node=None: one node."""
+    num_local = num_experts // world
+    per_node = world if ranks_per_node is None else ranks_per_node
+    out = torch.zeros(inp.x[me].shape[0], width, dtype=torch.float32)
+    for i, row in enumerate(inp.topk_idx[me].tolist()):
+        ranks = sorted(owners(row, num_local))
+        acc = torch.zeros(width, dtype=torch.float32)
+        for node in sorted({r // per_node for r in ranks}):
+            partial = torch.zeros(width, dtype=torch.float32)
+            for r in ranks:
+                if r // per_node == node:
+                    partial = partial + value_of(r, me, i).float()
+            acc = acc + (partial.to(torch.bfloat16).float() if round_partials else partial)
+        out[i] = acc
+    return out
+
+
 def expected_combine(inp: Inputs, me: int, world: int, num_experts: int, row_of,
                      ranks_per_node: Optional[int] = None) -> torch.Tensor:
     """out[i] = bf16(sum over receiving nodes n ascending of float(partial_n)), where
     partial_n = bf16(sum over node n's receiving ranks r ascending of float(row_of(r, me, i))), both
     sums in float32 from +0.0. ranks_per_node=None: one node, i.e. the flat sum over ranks."""
+    h = inp.x[me].shape[1]
+    return _two_level_sums(inp, me, world, num_experts, row_of, h, ranks_per_node, True).to(torch.bfloat16)
+
+
+def expected_combine_weights(inp: Inputs, me: int, world: int, num_experts: int, weights_of,
+                             ranks_per_node: Optional[int] = None) -> torch.Tensor:
+    """Combined topk_weights [N, K] float32: out_w[i] = sum over receiving nodes n ascending of (sum over
+    node n's receiving ranks r ascending of weights_of(r, me, i) [K]), both sums in float32 from +0.0,
+    never rounded to bf16. ranks_per_node=None: one node, i.e. the flat sum over ranks."""
+    k = inp.topk_idx[me].shape[1]
+    return _two_level_sums(inp, me, world, num_experts, weights_of, k, ranks_per_node, False)
+
+
+def local_weights(inp: Inputs, r: int, s: int, i: int, num_experts: int, world: int) -> torch.Tensor:
+    """[K] float32: token i of rank s's weights as rank r received them (0 where the expert is elsewhere)."""
     num_local = num_experts // world
-    per_node = world if ranks_per_node is None else ranks_per_node
-    n, h = inp.x[me].shape
-    out = torch.zeros(n, h, dtype=torch.bfloat16)
-    for i, row in enumerate(inp.topk_idx[me].tolist()):
-        ranks = sorted(owners(row, num_local))
-        acc = torch.zeros(h, dtype=torch.float32)
-        for node in sorted({r // per_node for r in ranks}):
-            partial = torch.zeros(h, dtype=torch.float32)
-            for r in ranks:
-                if r // per_node == node:
-                    partial = partial + row_of(r, me, i).float()
-            acc = acc + partial.to(torch.bfloat16).float()
-        out[i] = acc.to(torch.bfloat16)
-    return out
+    local = torch.tensor([e >= 0 and e // num_local == r for e in inp.topk_idx[s][i].tolist()])
+    return torch.where(local, inp.topk_weights[s][i], 0.0)
 
 
 @dataclass

@@ -56,6 +56,8 @@ def _opcheck(buf: moe_ep.Buffer, fp8_buf: moe_ep.Buffer, g: torch.Generator) -> 
     _, _, _, _, src_rank, _, handle = ops.dispatch(x.detach(), idx, w.detach(), bid, True)
     y = _randn(g, dev, src_rank.shape[0], buf.cfg.hidden).to(torch.bfloat16).requires_grad_()
     torch.library.opcheck(torch.ops.moe_ep.combine.default, (y, handle, 7, bid))
+    torch.library.opcheck(torch.ops.moe_ep.combine_with_weights.default,
+                          (y.detach(), _randn(g, dev, src_rank.shape[0], TOPK), handle, 7, bid))
     torch.library.opcheck(torch.ops.moe_ep.cached_dispatch.default,
                           (x.detach(), handle, src_rank.shape[0], bid))
     torch.library.opcheck(torch.ops.moe_ep.low_latency_dispatch.default, (x.detach(), idx, bid, False, False),

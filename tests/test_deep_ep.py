@@ -16,10 +16,12 @@ from tests._dist import requires_gpus, run_workers
 from tests.oracle import (
     Inputs,
     expected_combine,
+    expected_combine_weights,
     expected_dispatch,
     expected_layout,
     expected_low_latency_combine,
     expected_low_latency_dispatch,
+    local_weights,
     make_inputs,
     owners,
 )
@@ -90,18 +92,10 @@ def _weights_back(recv_weights: torch.Tensor, me: int) -> torch.Tensor:
     return recv_weights + (me + 1)
 
 
-def _expected_weights(inp: Inputs, me: int, world: int, experts: int) -> torch.Tensor:
-    """Float32 sum over the receiving ranks in ascending order of _weights_back of their rows."""
-    num_local = experts // world
-    n, k = inp.topk_idx[me].shape
-    out = torch.zeros(n, k)
-    for i, row in enumerate(inp.topk_idx[me].tolist()):
-        acc = torch.zeros(k)
-        for r in sorted(owners(row, num_local)):
-            local = torch.tensor([e >= 0 and e // num_local == r for e in row])
-            acc = acc + (torch.where(local, inp.topk_weights[me][i], 0.0) + (r + 1))
-        out[i] = acc
-    return out
+def _expected_weights(inp: Inputs, me: int, world: int, experts: int, per_node: int) -> torch.Tensor:
+    """moe_ep's combine order (two levels across nodes), in float32, of _weights_back of the rows."""
+    return expected_combine_weights(inp, me, world, experts,
+                                    lambda r, s, i: local_weights(inp, r, s, i, experts, world) + (r + 1), per_node)
 
 
 def _row_back(inp: Inputs):
@@ -143,7 +137,7 @@ def _check_normal(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts
         event.current_stream_wait()
     summed = expected_combine(inp, me, world, experts, _row_back(inp), per_node)
     assert _same(out, (summed.float() + b0.float() + b1.float()).to(torch.bfloat16))
-    assert _same(out_w, _expected_weights(inp, me, world, experts))
+    assert _same(out_w, _expected_weights(inp, me, world, experts, per_node))
     out, out_w, _ = buf.combine(y, handle, bias=b0.to(dev))
     assert out_w is None and _same(out, (summed.float() + b0.float()).to(torch.bfloat16))
 
@@ -211,7 +205,7 @@ def _check_worst(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts:
         weights_back = torch.randn(recv_w.shape, device=dev)
         weights_back[:m] = _weights_back(recv_w[:m], me)
         out, out_w, _ = buf.combine(y, handle, topk_weights=weights_back)
-        assert _same(out, summed) and _same(out_w, _expected_weights(inp, me, world, experts))
+        assert _same(out, summed) and _same(out_w, _expected_weights(inp, me, world, experts, per_node))
         cached, *_ = buf.dispatch(x, handle=handle)
         assert cached.shape[0] == worst and _same(cached[:m], want.x)
     if dev.type == "cuda":

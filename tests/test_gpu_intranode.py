@@ -8,8 +8,10 @@ include 2880 (not a multiple of 128), K runs 1 / 8 / 16, routings include -1 ent
 and every token on one expert; FP8 dispatch, expert_alignment, worst-case mode and several SM
 budgets are covered. Before each native call the caching allocator's free blocks and the native
 Buffer's symmetric workspace are poisoned, so rows or metadata a call fails to write cannot pass.
-Then 1000 calls with changing inputs compared by hashes, a CUDA graph of a worst-case dispatch +
-combine replayed 20 times with fresh inputs, and a timeout that names its phase.
+Combines also run with topk_weights (random magnitudes and signs, some -0.0): rows and combined
+weights bitwise equal. Then 1000 calls with changing inputs compared by hashes, a CUDA graph of a
+worst-case dispatch + combine (with and without weights) replayed 20 times with fresh inputs, a
+dispatch timeout that names its phase, and a combine timeout that leaves NaN rows and weights.
 
 Everything runs three times: with the two GPUs as one node (the NVLink kernels); with
 ranks_per_node=1, where the two GPUs are two "nodes" and every byte between them goes through the
@@ -95,6 +97,15 @@ GRAPH_SHAPE = (2048, 16, 8, 128)
 # ---- inputs -----------------------------------------------------------------------------------
 def _x(n: int, hidden: int, g: torch.Generator) -> torch.Tensor:
     return (torch.randn(n, hidden, generator=g, device="cuda") * 2).to(torch.bfloat16)
+
+
+def _w(m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Weights a combine returns with its rows: float32 of random signs and magnitudes (2^-12..2^12),
+    every 7th -0.0 (a sum that starts from +0.0 turns it into +0.0)."""
+    w = torch.randn(m, k, generator=g, device="cuda") * torch.exp2(torch.randint(-12, 13, (m, k), generator=g,
+                                                                                device="cuda").float())
+    w.view(-1)[::7] = -0.0
+    return w
 
 
 def _payload(x: torch.Tensor, use_fp8: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -184,10 +195,16 @@ def _run_case(nat: moe_ep.Buffer, ref: moe_ep.Buffer, shape, case: Case, rank: i
     _same_dispatch(got, want, f"{what}: dispatch")
 
     m = want.x.shape[0]
-    y = _x(m, hidden, g)
+    y, wy = _x(m, hidden, g), _w(m, k, g)  # padding rows' weights (worst case) must be ignored
     _poison_workspace(nat)
     _poison_allocator()
     _same(nat.combine(y, got.handle, num_sms=case.num_sms), ref.combine(y, want.handle), f"{what}: combine")
+    _poison_workspace(nat)
+    _poison_allocator()
+    got_y, got_w = nat.combine(y, got.handle, topk_weights=wy, num_sms=case.num_sms)
+    want_y, want_w = ref.combine(y, want.handle, topk_weights=wy)
+    _same(got_y, want_y, f"{what}: combine with weights: rows")
+    _same(got_w, want_w, f"{what}: combine with weights: weights")
 
     # combine's backward: a cached dispatch of another tensor, bf16 or FP8 like the original
     grad, grad_scales = _payload(_x(n, hidden, g), case.fp8)
@@ -205,9 +222,10 @@ def _run_case(nat: moe_ep.Buffer, ref: moe_ep.Buffer, shape, case: Case, rank: i
                          async_op=True, **kw)
     got_a.event.wait()
     _same_dispatch(got_a, want, f"{what}: async dispatch")
-    out_a, event = nat.combine(y, got_a.handle, async_op=True, previous_event=got_a.event)
+    out_a, w_a, event = nat.combine(y, got_a.handle, topk_weights=wy, async_op=True, previous_event=got_a.event)
     event.wait()
-    _same(out_a, ref.combine(y, want.handle), f"{what}: async combine")
+    _same(out_a, want_y, f"{what}: async combine: rows")
+    _same(w_a, want_w, f"{what}: async combine: weights")
 
 
 # ---- stress: many calls, changing inputs, hashes ------------------------------------------------
@@ -237,7 +255,7 @@ def _stress(rank: int, topo: dict) -> None:
     routings = ["random", "skewed", "random", "one_expert", "none"]
     with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **common) as nat, \
             moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
-        diffs = torch.zeros(STRESS_CALLS, 3, dtype=torch.int64, device="cuda")
+        diffs = torch.zeros(STRESS_CALLS, 4, dtype=torch.int64, device="cuda")
         for it in range(STRESS_CALLS):
             use_fp8, worst = it % 3 == 1, it % 4 == 3
             sms = int(torch.randint(1, 33, (1,), generator=shared))
@@ -250,13 +268,20 @@ def _stress(rank: int, topo: dict) -> None:
             want = ref.dispatch(xin, idx, w, x_scales=scales, worst_case=worst)
             diffs[it, 0] = (_dispatch_hash(got) != _dispatch_hash(want)).sum()
             y = _x(want.x.shape[0], hidden, g)
-            diffs[it, 1] = _hash(nat.combine(y, got.handle, num_sms=sms)) - _hash(ref.combine(y, want.handle))
+            if it % 2:  # with weights
+                wy = _w(want.x.shape[0], k, g)
+                (got_y, got_w), (want_y, want_w) = (nat.combine(y, got.handle, topk_weights=wy, num_sms=sms),
+                                                    ref.combine(y, want.handle, topk_weights=wy))
+                diffs[it, 3] = _hash(got_w) != _hash(want_w)
+            else:
+                got_y, want_y = nat.combine(y, got.handle, num_sms=sms), ref.combine(y, want.handle)
+            diffs[it, 1] = _hash(got_y) - _hash(want_y)
             if it % 5 == 0:
                 grad = _x(n, hidden, g)
                 diffs[it, 2] = (_dispatch_hash(nat.dispatch(grad, handle=got.handle, num_sms=sms))
                                 != _dispatch_hash(ref.dispatch(grad, handle=want.handle))).sum()
         bad = diffs.any(1).nonzero().flatten().tolist()
-        assert not bad, f"stress: calls {bad[:10]} differ from the reference (dispatch, combine, cached): " \
+        assert not bad, f"stress: calls {bad[:10]} differ from the reference (dispatch, combine, cached, weights): " \
                         f"{diffs[bad[:10]].tolist()}"
 
 
@@ -278,7 +303,7 @@ def _graph(rank: int, topo: dict) -> None:
     def step(buf: moe_ep.Buffer):
         res = buf.dispatch(x, idx, w, worst_case=True, expert_alignment=4)
         y = (res.x.float() * 1.5 - 0.25).to(torch.bfloat16)
-        return res, buf.combine(y, res.handle)
+        return res, buf.combine(y, res.handle), buf.combine(y, res.handle, topk_weights=res.topk_weights * 3 - 1)
 
     with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **common) as nat, \
             moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
@@ -292,14 +317,16 @@ def _graph(rank: int, topo: dict) -> None:
         dist.barrier()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            got, out = step(nat)
+            got, out, (out_y, out_w) = step(nat)
         for replay in range(GRAPH_REPLAYS):
             refill(["random", "skewed", "one_expert", "none"][replay % 4])
             graph.replay()
-            want, want_out = step(ref)
+            want, want_out, (want_y, want_w) = step(ref)
             what = f"graph replay {replay}"
             _same_dispatch(got, want, what)
             _same(out, want_out, f"{what}: combine")
+            _same(out_y, want_y, f"{what}: combine with weights: rows")
+            _same(out_w, want_w, f"{what}: combine with weights: weights")
 
 
 # ---- timeout ----------------------------------------------------------------------------------
@@ -313,6 +340,26 @@ def _timeout(rank: int, topo: dict) -> None:
                 buf.dispatch(torch.ones(4, 256, dtype=torch.bfloat16, device="cuda"), idx,
                              torch.ones(4, 2, device="cuda"))
             assert (err.value.rank, err.value.peer) == (0, 1)
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
+def _combine_timeout(rank: int, topo: dict) -> None:
+    """Rank 0 combines alone (with weights): its start barrier gives up, names the silent peer, and
+    every output row and combined weight is NaN, so nothing downstream takes them for results."""
+    with moe_ep.Buffer(dist.group.WORLD, hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=16,
+                       backend="nvshmem", timeout_s=1.0, **topo) as buf:
+        idx = torch.tensor([[0, 5]] * 4, device="cuda")
+        res = buf.dispatch(torch.ones(4, 256, dtype=torch.bfloat16, device="cuda"), idx,
+                           torch.ones(4, 2, device="cuda"))
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:
+            out, out_w, event = buf.combine(res.x, res.handle, topk_weights=res.topk_weights, async_op=True)
+            with pytest.raises(moe_ep.CommTimeoutError) as err:
+                event.synchronize()
+            assert (err.value.rank, err.value.peer) == (0, 1)
+            assert torch.isnan(out.float()).all() and torch.isnan(out_w).all(), "a failed combine left values"
         torch.cuda.synchronize()
         dist.barrier()
 
@@ -343,7 +390,7 @@ def _worker(rank: int, world: int, topo: dict) -> None:
             for case in SHAPES[shape]:
                 _run_case(nat, ref, shape, case, rank)
         internode.EAGER_OUTPUT_BYTES = eager
-    for part in (_stress, _graph, _timeout):
+    for part in (_stress, _graph, _timeout, _combine_timeout):
         if rank == 0:
             print(f"{label} {part.__name__.strip('_')}", flush=True)
         part(rank, topo)

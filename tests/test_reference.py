@@ -10,10 +10,12 @@ from moe_ep import fp8
 from tests._dist import run_workers
 from tests.oracle import (
     expected_combine,
+    expected_combine_weights,
     expected_dispatch,
     expected_layout,
     expected_low_latency_combine,
     expected_low_latency_dispatch,
+    local_weights,
     make_inputs,
 )
 
@@ -33,7 +35,37 @@ CASES = {
 }
 
 
-def _check_normal(buf: moe_ep.Buffer, inp, me: int, world: int, num_experts: int, alignment: int) -> None:
+def _weight_transform(seed: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per receiving rank r: the weights it returns for a row are w * scale[r] + shift[r] in float32;
+    random magnitudes and signs, so the order of the float32 sums shows in the bits."""
+    g = torch.Generator().manual_seed(seed + 2000)
+    sign = torch.where(torch.rand(world, generator=g) < 0.5, -1.0, 1.0)
+    return sign * (0.1 + 8 * torch.rand(world, generator=g)), torch.randn(world, generator=g) * 3
+
+
+def _check_combine_weights(buf: moe_ep.Buffer, inp, got, me: int, world: int, num_experts: int, seed: int) -> None:
+    """combine with topk_weights: the rows as without them, and the weights against the two-level oracle
+    (the Buffer's ranks_per_node); worst-case padding rows carry NaN weights, which must be ignored."""
+    scale, shift = _weight_transform(seed, world)
+    valid = (got.src_rank >= 0).unsqueeze(1)
+    w_back = torch.where(valid, got.topk_weights * scale[me] + shift[me], float("nan"))
+    y = torch.where(valid, got.x, torch.full_like(got.x, float("nan")))
+    out, out_w = buf.combine(y, got.handle, topk_weights=w_back)
+    assert torch.equal(out.view(torch.int16), buf.combine(y, got.handle).view(torch.int16))  # rows unchanged
+    out_async, out_w_async, event = buf.combine(y, got.handle, topk_weights=w_back, async_op=True)
+    event.wait()
+    assert torch.equal(out_async.view(torch.int16), out.view(torch.int16))
+
+    def weights_of(r: int, s: int, i: int) -> torch.Tensor:
+        return local_weights(inp, r, s, i, num_experts, world) * scale[r] + shift[r]
+
+    want = expected_combine_weights(inp, me, world, num_experts, weights_of, ranks_per_node=buf.ranks_per_node)
+    assert out_w.dtype == torch.float32 and out_w.shape == want.shape
+    assert torch.equal(out_w.view(torch.int32), want.view(torch.int32)), "combined weights"
+    assert torch.equal(out_w_async.view(torch.int32), want.view(torch.int32)), "combined weights (async)"
+
+
+def _check_normal(buf: moe_ep.Buffer, inp, me: int, world: int, num_experts: int, alignment: int, seed: int) -> None:
     x, idx, w = inp.x[me], inp.topk_idx[me], inp.topk_weights[me]
     want_rank, want_expert, want_mask = expected_layout(inp, me, world, num_experts)
     layout = buf.get_dispatch_layout(idx)
@@ -66,6 +98,7 @@ def _check_normal(buf: moe_ep.Buffer, inp, me: int, world: int, num_experts: int
     visits = want_mask.sum(1, keepdim=True).float()
     want_back = x.float() * visits + 0.0  # + 0.0: a token that went nowhere sums to +0, not -0
     assert torch.equal(back.view(torch.int16), want_back.to(torch.bfloat16).view(torch.int16))
+    _check_combine_weights(buf, inp, got, me, world, num_experts, seed)
 
     # cached dispatch (combine's backward) of another tensor follows the same layout
     grads = [(torch.randn(t.shape, generator=torch.Generator().manual_seed(s)) * 3).to(torch.bfloat16)
@@ -78,7 +111,7 @@ def _check_normal(buf: moe_ep.Buffer, inp, me: int, world: int, num_experts: int
     assert torch.equal(cached.x.view(torch.int16), want_grad.view(torch.int16))
 
 
-def _check_worst_case(buf: moe_ep.Buffer, inp, me: int, world: int, num_experts: int, t: int) -> None:
+def _check_worst_case(buf: moe_ep.Buffer, inp, me: int, world: int, num_experts: int, t: int, seed: int) -> None:
     x, idx, w = inp.x[me], inp.topk_idx[me], inp.topk_weights[me]
     want = expected_dispatch(inp, me, world, num_experts)
     got = buf.dispatch(x, idx, w, worst_case=True)
@@ -98,6 +131,7 @@ def _check_worst_case(buf: moe_ep.Buffer, inp, me: int, world: int, num_experts:
     back = buf.combine(y, got.handle)
     visits = expected_layout(inp, me, world, num_experts)[2].sum(1, keepdim=True).float()
     assert torch.equal(back.view(torch.int16), (x.float() * visits + 0.0).to(torch.bfloat16).view(torch.int16))
+    _check_combine_weights(buf, inp, got, me, world, num_experts, seed)
 
 
 def _check_fp8(buf: moe_ep.Buffer, inp, me: int, world: int, num_experts: int) -> None:
@@ -156,8 +190,8 @@ def _semantics_worker(rank: int, world: int) -> None:
             assert buf.backend_name == "reference"
             try:
                 for alignment in (1, 4):
-                    _check_normal(buf, inp, rank, world, experts, alignment)
-                _check_worst_case(buf, inp, rank, world, experts, t)
+                    _check_normal(buf, inp, rank, world, experts, alignment, seed)
+                _check_worst_case(buf, inp, rank, world, experts, t, seed)
                 if hidden % 128 == 0:
                     _check_fp8(buf, inp, rank, world, experts)
                 _check_low_latency(buf, inp, rank, world, experts, t)

@@ -14,7 +14,14 @@ import moe_ep
 from moe_ep import _native, topology
 from moe_ep.buffer import auto_backend
 from tests._dist import run_workers
-from tests.oracle import expected_combine, expected_dispatch, expected_layout, make_inputs
+from tests.oracle import (
+    expected_combine,
+    expected_combine_weights,
+    expected_dispatch,
+    expected_layout,
+    local_weights,
+    make_inputs,
+)
 
 WORLD = 4
 # (seed, tokens per rank, hidden, experts, topk, routing, max_tokens_per_rank): -1 entries
@@ -36,8 +43,9 @@ def _row_transform(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return sign * (0.25 + 4 * torch.rand(WORLD, generator=g)), 3 * torch.randn(WORLD, generator=g)
 
 
-def _check_combine(buf: moe_ep.Buffer, inp, me: int, experts: int, seed: int, worst_case: bool) -> int:
-    """Combine against the two-level oracle; returns how many outputs differ from the flat sum."""
+def _check_combine(buf: moe_ep.Buffer, inp, me: int, experts: int, seed: int, worst_case: bool) -> tuple[int, int]:
+    """Combine (rows, and topk_weights with them) against the two-level oracle; returns how many
+    output values (rows, weights) differ from the flat sum."""
     scale, shift = _row_transform(seed)
     x, idx, w = inp.x[me], inp.topk_idx[me], inp.topk_weights[me]
     got = buf.dispatch(x, idx, w, worst_case=worst_case)
@@ -47,9 +55,20 @@ def _check_combine(buf: moe_ep.Buffer, inp, me: int, experts: int, seed: int, wo
         assert got.src_rank.tolist() == want.src_rank and got.src_index.tolist() == want.src_index
     y = (got.x.float() * scale[me] + shift[me]).to(torch.bfloat16)
     out = buf.combine(y, got.handle)
+    out_rows, out_w = buf.combine(y, got.handle, topk_weights=got.topk_weights * scale[me] + shift[me])
+    assert torch.equal(out_rows.view(torch.int16), out.view(torch.int16))
 
     def row_of(r: int, s: int, i: int) -> torch.Tensor:
         return (inp.x[s][i].float() * scale[r] + shift[r]).to(torch.bfloat16)
+
+    def weights_of(r: int, s: int, i: int) -> torch.Tensor:
+        return local_weights(inp, r, s, i, experts, WORLD) * scale[r] + shift[r]
+
+    want_w = expected_combine_weights(inp, me, WORLD, experts, weights_of, ranks_per_node=buf.ranks_per_node)
+    assert torch.equal(out_w.view(torch.int32), want_w.view(torch.int32)), "combined weights"
+    flat_w = expected_combine_weights(inp, me, WORLD, experts, weights_of)
+    if buf.ranks_per_node in (1, WORLD):
+        assert torch.equal(out_w.view(torch.int32), flat_w.view(torch.int32)), "combined weights: flat rule"
 
     want = expected_combine(inp, me, WORLD, experts, row_of, ranks_per_node=buf.ranks_per_node)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
@@ -58,11 +77,13 @@ def _check_combine(buf: moe_ep.Buffer, inp, me: int, experts: int, seed: int, wo
         assert torch.equal(out.view(torch.int16), flat.view(torch.int16))
     nowhere = ~expected_layout(inp, me, WORLD, experts)[2].any(dim=1)
     assert (out[nowhere].view(torch.int16) == 0).all()  # +0.0 for tokens that went nowhere
-    return int((out.view(torch.int16) != flat.view(torch.int16)).sum())
+    assert (out_w[nowhere].view(torch.int32) == 0).all()
+    return (int((out.view(torch.int16) != flat.view(torch.int16)).sum()),
+            int((out_w.view(torch.int32) != flat_w.view(torch.int32)).sum()))
 
 
 def _combine_worker(rank: int, world: int) -> None:
-    differs = 0
+    differs = torch.zeros(2, dtype=torch.int64)  # rows, weights
     for seed, tokens, hidden, experts, topk, routing, t in CASES:
         inp = make_inputs(seed, tokens, hidden, experts, topk, routing)
         for ranks_per_node in (2, 1, 4):
@@ -73,12 +94,12 @@ def _combine_worker(rank: int, world: int) -> None:
                 try:
                     for worst_case in (False, True):
                         n = _check_combine(buf, inp, rank, experts, seed, worst_case)
-                        differs += n if ranks_per_node == 2 else 0
+                        differs += torch.tensor(n) if ranks_per_node == 2 else 0
                 except AssertionError as e:
                     raise AssertionError(f"case seed={seed} ranks_per_node={ranks_per_node} rank={rank}: {e}") from e
-    total = torch.tensor([differs])
-    dist.all_reduce(total)
-    assert total.item() > 0, "2 nodes x 2 gave the flat sum everywhere: the cases do not test the two levels"
+    dist.all_reduce(differs)
+    assert (differs > 0).all(), \
+        f"2 nodes x 2 gave the flat sum everywhere (rows, weights differ: {differs.tolist()}): the cases do not test the two levels"
 
 
 def _detection_worker(rank: int, world: int) -> None:

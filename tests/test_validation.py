@@ -197,6 +197,24 @@ def test_combine_rows_mismatch(buf):
         buf.combine(got.x[:4].contiguous(), got.handle)
 
 
+def test_combine_weights_checked(buf):
+    x, idx, w = _inputs()
+    got = buf.dispatch(x, idx, w)
+    cases = [
+        (got.topk_weights.double(), TypeError, "topk_weights must have dtype torch.float32"),
+        (got.topk_weights[:4].contiguous(), ValueError, r"topk_weights must have shape \[5, 4\]"),
+        (torch.zeros(5, K + 1), ValueError, r"topk_weights must have shape \[5, 4\]"),
+        (torch.zeros(K, 5).t(), ValueError, "topk_weights must be contiguous"),
+        (torch.zeros(5 * K + 1)[1:].view(5, K), ValueError, "topk_weights must start at a 16-byte aligned address"),
+        ("w", TypeError, "topk_weights must be a torch.Tensor"),
+    ]
+    for bad, error, match in cases:
+        with pytest.raises(error, match=match):
+            buf.combine(got.x, got.handle, topk_weights=bad)
+    out, out_w = buf.combine(got.x, got.handle, topk_weights=got.topk_weights)
+    assert out.shape == (5, H) and out_w.shape == (5, K) and out_w.dtype == torch.float32
+
+
 def test_cached_dispatch_takes_no_topk(buf):
     x, idx, w = _inputs()
     got = buf.dispatch(x, idx, w)

@@ -1,5 +1,7 @@
 // Combine: each received row goes back to the rank it came from, which sums a token's rows in
 // float32 in ascending rank order (from +0.0, one rounding to bf16), bit for bit like the reference.
+// With topk_weights, each row's K float32 weights travel with it and are summed in the same order,
+// in float32 from +0.0, never rounded.
 //
 // Protocol (grid = num_blocks blocks of kThreads; same stream as the dispatch that made the handle).
 // epoch = epochs[kSigCombineDone] + 1 numbers this call's row flags. W = Tuning::send_warps,
@@ -10,22 +12,27 @@
 //  1. Send (warps 0..W-1 of every block). Sending warp w owns received rows w, w + W', ...
 //     (W' = W * grid), reading src_rank / src_index of its next row one row ahead: a row from peer
 //     s = src_rank[j] (padding rows, src_rank -1, and this rank's own rows are skipped) is stored, U
-//     int4 per lane in flight, into row i = src_index[j] of slot [me] of s's data region (NVLink).
-//     Its flag, [combine][me][i] at s, joins the warp's pending flags (shared memory); once G are
-//     pending (and at the end) the warp publishes them: __syncwarp, one fence.acq_rel.sys, then
-//     relaxed stores of `epoch` (intranode.h "Row flags").
+//     int4 per lane in flight, into row i = src_index[j] of slot [me] of s's data region (NVLink);
+//     with weights, lanes k < K (having loaded topk_weights[j][k] before the row) store them into
+//     row i of slot [me] of s's weights region. The row's flag, [combine][me][i] at s, joins the
+//     warp's pending flags (shared memory); once G are pending (and at the end) the warp publishes
+//     them: __syncwarp, one fence.acq_rel.sys, then relaxed stores of `epoch` (intranode.h "Row
+//     flags"), so a flag is raised only after its row and its weights.
 //  2. Reduce (the other warps from the start, the sending warps once their rows are done). Warps take
 //     runs of B tokens [kB, kB + B) of this rank from a grid-wide counter. Per token i: lane r < R
 //     reads is_token_in_rank[i][r]; lanes of peer sources wait for their row flag to reach `epoch`
-//     (wait_geq; __syncwarp hands the order to the whole warp). Then, chunk by chunk, the warp adds
-//     rank r's row for r ascending (own: x[first[me] + pos[i][me]]; peer: data slot [r] row i, read
-//     through L2) into float32 accumulators with __fadd_rn (never contracted), rounds once with
-//     __float2bfloat16_rn and stores out[i]. Tokens that went nowhere get +0.
+//     (wait_geq; __syncwarp hands the order to the whole warp). With weights, lane k < K first sums
+//     rank r's weight k for r ascending (own: topk_weights[first[me] + pos[i][me]]; peer: weights
+//     slot [r] row i, read through L2) in float32 from +0.0 with __fadd_rn and stores
+//     out_topk_weights[i][k], unrounded. Then, chunk by chunk, the warp adds rank r's row for r
+//     ascending (own: x[first[me] + pos[i][me]]; peer: data slot [r] row i, read through L2) into
+//     float32 accumulators with __fadd_rn (never contracted), rounds once with __float2bfloat16_rn
+//     and stores out[i]. Tokens that went nowhere get +0 (rows and weights).
 //  3. arrive_last: the last block resets the work counter and advances the device epochs.
 // A timeout ends the waiting: the warp that gave up (and every warp of a block whose start barrier
-// gave up) writes NaN over the rest of its tokens and keeps taking work items only to write NaN, so
-// the failed call's output holds no row that looks valid; every block still arrives, so epochs stay
-// in step.
+// gave up) writes NaN over the rest of its tokens (rows and weights) and keeps taking work items only
+// to write NaN, so the failed call's output holds no row that looks valid; every block still
+// arrives, so epochs stay in step.
 #include <cuda_bf16.h>
 
 #include "kernels/intranode.h"
@@ -37,21 +44,28 @@ namespace {
 
 constexpr int kReduceUnroll = 2;  // int4 positions per lane per reduction step (8 floats each)
 
-// Row j of x back to its source rank s, at row i of slot [me] of s's data region.
+// Row j of x back to its source rank s, at row i of slot [me] of s's data region, and with weights
+// (lanes k < K) its weights at row i of slot [me] of s's weights region.
 template <int kU>
 __device__ __forceinline__ void send_row(const DeviceContext& ctx, const CombineArgs& a, int j, int s, int i,
                                          int lane) {
-  const int me = ctx.comm.rank, row_bytes = 2 * ctx.dims.hidden;
+  const int me = ctx.comm.rank, row_bytes = 2 * ctx.dims.hidden, K = ctx.dims.num_topk;
+  const bool weighs = a.with_weights && lane < K;
+  const float weight = weighs ? __ldg(reinterpret_cast<const float*>(a.topk_weights) + (size_t)j * K + lane) : 0.f;
   const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + (size_t)j * row_bytes);
   int4* dst = reinterpret_cast<int4*>(ctx.region(s, ctx.ws.data) + me * ctx.ws.slot_bytes + (size_t)i * row_bytes);
   warp_copy<kU>(src, row_bytes / 16, lane, LoadNc{}, 1u, [dst](int) { return dst; });
+  if (weighs)
+    reinterpret_cast<float*>(ctx.region(s, ctx.ws.weights))[((size_t)me * ctx.dims.max_tokens + i) * K + lane] = weight;
 }
 
-// out[i] = bf16(sum over the ranks r that received token i, ascending, of float(their row)).
+// out[i] = bf16(sum over the ranks r that received token i, ascending, of float(their row)), and with
+// weights out_topk_weights[i] = the float32 sum of their weight rows in the same order.
 // Returns false when a wait for a peer's row gave up.
 __device__ __forceinline__ bool reduce_token(const DeviceContext& ctx, const CombineArgs& a, int i, uint64_t epoch,
                                              int lane) {
   const int me = ctx.comm.rank, R = ctx.comm.nranks, row_bytes = 2 * ctx.dims.hidden, vecs = row_bytes / 16;
+  const int K = ctx.dims.num_topk;
   const bool sent = lane < R && reinterpret_cast<const bool*>(a.is_token_in_rank)[(size_t)i * R + lane];
   const unsigned sources = __ballot_sync(kFullMask, sent);
   bool ok = true;
@@ -59,16 +73,27 @@ __device__ __forceinline__ bool reduce_token(const DeviceContext& ctx, const Com
   __syncwarp();
   if (!__all_sync(kFullMask, ok)) return false;
 
-  const char* row = nullptr;  // lane r: rank r's row for token i
+  // lane r: rank r's row for token i and, with weights, its weight row; nullptr where r did not receive i
+  const char* row = nullptr;
+  const float* weights = nullptr;
   if (sent) {
-    if (lane == me) {
-      const int first_mine = reinterpret_cast<const int*>(a.recv_info)[R + me];
-      const int p = reinterpret_cast<const int*>(a.pos)[(size_t)i * R + me];
-      row = reinterpret_cast<const char*>(a.x) + ((size_t)first_mine + p) * row_bytes;
-    } else {
-      row = ctx.region(me, ctx.ws.data) + lane * ctx.ws.slot_bytes + (size_t)i * row_bytes;
-    }
+    const bool own = lane == me;
+    // own: row first[me] + pos[i][me] of x (and topk_weights); peer: row i of slot r ([R][T] regions)
+    const size_t at = own ? reinterpret_cast<const int*>(a.recv_info)[R + me] +
+                                (size_t)reinterpret_cast<const int*>(a.pos)[(size_t)i * R + me]
+                          : (size_t)lane * ctx.dims.max_tokens + i;
+    row = (own ? reinterpret_cast<const char*>(a.x) : ctx.region(me, ctx.ws.data)) + at * row_bytes;
+    if (a.with_weights)
+      weights = (own ? reinterpret_cast<const float*>(a.topk_weights)
+                     : reinterpret_cast<const float*>(ctx.region(me, ctx.ws.weights))) + at * K;
   }
+  if (a.with_weights)
+    warp_sum_weights(reinterpret_cast<float*>(a.out_topk_weights) + (size_t)i * K, R,
+                     [&](int r) {
+                       return reinterpret_cast<const float*>(
+                           __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(weights), r));
+                     },
+                     K, lane);
   int4* out = reinterpret_cast<int4*>(a.out) + (size_t)i * vecs;
   for (int first = 0; first < vecs; first += 32 * kReduceUnroll) {
     float acc[kReduceUnroll][8];
@@ -156,8 +181,11 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
     int i = first;
     for (; ok && i < last; ++i) ok = reduce_token(ctx, a, i, epoch, lane);
     if (ok) continue;
-    for (i = max(i - 1, first); i < last; ++i)  // from the token whose wait gave up
+    for (i = max(i - 1, first); i < last; ++i) {  // from the token whose wait gave up
       for (int k = lane; k < vecs; k += 32) reinterpret_cast<int4*>(a.out)[(size_t)i * vecs + k] = bf16_nan_x8();
+      if (a.with_weights && lane < ctx.dims.num_topk)
+        reinterpret_cast<float*>(a.out_topk_weights)[(size_t)i * ctx.dims.num_topk + lane] = f32_nan();
+    }
   }
 
   // 3. bookkeeping for the next call

@@ -13,16 +13,18 @@
 //   data      [R][T][2H bytes]         dispatch: the rows s sends to d, at the position of each token
 //                                      among s's tokens for d (so slot s is already in final order),
 //                                      packed at the row size (2H bf16, H e4m3); combine: bf16 rows
-//                                      [T][H] that d returns to s, at s's original token index
+//                                      [T][H] that s returns to d, at d's original token index
 //   topk      [R][T][K] int64          dispatch metadata, same positions as the rows: topk_idx as
 //   weights   [R][T][K] float32        local expert ids of d (-1 elsewhere) and weights (0 there),
 //   src_index [R][T] int32             the source token index,
-//   scales    [R][T][H/128] float32    FP8 scales
+//   scales    [R][T][H/128] float32    FP8 scales. A combine with weights uses `weights` too: row i
+//                                      of slot s holds the K weights s returns with its row i
 // Row flags, uint64 [2][R][T]: [0][s][p] is raised by source s once dispatch row p of slot s (and its
-// metadata) has landed, [1][s][i] once combine row i of slot s has; the value is the call's epoch
-// (epoch counters kSigDispatchDone / kSigCombineDone), so flags only grow and are never reset.
-// Dispatch rows and combine rows share `data`: every call starts with a barrier whose signal a rank
-// sends only after its stream finished the previous call, so the two uses never overlap.
+// metadata) has landed, [1][s][i] once combine row i of slot s (and its weights) has; the value is
+// the call's epoch (epoch counters kSigDispatchDone / kSigCombineDone), so flags only grow and are
+// never reset. Dispatch and combine share `data` and `weights`: every call starts with a barrier
+// whose signal a rank sends only after its stream finished the previous call, so the uses never
+// overlap.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -160,6 +162,9 @@ struct CombineArgs {
   uintptr_t recv_info;          // the dispatch's
   int num_tokens;               // N
   uintptr_t out;                // [N, H] bf16
+  bool with_weights;            // the call has weights: topk_weights travel with the rows, their sums
+  uintptr_t topk_weights;       //   go to out_topk_weights (a pointer may be 0 when its tensor is empty)
+  uintptr_t out_topk_weights;   // [M, K] and [N, K] float32
   int num_blocks;
 };
 
@@ -562,6 +567,20 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
     acc[2 * q] = __fadd_rn(acc[2 * q], __uint_as_float(w[q] << 16));
     acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __uint_as_float(w[q] & 0xffff0000u));
   }
+}
+
+// Lane k < num_topk: dst[k] = the float32 sum from +0.0 (__fadd_rn), over i < count ascending, of
+// src(i)[k] for the weight rows src(i) that are not null, read through L2 (another GPU or the NIC
+// wrote them): the combined weights of every normal-mode path, never rounded. Every lane calls
+// src(i) for every i (it may shuffle), so `count` must be warp-uniform.
+template <class Src>
+__device__ __forceinline__ void warp_sum_weights(float* dst, int count, Src src, int num_topk, int lane) {
+  float acc = 0.f;
+  for (int i = 0; i < count; ++i) {
+    const float* w = src(i);
+    if (w != nullptr && lane < num_topk) acc = __fadd_rn(acc, __ldcg(w + lane));
+  }
+  if (lane < num_topk) dst[lane] = acc;
 }
 
 __device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {

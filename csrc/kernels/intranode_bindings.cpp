@@ -156,11 +156,11 @@ class IntranodeContext {
   }
 
   void combine(uintptr_t x, int num_rows, uintptr_t src_rank, uintptr_t src_index, uintptr_t is_token_in_rank,
-               uintptr_t pos, uintptr_t recv_info, int num_tokens, uintptr_t out, int num_blocks,
-               uintptr_t stream) const {
+               uintptr_t pos, uintptr_t recv_info, int num_tokens, uintptr_t out, bool with_weights,
+               uintptr_t topk_weights, uintptr_t out_topk_weights, int num_blocks, uintptr_t stream) const {
     launch_combine(ctx_,
                    CombineArgs{x, num_rows, src_rank, src_index, is_token_in_rank, pos, recv_info, num_tokens, out,
-                               num_blocks},
+                               with_weights, topk_weights, out_topk_weights, num_blocks},
                    stream);
   }
 
@@ -201,7 +201,9 @@ void register_intranode(py::module_& m) {
       .def("host_info", &IntranodeContext::host_info,
            "(rows per source, rows per local expert) written by the last non-worst-case notify.")
       .def("dispatch", &IntranodeContext::dispatch, "Launch the dispatch kernel.")
-      .def("combine", &IntranodeContext::combine, "Launch the combine kernel.")
+      .def("combine", &IntranodeContext::combine,
+           "Launch the combine kernel (with_weights: topk_weights travel with the rows, their sums go to "
+           "out_topk_weights).")
       .def_property_readonly("tuning", &IntranodeContext::tuning_dict,
                              "Kernel tuning in use (MOE_EP_SEND_WARPS, _UNROLL, _FLAG_BATCH, _RECV_RUN).");
 }

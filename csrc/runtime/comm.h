@@ -143,6 +143,8 @@ __device__ __forceinline__ int checked_expert(ErrorState* error, long long v, in
 // Eight bf16 NaNs (0x7fc0) in one int4: written over the output rows of a call whose wait gave up, so
 // nothing downstream mistakes them for results.
 __device__ __forceinline__ int4 bf16_nan_x8() { return make_int4(0x7fc07fc0, 0x7fc07fc0, 0x7fc07fc0, 0x7fc07fc0); }
+// The float32 NaN written over the combined weights of such a call.
+__device__ __forceinline__ float f32_nan() { return __int_as_float(0x7fc00000); }
 
 __device__ __forceinline__ void report_timeout(const Comm& c, int phase, int peer) {
   if (atomicCAS_system(&c.error->code, 0, 1) == 0) {

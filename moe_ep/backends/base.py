@@ -179,10 +179,12 @@ class Backend(abc.ABC):
         x: torch.Tensor,
         handle: DispatchHandle,
         *,
+        topk_weights: Optional[torch.Tensor],
         num_sms: int,
         previous_event: Optional[EventHandle],
         async_op: bool,
-    ) -> tuple[torch.Tensor, Optional[EventHandle]]: ...
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:
+        """Normal-mode combine: (rows [N, H], the combined topk_weights [N, K] or None without them, event)."""
 
     @abc.abstractmethod
     def low_latency_dispatch(

@@ -198,15 +198,15 @@ class InternodeEngine:
         self._error.check()
         return self._ctx.host_info()
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, *, num_sms: int,
-                stream: torch.cuda.Stream) -> torch.Tensor:
-        """Rows back to their sources' forwarders, node partials back to the sources."""
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, out: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                out_topk_weights: Optional[torch.Tensor], *, num_sms: int, stream: torch.cuda.Stream) -> None:
+        """Rows (with their topk_weights, when given) back to their sources' forwarders, node partials back
+        to the sources, summed into out (and out_topk_weights)."""
         state: NodeDispatchState = handle.state
-        out = torch.empty(handle.num_tokens, self.cfg.hidden, dtype=torch.bfloat16, device=self.cfg.device)
         self._ctx.combine(x.data_ptr(), handle.src_index.data_ptr(), state.recv_info.data_ptr(),
                           state.forward_mask.data_ptr(), state.own_row.data_ptr(), state.in_node.data_ptr(),
-                          handle.num_tokens, out.data_ptr(), num_sms, stream.cuda_stream)
-        return out
+                          handle.num_tokens, out.data_ptr(), topk_weights is not None, _ptr(topk_weights),
+                          _ptr(out_topk_weights), num_sms, stream.cuda_stream)
 
     def close(self) -> None:
         """Frees the host-mapped mailbox (the workspace goes with the session)."""

@@ -197,19 +197,22 @@ class NvshmemBackend(Backend):
             tokens_per_expert_raw=state.tokens_per_expert, expert_alignment=expert_alignment,
             tokens_per_expert_tensor=tokens_per_expert_tensor, async_op=async_op, check=self._error.check)
 
-    def combine(self, x, handle, *, num_sms, previous_event, async_op):
+    def combine(self, x, handle, *, topk_weights, num_sms, previous_event, async_op):
+        """One kernel: the rows, and topk_weights when given, travel back together (intranode or cross-node)."""
         cfg = self.cfg
         stream = self._stream(previous_event)
-        if self._internode is not None:
-            out = self._internode.combine(x, handle, num_sms=num_sms, stream=stream)
-            return out, record_event(async_op, cfg.device, self._error.check)
-        state: DispatchState = handle.state
         n = handle.num_tokens
         out = torch.empty(n, cfg.hidden, dtype=torch.bfloat16, device=cfg.device)
-        self._ctx.combine(x.data_ptr(), x.shape[0], handle.src_rank.data_ptr(), handle.src_index.data_ptr(),
-                          handle.is_token_in_rank.data_ptr(), state.pos.data_ptr(), state.recv_info.data_ptr(), n,
-                          out.data_ptr(), num_sms, stream.cuda_stream)
-        return out, record_event(async_op, cfg.device, self._error.check)
+        out_w = None if topk_weights is None else torch.empty(n, cfg.num_topk, dtype=torch.float32, device=cfg.device)
+        if self._internode is not None:
+            self._internode.combine(x, handle, out, topk_weights, out_w, num_sms=num_sms, stream=stream)
+        else:
+            state: DispatchState = handle.state
+            self._ctx.combine(x.data_ptr(), x.shape[0], handle.src_rank.data_ptr(), handle.src_index.data_ptr(),
+                              handle.is_token_in_rank.data_ptr(), state.pos.data_ptr(), state.recv_info.data_ptr(), n,
+                              out.data_ptr(), topk_weights is not None, _ptr(topk_weights), _ptr(out_w), num_sms,
+                              stream.cuda_stream)
+        return out, out_w, record_event(async_op, cfg.device, self._error.check)
 
     # ---- low-latency mode ------------------------------------------------------------------
     def _engine(self) -> Any:

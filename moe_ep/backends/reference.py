@@ -27,19 +27,25 @@ from .base import Backend, align_up, record_event
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """View a [M, ...] tensor as [M, nbytes] uint8 (no copy when contiguous)."""
     row_bytes = t.element_size() * math.prod(t.shape[1:])
-    return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
+    return t.contiguous().view(-1).view(torch.uint8).reshape(t.shape[0], row_bytes)  # view(-1): unit stride
 
 
 def _pack(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, torch.dtype, tuple[int, ...]]]]:
-    """Concatenate per-row byte views; return the packed rows and how to unpack them."""
+    """Concatenate per-row byte views (one part: its view, no copy); return the packed rows and how to
+    unpack them."""
     specs = [(_as_bytes(p).shape[1], p.dtype, tuple(p.shape[1:])) for p in parts]
+    if len(parts) == 1:
+        return _as_bytes(parts[0]), specs
     return torch.cat([_as_bytes(p) for p in parts], dim=1), specs
 
 
 def _unpack(rows: torch.Tensor, specs: list[tuple[int, torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """The parts of packed rows (one part: a view of them, no copy)."""
     out, col = [], 0
     for nbytes, dtype, shape in specs:
-        part = rows[:, col : col + nbytes].clone(memory_format=torch.contiguous_format)  # clone: fresh storage, aligned
+        part = rows[:, col : col + nbytes]
+        if len(specs) > 1:
+            part = part.clone(memory_format=torch.contiguous_format)  # fresh storage, aligned
         out.append(part.view(dtype).reshape(rows.shape[0], *shape))
         col += nbytes
     return out
@@ -170,30 +176,41 @@ class ReferenceBackend(Backend):
             event=record_event(async_op, x.device),
         )
 
-    def combine(self, x, handle, *, num_sms, previous_event, async_op):
-        cfg = self.cfg
+    def combine(self, x, handle, *, topk_weights, num_sms, previous_event, async_op):
         if previous_event is not None:
             previous_event.wait()
         recv_counts = handle.state["recv_counts"]
-        valid = handle.src_rank >= 0
-        rows = x[valid] if handle.worst_case else x
-        mask = handle.is_token_in_rank
-        send_back = mask.sum(0).tolist()
-        back = self._all_to_all_rows(_as_bytes(rows), recv_counts, send_back).view(torch.bfloat16)
-        # Two levels (docs/api.md): per node, a float32 sum over its receiving ranks in ascending
-        # order, rounded to bf16 (what crosses the network); then a float32 sum of those partials
-        # over the receiving nodes in ascending order, rounded once more. Both sums start at +0.0.
+        parts = [x] if topk_weights is None else [x, topk_weights]
+        if handle.worst_case:
+            valid = handle.src_rank >= 0
+            parts = [p[valid] for p in parts]
+        send_back = handle.is_token_in_rank.sum(0).tolist()
+        rows, specs = _pack(parts)
+        back = _unpack(self._all_to_all_rows(rows, recv_counts, send_back), specs)
+        out = self._sum_back(back[0], handle, send_back, round_partials=True).to(torch.bfloat16)
+        weights = self._sum_back(back[1], handle, send_back, round_partials=False) if topk_weights is not None else None
+        return out, weights, record_event(async_op, x.device)
+
+    def _sum_back(self, back: torch.Tensor, handle: DispatchHandle, send_back: list[int],
+                  round_partials: bool) -> torch.Tensor:
+        """float32 [N, C]: each token's returned values summed on two levels (docs/api.md): per node, a
+        float32 sum over its receiving ranks in ascending order (rounded to bf16 with round_partials: a
+        row partial crosses the network as bf16, weights stay float32); then a float32 sum of those
+        partials over the receiving nodes in ascending order. Both sums start at +0.0."""
+        cfg, mask = self.cfg, handle.is_token_in_rank
         starts = [0, *itertools.accumulate(send_back)]  # rows from rank r: back[starts[r] : starts[r + 1]]
-        acc = torch.zeros(handle.num_tokens, cfg.hidden, dtype=torch.float32, device=x.device)
+        acc = torch.zeros(handle.num_tokens, back.shape[1], dtype=torch.float32, device=back.device)
         for node in range(cfg.num_nodes):
             ranks = range(node * cfg.ranks_per_node, (node + 1) * cfg.ranks_per_node)
             partial = torch.zeros_like(acc)
             for r in ranks:
                 idx = mask[:, r].nonzero().squeeze(1)
                 partial[idx] = partial[idx] + back[starts[r] : starts[r + 1]].float()
+            if round_partials:
+                partial = partial.to(torch.bfloat16).float()
             idx = mask[:, ranks.start : ranks.stop].any(dim=1).nonzero().squeeze(1)
-            acc[idx] = acc[idx] + partial[idx].to(torch.bfloat16).float()
-        return acc.to(torch.bfloat16), record_event(async_op, x.device)
+            acc[idx] = acc[idx] + partial[idx]
+        return acc
 
     # ---- low-latency mode -----------------------------------------------------------------
     def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, return_recv_hook):

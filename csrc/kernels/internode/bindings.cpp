@@ -112,10 +112,11 @@ class InternodeContext {
   }
 
   void combine(uintptr_t x, uintptr_t src_index, uintptr_t recv_info, uintptr_t forward_mask, uintptr_t own_row,
-               uintptr_t in_node, int num_tokens, uintptr_t out, int num_blocks, uintptr_t stream) const {
+               uintptr_t in_node, int num_tokens, uintptr_t out, bool with_weights, uintptr_t topk_weights,
+               uintptr_t out_topk_weights, int num_blocks, uintptr_t stream) const {
     launch_combine(ctx_,
-                   CombineArgs{x, src_index, recv_info, forward_mask, own_row, in_node, num_tokens, out,
-                               num_blocks < kMaxChannels ? num_blocks : kMaxChannels},
+                   CombineArgs{x, src_index, recv_info, forward_mask, own_row, in_node, num_tokens, out, with_weights,
+                               topk_weights, out_topk_weights, num_blocks < kMaxChannels ? num_blocks : kMaxChannels},
                    stream);
   }
 
@@ -168,7 +169,9 @@ void register_internode(py::module_& m) {
       .def("host_info", &InternodeContext::host_info,
            "(rows per source, rows per local expert) written by the last non-worst-case notify.")
       .def("dispatch", &InternodeContext::dispatch, "Launch the cross-node dispatch kernel.")
-      .def("combine", &InternodeContext::combine, "Launch the cross-node combine kernel.")
+      .def("combine", &InternodeContext::combine,
+           "Launch the cross-node combine kernel (with_weights: topk_weights travel with the rows, their sums go to "
+           "out_topk_weights).")
       .def_property_readonly("round_tokens", &InternodeContext::round_tokens, "Token slots per round (C).")
       .def_property_readonly("data_offset", &InternodeContext::data_offset,
                              "Workspace offset where the data areas start (the signal words lie before it).");

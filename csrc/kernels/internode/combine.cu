@@ -2,7 +2,10 @@
 // sums the node's rows of a token (float32, ascending local rank, from +0.0, rounded to bf16 once: the
 // node's partial) and puts one partial per (token, node) over the network; the source sums the
 // partials in ascending node order in float32 and rounds once. Bit for bit the reference backend's
-// two-level rule (docs/api.md).
+// two-level rule (docs/api.md). With topk_weights, each row's K float32 weights travel in the same
+// combine slot as the row (internode.h: after its 2H bytes), so the stores, puts and flags that
+// carry a row carry its weights; they are summed in the same order, in float32 throughout (the
+// node's weight partial is not rounded).
 //
 // Protocol (grid = Q blocks of 1024 threads, the same Q on every rank; the same rounds as the dispatch
 // that made the handle; block q is channel q: epoch e = epochs[2] + r + 1, set e & 1, slots
@@ -14,18 +17,22 @@
 //   b. Threads s < R find, by binary search in src_index (ascending inside source s's rows), the
 //      rows of source s whose token lies in this chunk (shared memory). Warps then take those rows
 //      and store each into comb_nvl[set][l][n_s][slot] at the forwarder (n, l_s) of its source
-//      (NVLink), except rows of sources with my local index: I forwarded those myself, and C2 reads
-//      them in place (own_row from the dispatch).
-//   c. After the barrier, threads j < L publish comb_nvl_sig[set][l][q] = e at local rank j (release).
+//      (NVLink), with weights lanes k < K storing topk_weights[row][k] into the same slot, except
+//      rows of sources with my local index: I forwarded those myself, and C2 reads them (and their
+//      weights) in place (own_row from the dispatch).
+//   c. After the barrier, threads j < L publish comb_nvl_sig[set][l][q] = e at local rank j (release:
+//      rows and weights before the flag).
 //  C2 reduce (this rank as the forwarder of node n for local index l):
 //   a. Threads j < L wait until comb_nvl_sig[set][j][q] >= e (acquire); from round 2 on, threads
 //      n_s < N_n wait until comb_credit[n_s][q] >= e - 2 (source (n_s, l) finished reading the
 //      partials of the round that last used this set, so comb_stage and its comb_recv are free;
 //      signal fetch + acquire fence).
 //   b. Warps take (n_s, slot) items whose forward_mask (from the dispatch) is non-zero and sum the
-//      rows of the local ranks in the mask, ascending, into comb_stage[set][n_s][slot] (bf16).
+//      rows of the local ranks in the mask, ascending, into comb_stage[set][n_s][slot] (bf16); with
+//      weights, lanes k < K sum their weights in the same order into the same slot (float32).
 //   c. After the barrier, warps take (n_s, slot) items and put each such partial for another node
-//      to comb_recv[set][n][slot] at (n_s, l) (nvshmemx_putmem_nbi_warp; my own node's partials stay
+//      (the whole combine slot: row and weights, whether or not the call has weights) to
+//      comb_recv[set][n][slot] at (n_s, l) (nvshmemx_putmem_nbi_warp; my own node's partials stay
 //      in comb_stage, where C3 reads them); after the next barrier thread n_s calls nvshmem_fence and
 //      signal-ops comb_recv_sig[set][n][q] = e there (the partials are delivered before the signal),
 //      and threads j < L publish comb_nvl_credit[l][q] = e at local rank j.
@@ -33,7 +40,8 @@
 //   a. Threads n_d < N_n wait until comb_recv_sig[set][n_d][q] >= e (signal fetch + acquire fence).
 //   b. Warp per token t of the chunk: out[t] = bf16(sum over the nodes n_d that received t, in
 //      ascending order, of float(partial)), from +0.0 (tokens that went nowhere get +0); my own
-//      node's partial is read from comb_stage.
+//      node's partial is read from comb_stage. With weights, lanes k < K also set
+//      out_topk_weights[t][k] = the float32 sum from +0.0 of the partials' weight k in the same order.
 //   c. After the barrier threads n_d signal-op comb_credit[n][q] = e at (n_d, l).
 // As in the dispatch no step waits for a later step of any rank. The last block adds the round count
 // to epochs[2] and advances epochs[3]; a timeout leaves the loop and the host raises CommTimeoutError.
@@ -86,14 +94,16 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = comm.nranks, L = ctx.dims.local, Nn = ctx.nodes(), n = ctx.node(), l = ctx.local();
   const int C = ctx.dims.round_tokens, T = ctx.dims.max_tokens, q = blockIdx.x;
-  const size_t row_bytes = 2ull * ctx.dims.hidden;
-  const int vecs = static_cast<int>(row_bytes / 16);
+  const size_t row_bytes = 2ull * ctx.dims.hidden, slot_bytes = ctx.dims.comb_stride();  // x / out rows, comb_* slots
+  const int vecs = static_cast<int>(row_bytes / 16), K = ctx.dims.num_topk, woff = ctx.dims.comb_weights_offset();
   const auto* recv_info = reinterpret_cast<const int*>(a.recv_info);
   const auto* src_index = reinterpret_cast<const int*>(a.src_index);
   const auto* forward_mask = reinterpret_cast<const int*>(a.forward_mask);
   const auto* own_row = reinterpret_cast<const int*>(a.own_row);
   const auto* in_node = reinterpret_cast<const bool*>(a.in_node);
   const char* x = reinterpret_cast<const char*>(a.x);
+  const auto* in_w = reinterpret_cast<const float*>(a.topk_weights);
+  auto* out_w = reinterpret_cast<float*>(a.out_topk_weights);
   const int rounds = recv_info[2 * R + ctx.dims.num_local_experts()];
   const uint64_t base = comm.epochs[2], start_epoch = comm.epochs[3] + 1;
   const Channel ch = my_channel(C);
@@ -122,9 +132,11 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
       if (ls == l) continue;  // I forwarded these rows myself: C2 reads them from x (own_row)
       for (int j = row_begin[s] + warp; j < row_end[s]; j += kWarps) {
         const int k = __ldg(src_index + j) - r * C;
-        const size_t slot = (((size_t)set * L + l) * Nn + ns) * C + k;
-        warp_copy_to_peers(ctx, ctx.ws.comb_nvl + slot * row_bytes,
-                           reinterpret_cast<const int4*>(x + (size_t)j * row_bytes), vecs, 1u << ls, lane);
+        const uint64_t slot = ctx.ws.comb_nvl + ((((size_t)set * L + l) * Nn + ns) * C + k) * slot_bytes;
+        const bool weighs = a.with_weights && lane < K;
+        const float weight = weighs ? __ldg(in_w + (size_t)j * K + lane) : 0.f;
+        warp_copy_to_peers(ctx, slot, reinterpret_cast<const int4*>(x + (size_t)j * row_bytes), vecs, 1u << ls, lane);
+        if (weighs) ctx.at_peer<float>(ls, slot + woff)[lane] = weight;
       }
     }
     __syncthreads();
@@ -142,20 +154,33 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
       const size_t token = (size_t)ns * T + t;
       const unsigned mask = t < T ? static_cast<unsigned>(__ldg(forward_mask + token)) : 0u;
       if (mask == 0) continue;
-      const char* gathered = ctx.at<char>(ctx.ws.comb_nvl);
+      char* stage = ctx.at<char>(ctx.ws.comb_stage) + (((size_t)set * Nn + ns) * C + k) * slot_bytes;
+      // local rank j's slot in comb_nvl (j != l: I read my own rows and weights in place, at own_row)
+      const auto gathered = [&](int j) {
+        return ctx.at<char>(ctx.ws.comb_nvl) + ((((size_t)set * L + j) * Nn + ns) * C + k) * slot_bytes;
+      };
       warp_sum_rows(
-          reinterpret_cast<int4*>(ctx.at<char>(ctx.ws.comb_stage) + (((size_t)set * Nn + ns) * C + k) * row_bytes), L,
+          reinterpret_cast<int4*>(stage), L,
           [&](int j) -> const int4* {
             if (!((mask >> j) & 1u)) return nullptr;
             if (j == l) return reinterpret_cast<const int4*>(x + (size_t)__ldg(own_row + token) * row_bytes);
-            return reinterpret_cast<const int4*>(gathered + ((((size_t)set * L + j) * Nn + ns) * C + k) * row_bytes);
+            return reinterpret_cast<const int4*>(gathered(j));
           },
           vecs, lane);
+      if (a.with_weights)
+        warp_sum_weights(
+            reinterpret_cast<float*>(stage + woff), L,
+            [&](int j) -> const float* {
+              if (!((mask >> j) & 1u)) return nullptr;
+              if (j == l) return in_w + (size_t)__ldg(own_row + token) * K;
+              return reinterpret_cast<const float*>(gathered(j) + woff);
+            },
+            K, lane);
     }
     __syncthreads();
-    put_chunk(ctx.at<char>(ctx.ws.comb_recv) + ((size_t)set * Nn + n) * C * row_bytes,
-              [&](int ns) { return ctx.at<char>(ctx.ws.comb_stage) + ((size_t)set * Nn + ns) * C * row_bytes; },
-              row_bytes, Nn, k0, ch.width, same_local, [&](int ns, int i) {
+    put_chunk(ctx.at<char>(ctx.ws.comb_recv) + ((size_t)set * Nn + n) * C * slot_bytes,
+              [&](int ns) { return ctx.at<char>(ctx.ws.comb_stage) + ((size_t)set * Nn + ns) * C * slot_bytes; },
+              slot_bytes, Nn, k0, ch.width, same_local, [&](int ns, int i) {
                 return ns != n && lo + i < T && __ldg(forward_mask + (size_t)ns * T + lo + i) != 0;
               });
     __syncthreads();
@@ -173,17 +198,24 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
     const int mine = max(0, min(ch.width, a.num_tokens - lo));
     for (int i = warp; i < mine; i += kWarps) {
       const int t = lo + i, k = k0 + i;
-      const char* partials = ctx.at<char>(ctx.ws.comb_recv);
-      const char* own = ctx.at<char>(ctx.ws.comb_stage);  // my node's partials never left this rank
+      // node n_d's partial slot for token t, or nullptr where t did not go to n_d; my node's partials
+      // never left this rank (comb_stage)
+      const auto partial = [&](int nd) -> const char* {
+        if (!in_node[(size_t)t * Nn + nd]) return nullptr;
+        return ctx.at<char>(nd == n ? ctx.ws.comb_stage : ctx.ws.comb_recv) +
+               (((size_t)set * Nn + nd) * C + k) * slot_bytes;
+      };
       warp_sum_rows(
           reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out) + (size_t)t * row_bytes), Nn,
-          [&](int nd) {
-            return in_node[(size_t)t * Nn + nd]
-                       ? reinterpret_cast<const int4*>((nd == n ? own : partials) +
-                                                       (((size_t)set * Nn + nd) * C + k) * row_bytes)
-                       : nullptr;
-          },
-          vecs, lane);
+          [&](int nd) { return reinterpret_cast<const int4*>(partial(nd)); }, vecs, lane);
+      if (a.with_weights)
+        warp_sum_weights(
+            out_w + (size_t)t * K, Nn,
+            [&](int nd) -> const float* {
+              const char* p = partial(nd);
+              return p == nullptr ? nullptr : reinterpret_cast<const float*>(p + woff);
+            },
+            K, lane);
     }
     __syncthreads();
     for (int nd = tid; nd < Nn; nd += kThreads)
@@ -191,12 +223,14 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
                          same_local(nd));
   }
 
-  // After a wait gave up (round r on): NaN over this block's tokens of the rounds it did not finish,
-  // so the failed call's output holds no row that looks valid.
+  // After a wait gave up (round r on): NaN over this block's tokens of the rounds it did not finish
+  // (rows and weights), so the failed call's output holds no row that looks valid.
   for (r = ok ? rounds : r; r < rounds; ++r) {
     const int lo = r * C + ch.first, mine = max(0, min(ch.width, a.num_tokens - lo));
     for (int i = tid; i < mine * vecs; i += kThreads)
       reinterpret_cast<int4*>(a.out)[(size_t)(lo + i / vecs) * vecs + i % vecs] = bf16_nan_x8();
+    if (a.with_weights)
+      for (int i = tid; i < mine * K; i += kThreads) out_w[(size_t)lo * K + i] = f32_nan();
   }
   if (arrive_last(ctx.block_counters + 1)) {
     comm.epochs[2] = base + rounds;

@@ -13,6 +13,8 @@
 // experts. Combine mirrors it: ranks store their rows into the forwarder of the token's source, the
 // forwarder sums them (float32, ascending local rank, rounded to bf16 once: the node's partial) and
 // puts one partial per (token, node) back; the source sums the partials in ascending node order.
+// Weights given to a combine travel in the same slots as their rows (after the row) and are summed
+// in the same order, in float32 throughout (the node's weight partial is not rounded).
 //
 // Rounds and channels bound the memory: a call moves tokens in rounds of C token slots (token t of a
 // source is slot t % C of round t / C, every rank runs ceil(max N / C) rounds), and each round is cut
@@ -46,9 +48,13 @@
 //   send_meta       [2][N_n][C]   RowMeta of my token for destination node n_d
 //   rdma_row/meta   [2][N_n][C]   forwarder: rows + meta from source node n_s (same local index)
 //   nvl_row/meta    [2][L][N_n][C] receiver: rows + meta from forwarder l of source node n_s
-//   comb_nvl        [2][L][N_n][C][2H] forwarder: local rank j's combine row for source node n_s's slot
-//   comb_stage      [2][N_n][C][2H] forwarder: the node partial, staged as the network put source
-//   comb_recv       [2][N_n][C][2H] source: node n_d's partial for my slot
+//   comb_nvl        [2][L][N_n][C][CB] forwarder: local rank j's combine row for source node n_s's slot
+//   comb_stage      [2][N_n][C][CB] forwarder: the node partial, staged as the network put source
+//   comb_recv       [2][N_n][C][CB] source: node n_d's partial for my slot
+// A combine slot (CB bytes, Dims::comb_stride) is the bf16 row (2H), then K float32 weights (at
+// Dims::comb_weights_offset, rounded up to 16 bytes): the row's weights in comb_nvl, their node sum
+// in comb_stage and comb_recv. Only a combine with weights writes or reads them (without, the stale
+// bytes travel with the row, unread).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -96,6 +102,8 @@ struct Dims {
   MOE_EP_HOST_DEVICE int scale_offset() const { return (2 * hidden + 15) / 16 * 16; }                  // FP8 scales inside a staged row
   MOE_EP_HOST_DEVICE int row_stride() const { return scale_offset() + (hidden / 128 * 4 + 15) / 16 * 16; }  // RB
   MOE_EP_HOST_DEVICE int count_stride() const { return (2 + num_local_experts() + 3) / 4 * 4; }                        // CS
+  MOE_EP_HOST_DEVICE int comb_weights_offset() const { return 2 * hidden; }  // in a combine slot (16 | 2H)
+  MOE_EP_HOST_DEVICE int comb_stride() const { return comb_weights_offset() + (num_topk * 4 + 15) / 16 * 16; }  // CB
 };
 
 struct WorkspaceLayout {
@@ -109,7 +117,7 @@ struct WorkspaceLayout {
 // Byte offsets of every area (see the top of this file); depends on every Dims field.
 inline WorkspaceLayout workspace_layout(const Dims& d) {
   const uint64_t R = d.nranks, L = d.local, Nn = d.nodes(), Q = kMaxChannels, C = d.round_tokens;
-  const uint64_t RB = d.row_stride(), M = sizeof(RowMeta), row2 = 2ull * d.hidden, CS = d.count_stride();
+  const uint64_t RB = d.row_stride(), M = sizeof(RowMeta), CB = d.comb_stride(), CS = d.count_stride();
   WorkspaceLayout w{};
   uint64_t at = 0;
   const auto take = [&](uint64_t bytes) {
@@ -135,9 +143,9 @@ inline WorkspaceLayout workspace_layout(const Dims& d) {
   w.rdma_meta = take(2 * Nn * C * M);
   w.nvl_row = take(2 * L * Nn * C * RB);
   w.nvl_meta = take(2 * L * Nn * C * M);
-  w.comb_nvl = take(2 * L * Nn * C * row2);
-  w.comb_stage = take(2 * Nn * C * row2);
-  w.comb_recv = take(2 * Nn * C * row2);
+  w.comb_nvl = take(2 * L * Nn * C * CB);
+  w.comb_stage = take(2 * Nn * C * CB);
+  w.comb_recv = take(2 * Nn * C * CB);
   w.total = at;
   return w;
 }
@@ -218,6 +226,9 @@ struct CombineArgs {
   uintptr_t in_node;            // [N, N_n] bool of the dispatch
   int num_tokens;               // N
   uintptr_t out;                // [N, H] bf16
+  bool with_weights;            // the call has weights: topk_weights travel with the rows, their sums
+  uintptr_t topk_weights;       //   go to out_topk_weights (a pointer may be 0 when its tensor is empty)
+  uintptr_t out_topk_weights;   // [M, K] and [N, K] float32
   int num_blocks;
 };
 
@@ -247,6 +258,7 @@ using intranode::LaneRoute;
 using intranode::round_bf16x8;
 using intranode::warp_copy;
 using intranode::warp_copy_cg;
+using intranode::warp_sum_weights;
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
