@@ -22,8 +22,8 @@
 //   combine scratch  [P * E_l][8][H] bf16     (only with several nodes) rows of a combine send block
 //                                             on their way to ranks of other nodes
 //   signals          [6][R] uint64            entry [slot][src] written only by rank src:
-//     0, 1  dispatch, node peers: blocks of src's send kernel that finished storing here, by parity
-//     2, 3  combine, node peers: the same for the combine send kernel
+//     0, 1  dispatch, node peers: blocks of src's dispatch send half that finished storing here, by parity
+//     2, 3  combine, node peers: the same for the combine send half
 //     4     dispatch, other nodes: the last epoch whose every put from src is complete here
 //     5     combine, other nodes: the same for combine
 #pragma once
@@ -63,41 +63,45 @@ struct LowLatencyParams {
   uint64_t combine_scratch_offset;
   uint64_t signals_offset;
   // private device state
-  uintptr_t done_counters;          // int32[2]: blocks finished in the current send kernel
+  uintptr_t done_counters;          // int32[2]: blocks finished in the current send half
                                     // ([0] dispatch, [1] combine); the last block resets it to 0
   uintptr_t combine_stash;          // int64[T*K] topk ids then float32[T*K] weights, copied at send
-  int blocks_per_expert;            // P: blocks sharing one local expert in the per-expert kernels;
-                                    // the same on every rank (peers count the combine send's blocks)
+  int blocks_per_expert;            // P: blocks sharing one local expert (items of kernel_blocks)
+  int num_sms;                      // SMs of this rank's GPU (kernel_blocks)
 };
 
-constexpr int kMaxDispatchSendBlocks = 1024;
+constexpr int kThreads = 512;  // threads per block of both kernels
 
-// Grid of the dispatch send kernel: one block per token slot up to kMaxDispatchSendBlocks (then
-// blocks take several tokens). Fixed per Buffer and equal on every rank, whatever N is: receivers
-// count these blocks' arrivals.
-inline int dispatch_send_blocks(const LowLatencyParams& p) {
-  return p.max_tokens < kMaxDispatchSendBlocks ? p.max_tokens : kMaxDispatchSendBlocks;
+// Grid of both kernels: one block per (local expert, part) item, P * E_l, but at most two blocks per
+// SM (each kernel's __launch_bounds__(kThreads, 2) makes two fit), so that every block is resident
+// at once: a kernel running both halves waits in its receive half for the send half of every block
+// of every rank, its own included (launched cooperatively, so a grid that cannot be co-resident
+// fails to launch instead of hanging). Blocks loop over items when the grid is smaller. Fixed per
+// Buffer and equal on every rank (the same GPU model): receivers count the senders' block arrivals.
+inline int kernel_blocks(const LowLatencyParams& p) {
+  const int items = p.blocks_per_expert * p.num_local_experts;
+  return items < 2 * p.num_sms ? items : 2 * p.num_sms;
 }
 
-// Dispatch send half: quantise (optionally) and push every token to each rank holding one of its
-// experts; every block then releases its arrival. x [N, H] bf16, topk_idx [N, K] int64.
-void dispatch_send(const LowLatencyParams& p, uintptr_t x, uintptr_t topk_idx, int num_tokens, bool use_fp8,
-                   bool round_scale, uintptr_t stream);
+// Low-latency dispatch, one kernel with two halves; `send` and `receive` pick which run (both: one
+// launch for the whole call; with the receive hook the send launch now and the receive launch in
+// hook()). Send: quantise (optionally) and push every token to each rank holding one of its
+// experts, then release its arrival; x [N, H] bf16, topk_idx [N, K] int64. Receive: wait for every
+// source, expand staged tokens into the expert-major rows: recv_x [E_l, R*T, H] (bf16, or e4m3 when
+// use_fp8), recv_scales [E_l, R*T, H/128] float32 (fp8), src_rank / src_index / src_k [E_l, R*T]
+// int32, count [E_l] int32. Both launches of a call pass the same use_fp8 and round_scale.
+void launch_dispatch(const LowLatencyParams& p, uintptr_t x, uintptr_t topk_idx, int num_tokens, uintptr_t recv_x,
+                     uintptr_t recv_scales, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k, uintptr_t count,
+                     bool use_fp8, bool round_scale, bool send, bool receive, uintptr_t stream);
 
-// Dispatch receive half: wait for every source, expand staged tokens into the expert-major rows.
-// recv_x [E_l, R*T, H] (bf16, or e4m3 when use_fp8), recv_scales [E_l, R*T, H/128] float32 (fp8),
-// src_rank / src_index / src_k [E_l, R*T] int32, count [E_l] int32.
-void dispatch_recv(const LowLatencyParams& p, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t src_rank,
-                   uintptr_t src_index, uintptr_t src_k, uintptr_t count, bool use_fp8, uintptr_t stream);
-
-// Combine send half: push every received row's expert output back to its token's rank.
-// y [E_l, R*T, H] bf16; src_* and count from the dispatch; topk_idx [N, K] int64 and topk_weights
-// [N, K] float32 of this rank's own tokens are stashed for the receive half.
-void combine_send(const LowLatencyParams& p, uintptr_t y, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k,
-                  uintptr_t count, uintptr_t topk_idx, uintptr_t topk_weights, int num_tokens, uintptr_t stream);
-
-// Combine receive half: wait for every rank, then out[n] = bf16(sum_k w[n,k] * row) in ascending k.
-void combine_recv(const LowLatencyParams& p, uintptr_t out, int num_tokens, uintptr_t stream);
+// Low-latency combine, one kernel with two halves as above. Send: push every received row's expert
+// output back to its token's rank; y [E_l, R*T, H] bf16; src_* and count from the dispatch;
+// topk_idx [N, K] int64 and topk_weights [N, K] float32 of this rank's own tokens are stashed for
+// the receive half. Receive: wait for every rank, then out[n] = bf16(sum_k w[n,k] * row) in
+// ascending k; out [N, H] bf16.
+void launch_combine(const LowLatencyParams& p, uintptr_t y, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k,
+                    uintptr_t count, uintptr_t topk_idx, uintptr_t topk_weights, int num_tokens, uintptr_t out,
+                    bool send, bool receive, uintptr_t stream);
 
 }  // namespace ll
 }  // namespace moe_ep
@@ -118,7 +122,7 @@ static_assert(kMaxNodeRanks == kMaxRanks, "low_latency.h kMaxNodeRanks must equa
 // Signal words ([slot][src] in the region's signals area, see the file comment). A call with epoch
 // e uses staging set e & 1 and the node slots of that parity. The node block counters only grow:
 // after epoch e, slot (e & 1) holds G * ((e + 1) / 2) for a source in the node, G being the fixed
-// grid size of the send kernel (the same on every rank: derived from the Buffer's dimensions). The
+// grid size of both kernels (kernel_blocks: the same on every rank). The
 // network words hold epochs, which only grow.
 constexpr int kSigDispatchNode = 0;  // 0, 1
 constexpr int kSigCombineNode = 2;   // 2, 3
@@ -160,6 +164,24 @@ inline void check_launch(const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("moe_ep low-latency ") + what + ": " + cudaGetErrorString(err));
 }
 
+// Launches kernel(args) on kernel_blocks(p) blocks of kThreads, cooperatively (all blocks resident).
+template <typename Args>
+void launch_cooperative(void (*kernel)(Args), const LowLatencyParams& p, const Args& args, uintptr_t stream,
+                        const char* what) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(kernel_blocks(p));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = reinterpret_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args);
+  if (err != cudaSuccess) throw std::runtime_error(std::string("moe_ep low-latency ") + what + ": " + cudaGetErrorString(err));
+  check_launch(what);
+}
+
 __device__ __forceinline__ bool in_node(const Peers& s, int d) {
   return static_cast<unsigned>(d - s.node_first) < static_cast<unsigned>(s.node_ranks);
 }
@@ -174,7 +196,7 @@ __device__ __forceinline__ uint64_t* signal_word(const Peers& s, uint8_t* base, 
   return reinterpret_cast<uint64_t*>(base + s.signals_offset) + static_cast<size_t>(slot) * s.comm.nranks + src;
 }
 
-// Value of a send kernel's node block counter (slot of e's parity) once all `blocks` blocks of every
+// Value of a send half's node block counter (slot of e's parity) once all `blocks` blocks of every
 // epoch <= e with that parity have arrived.
 __device__ __forceinline__ uint64_t arrivals_after(unsigned long long epoch, int blocks) {
   return static_cast<uint64_t>(blocks) * ((epoch + 1) >> 1);
@@ -206,13 +228,13 @@ __device__ __forceinline__ void warp_store_chunk(int4* dst, const int4 (&v)[kCop
   }
 }
 
-// A rank whose data this kernel must skip: masked in fault-tolerant mode (a plain load; in a receive
-// kernel after the block's wait_all_sources, so a rank masked later during the kernel may still be
-// used by it). A send kernel neither writes to nor signals a masked rank: if that rank comes back,
+// A rank whose data a kernel must skip: masked in fault-tolerant mode (a plain load; in a receive
+// half after the block's wait_all_sources, so a rank masked later during the kernel may still be
+// used by it). A send half neither writes to nor signals a masked rank: if that rank comes back,
 // it times out waiting for this one and masks it in turn, instead of reading rows never sent.
 __device__ __forceinline__ bool skip_rank(const Comm& c, int r) { return c.masked != nullptr && c.masked[r] != 0; }
 
-// End of every block of a send kernel. The block joins; then thread 0:
+// End of every block's send half. The block joins; then thread 0:
 //   - with several nodes, nvshmem_quiet(): every put this PE issued so far, so all of this block's,
 //     is complete at its target (NVSHMEM's quiet guarantee; puts by other threads of the block were
 //     issued before the barrier);
@@ -220,8 +242,8 @@ __device__ __forceinline__ bool skip_rank(const Comm& c, int r) { return c.maske
 //     `node_slot` at every rank of the node (a release pattern, cumulative over the barrier: every
 //     thread's NVLink stores to node ranks are performed before the add; one fence per block);
 //   - counts the block done locally. The last block of the grid (it has seen every block's count,
-//     so no block still reads the epoch) publishes `epoch` into epochs[epoch_index] for the receive
-//     kernel that follows in the stream and resets the local counter (send kernels never wait, so
+//     so no block still reads the epoch) publishes `epoch` into epochs[epoch_index] for a receive-only
+//     launch that follows in the stream and resets the local counter (send halves never wait, so
 //     it always resets). With several nodes it first issues fence.acq_rel.sys (an acquire after
 //     seeing every block's count: where a transport's puts are plain stores, e.g. P2P, they are
 //     ordered before the signals too), then its threads set `net_slot` [me] to `epoch` at every rank
@@ -254,7 +276,7 @@ __device__ __forceinline__ void finish_send_block(const Peers& s, int* done, int
       nvshmemx_signal_op(signal_word(s, s.sym, net_slot, c.rank), epoch, NVSHMEM_SIGNAL_SET, d);
 }
 
-// Every block of a receive kernel waits for every source's send of `epoch`: thread i waits for the
+// Every block of a receive half waits for every source's send of `epoch`: thread i waits for the
 // sources r = i, i + blockDim.x, ... A source in the node: its block counter in `node_slot` reaches
 // `node_target` (relaxed polls, then one acquire load: wait_geq, pairing with finish_send_block's
 // release). A source in another node: its network word in `net_slot` reaches `epoch`

@@ -21,7 +21,7 @@ LowLatencyParams make_params(int rank, int nranks, int ranks_per_node, int num_l
                              const std::vector<uintptr_t>& node_sym, uint64_t dispatch_payload_offset,
                              uint64_t dispatch_meta_offset, uint64_t combine_payload_offset,
                              uint64_t combine_scratch_offset, uint64_t signals_offset, uintptr_t done_counters,
-                             uintptr_t combine_stash, int blocks_per_expert) {
+                             uintptr_t combine_stash, int blocks_per_expert, int num_sms) {
   using moe_ep::ll::kMaxNodeRanks;
   if (ranks_per_node < 1 || ranks_per_node > kMaxNodeRanks || nranks < 1 || nranks % ranks_per_node != 0)
     throw std::invalid_argument("LowLatencyContext: ranks_per_node must be in [1, " + std::to_string(kMaxNodeRanks) +
@@ -58,6 +58,7 @@ LowLatencyParams make_params(int rank, int nranks, int ranks_per_node, int num_l
   p.done_counters = done_counters;
   p.combine_stash = combine_stash;
   p.blocks_per_expert = blocks_per_expert;
+  p.num_sms = num_sms;
   return p;
 }
 
@@ -75,16 +76,16 @@ void register_low_latency(py::module_& m) {
            py::arg("node_sym"),
            py::arg("dispatch_payload_offset"), py::arg("dispatch_meta_offset"), py::arg("combine_payload_offset"),
            py::arg("combine_scratch_offset"), py::arg("signals_offset"), py::arg("done_counters"),
-           py::arg("combine_stash"), py::arg("blocks_per_expert"))
-      .def("dispatch_send", &moe_ep::ll::dispatch_send, py::arg("x"), py::arg("topk_idx"), py::arg("num_tokens"),
-           py::arg("use_fp8"), py::arg("round_scale"), py::arg("stream"),
-           "Quantise (optionally) and push each token to the ranks of its experts; release the flags.")
-      .def("dispatch_recv", &moe_ep::ll::dispatch_recv, py::arg("recv_x"), py::arg("recv_scales"),
-           py::arg("src_rank"), py::arg("src_index"), py::arg("src_k"), py::arg("count"), py::arg("use_fp8"),
-           py::arg("stream"), "Wait for every rank, then expand staged tokens into expert-major rows.")
-      .def("combine_send", &moe_ep::ll::combine_send, py::arg("y"), py::arg("src_rank"), py::arg("src_index"),
+           py::arg("combine_stash"), py::arg("blocks_per_expert"), py::arg("num_sms"))
+      .def("dispatch", &moe_ep::ll::launch_dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("num_tokens"),
+           py::arg("recv_x"), py::arg("recv_scales"), py::arg("src_rank"), py::arg("src_index"), py::arg("src_k"),
+           py::arg("count"), py::arg("use_fp8"), py::arg("round_scale"), py::arg("send"), py::arg("receive"),
+           py::arg("stream"),
+           "The dispatch kernel's send half (push each token to the ranks of its experts) and/or receive half "
+           "(wait for every rank, expand staged tokens into expert-major rows).")
+      .def("combine", &moe_ep::ll::launch_combine, py::arg("y"), py::arg("src_rank"), py::arg("src_index"),
            py::arg("src_k"), py::arg("count"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_tokens"),
-           py::arg("stream"), "Push expert outputs back to their tokens' ranks; release the flags.")
-      .def("combine_recv", &moe_ep::ll::combine_recv, py::arg("out"), py::arg("num_tokens"), py::arg("stream"),
-           "Wait for every rank, then reduce each token's rows in ascending k into out.");
+           py::arg("out"), py::arg("send"), py::arg("receive"), py::arg("stream"),
+           "The combine kernel's send half (push expert outputs back to their tokens' ranks) and/or receive "
+           "half (wait for every rank, reduce each token's rows in ascending k into out).");
 }

@@ -12,19 +12,20 @@
 // the owner does every multiply and add in the fixed order. For the L1 shape (top-8 of 256, 2 ranks)
 // that is ~4 remote rows per token: 128 tokens send 7.3 MB each way, ~19-21 us at 350-390 GB/s.
 //
-// Protocol (one call = combine_send_kernel, then combine_recv_kernel, same stream; with the
-// receive hook the second launch is deferred to hook()). Node ranks / net ranks as in
-// low_latency_dispatch.cu (from ranks_per_node).
+// Protocol: one kernel, `combine`, with a send half and a receive half, launched as the dispatch
+// kernel is (low_latency_dispatch.cu: one launch for both halves, or the send half and then the
+// receive half in hook(); grid G = kernel_blocks, all blocks resident). Node ranks / net ranks as
+// in low_latency_dispatch.cu (from ranks_per_node).
 //
-// combine_send_kernel — grid (P, E_l), 512 threads; block (p, e) serves local expert e.
+// Send half — items (p, e), local expert e, part p < P; block b serves items b, b + G, ...
 //   Reads the call's epoch e = epochs[10] + 1 and uses set e & 1. All blocks together first copy
 //   this rank's topk_idx / topk_weights into a private stash (the receive half may run later, after
-//   the caller reused its tensors). The block's rows m = p + P * r < count[e] are cut into 4 KB
+//   the caller reused its tensors). The item's rows m = p + P * r < count[e] are cut into 4 KB
 //   chunks, and the (row, chunk) items are spread over all the block's warps: a warp loads its chunk
 //   of y[e][m] (8 int4 per lane, in flight together with the row's src_* loads) and stores it to the
 //   combine staging [set][src_index][src_k] of rank src_rank[e][m] through its NVLink address when
 //   that rank is in the node, so each warp pays about one memory round trip per item. With several
-//   nodes the rows go in rounds of 8: a row for a net rank is stored instead into this block's
+//   nodes the rows go in rounds of 8: a row for a net rank is stored instead into this item's
 //   scratch row (r mod 8) in the own region (symmetric memory: a put's source must be registered
 //   for every transport, and y is a user tensor); after a block barrier, warp w takes the round's
 //   rows w, w + 16, ...: one fence.acq_rel.sys (the barrier's scratch stores are performed at system
@@ -37,14 +38,17 @@
 //   the last block (local counter) writes epochs[10] = e and, with several nodes, sets net signal
 //   [5][me] = e at every net rank by nvshmemx_signal_op (after every block's quiet: all of this
 //   call's puts to that rank are complete).
-// combine_recv_kernel — grid (max(N, 1), ceil(H / 8 / 256)), 256 threads; thread = 8 channels of
-//   token n. Reads e = epochs[10]. wait_all_sources (low_latency.h; timeout -> ErrorState naming
-//   rank, peer and phase LowLatencyCombineRecv): a node rank until its block counter in node signal
-//   [2 + (e & 1)][r] reaches P * E_l * ((e + 1) / 2) (every send block of every epoch of this
-//   parity up to e; P * E_l is the same on every rank; relaxed polls, then an acquire load), a net
-//   rank until net signal [5][r] >= e (nvshmem_signal_fetch, then an acquire fence); a barrier
-//   hands the staged rows to the block.
-//   Threads k < K put the stashed id, weight and first-k slot of k in shared memory. Each thread
+// Receive half — items (token n, 512-int4 column group), block b serves items b, b + G, ...;
+//   thread = 8 channels. A receive-only launch reads e = epochs[10]. wait_all_sources, once per
+//   block and also with N == 0 (low_latency.h; timeout -> ErrorState naming rank, peer and phase
+//   LowLatencyCombineRecv; the block then writes NaN over its items' outputs): a node rank until
+//   its block counter in node signal [2 + (e & 1)][r] reaches G * ((e + 1) / 2) (every send block
+//   of every epoch of this parity up to e; G is the same on every rank; relaxed polls, then an
+//   acquire load), a net rank until net signal [5][r] >= e (nvshmem_signal_fetch, then an acquire
+//   fence); a barrier hands the staged rows (and, in a launch with both halves, the stash written
+//   by every block of this rank before it arrived) to the block.
+//   Per item, threads k < K put the stashed id, weight and first-k slot of k in shared memory
+//   (a masked rank's experts get no slot: fault-tolerant mode). Each thread
 //   loads its 16 bytes of every valid k's row (all loads in flight), then acc = +0.0 and, for k
 //   ascending with id != -1, acc = __fadd_rn(acc, __fmul_rn(w, float(row))): explicit roundings,
 //   so no FMA can be contracted; bf16 round-to-nearest-even once at the end.
@@ -57,6 +61,8 @@
 // combine's send half; the engine enforces that hook() is called before the next
 // low_latency_combine. The stash and the scratch are single: the send of the next combine follows
 // this combine's receive in the stream, and this send's puts are complete when it ends (quiet).
+// Within a launch running both halves a block's receive half waits for every block's send half,
+// this rank's included; all G blocks are resident (cooperative launch), so that cannot deadlock.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -64,13 +70,11 @@
 
 namespace moe_ep {
 namespace ll {
-namespace {
-
-constexpr int kSendThreads = 512;
-constexpr int kRecvThreads = 256;
-
-struct CombineSendArgs {
+// The kernel's argument (outside the anonymous namespace, like the kernel, so that profilers show
+// the kernel as moe_ep::ll::combine<...>).
+struct CombineArgs {
   Peers peers;
+  // send half
   uint64_t payload_offset;  // combine payload area (set 0) in every rank's region
   int4* scratch;            // this rank's combine scratch [P * E_l][kScratchRows][H] bf16 (several nodes)
   const int4* y;            // [E_l, R*T, H] bf16
@@ -82,57 +86,54 @@ struct CombineSendArgs {
   const float* topk_weights;
   int64_t* stash_idx;       // [T*K]
   float* stash_weights;     // [T*K]
-  int num_tokens;
-  int num_topk;
-  int hidden;
-  int max_tokens;
   int* done;
-};
-
-struct CombineRecvArgs {
-  Peers peers;
+  // receive half
   const int4* payload;  // this rank's combine payload area
-  const int64_t* stash_idx;
-  const float* stash_weights;
-  uint4* out;  // [N, H] bf16
+  uint4* out;           // [N, H] bf16
   int num_tokens;
   int num_topk;
   int hidden;
   int max_tokens;
   int num_local_experts;
-  int send_blocks;  // every rank's combine send grid: P * E_l
+  int blocks_per_expert;  // P
+  bool send;              // run the send half
+  bool receive;           // run the receive half
 };
 
+namespace {
+
 // Byte offset of staging slot (token t, k) of set `set` in the combine payload area.
-__device__ __forceinline__ size_t staging_at(const CombineSendArgs& a, int set, int t, int k) {
+__device__ __forceinline__ size_t staging_at(const CombineArgs& a, int set, int t, int k) {
   return a.payload_offset +
          ((static_cast<size_t>(set) * a.max_tokens + t) * a.num_topk + k) * 2 * static_cast<size_t>(a.hidden);
 }
 
-// Send half; protocol in the file comment (combine_send_kernel). kNetwork: the group spans several
-// nodes (within one node the kernel has no scratch rounds and no NVSHMEM calls).
-template <bool kNetwork>
-__global__ void __launch_bounds__(kSendThreads, 2) combine_send_kernel(const CombineSendArgs a) {
-  const Peers& s = a.peers;
-  const Comm& c = s.comm;
-  const unsigned long long epoch = c.epochs[kEpochCombine] + 1;
-  const int set = static_cast<int>(epoch & 1);
-  const int e = blockIdx.y, p = blockIdx.x, parts = gridDim.x;
-  const int rows = a.count[e];  // read before the stash stores (the compiler cannot hoist it past them)
-  const int block = blockIdx.y * gridDim.x + blockIdx.x;
+// The stash: this rank's topk ids and weights, copied by all blocks together (grid-stride).
+__device__ __forceinline__ void stash_routing(const CombineArgs& a) {
   const int stash_n = a.num_tokens * a.num_topk;
-  for (int i = block * blockDim.x + threadIdx.x; i < stash_n; i += gridDim.x * gridDim.y * blockDim.x) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < stash_n; i += gridDim.x * blockDim.x) {
     a.stash_idx[i] = a.topk_idx[i];
     a.stash_weights[i] = a.topk_weights[i];
   }
+}
 
+// Send half for item (local expert e, part p of P) of epoch `epoch`; protocol in the file comment.
+// kNetwork: the group spans several nodes (within one node there are no scratch rounds and no
+// NVSHMEM calls).
+template <bool kNetwork>
+__device__ __forceinline__ void send_rows(const CombineArgs& a, unsigned long long epoch, int e, int p) {
+  const Peers& s = a.peers;
+  const Comm& c = s.comm;
+  const int set = static_cast<int>(epoch & 1);
+  const int parts = a.blocks_per_expert;
+  const int rows = a.count[e];
   const size_t expert_row0 = static_cast<size_t>(e) * c.nranks * a.max_tokens;
   const int row_int4 = a.hidden / 8;
   const int row_chunks = chunks_of(row_int4);
   const int block_rows = rows > p ? (rows - p + parts - 1) / parts : 0;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int round_rows = kNetwork ? kScratchRows : max(block_rows, 1);  // one round within a node
-  int4* const scratch = a.scratch + static_cast<size_t>(block) * kScratchRows * row_int4;
+  int4* const scratch = a.scratch + static_cast<size_t>(e * parts + p) * kScratchRows * row_int4;  // the item's own
   for (int r0 = 0; r0 < block_rows; r0 += round_rows) {
     const int n = min(round_rows, block_rows - r0);
     for (int item = warp; item < n * row_chunks; item += warps) {
@@ -163,27 +164,30 @@ __global__ void __launch_bounds__(kSendThreads, 2) combine_send_kernel(const Com
       __syncthreads();
     }
   }
-  finish_send_block(s, a.done, kSigCombineNode + set, kSigCombineNet, kEpochCombine, epoch);
 }
 
-// Receive half; protocol in the file comment (combine_recv_kernel).
-// kSlots >= num_topk: rows held in registers per thread (kSlots = 8 fits 4 blocks per SM, so the
-// L1 shape, 128 tokens x 4 blocks, runs in one wave).
+// Receive half for token n, int4 columns [col0, col0 + kThreads), after wait_all_sources (ok: it
+// succeeded); protocol in the file comment. kSlots >= num_topk: rows held in registers per thread.
 template <int kSlots>
-__global__ void __launch_bounds__(kRecvThreads, kSlots <= 8 ? 4 : 1) combine_recv_kernel(const CombineRecvArgs a) {
+__device__ __forceinline__ void reduce_token(const CombineArgs& a, unsigned long long epoch, int n, int col0, bool ok) {
   __shared__ float weight[kMetaEntries];
   __shared__ int slot_k[kMetaEntries];  // staging slot of k (first k with the same expert), -1 if none
   const Comm& c = a.peers.comm;
-  const unsigned long long epoch = c.epochs[kEpochCombine];
   const int set = static_cast<int>(epoch & 1);
-  const int n = blockIdx.x;
   const int num_experts = a.num_local_experts * c.nranks;
-  if (threadIdx.x < kMetaEntries && n < a.num_tokens) {
+  const int row_int4 = a.hidden / 8;
+  const int i = col0 + threadIdx.x;
+  if (!ok) {  // a failed call's result is NaN, never rows that look valid
+    if (i < row_int4) reinterpret_cast<int4*>(a.out)[static_cast<size_t>(n) * row_int4 + i] = bf16_nan_x8();
+    return;
+  }
+  __syncthreads();  // the block's previous token no longer reads weight / slot_k
+  if (threadIdx.x < kMetaEntries) {
     const int k = threadIdx.x;
     const int64_t* idx = a.stash_idx + static_cast<size_t>(n) * a.num_topk;
     const int id = k < a.num_topk ? checked_expert(c.error, idx[k], num_experts, n, k) : -1;
     int first = -1;
-    if (id >= 0) {
+    if (id >= 0 && !skip_rank(c, id / a.num_local_experts)) {  // a masked rank's experts contribute nothing
       first = k;
       for (int q = k - 1; q >= 0; --q)
         if (idx[q] == id) first = q;
@@ -191,23 +195,8 @@ __global__ void __launch_bounds__(kRecvThreads, kSlots <= 8 ? 4 : 1) combine_rec
     slot_k[k] = first;
     weight[k] = k < a.num_topk ? a.stash_weights[static_cast<size_t>(n) * a.num_topk + k] : 0.0f;
   }
-  const bool ok = wait_all_sources(a.peers, kSigCombineNode + set, arrivals_after(epoch, a.send_blocks),
-                                   kSigCombineNet, epoch, kPhaseLowLatencyCombineRecv);
-  const int row_int4 = a.hidden / 8;
-  const int i = blockIdx.y * blockDim.x + threadIdx.x;
-  if (!ok) {  // a failed call's result is NaN, never rows that look valid
-    if (n < a.num_tokens && i < row_int4)
-      reinterpret_cast<int4*>(a.out)[static_cast<size_t>(n) * row_int4 + i] = bf16_nan_x8();
-    return;
-  }
-  if (c.masked != nullptr) {  // fault-tolerant: a masked rank's experts contribute nothing
-    if (threadIdx.x < kMetaEntries && n < a.num_tokens && slot_k[threadIdx.x] >= 0 &&
-        skip_rank(c, static_cast<int>(a.stash_idx[static_cast<size_t>(n) * a.num_topk + threadIdx.x]) /
-                         a.num_local_experts))
-      slot_k[threadIdx.x] = -1;
-    __syncthreads();
-  }
-  if (n >= a.num_tokens || i >= row_int4) return;
+  __syncthreads();
+  if (i >= row_int4) return;
   const int4* token_rows = a.payload + (static_cast<size_t>(set) * a.max_tokens + n) * a.num_topk * row_int4;
   int4 v[kSlots];
 #pragma unroll
@@ -238,9 +227,36 @@ __global__ void __launch_bounds__(kRecvThreads, kSlots <= 8 ? 4 : 1) combine_rec
 
 }  // namespace
 
-void combine_send(const LowLatencyParams& p, uintptr_t y, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k,
-                  uintptr_t count, uintptr_t topk_idx, uintptr_t topk_weights, int num_tokens, uintptr_t stream) {
-  CombineSendArgs a{};
+// The combine kernel: the send half and/or the receive half (file comment).
+template <bool kNetwork, int kSlots>
+__global__ void __launch_bounds__(kThreads, 2) combine(const CombineArgs a) {
+  const Comm& c = a.peers.comm;
+  // A send (with or without the receive) starts epoch e = epochs[10] + 1; a receive alone follows
+  // the send launch of the same call, which published e into epochs[10].
+  const unsigned long long epoch = c.epochs[kEpochCombine] + (a.send ? 1 : 0);
+  if (a.send) {
+    stash_routing(a);
+    const int items = a.blocks_per_expert * a.num_local_experts;
+    for (int item = blockIdx.x; item < items; item += gridDim.x)
+      send_rows<kNetwork>(a, epoch, item / a.blocks_per_expert, item % a.blocks_per_expert);
+    finish_send_block(a.peers, a.done, kSigCombineNode + static_cast<int>(epoch & 1), kSigCombineNet, kEpochCombine,
+                      epoch);
+  }
+  if (!a.receive) return;
+  // Every block waits, also with N == 0: that wait is a link of the buffer reuse chain above (this
+  // rank's next send must follow the other ranks' receives).
+  const bool ok = wait_all_sources(a.peers, kSigCombineNode + static_cast<int>(epoch & 1),
+                                   arrivals_after(epoch, gridDim.x), kSigCombineNet, epoch,
+                                   kPhaseLowLatencyCombineRecv);
+  const int cols = (a.hidden / 8 + kThreads - 1) / kThreads;
+  for (int item = blockIdx.x; item < a.num_tokens * cols; item += gridDim.x)
+    reduce_token<kSlots>(a, epoch, item / cols, item % cols * kThreads, ok);
+}
+
+void launch_combine(const LowLatencyParams& p, uintptr_t y, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k,
+                    uintptr_t count, uintptr_t topk_idx, uintptr_t topk_weights, int num_tokens, uintptr_t out,
+                    bool send, bool receive, uintptr_t stream) {
+  CombineArgs a{};
   a.peers = make_peers(p);
   a.payload_offset = p.combine_payload_offset;
   a.scratch = reinterpret_cast<int4*>(p.sym + p.combine_scratch_offset);
@@ -253,43 +269,22 @@ void combine_send(const LowLatencyParams& p, uintptr_t y, uintptr_t src_rank, ui
   a.topk_weights = reinterpret_cast<const float*>(topk_weights);
   a.stash_idx = reinterpret_cast<int64_t*>(p.combine_stash);
   a.stash_weights = reinterpret_cast<float*>(p.combine_stash + sizeof(int64_t) * p.max_tokens * p.num_topk);
-  a.num_tokens = num_tokens;
-  a.num_topk = p.num_topk;
-  a.hidden = p.hidden;
-  a.max_tokens = p.max_tokens;
   a.done = reinterpret_cast<int*>(p.done_counters) + 1;
-  const dim3 grid(p.blocks_per_expert, p.num_local_experts);
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (a.peers.network)
-    combine_send_kernel<true><<<grid, kSendThreads, 0, s>>>(a);
-  else
-    combine_send_kernel<false><<<grid, kSendThreads, 0, s>>>(a);
-  check_launch("combine send kernel launch");
-}
-
-void combine_recv(const LowLatencyParams& p, uintptr_t out, int num_tokens, uintptr_t stream) {
-  CombineRecvArgs a{};
-  a.peers = make_peers(p);
   a.payload = reinterpret_cast<const int4*>(p.sym + p.combine_payload_offset);
-  a.stash_idx = reinterpret_cast<const int64_t*>(p.combine_stash);
-  a.stash_weights = reinterpret_cast<const float*>(p.combine_stash + sizeof(int64_t) * p.max_tokens * p.num_topk);
   a.out = reinterpret_cast<uint4*>(out);
   a.num_tokens = num_tokens;
   a.num_topk = p.num_topk;
   a.hidden = p.hidden;
   a.max_tokens = p.max_tokens;
   a.num_local_experts = p.num_local_experts;
-  a.send_blocks = p.blocks_per_expert * p.num_local_experts;
-  const int row_int4 = p.hidden / 8;
-  // With N == 0 one block still waits for every rank's blocks: that wait is a link of the buffer
-  // reuse chain above (this rank's next send must follow the other ranks' receives).
-  const dim3 grid(num_tokens > 0 ? num_tokens : 1, (row_int4 + kRecvThreads - 1) / kRecvThreads);
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (p.num_topk <= 8)
-    combine_recv_kernel<8><<<grid, kRecvThreads, 0, s>>>(a);
+  a.blocks_per_expert = p.blocks_per_expert;
+  a.send = send;
+  a.receive = receive;
+  const bool wide = p.num_topk > 8;
+  if (a.peers.network)
+    launch_cooperative(wide ? combine<true, kMetaEntries> : combine<true, 8>, p, a, stream, "combine kernel launch");
   else
-    combine_recv_kernel<kMetaEntries><<<grid, kRecvThreads, 0, s>>>(a);
-  check_launch("combine receive kernel launch");
+    launch_cooperative(wide ? combine<false, kMetaEntries> : combine<false, 8>, p, a, stream, "combine kernel launch");
 }
 
 }  // namespace ll

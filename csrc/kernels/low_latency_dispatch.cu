@@ -3,16 +3,19 @@
 // for ranks of other nodes), and the receiver expands the staged tokens into expert-major rows
 // [E_l, R*T, H] packed by (source rank, source token).
 //
-// Protocol (one call = dispatch_send_kernel, then dispatch_recv_kernel, same stream; with the
-// receive hook the second launch is deferred to hook()). "Node ranks" are the ranks of this rank's
-// node (ranks_per_node), "net ranks" all others; nothing below depends on whether nvshmem_ptr
-// reaches a net rank.
+// Protocol: one kernel, `dispatch`, with a send half and a receive half. A call without the receive
+// hook is one launch running both halves; with the hook it is a launch running the send half, then
+// (in hook()) a launch running the receive half, same stream. "Node ranks" are the ranks of this
+// rank's node (ranks_per_node), "net ranks" all others; nothing below depends on whether nvshmem_ptr
+// reaches a net rank. Grid: G = kernel_blocks (low_latency.h: P * E_l blocks of 512 threads, at most
+// two per SM, launched cooperatively so all are resident; the same G on every rank and for both
+// launches, so receivers know how many arrivals to wait for). A launch with the send half reads the
+// call's epoch e = epochs[8] + 1 in every block before the block arrives (below); a receive-only
+// launch reads e = epochs[8], which the send launch published.
 //
-// dispatch_send_kernel — grid G = min(T, 1024) blocks whatever N is (dispatch_send_blocks; every rank
-// uses the same G, so receivers know how many arrivals to wait for); block b takes tokens b, b + G, ...
-// One thread per 16 channels (FP8) or 8 channels (bf16), at most 1024 threads. Every block reads
-// the call's epoch e = epochs[8] + 1 and uses staging set e & 1. Token t's staging slot at every
-// rank is [set][me][t] (meta row and payload row).
+// Send half — block b takes tokens b, b + G, ... One thread per 16 channels (FP8) or 8 channels
+// (bf16), in steps of 512 channels groups. Every block uses staging set e & 1. Token t's staging
+// slot at every rank is [set][me][t] (meta row and payload row).
 //   1. Per token: every thread first issues the loads of its channels of x (step 2), so their latency
 //      overlaps the routing. Warp 0 derives it: lane k < K reads topk id k (one coalesced load),
 //      computes its rank (32-bit division), and the distinct destination ranks other than me
@@ -35,15 +38,16 @@
 //   4. finish_send_block (low_latency.h): the block joins; thread 0 calls nvshmem_quiet() (several
 //      nodes: the block's puts are complete at their targets), issues one fence.acq_rel.sys
 //      (cumulative over the block's NVLink stores) and adds 1 (relaxed) to node signal
-//      [e & 1][me] at every node rank. No block waits for another; the last block to finish (local
-//      counter) writes epochs[8] = e for the receive kernel and, with several nodes, sets net signal
-//      [me] = e at every net rank with nvshmemx_signal_op (issued after every block's quiet, so
-//      after all of this call's puts completed: NVSHMEM's quiet guarantee, not put ordering).
-// dispatch_recv_kernel — grid (P, E_l), 512 threads; block (p, e) serves local expert e;
-// P = 256 / E_l (1 to 32, from the Buffer's dimensions), so the grid is about one wave and skewed
-// experts get more warps.
-//   1. Reads e = epochs[8] (published by the send kernel before it). wait_all_sources
-//      (low_latency.h; timeout -> ErrorState naming rank, peer and phase LowLatencyDispatchRecv):
+//      [e & 1][me] at every node rank. No block waits for another in this half; the last block to
+//      finish (local counter) writes epochs[8] = e for a later receive-only launch and, with
+//      several nodes, sets net signal [me] = e at every net rank with nvshmemx_signal_op (issued
+//      after every block's quiet, so after all of this call's puts completed: NVSHMEM's quiet
+//      guarantee, not put ordering).
+// Receive half — items (local expert e, part p) for p < P = 256 / E_l (1 to 32, from the Buffer's
+// dimensions), so skewed experts get more warps; block b serves items b, b + G, ... (one each when
+// G = P * E_l).
+//   1. wait_all_sources, once per block (low_latency.h; timeout -> ErrorState naming rank, peer and
+//      phase LowLatencyDispatchRecv; the block then writes count[e] = 0 for its items, p == 0):
 //      thread i waits for sources i, i + 512, ...: a node source until its block counter in node
 //      signal [e & 1][r] reaches G * ((e + 1) / 2) (all G blocks of every epoch of this parity up
 //      to e; relaxed polls, then an acquire load), a net source until net signal [r] >= e
@@ -54,7 +58,7 @@
 //      exclusive scan of the per-thread counts gives each token's row: deterministic, no atomics.
 //      Rows m with m % P == p are this block's: it writes src_rank / src_index / src_k (first k
 //      naming e, for combine) for them, and keeps the staged token of its first 1024 rows in shared
-//      memory; block p == 0 writes count[e]. All P blocks of e compute the same scan.
+//      memory; item p == 0 writes count[e]. All P items of e compute the same scan.
 //   3. After a barrier, the block's rows are cut into 4 KB chunks (plus, with FP8, one item for the
 //      row's scales), and the (row, chunk) items are spread over all warps: a warp loads its chunk
 //      from the local staging (8 int4 per lane, all in flight) and stores it into recv_x[e][m], so
@@ -71,7 +75,9 @@
 // send of e + 2, after its own receive of e and the quiet of its send of e. A stale meta row of the
 // set carries a tag of epoch e - 2 or earlier (or 0, the region starts zeroed), never e. It needs
 // each rank to run a call's receive half before the next dispatch's send half: the engine enforces
-// that hook() is called before the next low_latency_dispatch.
+// that hook() is called before the next low_latency_dispatch. Within a launch running both halves,
+// a block's receive half waits for the send half of every block of every rank, this rank's blocks
+// included; that cannot deadlock because all G blocks are resident at once (cooperative launch).
 //
 // FP8 arithmetic matches moe_ep.fp8.quantize bit for bit: amax over 128 channels in float32 (exact),
 // clamped to >= 1e-4; scale = amax / 448 by IEEE division (__fdiv_rn), or with round_scale the
@@ -93,27 +99,18 @@
 
 namespace moe_ep {
 namespace ll {
-namespace {
-
-constexpr int kRecvThreads = 512;
-constexpr int kSharedRows = 1024;  // block rows whose staged token stays in shared memory (others: src_*)
-
-struct DispatchSendArgs {
+// The kernel's argument (outside the anonymous namespace, like the kernel, so that profilers show
+// the kernel as moe_ep::ll::dispatch<...>).
+struct DispatchArgs {
   Peers peers;
+  // send half
   uint64_t payload_offset;  // dispatch payload area (set 0) in every rank's region
   uint64_t meta_offset;     // dispatch meta area (set 0)
   const uint4* x;           // [N, H] bf16
   const int64_t* topk_idx;  // [N, K]
   int num_tokens;
-  int num_local_experts;
-  int num_topk;
-  int hidden;
-  int max_tokens;
   int* done;
-};
-
-struct DispatchRecvArgs {
-  Peers peers;
+  // receive half
   const uint8_t* payload;  // this rank's dispatch payload area
   const uint8_t* meta;     // this rank's dispatch meta area
   uint8_t* recv_x;
@@ -126,8 +123,14 @@ struct DispatchRecvArgs {
   int num_topk;
   int hidden;
   int max_tokens;
-  int send_blocks;  // every rank's dispatch send grid (dispatch_send_blocks)
+  int blocks_per_expert;  // P
+  bool send;              // run the send half
+  bool receive;           // run the receive half
 };
+
+namespace {
+
+constexpr int kSharedRows = 1024;  // block rows whose staged token stays in shared memory (others: src_*)
 
 __device__ __forceinline__ float round_up_pow2(float s) {
   const unsigned bits = __float_as_uint(s);
@@ -164,9 +167,9 @@ __device__ __forceinline__ void store_meta(uint8_t* row, const unsigned (&w)[kMe
   dst[2] = make_uint4(tag, 0u, 0u, 0u);
 }
 
-// Send half; protocol in the file comment (dispatch_send_kernel).
+// Send half of epoch `epoch`; protocol in the file comment (send half).
 template <bool kFp8, bool kRoundScale>
-__global__ void __launch_bounds__(1024) dispatch_send_kernel(const DispatchSendArgs a) {
+__device__ __forceinline__ void send_tokens(const DispatchArgs& a, unsigned long long epoch) {
   // Destinations of the current token other than me, by token iteration parity (no barrier needed
   // before reuse): node ranks as their payload slot's address, net ranks as rank numbers.
   __shared__ uint8_t* node_rows[2][kMetaEntries];
@@ -174,7 +177,6 @@ __global__ void __launch_bounds__(1024) dispatch_send_kernel(const DispatchSendA
   __shared__ int num_node[2], num_net[2];
   const Peers& s = a.peers;
   const Comm& c = s.comm;
-  const unsigned long long epoch = c.epochs[kEpochDispatch] + 1;
   const int set = static_cast<int>(epoch & 1);
   constexpr int kChannels = kFp8 ? 16 : 8;  // channels per thread and step
   constexpr int kVecs = kChannels / 8;      // uint4 loads per thread and step
@@ -273,7 +275,7 @@ __global__ void __launch_bounds__(1024) dispatch_send_kernel(const DispatchSendA
 
 // First k at which staged token j = s * T + t names local expert e (global expert `expert`), or -1
 // (also when the row is stale: its tag is not this call's).
-__device__ __forceinline__ int first_k(const DispatchRecvArgs& a, int set, unsigned tag, int j, int expert) {
+__device__ __forceinline__ int first_k(const DispatchArgs& a, int set, unsigned tag, int j, int expert) {
   if (skip_rank(a.peers.comm, j / a.max_tokens)) return -1;
   const uint4* m = reinterpret_cast<const uint4*>(
       a.meta + (static_cast<size_t>(set * a.peers.comm.nranks) * a.max_tokens + j) * kMetaBytes);
@@ -314,22 +316,14 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int* 
   return (warp > 0 ? warp_sums[warp - 1] : 0) + incl - v;
 }
 
-// Receive half; protocol in the file comment (dispatch_recv_kernel).
+// Receive half for local expert e, part p of P, after wait_all_sources; protocol in the file comment.
 template <bool kFp8>
-__global__ void __launch_bounds__(kRecvThreads, 2) dispatch_recv_kernel(const DispatchRecvArgs a) {
+__device__ __forceinline__ void receive_expert(const DispatchArgs& a, unsigned long long epoch, int e, int p) {
   __shared__ int warp_sums[32];
   __shared__ int staged_j[kSharedRows];  // staged token (s * T + t) of the block's first rows
-  const Peers& sp = a.peers;
-  const Comm& c = sp.comm;
-  const unsigned long long epoch = c.epochs[kEpochDispatch];
+  const Comm& c = a.peers.comm;
   const int set = static_cast<int>(epoch & 1);
-  const int e = blockIdx.y, p = blockIdx.x, parts = gridDim.x;
-  if (!wait_all_sources(sp, kSigDispatchNode + set, arrivals_after(epoch, a.send_blocks), kSigDispatchNet, epoch,
-                        kPhaseLowLatencyDispatchRecv)) {
-    if (p == 0 && threadIdx.x == 0) a.count[e] = 0;  // a failed call hands on no rows
-    return;
-  }
-
+  const int parts = a.blocks_per_expert;
   const int expert = c.rank * a.num_local_experts + e;
   const unsigned tag = static_cast<unsigned>(epoch);
   const int capacity = c.nranks * a.max_tokens;
@@ -380,41 +374,42 @@ __global__ void __launch_bounds__(kRecvThreads, 2) dispatch_recv_kernel(const Di
       for (int i = lane; i < scales; i += 32) out_scales[i] = staged_scales[i];
     }
   }
+  __syncthreads();  // staged_j and warp_sums are free for the block's next item
 }
 
 }  // namespace
 
-void dispatch_send(const LowLatencyParams& p, uintptr_t x, uintptr_t topk_idx, int num_tokens, bool use_fp8,
-                   bool round_scale, uintptr_t stream) {
-  DispatchSendArgs a{};
+// The dispatch kernel: the send half and/or the receive half (file comment).
+template <bool kFp8, bool kRoundScale>
+__global__ void __launch_bounds__(kThreads, 2) dispatch(const DispatchArgs a) {
+  const Comm& c = a.peers.comm;
+  // A send (with or without the receive) starts epoch e = epochs[8] + 1; a receive alone follows
+  // the send launch of the same call, which published e into epochs[8].
+  const unsigned long long epoch = c.epochs[kEpochDispatch] + (a.send ? 1 : 0);
+  if (a.send) send_tokens<kFp8, kRoundScale>(a, epoch);
+  if (!a.receive) return;
+  const int items = a.blocks_per_expert * a.num_local_experts;
+  if (!wait_all_sources(a.peers, kSigDispatchNode + static_cast<int>(epoch & 1), arrivals_after(epoch, gridDim.x),
+                        kSigDispatchNet, epoch, kPhaseLowLatencyDispatchRecv)) {
+    for (int item = blockIdx.x; item < items; item += gridDim.x)
+      if (item % a.blocks_per_expert == 0 && threadIdx.x == 0) a.count[item / a.blocks_per_expert] = 0;  // no rows
+    return;
+  }
+  for (int item = blockIdx.x; item < items; item += gridDim.x)
+    receive_expert<kFp8>(a, epoch, item / a.blocks_per_expert, item % a.blocks_per_expert);
+}
+
+void launch_dispatch(const LowLatencyParams& p, uintptr_t x, uintptr_t topk_idx, int num_tokens, uintptr_t recv_x,
+                     uintptr_t recv_scales, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k, uintptr_t count,
+                     bool use_fp8, bool round_scale, bool send, bool receive, uintptr_t stream) {
+  DispatchArgs a{};
   a.peers = make_peers(p);
   a.payload_offset = p.dispatch_payload_offset;
   a.meta_offset = p.dispatch_meta_offset;
   a.x = reinterpret_cast<const uint4*>(x);
   a.topk_idx = reinterpret_cast<const int64_t*>(topk_idx);
   a.num_tokens = num_tokens;
-  a.num_local_experts = p.num_local_experts;
-  a.num_topk = p.num_topk;
-  a.hidden = p.hidden;
-  a.max_tokens = p.max_tokens;
   a.done = reinterpret_cast<int*>(p.done_counters);
-  const int chunks = p.hidden / (use_fp8 ? 16 : 8);  // one chunk per thread (send kernel)
-  const int threads = chunks >= 1024 ? 1024 : ((chunks + 31) / 32) * 32;
-  const dim3 grid(dispatch_send_blocks(p));
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (!use_fp8)
-    dispatch_send_kernel<false, false><<<grid, threads, 0, s>>>(a);
-  else if (round_scale)
-    dispatch_send_kernel<true, true><<<grid, threads, 0, s>>>(a);
-  else
-    dispatch_send_kernel<true, false><<<grid, threads, 0, s>>>(a);
-  check_launch("dispatch send kernel launch");
-}
-
-void dispatch_recv(const LowLatencyParams& p, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t src_rank,
-                   uintptr_t src_index, uintptr_t src_k, uintptr_t count, bool use_fp8, uintptr_t stream) {
-  DispatchRecvArgs a{};
-  a.peers = make_peers(p);
   a.payload = reinterpret_cast<const uint8_t*>(p.sym + p.dispatch_payload_offset);
   a.meta = reinterpret_cast<const uint8_t*>(p.sym + p.dispatch_meta_offset);
   a.recv_x = reinterpret_cast<uint8_t*>(recv_x);
@@ -427,14 +422,15 @@ void dispatch_recv(const LowLatencyParams& p, uintptr_t recv_x, uintptr_t recv_s
   a.num_topk = p.num_topk;
   a.hidden = p.hidden;
   a.max_tokens = p.max_tokens;
-  a.send_blocks = dispatch_send_blocks(p);
-  const dim3 grid(p.blocks_per_expert, p.num_local_experts);
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (use_fp8)
-    dispatch_recv_kernel<true><<<grid, kRecvThreads, 0, s>>>(a);
+  a.blocks_per_expert = p.blocks_per_expert;
+  a.send = send;
+  a.receive = receive;
+  if (!use_fp8)
+    launch_cooperative(dispatch<false, false>, p, a, stream, "dispatch kernel launch");
+  else if (round_scale)
+    launch_cooperative(dispatch<true, true>, p, a, stream, "dispatch kernel launch");
   else
-    dispatch_recv_kernel<false><<<grid, kRecvThreads, 0, s>>>(a);
-  check_launch("dispatch receive kernel launch");
+    launch_cooperative(dispatch<true, false>, p, a, stream, "dispatch kernel launch");
 }
 
 }  // namespace ll

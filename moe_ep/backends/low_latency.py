@@ -92,7 +92,7 @@ class _OutputSet:
     src_index: torch.Tensor
     src_k: torch.Tensor
     count: torch.Tensor  # [E_l] int32
-    recv_ptrs: tuple[int, int, int, int, int, int]  # dispatch_recv's output addresses: x, scales, src_*, count
+    recv_ptrs: tuple[int, int, int, int, int, int]  # the dispatch receive half's outputs: x, scales, src_*, count
 
     @classmethod
     def allocate(cls, cfg: BufferConfig) -> "_OutputSet":
@@ -154,6 +154,7 @@ class LowLatencyEngine:
             combine_payload_offset=layout.combine_payload, combine_scratch_offset=layout.combine_scratch,
             signals_offset=layout.signals, done_counters=self._done_counters.data_ptr(),
             combine_stash=self._stash.data_ptr(), blocks_per_expert=blocks_per_expert(cfg),
+            num_sms=torch.cuda.get_device_properties(cfg.device).multi_processor_count,
         )
         torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
         self._device_index = torch.device(cfg.device).index
@@ -182,12 +183,15 @@ class LowLatencyEngine:
             raise RuntimeError(f"call the hook of the previous low_latency_{kind} before the next low_latency_{kind}")
         return torch._C._cuda_getCurrentRawStream(self._device_index)  # the current stream's handle, no Stream object
 
-    def _finish(self, kind: str, launch: Callable[[int], None], stream: int, return_recv_hook: bool) -> Optional[_Hook]:
-        """Launches the receive half now, or returns it as the hook."""
+    def _launch(self, kind: str, launch: Callable[[int, bool, bool], None], stream: int,
+                return_recv_hook: bool) -> Optional[_Hook]:
+        """One launch of the kind's kernel for the whole call, or its send half now and its receive
+        half as the hook; launch(stream, send, receive)."""
         if not return_recv_hook:
-            launch(stream)
+            launch(stream, True, True)
             return None
-        hook = _Hook(self, kind, launch, stream)
+        launch(stream, True, False)
+        hook = _Hook(self, kind, lambda s: launch(s, False, True), stream)
         self._pending[kind] = hook
         return hook
 
@@ -208,15 +212,16 @@ class LowLatencyEngine:
         self._dispatches += 1
         n = x.shape[0]
         ctx = self._ctx
-        ctx.dispatch_send(x.data_ptr(), topk_idx.data_ptr(), n, use_fp8, round_scale, stream)
-        x_ptr, scales_ptr, src_rank_ptr, src_index_ptr, src_k_ptr, count_ptr = out.recv_ptrs
+        x_ptr, idx_ptr = x.data_ptr(), topk_idx.data_ptr()
+        recv_x, scales, src_rank, src_index, src_k, count = out.recv_ptrs
         if not use_fp8:
-            scales_ptr = 0
+            scales = 0
 
-        def receive(s: int) -> None:
-            ctx.dispatch_recv(x_ptr, scales_ptr, src_rank_ptr, src_index_ptr, src_k_ptr, count_ptr, use_fp8, s)
+        def launch(s: int, send: bool, receive: bool) -> None:
+            ctx.dispatch(x_ptr, idx_ptr, n, recv_x, scales, src_rank, src_index, src_k, count, use_fp8, round_scale,
+                         send, receive, s)
 
-        hook = self._finish("dispatch", receive, stream, return_recv_hook)
+        hook = self._launch("dispatch", launch, stream, return_recv_hook)
         handle = LowLatencyHandle(self.cfg.buffer_id, n, out.src_rank, out.src_index, out.count,
                                   LowLatencyState(out.src_k))
         return LowLatencyDispatchResult(out.x_fp8 if use_fp8 else out.x_bf16, out.scales if use_fp8 else None,
@@ -229,15 +234,13 @@ class LowLatencyEngine:
         n = topk_idx.shape[0]
         out = torch.empty(n, self.cfg.hidden, dtype=torch.bfloat16, device=self.cfg.device)
         ctx = self._ctx
-        ctx.combine_send(x.data_ptr(), handle.src_rank.data_ptr(), handle.src_index.data_ptr(),
-                         handle.state.src_k.data_ptr(), handle.count.data_ptr(), topk_idx.data_ptr(),
-                         topk_weights.data_ptr(), n, stream)
-        out_ptr = out.data_ptr()
+        args = (x.data_ptr(), handle.src_rank.data_ptr(), handle.src_index.data_ptr(), handle.state.src_k.data_ptr(),
+                handle.count.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), n, out.data_ptr())
 
-        def receive(s: int) -> None:
-            ctx.combine_recv(out_ptr, n, s)
+        def launch(s: int, send: bool, receive: bool) -> None:
+            ctx.combine(*args, send, receive, s)
 
-        return LowLatencyCombineResult(out, self._finish("combine", receive, stream, return_recv_hook))
+        return LowLatencyCombineResult(out, self._launch("combine", launch, stream, return_recv_hook))
 
     def close(self) -> None:
         """Frees the symmetric staging (collective); waits for this rank's kernels first."""
