@@ -4,7 +4,7 @@
 // in float32 from +0.0, never rounded.
 //
 // Protocol (grid = num_blocks blocks of kThreads; same stream as the dispatch that made the handle).
-// epoch = epochs[kSigCombineDone] + 1 numbers this call's row flags. W = Tuning::send_warps,
+// epoch = epochs[kSigCombineDone] + 1 numbers this call's row flags. W = Tuning::combine_send_warps,
 // U = Tuning::unroll (template parameter), G = Tuning::flag_batch, B = Tuning::recv_run.
 //  0. Start barrier: block 0's thread r stores ready_epoch into its kSigCombineReady flag at peer r;
 //     every block waits for all peers' flags (a peer raises it only after its stream finished the
@@ -141,7 +141,7 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
   const Comm& comm = ctx.comm;
   const int me = comm.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int send_warps = ctx.tuning.send_warps, batch = ctx.tuning.flag_batch, B = ctx.tuning.recv_run;
+  const int send_warps = ctx.tuning.combine_send_warps, batch = ctx.tuning.flag_batch, B = ctx.tuning.recv_run;
   const uint64_t ready_epoch = comm.epochs[kSigCombineReady] + 1;
   const uint64_t epoch = comm.epochs[kSigCombineDone] + 1;
 

@@ -82,7 +82,8 @@ inline WorkspaceLayout workspace_layout(const Dims& d) {
 // intranode_bindings.cpp (which documents the variables and defaults). Results never depend on it:
 // it only changes which warp moves which row when, and how many loads each keeps in flight.
 struct Tuning {
-  int send_warps;  // warps per block that send first (1..kWarps); the others receive from the start
+  int send_warps;  // dispatch: warps per block that send first (1..kWarps); the others receive from the start
+  int combine_send_warps;  // combine: warps per block that send first; the others reduce from the start
   int unroll;      // int4 loads in flight per lane in row copies: 4 or 6 (a template parameter)
   int flag_batch;  // row flags a sending warp raises per system fence (1..32)
   int recv_run;    // dispatch: consecutive positions per receive work item (1..32); combine: tokens
