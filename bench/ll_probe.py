@@ -3,8 +3,9 @@
 For 128 and 256 tokens per rank (hidden 7168, top-8 of 256 experts, FP8 dispatch, BF16 combine), on a
 native Buffer (backend="nvshmem", low_latency=True):
 - per kernel, the device time from torch.profiler over CALLS iterations of (L2 flush, dispatch send,
-  its hook, combine send, its hook): return_recv_hook=True keeps each half its own launch, so the
-  send and receive kernels show up separately (receive kernels include waiting for the peer);
+  its hook, combine send, its hook): return_recv_hook=True makes each half its own launch of the
+  direction's one kernel (moe_ep::ll::dispatch / combine), so each kernel's time is its two
+  halves together (the receive half includes waiting for the peer);
 - the replay time of CUDA graphs holding REPS back-to-back dispatches, combines, or (dispatch,
   combine) pairs, divided by REPS: the ranks keep each other in step inside a replay, so the
   start skew between ranks is amortised and launch gaps between kernels are included.
@@ -123,7 +124,7 @@ def probe(tokens: int, flush: torch.Tensor) -> list[str]:
         graphs["dispatch+combine"] = graph_us(lambda: buf.low_latency_combine(y, idx, w, dispatch(c, hook=False).handle))
         graphs_all = gather(graphs)
     lines = [f"== {tokens} tokens per rank: kernel device time (us, median of {CALLS}, L2 flushed; "
-             "receive kernels include waiting for the peer)",
+             "send + receive halves; the receive half includes waiting for the peer)",
              f"{'max':>7} " + " ".join(f"{'rank' + str(r):>7}" for r in range(len(kernels))) + "  kernel"]
     names = sorted({n for k in kernels for n in k}, key=lambda n: -max(k.get(n, 0.0) for k in kernels))
     for name in names:
