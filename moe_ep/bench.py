@@ -363,20 +363,22 @@ def plot(rows: list[Row], path: Path) -> None:
     n1 = [r for r in rows if r.case == "N1" and r.sms]
     n1 = [r for r in n1 if r.topology == n1[0].topology]  # not the --ranks-per-node pass
     sweep = [r for r in rows if r.case == "sweep"]
-    fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(13 if sweep else 7, 4.5), squeeze=False)
-    ax = axes[0][0]
-    for op, color in (("dispatch_bf16", "C0"), ("dispatch_fp8", "C1"), ("combine_bf16", "C2")):
-        pts = sorted((r for r in n1 if r.op == op), key=lambda r: r.sms)
-        if pts:
-            sms = [r.sms for r in pts]
-            ax.plot(sms, [r.call_us for r in pts], "o-", color=color, label=f"moe_ep {op}")
-            ax.plot(sms, [r.deepep_us for r in pts], "x:", color=color, alpha=0.6, label=f"DeepEP {op}")
-            ax.plot(sms, [r.link_us for r in pts], "--", color=color, lw=1, alpha=0.8, label=f"link limit {op}")
-    ax.set(xlabel="SMs", ylabel="us per call (lower is better)", title="N1: EP2, 4096 tokens, hidden 7168, top-8/256")
-    if n1:
-        ax.legend(fontsize=7)
+    panels = (["n1"] if n1 or not sweep else []) + (["sweep"] if sweep else [])  # no empty N1 panel
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    if "n1" in panels:
+        ax = axes[0][panels.index("n1")]
+        for op, color in (("dispatch_bf16", "C0"), ("dispatch_fp8", "C1"), ("combine_bf16", "C2")):
+            pts = sorted((r for r in n1 if r.op == op), key=lambda r: r.sms)
+            if pts:
+                sms = [r.sms for r in pts]
+                ax.plot(sms, [r.call_us for r in pts], "o-", color=color, label=f"moe_ep {op}")
+                ax.plot(sms, [r.deepep_us for r in pts], "x:", color=color, alpha=0.6, label=f"DeepEP {op}")
+                ax.plot(sms, [r.link_us for r in pts], "--", color=color, lw=1, alpha=0.8, label=f"link limit {op}")
+        ax.set(xlabel="SMs", ylabel="us per call (lower is better)", title="N1: EP2, 4096 tokens, hidden 7168, top-8/256")
+        if n1:
+            ax.legend(fontsize=7)
     if sweep:
-        ax = axes[0][1]
+        ax = axes[0][panels.index("sweep")]
         for hidden in sorted({r.hidden for r in sweep}):
             for op, style in (("dispatch_bf16", "o-"), ("combine_bf16", "s--")):
                 pts = sorted((r.tokens, r.gbps) for r in sweep if r.hidden == hidden and r.op == op)

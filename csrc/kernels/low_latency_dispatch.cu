@@ -14,7 +14,7 @@
 // launch reads e = epochs[8], which the send launch published.
 //
 // Send half — block b takes tokens b, b + G, ... One thread per 16 channels (FP8) or 8 channels
-// (bf16), in steps of 512 channels groups. Every block uses staging set e & 1. Token t's staging
+// (bf16) of a step; a row takes ceil(H / (512 * 16 or 8)) steps. Every block uses staging set e & 1. Token t's staging
 // slot at every rank is [set][me][t] (meta row and payload row).
 //   1. Per token: every thread first issues the loads of its channels of x (step 2), so their latency
 //      overlaps the routing. Warp 0 derives it: lane k < K reads topk id k (one coalesced load),
