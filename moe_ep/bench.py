@@ -147,7 +147,7 @@ class Timer:
 
     def cold_us(self, fn: Callable[[], object]) -> float:
         """Median time of a call made right after a device sync and a host barrier, so the host's
-        own time counts, as for the first MoE layer after any sync (/work/shared/BENCH.md)."""
+        own time counts, as for the first MoE layer after any sync (docs/benchmarks.md, Method)."""
         return self.parts_us([fn], cold=True)[0]
 
     def split_us(self, send: Callable[[], object]) -> tuple[float, float]:
