@@ -18,12 +18,12 @@ from .types import (
 
 __version__ = "0.1.0"
 
-# Imported on first use: the layer pulls in nn code, the timeout error lives with the NVSHMEM session.
+# Imported on first use: the layer pulls in nn code.
 _LAZY = {
     "TopKRouter": "moe_ep.router",
     "RouterOutput": "moe_ep.router",
     "MoE": "moe_ep.layer",
-    "CommTimeoutError": "moe_ep.backends.symmetric",
+    "CommTimeoutError": "moe_ep.errors",
 }
 
 

@@ -53,17 +53,32 @@ def _on_cpu(cfg: BufferConfig) -> bool:
     return cfg.device.type != "cuda"
 
 
-def _device_of(group: dist.ProcessGroup) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _device_of(group: dist.ProcessGroup, device: Optional[torch.device] = None) -> torch.device:
+    """The device a Buffer's tensors live on: `device` when given (a CUDA device over a gloo group runs
+    ranks that share a GPU, docs/one_gpu.md), else the current CUDA device for NCCL and the CPU otherwise."""
+    nccl = dist.get_backend(group) == "nccl"
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    if isinstance(device, (str, int)):
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if not isinstance(device, torch.device) or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be a CUDA or CPU torch.device, got {device!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device} but torch sees no CUDA device")
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device} but torch sees {torch.cuda.device_count()} CUDA device(s)")
+    elif nccl:
+        raise ValueError("an NCCL group moves CUDA tensors only; device=cpu needs a gloo group")
+    return device
 
 
 def auto_backend(device: torch.device) -> tuple[str, str]:
     """The backend Buffer(backend="auto") picks for a group on `device`, and why. Groups that span
     nodes get the native backend too: it crosses nodes over NVSHMEM's network transports."""
     if device.type != "cuda":
-        return "reference", f"the native backend needs CUDA devices and NCCL; the group runs on {device.type}"
+        return "reference", f"the native backend needs CUDA tensors; this Buffer's device is {device.type}"
     ok, why = _native.available()
     return ("nvshmem", "moe_ep._C loads and the group runs on CUDA devices") if ok else ("reference", why)
 
@@ -91,10 +106,11 @@ def _check_ranks_per_node(ranks_per_node: Optional[int], world: int) -> None:
         raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide the group size ({world})")
 
 
-def _resolve_topology(group: dist.ProcessGroup, ranks_per_node: Optional[int]) -> topology.Topology:
+def _resolve_topology(group: dist.ProcessGroup, ranks_per_node: Optional[int],
+                      device: Optional[torch.device] = None) -> topology.Topology:
     """Collective: the detected topology, or the forced one if the hosts allow it."""
     _check_ranks_per_node(ranks_per_node, dist.get_world_size(group))
-    topo = topology.resolve(group, ranks_per_node)
+    topo = topology.resolve(group, ranks_per_node, device)
     if topo.ranks_per_node > topo.detected:
         raise ValueError(f"ranks_per_node={topo.ranks_per_node} exceeds the {topo.detected} ranks per node detected "
                          "(ranks on one host): a forced node size may only split a host's NVLink domain")
@@ -111,7 +127,7 @@ class Buffer:
                  max_tokens_per_rank: int, backend: str = "auto", low_latency: bool = False,
                  num_sms: Optional[int] = None, timeout_s: float = 100.0,
                  ranks_per_node: Optional[int] = None, hierarchical: Optional[bool] = None,
-                 fault_tolerant: bool = False) -> None:
+                 fault_tolerant: bool = False, device: Optional[torch.device] = None) -> None:
         group = group if group is not None else dist.group.WORLD
         if not dist.is_initialized():
             raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
@@ -129,7 +145,7 @@ class Buffer:
             raise ValueError(f"num_topk must be at most {max_topk}, got {num_topk}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        device = _device_of(group)
+        device = _device_of(group, device)
         self.backend_name = _pick_backend(backend, device)
         if self.backend_name == "nvshmem" and device.type == "cuda" and _native.available()[0]:
             from .backends.symmetric import NvshmemSession
@@ -138,7 +154,7 @@ class Buffer:
         if fault_tolerant and not (low_latency and self.backend_name == "nvshmem"):
             raise ValueError("fault_tolerant=True needs low_latency=True and the native backend (backend='nvshmem'): "
                              "only the low-latency kernels can mask a rank that went silent")
-        topo = _resolve_topology(group, ranks_per_node)
+        topo = _resolve_topology(group, ranks_per_node, device)
         if hierarchical is not None and not isinstance(hierarchical, bool):
             raise TypeError(f"hierarchical must be None, True or False, got {hierarchical!r}")
         if hierarchical is False and topo.num_nodes > 1:
@@ -150,7 +166,7 @@ class Buffer:
             num_sms=self._check_num_sms(num_sms if num_sms is not None else DEFAULT_NUM_SMS, device, default=num_sms is None),
             timeout_s=float(timeout_s), buffer_id=next(_buffer_ids), device=device,
             ranks_per_node=topo.ranks_per_node, hierarchical=bool(hierarchical) or topo.num_nodes > 1,
-            fault_tolerant=bool(fault_tolerant),
+            fault_tolerant=bool(fault_tolerant), ranks_per_gpu=topo.ranks_per_gpu,
         )
         self._backend: Optional[Backend] = self._make_backend()
 
@@ -160,8 +176,8 @@ class Buffer:
 
             return ReferenceBackend(self.cfg)
         if self.cfg.device.type != "cuda":
-            raise RuntimeError("backend='nvshmem' needs a CUDA device and an NCCL process group; "
-                               f"this group runs on {self.cfg.device}")
+            raise RuntimeError("backend='nvshmem' needs CUDA tensors: give the Buffer an NCCL group, or a gloo group "
+                               f"and device=torch.device('cuda', i); this Buffer's device is {self.cfg.device}")
         ok, why = _native.available()
         if not ok:
             raise RuntimeError(f"backend='nvshmem' is unavailable: {why}")
@@ -201,6 +217,12 @@ class Buffer:
     @property
     def num_nodes(self) -> int:
         return self.cfg.num_nodes
+
+    @property
+    def ranks_per_gpu(self) -> int:
+        """The most ranks of the group that share one GPU (0 on CPU). Above 1 the ranks are
+        time-sliced on their GPU: results are valid, timings say nothing about links."""
+        return self.cfg.ranks_per_gpu
 
     @property
     def num_local_experts(self) -> int:

@@ -1,13 +1,16 @@
 """Which ranks of a process group share one NVLink domain ("node"): detected from the hosts the
 ranks run on, or forced by the caller (Buffer(ranks_per_node=k)) so one machine can act as several
-nodes. Nodes are contiguous rank ranges: rank r is in node r // ranks_per_node. Buffer validates a
-forced value; this module only detects and records."""
+nodes. Nodes are contiguous rank ranges: rank r is in node r // ranks_per_node. Ranks on one host
+that name the same GPU (same device UUID) share it (docs/one_gpu.md); they are on one host, so
+detection puts them in one node. Buffer validates a forced value; this module only detects and records."""
 from __future__ import annotations
 
 import socket
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from . import _native
@@ -26,6 +29,7 @@ class Topology:
     num_nodes: int
     detected: int  # the largest node size the hosts allow (see node_size)
     forced: bool  # ranks_per_node came from the caller
+    ranks_per_gpu: int = 1  # the most ranks of the group that share one GPU (0: the ranks run on CPU)
 
 
 def ranks_per_host(hostnames: list[str]) -> int:
@@ -56,11 +60,30 @@ def node_size(per_host: int) -> int:
     return max(d for d in range(1, max_ranks_per_node() + 1) if per_host % d == 0)
 
 
+def device_uuid(device: Optional[torch.device]) -> Optional[str]:
+    """The UUID of a CUDA device (None for the CPU or no device)."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+
+
+def placements(group: dist.ProcessGroup, device: Optional[torch.device] = None) -> list[tuple[str, Optional[str]]]:
+    """Collective over `group`: every rank's (hostname, device UUID or None), in group rank order."""
+    mine = (socket.gethostname(), device_uuid(device))
+    got: list[Optional[tuple[str, Optional[str]]]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, mine, group=group)
+    return [(str(host), uuid) for host, uuid in got]
+
+
 def hostnames(group: dist.ProcessGroup) -> list[str]:
     """Collective over `group`: every rank's hostname, in group rank order."""
-    names: list[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, socket.gethostname(), group=group)
-    return [str(name) for name in names]
+    return [host for host, _ in placements(group)]
+
+
+def ranks_per_gpu(places: list[tuple[str, Optional[str]]]) -> int:
+    """The most ranks that name one GPU (same host and device UUID); 0 when no rank has one."""
+    gpus = Counter(p for p in places if p[1] is not None)
+    return max(gpus.values(), default=0)
 
 
 def detect(group: dist.ProcessGroup) -> int:
@@ -69,10 +92,11 @@ def detect(group: dist.ProcessGroup) -> int:
     return node_size(ranks_per_host(hostnames(group)))
 
 
-def resolve(group: dist.ProcessGroup, ranks_per_node: Optional[int]) -> Topology:
+def resolve(group: dist.ProcessGroup, ranks_per_node: Optional[int], device: Optional[torch.device] = None) -> Topology:
     """Collective over `group`: the topology with `ranks_per_node` forced (Buffer has validated it),
-    or detected when it is None."""
-    detected = detect(group)
+    or detected when it is None; `device` is this rank's (for ranks_per_gpu)."""
+    places = placements(group, device)
+    detected = node_size(ranks_per_host([host for host, _ in places]))
     size = detected if ranks_per_node is None else ranks_per_node
     return Topology(ranks_per_node=size, num_nodes=dist.get_world_size(group) // size, detected=detected,
-                    forced=ranks_per_node is not None)
+                    forced=ranks_per_node is not None, ranks_per_gpu=ranks_per_gpu(places))

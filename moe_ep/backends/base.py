@@ -115,6 +115,7 @@ class BufferConfig:
     ranks_per_node: int  # ranks of one NVLink domain ("node"); nodes are contiguous rank ranges
     hierarchical: bool = False  # normal mode on the cross-node kernels (always when num_nodes > 1)
     fault_tolerant: bool = False  # low-latency kernels mask a rank that misses the timeout instead of failing
+    ranks_per_gpu: int = 1  # the most ranks of the group sharing one GPU (0 on CPU; above 1: gloo, time-sliced)
 
     @property
     def num_nodes(self) -> int:

@@ -1,7 +1,9 @@
 """Pure torch.distributed backend: the oracle, the CPU default and the NCCL baseline.
 
 Every exchange is one `all_to_all_single` of packed byte rows (after a count exchange), so it
-runs on gloo (CPU) and NCCL (GPU) alike. Arithmetic follows docs/api.md to the bit.
+runs on gloo (CPU) and NCCL (GPU) alike. CUDA tensors over a gloo group (ranks sharing a GPU,
+docs/one_gpu.md) are staged through host memory: correct and slow. Arithmetic follows docs/api.md
+to the bit.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from ..types import (
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
-from .base import Backend, align_up, record_event
+from .base import Backend, BufferConfig, align_up, record_event
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -56,16 +58,27 @@ class ReferenceBackend(Backend):
 
     name = "reference"
 
+    def __init__(self, cfg: BufferConfig) -> None:
+        super().__init__(cfg)
+        # gloo moves host tensors: CUDA tensors go through host memory
+        self._staged = cfg.device.type == "cuda" and dist.get_backend(cfg.group) != "nccl"
+
     # ---- helpers -------------------------------------------------------------------------
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_split: Optional[list[int]] = None,
+                    in_split: Optional[list[int]] = None) -> torch.Tensor:
+        """all_to_all_single into `out` (returned), through host memory when the group cannot move `inp`."""
+        if not self._staged:
+            dist.all_to_all_single(out, inp, out_split, in_split, group=self.cfg.group)
+            return out
+        host = torch.empty(out.shape, dtype=out.dtype)
+        dist.all_to_all_single(host, inp.cpu(), out_split, in_split, group=self.cfg.group)
+        return out.copy_(host)
+
     def _exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
-        recv = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv, send_counts, group=self.cfg.group)
-        return recv.tolist()
+        return self._all_to_all(torch.empty_like(send_counts), send_counts).tolist()
 
     def _all_to_all_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
-        out = rows.new_empty((sum(recv_counts), rows.shape[1]))
-        dist.all_to_all_single(out, rows, recv_counts, send_counts, group=self.cfg.group)
-        return out
+        return self._all_to_all(rows.new_empty((sum(recv_counts), rows.shape[1])), rows, recv_counts, send_counts)
 
     def _rank_mask(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """[N, R] bool: token n has at least one expert on rank r."""

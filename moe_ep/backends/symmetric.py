@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _native, topology
+from ..errors import CommTimeoutError
 
 logger = logging.getLogger("moe_ep")
 
@@ -52,18 +53,6 @@ def apply_nvshmem_defaults(spans_hosts: bool) -> str:
     return (f"moe_ep: starting NVSHMEM {'across hosts' if spans_hosts else 'on one host'}; set by moe_ep: "
             + (", ".join(f"{k}={v}" for k, v in ours.items()) or "nothing")
             + "; as the user had them: " + (", ".join(f"{k}={v}" for k, v in users.items()) or "nothing"))
-
-
-class CommTimeoutError(RuntimeError):
-    """A kernel stopped waiting for a peer; names this rank, the peer, the phase and the timeout."""
-
-    def __init__(self, rank: int, peer: int, phase: str, timeout_s: Optional[float]) -> None:
-        self.rank, self.peer, self.phase, self.timeout_s = rank, peer, phase, timeout_s
-        after = f" after {timeout_s:.1f} s" if timeout_s is not None else ""
-        super().__init__(f"moe_ep rank {rank}: timed out{after} in phase '{phase}' waiting for rank {peer}")
-
-    def __reduce__(self):
-        return CommTimeoutError, (self.rank, self.peer, self.phase, self.timeout_s)
 
 
 class _ErrorState(ctypes.Structure):

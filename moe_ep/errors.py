@@ -1,0 +1,24 @@
+"""The errors moe_ep raises beyond Python's own (docs/api.md, Errors).
+
+- CommTimeoutError: a wait for a peer gave up (any backend); names this rank, the peer and the phase.
+- ValueError: bad input, raised on the rank that passed it (an expert id out of range is found by
+  the native kernels without a host sync and raised when the call's results reach the host).
+- RuntimeError "lost its peers": NVSHMEM in this process cannot be used again after a peer went
+  silent (moe_ep.backends.symmetric.NvshmemSession.check_usable).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class CommTimeoutError(RuntimeError):
+    """A wait for a peer gave up; names this rank, the peer (-1: not known), the phase and the timeout."""
+
+    def __init__(self, rank: int, peer: int, phase: str, timeout_s: Optional[float]) -> None:
+        self.rank, self.peer, self.phase, self.timeout_s = rank, peer, phase, timeout_s
+        after = f" after {timeout_s:.1f} s" if timeout_s is not None else ""
+        whom = f"rank {peer}" if peer >= 0 else "a peer"
+        super().__init__(f"moe_ep rank {rank}: timed out{after} in phase '{phase}' waiting for {whom}")
+
+    def __reduce__(self):
+        return CommTimeoutError, (self.rank, self.peer, self.phase, self.timeout_s)
