@@ -1,10 +1,15 @@
-"""Multi-process test harness: spawn R ranks once and run many cases inside them."""
+"""Multi-process test harness: spawn R ranks once and run many cases inside them.
+
+backend="gpu" places R ranks on the G GPUs present, R / G per GPU: an NCCL group when every rank has
+a GPU of its own, else a gloo group with ranks sharing GPUs (NVSHMEM's multi-process-per-GPU mode,
+docs/one_gpu.md). Tests build their Buffers with device=device(), which is right in both cases.
+"""
 from __future__ import annotations
 
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -26,12 +31,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def gpu_placement(rank: int, world_size: int) -> tuple[torch.device, str]:
+    """(this rank's GPU, the process-group backend) for a backend="gpu" run: R / G ranks per GPU."""
+    gpus = torch.cuda.device_count()
+    per_gpu = -(-world_size // gpus)
+    return torch.device("cuda", rank // per_gpu), "nccl" if per_gpu == 1 else "gloo"
+
+
+def device() -> torch.device:
+    """This worker's device: its GPU in a backend="gpu" or "nccl" run, else the CPU."""
+    return torch.device(os.environ.get("MOE_EP_TEST_DEVICE", "cpu"))
+
+
+def ranks_per_gpu() -> int:
+    """Ranks sharing this worker's GPU (0 on CPU)."""
+    return int(os.environ.get("MOE_EP_TEST_RANKS_PER_GPU", "0"))
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, errors: Any) -> None:
     try:
-        if backend == "nccl":
+        dev: Optional[torch.device] = None
+        if backend in ("gpu", "nccl"):
             for key, value in _GPU_ENV.items():
                 os.environ.setdefault(key, value)
-            torch.cuda.set_device(rank)
+            dev, backend = gpu_placement(rank, world_size) if backend == "gpu" else (torch.device("cuda", rank), "nccl")
+            torch.cuda.set_device(dev)
+            os.environ["MOE_EP_TEST_DEVICE"] = str(dev)
+            os.environ["MOE_EP_TEST_RANKS_PER_GPU"] = str(-(-world_size // torch.cuda.device_count()))
         else:
             torch.set_num_threads(1)
         dist.init_process_group(
@@ -39,7 +65,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
-            device_id=torch.device("cuda", rank) if backend == "nccl" else None,
+            device_id=dev if backend == "nccl" else None,
         )
         try:
             fn(rank, world_size, *args)
@@ -51,7 +77,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
 
 
 def run_workers(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", timeout_s: float = 600) -> None:
-    """Run fn(rank, world_size, *args) in `world_size` fresh processes; re-raise any failure."""
+    """Run fn(rank, world_size, *args) in `world_size` fresh processes; re-raise any failure.
+
+    backend: "gloo" (CPU), "gpu" (ranks on the GPUs present, sharing them when fewer than the ranks)
+    or "nccl" (a GPU per rank)."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
@@ -89,11 +118,21 @@ def _native_built() -> bool:
     return _native.available()[0]
 
 
-def requires_gpus(n: int) -> pytest.MarkDecorator:
-    """Skip unless n CUDA devices are present and moe_ep._C is built."""
+def requires_gpus(n: int = 1) -> pytest.MarkDecorator:
+    """Skip unless n CUDA devices are present and moe_ep._C is built. Ranks of a backend="gpu" run
+    share the GPUs, so one GPU serves every world size."""
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < n:
-        return pytest.mark.skip(reason=f"needs {n} GPUs, found {have}")
+        return pytest.mark.skip(reason=f"needs {n} GPU(s), found {have}")
     if not _native_built():
         return pytest.mark.skip(reason="moe_ep._C is not built")
     return pytest.mark.gpu
+
+
+def requires_separate_gpus(n: int, why: str) -> pytest.MarkDecorator:
+    """Skip unless n CUDA devices are present (a GPU per rank, NCCL) and moe_ep._C is built; `why`
+    says what needs them."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < n:
+        return pytest.mark.skip(reason=f"needs {n} separate GPUs ({why}), found {have}")
+    return requires_gpus(n)
