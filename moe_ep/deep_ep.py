@@ -17,7 +17,7 @@ import torch.distributed as dist
 import moe_ep
 from . import _native
 from .backends.base import align_up, record_event
-from .buffer import _device_of, _resolve_topology
+from .buffer import _device_of, _resolve_topology, auto_backend
 from .fp8 import BLOCK as FP8_BLOCK
 
 topk_idx_t = torch.int64
@@ -209,8 +209,10 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self._backend, self._max_tokens = backend, max_tokens_per_rank
         self._device_group: Optional[dist.ProcessGroup] = None
-        topo = _resolve_topology(self.group, ranks_per_node)
+        gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        topo = _resolve_topology(self.group, ranks_per_node, gpu)
         self._ranks_per_node, self._num_nodes = topo.ranks_per_node, topo.num_nodes
+        self._ranks_per_gpu = topo.ranks_per_gpu
         self._normal: dict[tuple[int, int], moe_ep.Buffer] = {}
         self._low_latency: dict[tuple[int, int, int, int], moe_ep.Buffer] = {}
         self._zero_copy: dict[moe_ep.Buffer, torch.Tensor] = {}
@@ -252,22 +254,29 @@ class Buffer:
         return Config(Buffer.num_sms)
 
     # ---- buffers --------------------------------------------------------------------------
-    def _group_for(self, device: torch.device) -> dist.ProcessGroup:
-        """The group of the moe_ep Buffers for tensors on `device`: the caller's, except for CUDA
-        tensors over a CPU (gloo) group, as vLLM passes its CPU group: then an NCCL group of the same
-        ranks, created once, by the members alone."""
+    def _group_for(self, device: torch.device) -> tuple[dist.ProcessGroup, Optional[torch.device]]:
+        """The group (and device argument) of the moe_ep Buffers for tensors on `device`: the caller's
+        group, except for CUDA tensors over a CPU (gloo) group, as vLLM passes its CPU group. Then the
+        native backend runs over that group with device=`device` (it needs the group only to start
+        NVSHMEM), and so does the reference backend when ranks share a GPU (NCCL refuses them);
+        otherwise the reference backend gets an NCCL group of the same ranks, created once, by the
+        members alone."""
         if device.type != "cuda" or _device_of(self.group).type == "cuda":
-            return self.group
+            return self.group, None
+        native = self._backend == "nvshmem" or (self._backend == "auto" and auto_backend(device)[0] == "nvshmem")
+        if native or self._ranks_per_gpu > 1:
+            return self.group, device
         if self._device_group is None:
             self._device_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="nccl",
                                                 use_local_synchronization=True)
-        return self._device_group
+        return self._device_group, None
 
     def _new_buffer(self, x: torch.Tensor, num_experts: int, num_topk: int, max_tokens: int,
                     low_latency: bool) -> moe_ep.Buffer:
-        return moe_ep.Buffer(self._group_for(x.device), hidden=x.shape[1], num_experts=num_experts,
-                             num_topk=num_topk, max_tokens_per_rank=max_tokens, backend=self._backend,
-                             low_latency=low_latency, ranks_per_node=self._ranks_per_node)
+        group, device = self._group_for(x.device)
+        return moe_ep.Buffer(group, hidden=x.shape[1], num_experts=num_experts, num_topk=num_topk,
+                             max_tokens_per_rank=max_tokens, backend=self._backend, low_latency=low_latency,
+                             ranks_per_node=self._ranks_per_node, device=device)
 
     def _normal_buffer(self, x: torch.Tensor, num_experts: int) -> moe_ep.Buffer:
         """The normal-mode Buffer for x's hidden size and device (top-k padded to 16), created on first use."""

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -96,9 +97,17 @@ def _gpu_lines() -> list[str]:
 def _topology_lines() -> list[str]:
     """Nodes of the initialised default group; without one, what this host's GPUs imply."""
     if dist.is_available() and dist.is_initialized():
-        topo = topology.resolve(dist.group.WORLD, None)
-        return [f"Nodes        {dist.get_world_size()} ranks: {topo.num_nodes} node(s) of {topo.ranks_per_node} "
-                "ranks (detected from the ranks' hostnames)"]
+        gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        places = topology.placements(dist.group.WORLD, gpu)
+        topo = topology.resolve(dist.group.WORLD, None, gpu)
+        lines = [f"Nodes        {dist.get_world_size()} ranks: {topo.num_nodes} node(s) of {topo.ranks_per_node} "
+                 "ranks (detected from the ranks' hostnames)"]
+        gpus = Counter(p for p in places if p[1] is not None)
+        for (host, uuid), ranks in gpus.items():
+            lines.append(f"GPU          {host} {uuid}: {ranks} rank(s)"
+                         + (" share it (time-sliced: results valid, timings say nothing about links; "
+                            "docs/one_gpu.md)" if ranks > 1 else ""))
+        return lines
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         return ["Nodes        no GPU here: the native backend has nothing to run on (reference backend only)"]
@@ -175,5 +184,22 @@ def report() -> str:
     return "\n".join(lines)
 
 
+def main() -> None:
+    """Prints the report; under torchrun (the ranks placed as moe_ep.launch does) rank 0 prints it
+    with the group's nodes and how many ranks share each GPU."""
+    if "RANK" not in os.environ:
+        print(report())
+        return
+    from .launch import init_distributed
+
+    init_distributed()
+    try:
+        text = report()
+        if dist.get_rank() == 0:
+            print(text)
+    finally:
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    print(report())
+    main()

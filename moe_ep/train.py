@@ -5,7 +5,8 @@ else (embeddings, attention, norms, routers) is replicated and trained data-para
 are averaged with an all-reduce. The global batch (--batch sequences) is split evenly over the
 ranks, so runs with the same seed see the same data and follow the same loss curve at any R.
 Runs on CPU (gloo, reference backend) and on GPUs (NCCL, --backend auto picks the native one when
-moe_ep._C is built). Each rank writes its own checkpoint file (expert weights under their global
+moe_ep._C is built); with fewer GPUs than ranks, --ranks-per-gpu ranks share each GPU over gloo
+(docs/one_gpu.md). Each rank writes its own checkpoint file (expert weights under their global
 ids); --resume continues from the latest complete step with the same number of ranks.
 
 Runs are deterministic: the same seed gives the same bits on every run, with no global
@@ -18,8 +19,9 @@ import argparse
 import math
 import os
 import re
+import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
 import torch
@@ -32,6 +34,7 @@ from tqdm import tqdm
 from .buffer import Buffer
 from .data import CharCorpus
 from .experts import GroupedExperts
+from .launch import init_distributed
 from .layer import MoE
 
 # Fields that fix the model's shape and math: a checkpoint only resumes into the same ones.
@@ -71,7 +74,9 @@ class TrainConfig:
     clip: float = _flag(1.0, "global gradient-norm clip (0: off)")
     seed: int = _flag(0, "seed of the data and of the initial weights")
     backend: str = _flag("auto", "Buffer backend", ("auto", "reference", "nvshmem"))
-    device: str = _flag("auto", "auto: CUDA with NCCL when present, else CPU with gloo", ("auto", "cpu", "cuda"))
+    device: str = _flag("auto", "auto: CUDA when present, else CPU with gloo", ("auto", "cpu", "cuda"))
+    ranks_per_gpu: Optional[int] = _flag(None, "ranks sharing each GPU over gloo (docs/one_gpu.md; default: 1 when "
+                                              "there are enough GPUs, else the local ranks spread evenly)")
     dtype: str = _flag("auto", "compute dtype (auto: bfloat16 on CUDA, float32 on CPU)",
                        ("auto", "float32", "bfloat16"))
     ckpt: str = _flag("checkpoints/moe_ep", "checkpoint root: {ckpt}/step{N}/rank{r}-of-{R}.pt")
@@ -246,10 +251,9 @@ def load_checkpoint(cfg: TrainConfig, rank: int, world: int, model: nn.Module,
 
 # ---- training loop ------------------------------------------------------------------------------
 def _resolve(cfg: TrainConfig) -> tuple[torch.device, torch.dtype]:
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    """The current CUDA device unless the run is on CPU (a gloo group may serve ranks sharing a GPU)."""
+    on_cuda = cfg.device == "cuda" or (cfg.device == "auto" and dist.get_backend() == "nccl")
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "auto": torch.bfloat16 if device.type == "cuda" else torch.float32}[cfg.dtype]
     return device, dtype
@@ -299,7 +303,7 @@ def train(cfg: TrainConfig) -> list[float]:
     corpus = CharCorpus(cfg.seed)
     torch.manual_seed(cfg.seed)
     buffer = Buffer(dist.group.WORLD, hidden=cfg.dim, num_experts=cfg.experts, num_topk=cfg.top_k,
-                    max_tokens_per_rank=local_batch * cfg.seq_len, backend=cfg.backend)
+                    max_tokens_per_rank=local_batch * cfg.seq_len, backend=cfg.backend, device=device)
     model = MoELM(cfg, corpus.vocab_size, buffer, dtype, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     start, losses = load_checkpoint(cfg, rank, world, model, optimizer) if cfg.resume else (0, [])
@@ -307,10 +311,12 @@ def train(cfg: TrainConfig) -> list[float]:
     tokens_per_step = cfg.batch * cfg.seq_len
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        tqdm.write(f"moe_ep.train: {world} rank(s), backend {buffer.backend_name}, {device}, {dtype}, "
+        shared = f" ({buffer.ranks_per_gpu} ranks per GPU)" if buffer.ranks_per_gpu > 1 else ""
+        tqdm.write(f"moe_ep.train: {world} rank(s), backend {buffer.backend_name}, {device}{shared}, {dtype}, "
                    f"{params:,} parameters on rank 0, {tokens_per_step} tokens/step, steps {start}..{cfg.steps}")
     path = step_dir(cfg, start)
-    with tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=rank != 0 or not cfg.progress,
+    bar_off = rank != 0 or not cfg.progress or not sys.stderr.isatty()  # a log gets the log lines only
+    with tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=bar_off,
               unit="step", dynamic_ncols=True) as bar:
         for step in bar:
             t0 = time.perf_counter()
@@ -349,20 +355,15 @@ def parse_args(argv: Optional[list[str]] = None) -> TrainConfig:
         if isinstance(value, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         else:
-            parser.add_argument(flag, type=float if f.name == "capacity_factor" else type(value),
-                                choices=f.metadata["choices"], **kw)
+            kind = {"capacity_factor": float, "ranks_per_gpu": int}.get(f.name, type(value))
+            parser.add_argument(flag, type=kind, choices=f.metadata["choices"], **kw)
     return TrainConfig(**vars(parser.parse_args(argv)))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     cfg = parse_args(argv)
-    if "RANK" not in os.environ:  # plain `python -m moe_ep.train`: one rank, no torchrun
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29531")
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    placement = init_distributed(cfg.device, cfg.ranks_per_gpu)
+    cfg = replace(cfg, device=placement.device.type)
     try:
         train(cfg)
     finally:

@@ -48,16 +48,23 @@ def ranks_per_gpu() -> int:
     return int(os.environ.get("MOE_EP_TEST_RANKS_PER_GPU", "0"))
 
 
+def setup_gpu_rank(rank: int, world_size: int, backend: str = "gpu") -> tuple[torch.device, str]:
+    """In a fresh rank process: the GPU environment, this rank's GPU as the current device (what
+    device() returns) and the process-group backend to use; backend "gpu" or "nccl" as in run_workers."""
+    for key, value in _GPU_ENV.items():
+        os.environ.setdefault(key, value)
+    dev, backend = gpu_placement(rank, world_size) if backend == "gpu" else (torch.device("cuda", rank), "nccl")
+    torch.cuda.set_device(dev)
+    os.environ["MOE_EP_TEST_DEVICE"] = str(dev)
+    os.environ["MOE_EP_TEST_RANKS_PER_GPU"] = str(-(-world_size // torch.cuda.device_count()))
+    return dev, backend
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, errors: Any) -> None:
     try:
         dev: Optional[torch.device] = None
         if backend in ("gpu", "nccl"):
-            for key, value in _GPU_ENV.items():
-                os.environ.setdefault(key, value)
-            dev, backend = gpu_placement(rank, world_size) if backend == "gpu" else (torch.device("cuda", rank), "nccl")
-            torch.cuda.set_device(dev)
-            os.environ["MOE_EP_TEST_DEVICE"] = str(dev)
-            os.environ["MOE_EP_TEST_RANKS_PER_GPU"] = str(-(-world_size // torch.cuda.device_count()))
+            dev, backend = setup_gpu_rank(rank, world_size, backend)
         else:
             torch.set_num_threads(1)
         dist.init_process_group(

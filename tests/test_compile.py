@@ -20,7 +20,7 @@ import torch._dynamo
 
 import moe_ep
 from moe_ep import MoE, fp8, ops
-from tests._dist import requires_gpus, run_workers
+from tests._dist import device, requires_gpus, run_workers
 
 WORLD = 2
 EXPERTS, TOPK, T = 8, 3, 12
@@ -141,9 +141,9 @@ def _body(rank: int, world: int, seed: int, backend: str, parts: tuple[str, ...]
     """parts: "aot_eager" (opcheck, compiled == eager bit for bit, the exact-size graph break) and/or
     "inductor" (forward, within a bf16 rounding)."""
     g = torch.Generator().manual_seed(seed * 31 + rank)
-    buf = moe_ep.Buffer(hidden=HIDDEN[backend], num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=T,
+    buf = moe_ep.Buffer(device=device(), hidden=HIDDEN[backend], num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=T,
                         backend=backend, low_latency=True)
-    fp8_buf = moe_ep.Buffer(hidden=2 * fp8.BLOCK, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8,
+    fp8_buf = moe_ep.Buffer(device=device(), hidden=2 * fp8.BLOCK, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8,
                             backend=backend, low_latency=True)
     if buf.device.type == "cuda":
         _deterministic()
@@ -194,13 +194,13 @@ def test_compile() -> None:
     _run("reference", ("aot_eager", "inductor"), "gloo")
 
 
-@requires_gpus(WORLD)
+@requires_gpus()
 def test_compile_gpu() -> None:
     """The native backend: opcheck, compiled (aot_eager) == eager bit for bit, forward and backward."""
     _run("nvshmem", ("aot_eager",), "nccl")
 
 
-@requires_gpus(WORLD)
+@requires_gpus()
 def test_compile_inductor_gpu() -> None:
     """The native backend under inductor (Triton kernels for the rest of the layer), forward."""
     _run("nvshmem", ("inductor",), "nccl")

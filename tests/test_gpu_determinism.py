@@ -19,7 +19,7 @@ import moe_ep
 from moe_ep import MoE
 from moe_ep.experts import GroupedExperts, _GatherRows, _row_slots, _sum_rows
 from moe_ep.train import TrainConfig, rank_file, step_dir, train
-from tests._dist import requires_gpus, run_workers
+from tests._dist import device as rank_device, requires_gpus, run_workers
 from tests.oracle import assert_same_bits
 
 RUNS = ("reference", "reference", "nvshmem")  # the first run is the one the others must repeat
@@ -46,7 +46,7 @@ def _layer_run(rank: int, case: LayerCase, backend: str, device: str) -> dict[st
     """Output, input gradient and every parameter gradient of case.steps forward + backward passes
     of one freshly seeded MoE layer (with router losses and a shared expert)."""
     n = case.tokens - 100 * rank
-    buf = moe_ep.Buffer(None, hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+    buf = moe_ep.Buffer(None, device=rank_device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
                         max_tokens_per_rank=case.tokens, backend=backend)
     torch.manual_seed(0)
     moe = MoE(buf, case.ffn, aux_loss_coef=0.01, z_loss_coef=1e-3, shared_ffn_hidden=case.ffn, dtype=case.dtype)
@@ -90,9 +90,9 @@ def _gpu_worker(rank: int, world: int, root: str) -> None:
     _assert_runs_agree([state for _, state in trained], RUNS, "train: final model")
 
 
-@requires_gpus(2)
+@requires_gpus()
 def test_gpu_runs_repeat_bitwise(tmp_path) -> None:
-    run_workers(2, _gpu_worker, str(tmp_path), backend="nccl")
+    run_workers(2, _gpu_worker, str(tmp_path), backend="gpu")
 
 
 def _cpu_worker(rank: int, world: int) -> None:

@@ -1,4 +1,4 @@
-"""Faults on 2 GPUs: a rank killed (SIGKILL) or stalled past the timeout in the middle of a run, and
+"""Faults with 2 ranks (on 2 GPUs, or sharing one: tests/_dist.py): a rank killed (SIGKILL) or stalled past the timeout in the middle of a run, and
 expert ids out of range. Each rank reports what it saw (exception, message, seconds) to the parent,
 which checks it: normal mode raises CommTimeoutError naming the silent rank within the timeout, a
 fault-tolerant low-latency Buffer masks it and keeps computing without its experts (checked against
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests._dist import _GPU_ENV, _free_port, requires_gpus
+from tests._dist import _free_port, device, requires_gpus, setup_gpu_rank
 
-pytestmark = requires_gpus(2)
+pytestmark = requires_gpus()
 
 TIMEOUT_S = 3.0
 SLACK_S = 4.0  # launch, polling granularity and the host's own work on top of the kernel timeout
@@ -31,16 +31,15 @@ H, E, K, T = 1024, 16, 4, 64
 
 
 def _run(rank: int, port: int, fn: Callable, reports: Any) -> None:
-    """One rank: NCCL group of 2, then fn(rank, report); leaves without any teardown."""
+    """One rank: a group of 2 (NCCL, or gloo when they share a GPU), then fn(rank, report); leaves
+    without any teardown."""
     def report(key: str, value: Any) -> None:
         reports.put((rank, key, value))
 
     try:
-        for k, v in _GPU_ENV.items():
-            os.environ.setdefault(k, v)
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                device_id=torch.device("cuda", rank))
+        dev, backend = setup_gpu_rank(rank, 2)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                device_id=dev if backend == "nccl" else None)
         fn(rank, report)
         torch.cuda.synchronize()
         report("done", True)
@@ -103,7 +102,7 @@ def _normal_round(buf: Any, rank: int, step: int) -> None:
 def _normal_kill(rank: int, report: Callable) -> None:
     import moe_ep
 
-    buf = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
+    buf = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
                         timeout_s=TIMEOUT_S)
     for step in range(3):
         _normal_round(buf, rank, step)
@@ -117,7 +116,7 @@ def _normal_kill(rank: int, report: Callable) -> None:
     start = time.monotonic()
     buf.abort()
     report("abort_s", time.monotonic() - start)
-    report("rebuild", _timed(lambda: moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T,
+    report("rebuild", _timed(lambda: moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T,
                                                     backend="nvshmem")))
     # a new group of the survivors: the reference backend serves it
     dist.destroy_process_group()
@@ -145,7 +144,7 @@ def test_killed_rank_normal_mode() -> None:
 def _normal_stall(rank: int, report: Callable) -> None:
     import moe_ep
 
-    buf = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
+    buf = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
                         timeout_s=TIMEOUT_S)
     _normal_round(buf, rank, 0)
     torch.cuda.synchronize()
@@ -186,7 +185,7 @@ def _ll_round(buf: Any, rank: int, step: int) -> tuple[torch.Tensor, torch.Tenso
 def _ll_kill(rank: int, report: Callable) -> None:
     import moe_ep
 
-    buf = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
+    buf = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
                         low_latency=True, fault_tolerant=True, timeout_s=TIMEOUT_S)
     for step in range(3):
         x, idx, w, _, out = _ll_round(buf, rank, step)
@@ -220,7 +219,7 @@ def test_killed_rank_fault_tolerant_low_latency() -> None:
 def _ll_stall(rank: int, report: Callable) -> None:
     import moe_ep
 
-    buf = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
+    buf = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
                         low_latency=True, fault_tolerant=True, timeout_s=TIMEOUT_S)
     _ll_round(buf, rank, 0)
     torch.cuda.synchronize()
@@ -241,7 +240,7 @@ def test_stalled_rank_fault_tolerant_low_latency() -> None:
 def _ll_poison(rank: int, report: Callable) -> None:
     import moe_ep
 
-    buf = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
+    buf = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
                         low_latency=True, timeout_s=TIMEOUT_S)
     _ll_round(buf, rank, 0)
     torch.cuda.synchronize()
@@ -266,8 +265,8 @@ def test_killed_rank_low_latency_poisons_and_raises() -> None:
 def _bad_ids(rank: int, report: Callable) -> None:
     import moe_ep
 
-    native = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem")
-    ref = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference")
+    native = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem")
+    ref = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference")
     for step, bad in enumerate((E + 5, -7, (1 << 32) + 3)):
         x, idx, w = _inputs(rank, step)
         x[5, :8] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0] * 2, dtype=torch.bfloat16)

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from tests._dist import requires_gpus, run_workers
+from tests._dist import device, requires_gpus, run_workers
 from tests.test_fuzz import BAD_INPUTS, Call, FuzzShape, call_inputs, fp8_payloads, fuzz_calls
 
-pytestmark = requires_gpus(2)
+pytestmark = requires_gpus()
 
 CALLS = 10_000
 WARMUP = 200  # calls before the memory is first measured
@@ -192,8 +192,8 @@ def _heap_state() -> tuple[int, int]:
 def _worker(rank: int, world: int, seed: int) -> None:
     kwargs = dict(hidden=SHAPE.hidden, num_experts=SHAPE.experts, num_topk=SHAPE.topk,
                   max_tokens_per_rank=SHAPE.max_tokens, low_latency=True)
-    native = moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **kwargs)
-    ref = moe_ep.Buffer(dist.group.WORLD, backend="reference", **kwargs)
+    native = moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", **kwargs)
+    ref = moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **kwargs)
     fuzzer = PairFuzzer(native, ref)
     counts: dict[str, int] = {}
     memory = []
@@ -220,4 +220,4 @@ def _worker(rank: int, world: int, seed: int) -> None:
 def test_gpu_fuzz_matches_reference() -> None:
     seed = int(os.environ.get("MOE_EP_FUZZ_SEED", random.randrange(2**31)))
     print(f"gpu fuzz seed {seed} (MOE_EP_FUZZ_SEED={seed} repeats this run)")
-    run_workers(2, _worker, seed, backend="nccl", timeout_s=500)
+    run_workers(2, _worker, seed, backend="gpu", timeout_s=500)

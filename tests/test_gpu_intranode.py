@@ -32,10 +32,10 @@ import torch.distributed as dist
 import moe_ep
 from moe_ep import fp8
 from moe_ep.backends import internode
-from tests._dist import requires_gpus, run_workers
+from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import random_topk
 
-pytestmark = requires_gpus(2)
+pytestmark = requires_gpus()
 
 WORLD = 2
 POISON = 0x7F
@@ -253,8 +253,8 @@ def _stress(rank: int, topo: dict) -> None:
     g = torch.Generator(device="cuda").manual_seed(777 + rank)
     shared = torch.Generator().manual_seed(4242)  # the same call sequence on both ranks
     routings = ["random", "skewed", "random", "one_expert", "none"]
-    with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **common) as nat, \
-            moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
+    with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", **common) as nat, \
+            moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **common) as ref:
         diffs = torch.zeros(STRESS_CALLS, 4, dtype=torch.int64, device="cuda")
         for it in range(STRESS_CALLS):
             use_fp8, worst = it % 3 == 1, it % 4 == 3
@@ -305,8 +305,8 @@ def _graph(rank: int, topo: dict) -> None:
         y = (res.x.float() * 1.5 - 0.25).to(torch.bfloat16)
         return res, buf.combine(y, res.handle), buf.combine(y, res.handle, topk_weights=res.topk_weights * 3 - 1)
 
-    with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **common) as nat, \
-            moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
+    with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", **common) as nat, \
+            moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **common) as ref:
         refill("random")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -332,7 +332,7 @@ def _graph(rank: int, topo: dict) -> None:
 # ---- timeout ----------------------------------------------------------------------------------
 def _timeout(rank: int, topo: dict) -> None:
     """Rank 0 dispatches alone: its count exchange gives up and names the phase and the silent peer."""
-    with moe_ep.Buffer(dist.group.WORLD, hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=16,
+    with moe_ep.Buffer(dist.group.WORLD, device=device(), hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=16,
                        backend="nvshmem", timeout_s=1.0, **topo) as buf:
         if rank == 0:
             idx = torch.tensor([[0, 5]] * 4, device="cuda")
@@ -347,7 +347,7 @@ def _timeout(rank: int, topo: dict) -> None:
 def _combine_timeout(rank: int, topo: dict) -> None:
     """Rank 0 combines alone (with weights): its start barrier gives up, names the silent peer, and
     every output row and combined weight is NaN, so nothing downstream takes them for results."""
-    with moe_ep.Buffer(dist.group.WORLD, hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=16,
+    with moe_ep.Buffer(dist.group.WORLD, device=device(), hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=16,
                        backend="nvshmem", timeout_s=1.0, **topo) as buf:
         idx = torch.tensor([[0, 5]] * 4, device="cuda")
         res = buf.dispatch(torch.ones(4, 256, dtype=torch.bfloat16, device="cuda"), idx,
@@ -371,8 +371,8 @@ def _worker(rank: int, world: int, topo: dict) -> None:
     for shape, cases in SHAPES.items():
         hidden, experts, k, t = shape
         common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, **topo)
-        with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **common) as nat, \
-                moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
+        with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", **common) as nat, \
+                moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **common) as ref:
             assert nat.backend_name == "nvshmem"
             assert (nat.backend._internode is not None) == bool(topo)
             for case in cases:
@@ -383,9 +383,9 @@ def _worker(rank: int, world: int, topo: dict) -> None:
         internode.EAGER_OUTPUT_BYTES, eager = 0, internode.EAGER_OUTPUT_BYTES
         shape = next(iter(SHAPES))
         hidden, experts, k, t = shape
-        with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", hidden=hidden, num_experts=experts, num_topk=k,
+        with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", hidden=hidden, num_experts=experts, num_topk=k,
                            max_tokens_per_rank=t, **topo) as nat, \
-                moe_ep.Buffer(dist.group.WORLD, backend="reference", hidden=hidden, num_experts=experts,
+                moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", hidden=hidden, num_experts=experts,
                               num_topk=k, max_tokens_per_rank=t, **topo) as ref:
             for case in SHAPES[shape]:
                 _run_case(nat, ref, shape, case, rank)
@@ -397,14 +397,14 @@ def _worker(rank: int, world: int, topo: dict) -> None:
 
 
 def test_intranode_matches_reference() -> None:
-    run_workers(WORLD, _worker, {}, backend="nccl", timeout_s=1800)
+    run_workers(WORLD, _worker, {}, backend="gpu", timeout_s=1800)
 
 
 def test_cross_node_matches_reference() -> None:
     """ranks_per_node=1: the two GPUs are two nodes; every byte between them takes the network leg."""
-    run_workers(WORLD, _worker, {"ranks_per_node": 1}, backend="nccl", timeout_s=1800)
+    run_workers(WORLD, _worker, {"ranks_per_node": 1}, backend="gpu", timeout_s=1800)
 
 
 def test_forwarding_leg_matches_reference() -> None:
     """hierarchical=True on one node of two: every byte between the GPUs takes the NVLink forwarding leg."""
-    run_workers(WORLD, _worker, {"hierarchical": True}, backend="nccl", timeout_s=1800)
+    run_workers(WORLD, _worker, {"hierarchical": True}, backend="gpu", timeout_s=1800)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from tests._dist import requires_gpus, run_workers
+from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import random_topk
 
 WORLD = 2
@@ -175,7 +175,7 @@ def _graph_cases(buf, ref, shape, rank: int, local: torch.Generator) -> None:
 def _timeout_case(rank: int, local: torch.Generator, ranks_per_node: Optional[int]) -> None:
     """Rank 1 dispatches alone: its receive half gives up and the next call raises, naming rank, peer and phase."""
     hidden, experts, k, t = 256, 8, 2, 8
-    with moe_ep.Buffer(dist.group.WORLD, hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t,
+    with moe_ep.Buffer(dist.group.WORLD, device=device(), hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t,
                        backend="nvshmem", low_latency=True, timeout_s=1.0, ranks_per_node=ranks_per_node) as buf:
         if rank == 1:
             x, idx = _x(t, hidden, local), random_topk("random", t, experts, k, local)
@@ -193,8 +193,8 @@ def _worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
         hidden, experts, k, t = shape
         kwargs = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, low_latency=True,
                       ranks_per_node=ranks_per_node)
-        with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **kwargs) as buf, \
-                moe_ep.Buffer(dist.group.WORLD, backend="reference", **kwargs) as ref:
+        with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", **kwargs) as buf, \
+                moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **kwargs) as ref:
             assert buf.backend_name == "nvshmem"
             assert buf.ranks_per_node == (ranks_per_node or WORLD), buf.ranks_per_node
             _eager_cases(buf, ref, shape, rank, shared, local)
@@ -206,8 +206,8 @@ def _worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
     _timeout_case(rank, local, ranks_per_node)
 
 
-@requires_gpus(WORLD)
+@requires_gpus()
 @pytest.mark.parametrize("ranks_per_node", [None, 1], ids=["one-node", "ranks_per_node=1"])
 def test_low_latency_against_reference(ranks_per_node: Optional[int]) -> None:
     """None: the detected node (both GPUs, NVLink path); 1: two nodes, the network path."""
-    run_workers(WORLD, _worker, ranks_per_node, backend="nccl", timeout_s=900)
+    run_workers(WORLD, _worker, ranks_per_node, backend="gpu", timeout_s=900)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tests._dist import requires_gpus, run_workers
 
-pytestmark = requires_gpus(2)
+pytestmark = requires_gpus()
 
 HEAP_BYTES = 64 << 20
 CUDA_MEMCPY_DEFAULT = 4
@@ -93,4 +93,4 @@ def _three_lifetimes(rank: int, world_size: int) -> None:
 
 
 def test_nvshmem_runtime_on_two_gpus() -> None:
-    run_workers(2, _three_lifetimes, backend="nccl")
+    run_workers(2, _three_lifetimes, backend="gpu")

@@ -25,7 +25,7 @@ import moe_ep
 from moe_ep import MoE, TopKRouter
 from moe_ep.experts import GroupedExperts, grouped_mm_supported
 from moe_ep.layer import SwiGLU
-from tests._dist import requires_gpus, run_workers
+from tests._dist import device, requires_gpus, run_workers
 
 TOL = 2e-2
 FP8_TOL = 1e-1
@@ -137,7 +137,7 @@ def _grad_case(rank: int, world: int, case: Case, backend: str = "reference", dt
                tol: float = TOL) -> None:
     """Forward and every gradient (x, router, experts, shared expert) against the dense reference."""
     max_tokens = max(case.n(r) for r in range(world)) or 1
-    buf = moe_ep.Buffer(None, hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+    buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
                         max_tokens_per_rank=max_tokens, backend=backend)
     moe, full = _build(case, buf, dtype)
     group = dist.group.WORLD if world > 1 else None
@@ -175,7 +175,7 @@ def _grad_case(rank: int, world: int, case: Case, backend: str = "reference", dt
 def _state_dict_case(rank: int, world: int, singles: list[dist.ProcessGroup]) -> None:
     """Per-expert keys under global ids; a merged checkpoint loads at EP=1 and back at EP=R."""
     case = GRAD_CASES[1]
-    buf = moe_ep.Buffer(None, hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+    buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
                         max_tokens_per_rank=64, backend="reference")
     moe, full = _build(case, buf)
     e_l = case.experts // world
@@ -193,7 +193,7 @@ def _state_dict_case(rank: int, world: int, singles: list[dist.ProcessGroup]) ->
     with torch.no_grad():
         out = moe(x, mode="normal")
         # EP=1 on a one-rank group: holds all experts, loads the merged checkpoint
-        buf1 = moe_ep.Buffer(singles[rank], hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+        buf1 = moe_ep.Buffer(singles[rank], device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
                              max_tokens_per_rank=64, backend="reference")
         torch.manual_seed(99)
         moe1 = MoE(buf1, case.ffn, shared_ffn_hidden=case.shared, **case.router)
@@ -217,7 +217,7 @@ def _state_dict_case(rank: int, world: int, singles: list[dist.ProcessGroup]) ->
 def _low_latency_case(rank: int, world: int, use_fp8: bool, backend: str = "reference") -> None:
     """Decode path: auto mode picks it only without autograd and for few tokens; results match."""
     case = Case(6, [5, 9, 0, 3], 128 if use_fp8 else 32, 8, 2, 24, dict(score_func="sigmoid"), shared=16)
-    buf = moe_ep.Buffer(None, hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+    buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
                         max_tokens_per_rank=16, backend=backend, low_latency=True)
     moe, full = _build(case, buf)
     moe.low_latency_fp8 = use_fp8
@@ -253,7 +253,7 @@ def _low_latency_case(rank: int, world: int, use_fp8: bool, backend: str = "refe
 def _balancing_case(rank: int, world: int) -> None:
     """Aux loss over the group equals the whole batch's; the bias update is identical on every rank."""
     case = Case(7, [12], 32, 8, 2, 16, dict(aux_loss_coef=0.05, expert_bias=True, bias_update_rate=0.01))
-    buf = moe_ep.Buffer(None, hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+    buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
                         max_tokens_per_rank=16, backend="reference")
     moe, _ = _build(case, buf)
     x, _ = _inputs(case, rank, buf.device)
@@ -280,7 +280,7 @@ def _balancing_case(rank: int, world: int) -> None:
 
 def _bad_input_case() -> None:
     """Wrong mode, width or token count fail with a clear error before any communication."""
-    buf = moe_ep.Buffer(None, hidden=16, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
+    buf = moe_ep.Buffer(None, device=device(), hidden=16, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
     moe = MoE(buf, 8)
     with pytest.raises(ValueError, match="mode"):
         moe(torch.randn(3, 16), mode="fast")
@@ -360,6 +360,6 @@ def _gpu_worker(rank: int, world: int) -> None:
     _low_latency_case(rank, world, use_fp8=True, backend="auto")
 
 
-@requires_gpus(2)
+@requires_gpus()
 def test_layer_gpu() -> None:
-    run_workers(2, _gpu_worker, backend="nccl")
+    run_workers(2, _gpu_worker, backend="gpu")

@@ -107,7 +107,7 @@ def _detection_worker(rank: int, world: int) -> None:
     kwargs = dict(hidden=64, num_experts=8, num_topk=2, max_tokens_per_rank=8, backend="reference")
     # every rank on this host: one node of min(world, 8) ranks
     assert topology.resolve(group, None) == topology.Topology(ranks_per_node=world, num_nodes=1, detected=world,
-                                                              forced=False)
+                                                              forced=False, ranks_per_gpu=0)
     with moe_ep.Buffer(**kwargs) as buf:
         assert (buf.ranks_per_node, buf.num_nodes) == (world, 1)
     with pytest.raises(ValueError, match=r"ranks_per_node \(3\) must divide the group size \(4\)"):
@@ -115,8 +115,8 @@ def _detection_worker(rank: int, world: int) -> None:
 
     # two hosts of two ranks each
     with mock.patch("socket.gethostname", return_value=f"host{rank // 2}"):
-        assert topology.resolve(group, None) == topology.Topology(2, 2, 2, False)
-        assert topology.resolve(group, 1) == topology.Topology(1, 4, 2, True)
+        assert topology.resolve(group, None) == topology.Topology(2, 2, 2, False, 0)
+        assert topology.resolve(group, 1) == topology.Topology(1, 4, 2, True, 0)
         with moe_ep.Buffer(**kwargs) as buf:
             assert (buf.ranks_per_node, buf.num_nodes) == (2, 2)
         with pytest.raises(ValueError, match="ranks_per_node=4 exceeds the 2 ranks per node detected"):

@@ -127,7 +127,7 @@ def test_torchrun_command(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path / "ckpt" / "step000004")) == ["rank00000-of-00002.pt", "rank00001-of-00002.pt"]
 
 
-@requires_gpus(2)
+@requires_gpus()
 def test_torchrun_on_gpus(tmp_path: Path) -> None:
     """The default model on 2 GPUs (NCCL, native backend, bf16 grouped GEMM): the loss falls."""
     out = _torchrun(tmp_path, "--steps", "60", "--log-every", "10", "--no-progress")

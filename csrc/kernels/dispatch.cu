@@ -48,10 +48,11 @@ __device__ __forceinline__ void send_token(const DeviceContext& ctx, const Dispa
   const int me = ctx.comm.rank, K = ctx.dims.num_topk, num_local = ctx.dims.num_experts / ctx.comm.nranks;
   const int S = a.num_scales;
 
-  // topk loads first: their latency hides behind the row copy
+  // topk loads first: their latency hides behind the row copy. notify checked every id of this
+  // call, so bad ones map to -1 unrecorded (checked_expert with no error state)
   const LaneRoute route = a.cached ? LaneRoute{-1, 0.f}
                                    : lane_route(a.topk_idx, a.topk_weights, n, K, ctx.dims.num_experts,
-                                                ctx.comm.error, lane);
+                                                nullptr, lane);
   const int expert = route.expert;
   const float weight = route.weight;
   const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + (size_t)n * a.row_bytes);

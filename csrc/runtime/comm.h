@@ -128,9 +128,12 @@ __device__ __forceinline__ bool peer_masked(const Comm& c, int peer) {
 
 // An expert id read from topk_idx: v when it lies in [0, E), else -1. A value outside [-1, E) is
 // recorded (the first one wins; ErrorState) so the host raises ValueError naming token and value.
+// error == nullptr: a kernel that reads ids an earlier kernel of the same call already checked
+// (normal-mode dispatch after notify / route) maps them without recording, so no record can land
+// after the host read the call's errors and be raised by a later call.
 __device__ __forceinline__ int checked_expert(ErrorState* error, long long v, int num_experts, int token, int k) {
   if (v >= 0 && v < num_experts) return static_cast<int>(v);
-  if (v != -1 && atomicCAS_system(&error->bad_claim, 0, 1) == 0) {
+  if (v != -1 && error != nullptr && atomicCAS_system(&error->bad_claim, 0, 1) == 0) {
     error->bad_token = token;
     error->bad_k = k;
     error->bad_value = v;

@@ -185,6 +185,7 @@ class InternodeEngine:
             out = out.head(m)
         if counts_ready is not None:
             state = NodeDispatchState(state.pos, state.in_node, state.recv_info, state.forward_mask, state.own_row, raw)
+        self._error.check()  # every kernel of the call is launched: raising keeps the ranks in step
         return native_dispatch_result(
             cfg, handle, out, num_tokens=n, is_token_in_rank=handle.is_token_in_rank if cached else layout.in_rank,
             recv_counts=recv_counts, worst_case=worst_case, state=state,
@@ -193,9 +194,10 @@ class InternodeEngine:
 
     def _wait_counts(self, counts_ready: torch.cuda.Event) -> tuple[list[int], list[int]]:
         """(rows from each source, raw rows per local expert), once the notify kernel before
-        `counts_ready` has run."""
+        `counts_ready` has run. Raises only a timeout: a bad id is raised once the dispatch kernel is
+        launched too (ErrorWatch.check)."""
         counts_ready.synchronize()
-        self._error.check()
+        self._error.check(timeouts_only=True)
         return self._ctx.host_info()
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, out: torch.Tensor, topk_weights: Optional[torch.Tensor],

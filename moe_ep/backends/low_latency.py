@@ -175,8 +175,9 @@ class LowLatencyEngine:
         return SymmetricLayout.of(cfg).total + HEAP_SLACK
 
     def _begin(self, kind: str) -> int:
-        """Checks for a recorded kernel timeout and an unfinished hook; returns the current stream."""
-        self._error.check()
+        """Checks for a recorded kernel timeout and an unfinished hook; returns the current stream.
+        A recorded bad id is raised once the call's launch is made (ErrorWatch.check)."""
+        self._error.check(timeouts_only=True)
         if self._sym is None:
             raise RuntimeError("this low-latency engine is closed")
         if self._pending[kind] is not None:
@@ -189,6 +190,7 @@ class LowLatencyEngine:
         half as the hook; launch(stream, send, receive)."""
         if not return_recv_hook:
             launch(stream, True, True)
+            self._error.check()  # bad ids of this call (if its kernel got there) or of earlier ones
             return None
         launch(stream, True, False)
         hook = _Hook(self, kind, lambda s: launch(s, False, True), stream)
@@ -199,10 +201,11 @@ class LowLatencyEngine:
         """Runs a hook's receive half once."""
         if hook.ran:
             raise RuntimeError(f"this low_latency_{hook.kind} hook already ran")
-        self._error.check()
+        self._error.check(timeouts_only=True)
         hook.launch(hook.stream)
         hook.ran = True
         self._pending[hook.kind] = None
+        self._error.check()
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool, round_scale: bool,
                  return_recv_hook: bool) -> LowLatencyDispatchResult:

@@ -116,8 +116,9 @@ class NvshmemBackend(Backend):
 
     # ---- normal mode -----------------------------------------------------------------------
     def _stream(self, previous_event: Optional[EventHandle]) -> torch.cuda.Stream:
-        """Raises a timeout recorded by an earlier kernel, orders after previous_event; the current stream."""
-        self._error.check()
+        """Raises a timeout recorded by an earlier kernel (a bad id waits for the end of a call:
+        ErrorWatch.check), orders after previous_event; the current stream."""
+        self._error.check(timeouts_only=True)
         if previous_event is not None:
             previous_event.wait()
         return torch.cuda.current_stream(self.cfg.device)
@@ -133,6 +134,7 @@ class NvshmemBackend(Backend):
         in_rank = torch.empty(n, cfg.world_size, dtype=torch.bool, device=cfg.device)
         self._ctx.layout(topk_idx.data_ptr(), n, per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(),
                          torch.cuda.current_stream(cfg.device).cuda_stream)
+        self._error.check()  # local call: what earlier calls without a host sync recorded
         return DispatchLayout(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank)
 
     def _notify(self, topk_idx: torch.Tensor, expert_alignment: int, worst_case: bool,
@@ -184,13 +186,15 @@ class NvshmemBackend(Backend):
         )
         if counts_ready is not None:
             counts_ready.synchronize()
-            self._error.check()
+            self._error.check()  # every kernel of the call is launched: raising keeps the ranks in step
             recv_counts, raw = self._ctx.host_info()
             state = DispatchState(state.pos, state.recv_info, raw)
             m = sum(recv_counts)
             out = out.head(m)
-        elif not cached:
-            recv_counts = None
+        else:
+            self._error.check()  # launched: what earlier calls without a host sync recorded
+            if not cached:
+                recv_counts = None
         return native_dispatch_result(
             cfg, handle, out, num_tokens=n, is_token_in_rank=handle.is_token_in_rank if cached else in_rank,
             recv_counts=recv_counts, worst_case=worst_case, state=state,
@@ -212,6 +216,7 @@ class NvshmemBackend(Backend):
                               handle.is_token_in_rank.data_ptr(), state.pos.data_ptr(), state.recv_info.data_ptr(), n,
                               out.data_ptr(), topk_weights is not None, _ptr(topk_weights), _ptr(out_w), num_sms,
                               stream.cuda_stream)
+        self._error.check()  # launched: what earlier calls without a host sync recorded
         return out, out_w, record_event(async_op, cfg.device, self._error.check)
 
     # ---- low-latency mode ------------------------------------------------------------------

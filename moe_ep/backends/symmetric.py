@@ -78,11 +78,14 @@ class ErrorWatch:
         self.timeout_s = timeout_s
         self.num_experts = num_experts
 
-    def check(self) -> None:
-        """Raises CommTimeoutError if a kernel recorded a timeout, else ValueError if one read an
-        expert id out of range, and clears the record.
+    def check(self, timeouts_only: bool = False) -> None:
+        """Raises CommTimeoutError if a kernel recorded a timeout, else (unless `timeouts_only`)
+        ValueError if one read an expert id out of range, and clears the record.
 
-        Call it after the kernels that may record have finished (a kernel writes `code` first).
+        A call checks timeouts only before it launches anything (a timeout leaves the Buffer unusable
+        anyway) and everything once all of its kernels are launched, so a rank that raises has made
+        the same launches as its peers and the next call finds them in step. Call it after the
+        kernels that may record have finished (a kernel writes `code` first).
         """
         if self._host_ptr == 0:
             return
@@ -92,7 +95,7 @@ class ErrorWatch:
             ctypes.memset(self._host_ptr, 0, ctypes.sizeof(_ErrorState))
             name = self._phase_names[phase] if 0 <= phase < len(self._phase_names) else f"unknown phase {phase}"
             raise CommTimeoutError(rank, peer, name, self.timeout_s)
-        if state.bad_id != 0:
+        if state.bad_id != 0 and not timeouts_only:
             token, k, value = state.bad_token, state.bad_k, state.bad_value
             ctypes.memset(self._host_ptr, 0, ctypes.sizeof(_ErrorState))
             bound = f"[-1, {self.num_experts})" if self.num_experts is not None else "[-1, num_experts)"

@@ -70,9 +70,10 @@ __device__ __forceinline__ void stage_token(const DeviceContext& ctx, const Disp
     float* out = reinterpret_cast<float*>(row + ctx.dims.scale_offset());
     for (int j = lane; j < a.num_scales; j += 32) out[j] = __ldg(in + j);
   }
+  // route checked every id of this call: bad ones map to -1 unrecorded (checked_expert)
   const LaneRoute route = a.cached ? LaneRoute{-1, 0.f}
                                    : lane_route(a.topk_idx, a.topk_weights, t, K, ctx.dims.num_experts,
-                                                ctx.comm.error, lane);
+                                                nullptr, lane);
   const auto* in_node = reinterpret_cast<const bool*>(a.in_node) + (size_t)t * Nn;
   const auto* pos = reinterpret_cast<const int*>(a.pos) + (size_t)t * R;
   for (int nd = 0; nd < Nn; ++nd) {
