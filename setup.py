@@ -1,6 +1,7 @@
 """Builds moe_ep. With nvcc present it compiles moe_ep._C from csrc/ (nvcc + ninja + pybind11 against
 the NVSHMEM wheel, no libtorch) and pins that exact NVSHMEM wheel as a runtime requirement; without
-nvcc it installs the pure-Python package, which then runs on the reference backend."""
+nvcc, or with MOE_EP_NATIVE=0 (`--config-settings native=0`), it installs the pure-Python package,
+which then runs on the reference backend."""
 from __future__ import annotations
 
 import shutil
@@ -16,7 +17,7 @@ sys.path.insert(0, str(ROOT / "build_backend"))
 
 from moe_ep_build import ninja_build, toolchain  # noqa: E402
 
-CUDA = toolchain.find_cuda()
+CUDA = toolchain.build_cuda()
 NVSHMEM = toolchain.find_nvshmem(CUDA.nvshmem_dist) if CUDA else None
 BUILD_INFO = "_build_info.json"
 
@@ -24,7 +25,8 @@ BUILD_INFO = "_build_info.json"
 class BuildNative(build_ext):
     """Builds moe_ep._C with ninja (see moe_ep_build.ninja_build) instead of setuptools' compilers.
 
-    Objects live in build/native-<python tag>/ of the source tree, so rebuilds are incremental. Every
+    Objects, the linked module and stable copies of the build environment's pybind11 and NVSHMEM live
+    in build/native-<python tag>/ of the source tree, so rebuilds are incremental. Every
     build also leaves _C and its build info in the source package: `python -m pytest` run from the
     checkout imports moe_ep from there, so it tests the module just built.
     """
@@ -53,7 +55,8 @@ class BuildNative(build_ext):
         shutil.copyfile(Path(self.build_lib) / "moe_ep" / BUILD_INFO, package_dir / BUILD_INFO)
 
 
-install_requires = ["torch", "numpy", "tqdm"]
+# matplotlib: `python -m moe_ep.bench` writes a PNG plot.
+install_requires = ["torch", "numpy", "tqdm", "matplotlib"]
 if NVSHMEM is not None:
     install_requires.append(f"{NVSHMEM.dist}=={NVSHMEM.dist_version}")
 

@@ -4,23 +4,21 @@ When nvcc is present the build also needs pybind11, ninja and the NVSHMEM wheel 
 major version. That wheel is pinned to the version the target environment already has (torch pins
 one exactly), so the module is compiled against the same NVSHMEM it will load; see
 `nvshmem_requirement`. Without nvcc the build says, in one line, that it installs without _C.
+
+`--config-settings native=0|1|auto` (pip) sets $MOE_EP_NATIVE for the hooks of that one install
+(see toolchain.build_cuda): 0 skips the native build even where nvcc is, 1 fails without nvcc.
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from setuptools import build_meta as _setuptools
-from setuptools.build_meta import (  # hooks served by setuptools unchanged
-    build_sdist,
-    get_requires_for_build_sdist,
-    prepare_metadata_for_build_editable,
-    prepare_metadata_for_build_wheel,
-)
+from setuptools.build_meta import build_sdist, get_requires_for_build_sdist  # served by setuptools unchanged
 
-from .toolchain import find_cuda
+from .toolchain import NATIVE_ENV, build_cuda, native_mode
 
 __all__ = [
     "build_editable", "build_sdist", "build_wheel", "get_requires_for_build_editable",
@@ -70,31 +68,59 @@ def nvshmem_requirement(dist: str) -> str:
 
 
 def _native_requirements() -> list[str]:
-    cuda = find_cuda()
+    cuda = build_cuda()
     if cuda is None:
         return []
     return ["pybind11>=2.12", "ninja", nvshmem_requirement(cuda.nvshmem_dist)]
 
 
-def get_requires_for_build_wheel(config_settings=None):
+ConfigSettings = Optional[dict[str, Any]]
+
+
+def _take_native_setting(config_settings: ConfigSettings) -> ConfigSettings:
+    """Moves the `native` config setting into $MOE_EP_NATIVE (setup.py runs in this process and
+    reads it there) and returns the settings setuptools should see."""
+    if not config_settings or "native" not in config_settings:
+        return config_settings
+    rest = dict(config_settings)
+    os.environ[NATIVE_ENV] = str(rest.pop("native"))
+    return rest or None
+
+
+def get_requires_for_build_wheel(config_settings: ConfigSettings = None) -> list[str]:
+    config_settings = _take_native_setting(config_settings)
     return _setuptools.get_requires_for_build_wheel(config_settings) + _native_requirements()
 
 
-def get_requires_for_build_editable(config_settings=None):
+def get_requires_for_build_editable(config_settings: ConfigSettings = None) -> list[str]:
+    config_settings = _take_native_setting(config_settings)
     return _setuptools.get_requires_for_build_editable(config_settings) + _native_requirements()
 
 
+def prepare_metadata_for_build_wheel(metadata_directory: str, config_settings: ConfigSettings = None) -> str:
+    """The metadata's dependencies (the NVSHMEM pin) depend on whether _C is built, hence the setting."""
+    return _setuptools.prepare_metadata_for_build_wheel(metadata_directory, _take_native_setting(config_settings))
+
+
+def prepare_metadata_for_build_editable(metadata_directory: str, config_settings: ConfigSettings = None) -> str:
+    return _setuptools.prepare_metadata_for_build_editable(metadata_directory, _take_native_setting(config_settings))
+
+
 def _say_if_pure_python() -> None:
-    if find_cuda() is None:
-        print("moe_ep: no nvcc ($CUDA_HOME/bin/nvcc or on PATH): installing without moe_ep._C "
-              "(reference backend only)", file=sys.stderr)
+    if build_cuda() is None:
+        why = f"{NATIVE_ENV}=0" if native_mode() == "off" else "no nvcc ($CUDA_HOME/bin/nvcc or on PATH)"
+        print(f"moe_ep: {why}: installing without moe_ep._C (reference backend only)", file=sys.stderr)
 
 
-def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+def build_wheel(wheel_directory: str, config_settings: ConfigSettings = None,
+                metadata_directory: Optional[str] = None) -> str:
+    config_settings = _take_native_setting(config_settings)
     _say_if_pure_python()
     return _setuptools.build_wheel(wheel_directory, config_settings, metadata_directory)
 
 
-def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+def build_editable(wheel_directory: str, config_settings: ConfigSettings = None,
+                   metadata_directory: Optional[str] = None) -> str:
+    config_settings = _take_native_setting(config_settings)
     _say_if_pure_python()
     return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)

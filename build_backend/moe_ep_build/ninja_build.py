@@ -1,13 +1,21 @@
 """Compiles moe_ep._C: writes a build.ninja (an nvcc -rdc compile of every csrc/ source, then one nvcc
 link that device-links them with libnvshmem_device.a and host-links against libnvshmem_host.so.3)
-and runs ninja on it."""
+and runs ninja on it.
+
+Rebuilds are incremental across pip's isolated builds: pybind11 and NVSHMEM live in a temporary
+environment that changes with every `pip install .`, so their headers and libraries are first
+copied into build_dir/deps/ (a file only when its content changed, so its mtime moves only then),
+and build.ninja names only those stable copies. A second install that changes nothing compiles
+and links nothing ("ninja: no work to do.")."""
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 import shlex
 import shutil
 import subprocess
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,18 +31,45 @@ NVSHMEM_RPATH = "$ORIGIN/../nvidia/nvshmem/lib"
 
 @dataclass(frozen=True)
 class NativeBuild:
-    """Everything one build of moe_ep._C needs."""
+    """Everything one build of moe_ep._C needs; every path it puts into build.ninja is under
+    build_dir, csrc, the CUDA toolkit or the interpreter, so it is the same from build to build."""
 
     cuda: Cuda
     nvshmem: Nvshmem
     archs: list[str]
     csrc: Path
     build_dir: Path
-    output: Path
+    output: Path  # where setuptools wants the module; ninja builds `module` and it is copied here
 
     @property
     def sources(self) -> list[Path]:
         return sorted(p for p in self.csrc.rglob("*") if p.suffix in (".cu", ".cpp"))
+
+    @property
+    def deps_dir(self) -> Path:
+        """Stable copies of the headers and libraries that come from the (temporary) build environment."""
+        return self.build_dir / "deps"
+
+    @property
+    def nvshmem_include(self) -> Path:
+        return self.deps_dir / "nvshmem" / "include"
+
+    @property
+    def nvshmem_device_library(self) -> Path:
+        return self.deps_dir / "nvshmem" / "lib" / self.nvshmem.device_library.name
+
+    @property
+    def nvshmem_host_library(self) -> Path:
+        return self.deps_dir / "nvshmem" / "lib" / self.nvshmem.host_library.name
+
+    @property
+    def pybind11_include(self) -> Path:
+        return self.deps_dir / "pybind11" / "include"
+
+    @property
+    def module(self) -> Path:
+        """The linked module inside build_dir, independent of where setuptools puts its copy."""
+        return self.build_dir / self.output.name
 
     @property
     def arch_flags(self) -> list[str]:
@@ -42,31 +77,66 @@ class NativeBuild:
 
     @property
     def compile_flags(self) -> list[str]:
-        import pybind11
-
-        includes = [self.csrc, self.nvshmem.include_dir, Path(pybind11.get_include()),
-                    Path(sysconfig.get_paths()["include"])]
+        includes = [self.csrc, self.nvshmem_include, self.pybind11_include, Path(sysconfig.get_paths()["include"])]
         return (["-rdc=true", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden"]
                 + self.arch_flags + [f"-I{d}" for d in includes]
                 + shlex.split(os.environ.get(EXTRA_FLAGS_ENV, "")))
 
 
-def _quote(args: list[str]) -> str:
+def _same_file(a: Path, b: Path) -> bool:
+    return b.is_file() and a.stat().st_size == b.stat().st_size and filecmp.cmp(a, b, shallow=False)
+
+
+def sync_file(src: Path, dst: Path) -> bool:
+    """Copies src to dst unless dst already has the same bytes; returns whether it copied."""
+    if _same_file(src, dst):
+        return False
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    return True
+
+
+def sync_tree(src: Path, dst: Path) -> int:
+    """Makes dst a copy of the tree src, rewriting only the files whose content differs and removing
+    files src no longer has; returns how many files it wrote or removed."""
+    wanted = {p.relative_to(src) for p in src.rglob("*") if p.is_file()}
+    changed = sum(sync_file(src / rel, dst / rel) for rel in sorted(wanted))
+    if dst.is_dir():
+        for p in sorted(dst.rglob("*"), reverse=True):
+            if p.is_file() and p.relative_to(dst) not in wanted:
+                p.unlink()
+                changed += 1
+    return changed
+
+
+def stage_deps(build: NativeBuild) -> int:
+    """Copies pybind11's and NVSHMEM's headers and the two NVSHMEM libraries the link needs into
+    build.deps_dir; returns how many files changed there (0 on a rebuild in an unchanged environment)."""
+    import pybind11
+
+    return (sync_tree(Path(pybind11.get_include()), build.pybind11_include)
+            + sync_tree(build.nvshmem.include_dir, build.nvshmem_include)
+            + sync_file(build.nvshmem.device_library, build.nvshmem_device_library)
+            + sync_file(build.nvshmem.host_library, build.nvshmem_host_library))
+
+
+def _quote(args: list[object]) -> str:
     """Shell-quote for a ninja command line ($ is ninja's escape character)."""
     return " ".join(shlex.quote(str(a)) for a in args).replace("$", "$$")
 
 
-def write_ninja(build: NativeBuild) -> Path:
-    """Writes build_dir/build.ninja and returns its path."""
-    build.build_dir.mkdir(parents=True, exist_ok=True)
-    lib = build.nvshmem.device_library
+def ninja_text(build: NativeBuild) -> str:
+    """The build.ninja for `build`: one compile per source, one link; the libraries are implicit
+    inputs of the link, so a changed NVSHMEM relinks."""
     lines = [
         "ninja_required_version = 1.3",
         f"nvcc = {_quote([build.cuda.nvcc])}",
         f"cflags = {_quote(build.compile_flags)}",
         f"archflags = {_quote(build.arch_flags)}",
-        f"devlib = {_quote([lib])}",
-        f"hostlib = {_quote(['-Xlinker', build.nvshmem.host_library])}",
+        f"devlib = {_quote([build.nvshmem_device_library])}",
+        f"hostlib = {_quote(['-Xlinker', build.nvshmem_host_library])}",
         f"rpath = {_quote(['-Xlinker', '-rpath', '-Xlinker', NVSHMEM_RPATH])}",
         "",
         "rule compile",
@@ -85,10 +155,19 @@ def write_ninja(build: NativeBuild) -> Path:
         obj = build.build_dir / "obj" / src.relative_to(build.csrc).with_suffix(src.suffix + ".o")
         objects.append(obj)
         lines.append(f"build {_ninja_path(obj)}: compile {_ninja_path(src)}")
-    lines.append(f"build {_ninja_path(build.output)}: link {' '.join(_ninja_path(o) for o in objects)}")
-    lines.append(f"default {_ninja_path(build.output)}")
+    libs = " ".join(_ninja_path(p) for p in (build.nvshmem_device_library, build.nvshmem_host_library))
+    lines.append(f"build {_ninja_path(build.module)}: link {' '.join(_ninja_path(o) for o in objects)} | {libs}")
+    lines.append(f"default {_ninja_path(build.module)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_ninja(build: NativeBuild) -> Path:
+    """Writes build_dir/build.ninja (only when its text changed) and returns its path."""
+    build.build_dir.mkdir(parents=True, exist_ok=True)
     path = build.build_dir / "build.ninja"
-    path.write_text("\n".join(lines) + "\n")
+    text = ninja_text(build)
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
     return path
 
 
@@ -106,14 +185,23 @@ def _ninja_executable() -> str:
     return str(Path(ninja.BIN_DIR) / "ninja")
 
 
-def run(build: NativeBuild) -> None:
-    """Builds build.output (incrementally: ninja keeps its state in build_dir)."""
-    write_ninja(build)
-    build.output.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [_ninja_executable(), "-C", str(build.build_dir)]
+def jobs() -> int:
+    """Parallel compiles: $MAX_JOBS, else one per CPU this process may use."""
     if os.environ.get("MAX_JOBS"):
-        cmd += ["-j", os.environ["MAX_JOBS"]]
-    subprocess.run(cmd, check=True)
+        return int(os.environ["MAX_JOBS"])
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def run(build: NativeBuild) -> None:
+    """Builds build.module incrementally (ninja keeps its state in build_dir) and copies it to build.output."""
+    staged = stage_deps(build)
+    write_ninja(build)
+    print(f"moe_ep: building moe_ep._C in {build.build_dir} with {jobs()} parallel jobs "
+          f"({staged} dependency files changed)", file=sys.stderr, flush=True)
+    subprocess.run([_ninja_executable(), "-C", str(build.build_dir), "-j", str(jobs())], check=True)
+    build.output.parent.mkdir(parents=True, exist_ok=True)
+    if build.output.resolve() != build.module.resolve():
+        shutil.copy2(build.module, build.output)
 
 
 def write_build_info(build: NativeBuild, path: Path) -> None:

@@ -12,6 +12,11 @@ from typing import Optional
 
 ARCH_ENV = "MOE_EP_CUDA_ARCH"
 DEFAULT_ARCHS = ("90",)
+# Whether to build moe_ep._C: "0" never (pure-Python install), "1" always (fail without nvcc), unset or
+# "auto" when nvcc is found. `pip install . --config-settings native=0` sets it for one install.
+NATIVE_ENV = "MOE_EP_NATIVE"
+NATIVE_MODES = {"0": "off", "off": "off", "false": "off", "no": "off", "1": "on", "on": "on", "true": "on",
+                "yes": "on", "": "auto", "auto": "auto"}
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,27 @@ def find_cuda() -> Optional[Cuda]:
     if match is None:
         raise RuntimeError(f"cannot read the CUDA version from `{nvcc} --version`:\n{out}")
     return Cuda(nvcc=nvcc, version=(int(match[1]), int(match[2])))
+
+
+def native_mode() -> str:
+    """"off", "on" or "auto", from $MOE_EP_NATIVE."""
+    raw = os.environ.get(NATIVE_ENV, "")
+    mode = NATIVE_MODES.get(raw.strip().lower())
+    if mode is None:
+        raise ValueError(f"{NATIVE_ENV}={raw!r}: expected 0 (skip the native build), 1 (require it) or auto")
+    return mode
+
+
+def build_cuda() -> Optional[Cuda]:
+    """The CUDA toolkit to build moe_ep._C with, or None when this install builds no _C: $MOE_EP_NATIVE
+    is 0, or it is unset/auto and there is no nvcc. With MOE_EP_NATIVE=1 a missing nvcc is an error."""
+    mode = native_mode()
+    if mode == "off":
+        return None
+    cuda = find_cuda()
+    if cuda is None and mode == "on":
+        raise RuntimeError(f"{NATIVE_ENV}=1 but no nvcc was found ($CUDA_HOME/bin/nvcc or on PATH)")
+    return cuda
 
 
 def cuda_archs() -> list[str]:
