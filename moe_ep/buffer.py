@@ -1,9 +1,11 @@
 """Buffer: the public communication object. Every input is validated here, once, before any backend
-runs; backends below trust what they get."""
+runs; backends below trust what they get. Every rank makes the same collective calls whatever its
+inputs: a rank whose input is rejected makes the call on stand-in inputs, then raises."""
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Optional
+from typing import Any, Callable, NoReturn, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from .types import (
 
 DEFAULT_NUM_SMS = 24
 _buffer_ids = itertools.count(1)
+_LowLatencyResult = TypeVar("_LowLatencyResult", LowLatencyDispatchResult, LowLatencyCombineResult)
 
 
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], shape: tuple[Optional[int], ...],
@@ -46,11 +49,6 @@ def _check_aligned(name: str, t: torch.Tensor) -> torch.Tensor:
     if t.data_ptr() % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address, got {t.data_ptr():#x}")
     return t
-
-
-def _on_cpu(cfg: BufferConfig) -> bool:
-    """On CPU a host-side check costs no device sync."""
-    return cfg.device.type != "cuda"
 
 
 def _device_of(group: dist.ProcessGroup, device: Optional[torch.device] = None) -> torch.device:
@@ -83,12 +81,35 @@ def auto_backend(device: torch.device) -> tuple[str, str]:
     return ("nvshmem", "moe_ep._C loads and the group runs on CUDA devices") if ok else ("reference", why)
 
 
-def _pick_backend(name: str, device: torch.device) -> str:
-    if name in ("reference", "nvshmem"):
-        return name
-    if name != "auto":
+def _pick_backend(name: str, device: torch.device, world: int) -> str:
+    """The backend's name; for the native one, what it needs of this rank (checked before any collective)."""
+    if name not in ("auto", "reference", "nvshmem"):
         raise ValueError(f"backend must be 'auto', 'reference' or 'nvshmem', got {name!r}")
-    return auto_backend(device)[0]
+    name = auto_backend(device)[0] if name == "auto" else name
+    if name == "nvshmem":
+        if device.type != "cuda":
+            raise RuntimeError("backend='nvshmem' needs CUDA tensors: give the Buffer an NCCL group, or a gloo group "
+                               f"and device=torch.device('cuda', i); this Buffer's device is {device}")
+        ok, why = _native.available()
+        if not ok:
+            raise RuntimeError(f"backend='nvshmem' is unavailable: {why}")
+        most = _native.load().INTERNODE_MAX_RANKS
+        if world > most:
+            raise ValueError(f"backend='nvshmem' serves groups of at most {most} ranks, got {world}")
+    return name
+
+
+def _check_num_sms(num_sms: int, device: torch.device, default: bool = False) -> int:
+    """A positive int within the device's SMs; the default is clipped to them instead."""
+    if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms <= 0:
+        raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
+    if device.type == "cuda":
+        available = torch.cuda.get_device_properties(device).multi_processor_count
+        if num_sms > available:
+            if default:
+                return available
+            raise ValueError(f"num_sms ({num_sms}) exceeds the {available} SMs of {device}")
+    return num_sms
 
 
 def _check_ranks_per_node(ranks_per_node: Optional[int], world: int) -> None:
@@ -117,6 +138,95 @@ def _resolve_topology(group: dist.ProcessGroup, ranks_per_node: Optional[int],
     return topo
 
 
+def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_experts: Any, num_topk: Any,
+                    max_tokens_per_rank: Any, backend: Any, low_latency: Any, num_sms: Any, timeout_s: Any,
+                    ranks_per_node: Any, hierarchical: Any, fault_tolerant: Any,
+                    device: Any) -> tuple[dict[str, Any], torch.device]:
+    """This rank's Buffer arguments checked on their own (no communication): what every rank must agree
+    on, in the order a mismatch is reported, and the Buffer's device."""
+    for name, value in (("hidden", hidden), ("num_experts", num_experts), ("num_topk", num_topk),
+                        ("max_tokens_per_rank", max_tokens_per_rank)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if hidden % 8 != 0:
+        raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
+    if num_experts % world != 0:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by the group size ({world})")
+    max_topk = _native.constant("MAX_TOPK")
+    if num_topk > max_topk:
+        raise ValueError(f"num_topk must be at most {max_topk}, got {num_topk}")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    device = _device_of(group, device)
+    name = _pick_backend(backend, device, world)
+    if fault_tolerant and not (low_latency and name == "nvshmem"):
+        raise ValueError("fault_tolerant=True needs low_latency=True and the native backend (backend='nvshmem'): "
+                         "only the low-latency kernels can mask a rank that went silent")
+    _check_ranks_per_node(ranks_per_node, world)
+    if hierarchical is not None and not isinstance(hierarchical, bool):
+        raise TypeError(f"hierarchical must be None, True or False, got {hierarchical!r}")
+    sms = _check_num_sms(num_sms if num_sms is not None else DEFAULT_NUM_SMS, device, default=num_sms is None)
+    return {
+        "backend": name, "device type": device.type, "hidden": hidden, "num_experts": num_experts,
+        "num_topk": num_topk, "max_tokens_per_rank": max_tokens_per_rank, "low_latency": bool(low_latency),
+        "num_sms": sms, "timeout_s": float(timeout_s), "ranks_per_node": ranks_per_node,
+        "hierarchical": hierarchical, "fault_tolerant": bool(fault_tolerant),
+    }, device
+
+
+_ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+def _agree(group: dist.ProcessGroup, settings: Optional[dict[str, Any]], error: Optional[Exception]) -> None:
+    """Collective (one all_gather_object, before anything is allocated): raises on every rank when a rank's
+    arguments were invalid (`error`, None for valid `settings`) or any setting differs between ranks, so
+    that no rank goes on to allocate and wait for peers that will never join it."""
+    mine = (type(error).__name__, str(error)) if error is not None else settings
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if error is not None:
+        raise error
+    failed = [(rank, got) for rank, got in enumerate(everyone) if isinstance(got, tuple)]
+    if failed:
+        rank, (kind, message) = failed[0]
+        raise _ERRORS.get(kind, RuntimeError)(
+            f"rank {rank} rejected its Buffer arguments ({kind}: {message}); creating a Buffer is collective, "
+            "so no rank created it")
+    for key, value in settings.items():
+        values = [got[key] for got in everyone]
+        if any(v != value for v in values):
+            raise ValueError(f"every rank must create the Buffer with the same {key}; got "
+                             + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
+
+
+def _take_part(error: Exception, standin: Callable[[], object]) -> NoReturn:
+    """Make the call on stand-in inputs, so that every peer's collective finds this rank, then raise this
+    rank's `error`: one rank's bad input must not desynchronise the group (docs/api.md, Errors)."""
+    standin()
+    raise error
+
+
+def _raise_after_receive(error: Exception, result: _LowLatencyResult) -> _LowLatencyResult:
+    """A low-latency call that took part for rejected input: raise now, or, with a receive hook, from
+    the hook once it has received (the peers' receive waits for this rank's sends)."""
+    if result.hook is None:
+        raise error
+    hook = result.hook
+
+    def receive() -> None:
+        hook()
+        raise error
+
+    result.hook = receive
+    return result
+
+
+def _keep_routing(result: LowLatencyDispatchResult, topk_idx: torch.Tensor) -> LowLatencyDispatchResult:
+    """Records in the handle the topk_idx the dispatch exchanged: a combine whose own is rejected uses it."""
+    result.handle.topk_idx = topk_idx
+    return result
+
+
 class Buffer:
     """Expert-parallel dispatch/combine over a process group (see docs/api.md).
 
@@ -128,43 +238,38 @@ class Buffer:
                  num_sms: Optional[int] = None, timeout_s: float = 100.0,
                  ranks_per_node: Optional[int] = None, hierarchical: Optional[bool] = None,
                  fault_tolerant: bool = False, device: Optional[torch.device] = None) -> None:
-        group = group if group is not None else dist.group.WORLD
         if not dist.is_initialized():
             raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
+        group = group if group is not None else dist.group.WORLD
+        if dist.get_rank(group) < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the Buffer's group: "
+                             "create a Buffer on the ranks of its group only")
         world = dist.get_world_size(group)
-        for name, value in (("hidden", hidden), ("num_experts", num_experts), ("num_topk", num_topk),
-                            ("max_tokens_per_rank", max_tokens_per_rank)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if hidden % 8 != 0:
-            raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
-        if num_experts % world != 0:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the group size ({world})")
-        max_topk = _native.constant("MAX_TOPK")
-        if num_topk > max_topk:
-            raise ValueError(f"num_topk must be at most {max_topk}, got {num_topk}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        device = _device_of(group, device)
-        self.backend_name = _pick_backend(backend, device)
-        if self.backend_name == "nvshmem" and device.type == "cuda" and _native.available()[0]:
+        settings: Optional[dict[str, Any]] = None
+        error: Optional[Exception] = None
+        try:
+            settings, device = _local_settings(
+                group, world, hidden=hidden, num_experts=num_experts, num_topk=num_topk,
+                max_tokens_per_rank=max_tokens_per_rank, backend=backend, low_latency=low_latency, num_sms=num_sms,
+                timeout_s=timeout_s, ranks_per_node=ranks_per_node, hierarchical=hierarchical,
+                fault_tolerant=fault_tolerant, device=device)
+        except (TypeError, ValueError, RuntimeError) as e:
+            error = e
+        if settings is not None and settings["backend"] == "nvshmem":
             from .backends.symmetric import NvshmemSession
 
             NvshmemSession.check_usable()  # before the collectives below, which would wait for a lost peer
-        if fault_tolerant and not (low_latency and self.backend_name == "nvshmem"):
-            raise ValueError("fault_tolerant=True needs low_latency=True and the native backend (backend='nvshmem'): "
-                             "only the low-latency kernels can mask a rank that went silent")
+        _agree(group, settings, error)
+        self.backend_name: str = settings["backend"]
+        # Collective; every rank passed the same ranks_per_node and sees the same hosts, so the result agrees too.
         topo = _resolve_topology(group, ranks_per_node, device)
-        if hierarchical is not None and not isinstance(hierarchical, bool):
-            raise TypeError(f"hierarchical must be None, True or False, got {hierarchical!r}")
         if hierarchical is False and topo.num_nodes > 1:
             raise ValueError(f"hierarchical=False needs one node, but the group spans {topo.num_nodes} nodes of "
                              f"{topo.ranks_per_node} ranks")
         self.cfg = BufferConfig(
             group=group, rank=dist.get_rank(group), world_size=world, hidden=hidden, num_experts=num_experts,
             num_topk=num_topk, max_tokens_per_rank=max_tokens_per_rank, low_latency=bool(low_latency),
-            num_sms=self._check_num_sms(num_sms if num_sms is not None else DEFAULT_NUM_SMS, device, default=num_sms is None),
-            timeout_s=float(timeout_s), buffer_id=next(_buffer_ids), device=device,
+            num_sms=settings["num_sms"], timeout_s=float(timeout_s), buffer_id=next(_buffer_ids), device=device,
             ranks_per_node=topo.ranks_per_node, hierarchical=bool(hierarchical) or topo.num_nodes > 1,
             fault_tolerant=bool(fault_tolerant), ranks_per_gpu=topo.ranks_per_gpu,
         )
@@ -175,30 +280,16 @@ class Buffer:
             from .backends.reference import ReferenceBackend
 
             return ReferenceBackend(self.cfg)
-        if self.cfg.device.type != "cuda":
-            raise RuntimeError("backend='nvshmem' needs CUDA tensors: give the Buffer an NCCL group, or a gloo group "
-                               f"and device=torch.device('cuda', i); this Buffer's device is {self.cfg.device}")
-        ok, why = _native.available()
-        if not ok:
-            raise RuntimeError(f"backend='nvshmem' is unavailable: {why}")
-        most = _native.load().INTERNODE_MAX_RANKS
-        if self.cfg.world_size > most:
-            raise ValueError(f"backend='nvshmem' serves groups of at most {most} ranks, got {self.cfg.world_size}")
         from .backends.nvshmem import NvshmemBackend
 
         return NvshmemBackend(self.cfg)
 
-    @staticmethod
-    def _check_num_sms(num_sms: int, device: torch.device, default: bool = False) -> int:
-        if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms <= 0:
-            raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
-        if device.type == "cuda":
-            available = torch.cuda.get_device_properties(device).multi_processor_count
-            if num_sms > available:
-                if default:
-                    return available
-                raise ValueError(f"num_sms ({num_sms}) exceeds the {available} SMs of {device}")
-        return num_sms
+    def __repr__(self) -> str:
+        cfg = self.cfg
+        state = "closed" if self._backend is None else f"backend={self.backend_name!r}"
+        return (f"moe_ep.Buffer({state}, rank={cfg.rank} of {cfg.world_size}, hidden={cfg.hidden}, "
+                f"num_experts={cfg.num_experts}, num_topk={cfg.num_topk}, max_tokens_per_rank={cfg.max_tokens_per_rank}, "
+                f"low_latency={cfg.low_latency}, device={str(cfg.device)!r}, ranks_per_node={cfg.ranks_per_node})")
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -249,19 +340,27 @@ class Buffer:
         later calls treat their experts as dropped. Always empty without fault_tolerant=True."""
         return self.backend.masked_ranks() if self.cfg.fault_tolerant else []
 
-    def _check_topk_idx(self, topk_idx: object, n: Optional[int], check_values: bool) -> torch.Tensor:
-        """Shape/dtype/alignment always; the value range too when asked (where the backend's kernels do
-        not check every id themselves, without a host sync)."""
+    def _check_topk_idx(self, topk_idx: object, n: Optional[int]) -> torch.Tensor:
+        """Shape, dtype, device, contiguity, alignment and token count; the values: _in_range_ids."""
         cfg = self.cfg
         t = _check_aligned("topk_idx", _check_tensor("topk_idx", topk_idx, (torch.int64,), (n, cfg.num_topk),
                                                       cfg.device))
         self._check_tokens(t.shape[0], "topk_idx")
-        capturing = cfg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if t.numel() and check_values and not capturing:
-            lo, hi = torch.stack(torch.aminmax(t)).tolist()  # one reduction, one host sync
-            if lo < -1 or hi >= cfg.num_experts:
-                raise ValueError(f"topk_idx values must lie in [-1, {cfg.num_experts}), got min {lo} and max {hi}")
         return t
+
+    def _in_range_ids(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, Optional[ValueError]]:
+        """topk_idx with every id outside [-1, E) set to -1, and the ValueError the call raises once its
+        communication is done, on backends whose kernels do not check each id themselves (a host check:
+        one reduction, one sync; none while a CUDA graph is being captured)."""
+        cfg = self.cfg
+        capturing = cfg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if self.backend.checks_expert_ids or not topk_idx.numel() or capturing:
+            return topk_idx, None
+        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
+        if lo >= -1 and hi < cfg.num_experts:
+            return topk_idx, None
+        error = ValueError(f"topk_idx values must lie in [-1, {cfg.num_experts}), got min {lo} and max {hi}")
+        return torch.where((topk_idx >= -1) & (topk_idx < cfg.num_experts), topk_idx, -1), error
 
     def _check_weights(self, topk_weights: object, n: int) -> torch.Tensor:
         return _check_aligned("topk_weights", _check_tensor("topk_weights", topk_weights, (torch.float32,),
@@ -284,7 +383,7 @@ class Buffer:
             raise ValueError("handle comes from another Buffer")
 
     def _sms(self, num_sms: Optional[int]) -> int:
-        return self.cfg.num_sms if num_sms is None else self._check_num_sms(num_sms, self.cfg.device)
+        return self.cfg.num_sms if num_sms is None else _check_num_sms(num_sms, self.cfg.device)
 
     @staticmethod
     def _check_event(previous_event: object) -> Optional[EventHandle]:
@@ -292,18 +391,37 @@ class Buffer:
             raise TypeError(f"previous_event must be an EventHandle, got {type(previous_event).__name__}")
         return previous_event
 
+    # ---- stand-ins for rejected input (docs/api.md, Errors) -----------------------------------
+    def _zero_rows(self, lead: tuple[int, ...], fp8: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Zero rows [*lead, H] (bf16, or e4m3 with zero scales) in place of rejected ones."""
+        cfg = self.cfg
+        dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        scales = torch.zeros(*lead, cfg.num_scales, dtype=torch.float32, device=cfg.device) if fp8 else None
+        return torch.zeros(*lead, cfg.hidden, dtype=dtype, device=cfg.device), scales
+
+    def _no_routing(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """topk_idx and topk_weights of n tokens that go nowhere."""
+        cfg = self.cfg
+        return (torch.full((n, cfg.num_topk), -1, dtype=torch.int64, device=cfg.device),
+                torch.zeros(n, cfg.num_topk, dtype=torch.float32, device=cfg.device))
+
+    def _fp8_rows(self, x: object) -> bool:
+        """Whether a dispatch moves FP8 rows, which sets the size of what it exchanges (every rank must agree):
+        x is e4m3 and hidden allows FP8. A rejected x of another dtype counts as bf16."""
+        return isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn and self.cfg.hidden % 128 == 0
+
     # ---- normal mode ------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
-        """Tokens per rank and per expert, and the token->rank mask."""
-        backend = self.backend
-        return backend.get_dispatch_layout(self._check_topk_idx(topk_idx, None, not backend.checks_expert_ids))
+        """Tokens per rank and per expert, and the token->rank mask. No backend communicates here, so bad
+        input raises at once."""
+        topk_idx, bad_ids = self._in_range_ids(self._check_topk_idx(topk_idx, None))
+        if bad_ids is not None:
+            raise bad_ids
+        return self.backend.get_dispatch_layout(topk_idx)
 
-    def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
-                 topk_weights: Optional[torch.Tensor] = None, *, x_scales: Optional[torch.Tensor] = None,
-                 expert_alignment: int = 1, handle: Optional[DispatchHandle] = None, worst_case: bool = False,
-                 num_sms: Optional[int] = None,
-                 previous_event: Optional[EventHandle] = None, async_op: bool = False) -> DispatchResult:
-        """Send each token once to every rank holding one of its experts (docs/api.md)."""
+    def _check_dispatch(self, x: object, x_scales: object, topk_idx: object, topk_weights: object,
+                        handle: Optional[DispatchHandle], expert_alignment: object) -> None:
+        """Every tensor argument of a dispatch and expert_alignment (the handle is checked before)."""
         cfg = self.cfg
         x = self._check_x(x, fp8_ok=True)
         n = x.shape[0]
@@ -316,7 +434,6 @@ class Buffer:
         elif x_scales is not None:
             raise ValueError("x_scales is only for FP8 (torch.float8_e4m3fn) x")
         if handle is not None:
-            self._check_handle(handle, DispatchHandle)
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("a cached dispatch (handle=...) takes no topk_idx or topk_weights")
             if n != handle.num_tokens:
@@ -324,28 +441,56 @@ class Buffer:
         else:
             if topk_idx is None or topk_weights is None:
                 raise ValueError("dispatch needs topk_idx and topk_weights (or a handle for a cached dispatch)")
-            self._check_topk_idx(topk_idx, n, not self.backend.checks_expert_ids)
+            self._check_topk_idx(topk_idx, n)
             self._check_weights(topk_weights, n)
         if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
-        return self.backend.dispatch(
-            x, x_scales, topk_idx, topk_weights, handle=handle, expert_alignment=expert_alignment,
-            worst_case=bool(worst_case), num_sms=self._sms(num_sms), previous_event=self._check_event(previous_event),
-            async_op=bool(async_op),
-        )
+
+    def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, *, x_scales: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, handle: Optional[DispatchHandle] = None, worst_case: bool = False,
+                 num_sms: Optional[int] = None,
+                 previous_event: Optional[EventHandle] = None, async_op: bool = False) -> DispatchResult:
+        """Send each token once to every rank holding one of its experts (docs/api.md). Rejected tensors:
+        this rank takes part as a rank without tokens (a cached dispatch: with zero rows), then raises."""
+        if handle is not None:
+            self._check_handle(handle, DispatchHandle)
+        run = functools.partial(self.backend.dispatch, handle=handle, worst_case=bool(worst_case),
+                                num_sms=self._sms(num_sms), previous_event=self._check_event(previous_event),
+                                async_op=bool(async_op))
+        try:
+            self._check_dispatch(x, x_scales, topk_idx, topk_weights, handle, expert_alignment)
+        except (TypeError, ValueError) as error:
+            rows, scales = self._zero_rows((0 if handle is None else handle.num_tokens,), self._fp8_rows(x))
+            idx, weights = self._no_routing(0) if handle is None else (None, None)
+            _take_part(error, lambda: run(rows, scales, idx, weights, expert_alignment=1))
+        bad_ids = None
+        if handle is None:
+            topk_idx, bad_ids = self._in_range_ids(topk_idx)
+        result = run(x, x_scales, topk_idx, topk_weights, expert_alignment=expert_alignment)
+        if bad_ids is not None:
+            raise bad_ids
+        return result
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, *, topk_weights: Optional[torch.Tensor] = None,
                 num_sms: Optional[int] = None, previous_event: Optional[EventHandle] = None, async_op: bool = False):
         """Sum each token's rows (and topk_weights rows) back on its source rank (docs/api.md); returns out,
-        (out, weights) with topk_weights, and the EventHandle last when async_op."""
+        (out, weights) with topk_weights, and the EventHandle last when async_op. Rejected tensors: this
+        rank sends zero rows (and weights) back, then raises."""
+        cfg = self.cfg
         self._check_handle(handle, DispatchHandle)
-        x = _check_tensor("x", x, (torch.bfloat16,), (handle.num_recv_rows, self.cfg.hidden), self.cfg.device)
-        _check_aligned("x", x)
-        if topk_weights is not None:
-            self._check_weights(topk_weights, handle.num_recv_rows)
-        out, weights, event = self.backend.combine(x, handle, topk_weights=topk_weights, num_sms=self._sms(num_sms),
-                                                   previous_event=self._check_event(previous_event),
-                                                   async_op=bool(async_op))
+        run = functools.partial(self.backend.combine, handle=handle, num_sms=self._sms(num_sms),
+                                previous_event=self._check_event(previous_event), async_op=bool(async_op))
+        m = handle.num_recv_rows
+        try:
+            _check_aligned("x", _check_tensor("x", x, (torch.bfloat16,), (m, cfg.hidden), cfg.device))
+            if topk_weights is not None:
+                self._check_weights(topk_weights, m)
+        except (TypeError, ValueError) as error:
+            rows, _ = self._zero_rows((m,), False)
+            weights = None if topk_weights is None else self._no_routing(m)[1]
+            _take_part(error, lambda: run(rows, topk_weights=weights))
+        out, weights, event = run(x, topk_weights=topk_weights)
         result = (out,) if topk_weights is None else (out, weights)
         if async_op:
             result += (event,)
@@ -358,30 +503,47 @@ class Buffer:
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool = False,
                              round_scale: bool = False, return_recv_hook: bool = False) -> LowLatencyDispatchResult:
-        """Expert-major dispatch with fixed capacity and no host sync (docs/api.md)."""
+        """Expert-major dispatch with fixed capacity and no host sync (docs/api.md). Rejected tensors: this
+        rank takes part as a rank without tokens, then raises (with a receive hook: the hook does)."""
         self._check_low_latency()
-        x = self._check_x(x, fp8_ok=False)
-        self._check_topk_idx(topk_idx, x.shape[0], check_values=_on_cpu(self.cfg))
         if use_fp8:
             self._check_fp8_hidden()
-        elif round_scale:
-            raise ValueError("round_scale applies only with use_fp8=True")
-        return self.backend.low_latency_dispatch(x, topk_idx, use_fp8=bool(use_fp8), round_scale=bool(round_scale),
-                                                 return_recv_hook=bool(return_recv_hook))
+        run = functools.partial(self.backend.low_latency_dispatch, use_fp8=bool(use_fp8),
+                                return_recv_hook=bool(return_recv_hook))
+        try:
+            x = self._check_x(x, fp8_ok=False)
+            self._check_topk_idx(topk_idx, x.shape[0])
+            if round_scale and not use_fp8:
+                raise ValueError("round_scale applies only with use_fp8=True")
+        except (TypeError, ValueError) as error:
+            rows, _ = self._zero_rows((0,), False)
+            idx, _ = self._no_routing(0)
+            return _raise_after_receive(error, _keep_routing(run(rows, idx, round_scale=False), idx))
+        topk_idx, bad_ids = self._in_range_ids(topk_idx)
+        result = _keep_routing(run(x, topk_idx, round_scale=bool(round_scale)), topk_idx)
+        return result if bad_ids is None else _raise_after_receive(bad_ids, result)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, return_recv_hook: bool = False) -> LowLatencyCombineResult:
-        """Weighted sum of each token's expert outputs, ascending k, one rounding (docs/api.md)."""
+        """Weighted sum of each token's expert outputs, ascending k, one rounding (docs/api.md). Rejected
+        tensors: this rank sends zero rows back (receiving with its dispatch's topk_idx), then raises
+        (with a receive hook: the hook does)."""
         cfg = self.cfg
         self._check_low_latency()
         self._check_handle(handle, LowLatencyHandle)
-        slots = cfg.world_size * cfg.max_tokens_per_rank
-        _check_tensor("x", x, (torch.bfloat16,), (cfg.num_local_experts, slots, cfg.hidden), cfg.device)
-        self._check_topk_idx(topk_idx, handle.num_tokens, check_values=_on_cpu(cfg))
-        self._check_weights(topk_weights, handle.num_tokens)
-        _check_aligned("x", x)
-        return self.backend.low_latency_combine(x, topk_idx, topk_weights, handle,
-                                                return_recv_hook=bool(return_recv_hook))
+        run = functools.partial(self.backend.low_latency_combine, handle=handle, return_recv_hook=bool(return_recv_hook))
+        lead, n = (cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank), handle.num_tokens
+        try:
+            _check_tensor("x", x, (torch.bfloat16,), (*lead, cfg.hidden), cfg.device)
+            self._check_topk_idx(topk_idx, n)
+            self._check_weights(topk_weights, n)
+            _check_aligned("x", x)
+        except (TypeError, ValueError) as error:
+            rows, _ = self._zero_rows(lead, False)
+            return _raise_after_receive(error, run(rows, handle.topk_idx, self._no_routing(n)[1]))
+        topk_idx, bad_ids = self._in_range_ids(topk_idx)
+        result = run(x, topk_idx, topk_weights)
+        return result if bad_ids is None else _raise_after_receive(bad_ids, result)
 
     # ---- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -61,6 +61,7 @@ class LowLatencyHandle:
     src_index: torch.Tensor  # [E_l, R * T] int32
     count: torch.Tensor  # [E_l] int32
     state: Any = None  # backend-private
+    topk_idx: Optional[torch.Tensor] = None  # [num_tokens, K], as the dispatch exchanged it (Buffer sets it)
 
 
 @dataclass

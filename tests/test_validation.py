@@ -252,7 +252,7 @@ def test_closed_buffer():
 
 def test_nvshmem_without_gpu_is_a_clear_error():
     """On a gloo/CPU group the native backend cannot run; the error says why."""
-    with pytest.raises(RuntimeError, match="backend='nvshmem' needs a CUDA device"):
+    with pytest.raises(RuntimeError, match="backend='nvshmem' needs CUDA tensors"):
         moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem")
 
 

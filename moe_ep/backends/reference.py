@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import fp8
+from ..errors import CommTimeoutError
 from ..types import (
     DispatchHandle,
     DispatchLayout,
@@ -62,23 +64,39 @@ class ReferenceBackend(Backend):
         super().__init__(cfg)
         # gloo moves host tensors: CUDA tensors go through host memory
         self._staged = cfg.device.type == "cuda" and dist.get_backend(cfg.group) != "nccl"
+        self._failed: Optional[str] = None  # the phase of the exchange that failed; the Buffer is then unusable
 
     # ---- helpers -------------------------------------------------------------------------
-    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_split: Optional[list[int]] = None,
+    def _all_to_all(self, phase: str, out: torch.Tensor, inp: torch.Tensor, out_split: Optional[list[int]] = None,
                     in_split: Optional[list[int]] = None) -> torch.Tensor:
-        """all_to_all_single into `out` (returned), through host memory when the group cannot move `inp`."""
-        if not self._staged:
-            dist.all_to_all_single(out, inp, out_split, in_split, group=self.cfg.group)
-            return out
-        host = torch.empty(out.shape, dtype=out.dtype)
-        dist.all_to_all_single(host, inp.cpu(), out_split, in_split, group=self.cfg.group)
-        return out.copy_(host)
+        """all_to_all_single into `out` (returned), through host memory when the group cannot move `inp`;
+        gives up after timeout_s with CommTimeoutError (peer unknown: -1) naming `phase`."""
+        cfg = self.cfg
+        if self._failed is not None:
+            raise RuntimeError(f"moe_ep rank {cfg.rank}: this Buffer's exchange '{self._failed}' failed, so the "
+                               "Buffer and its process group are unusable (docs/api.md, Errors)")
+        host = torch.empty(out.shape, dtype=out.dtype) if self._staged else out
+        opts = dist.AllToAllOptions()
+        opts.timeout = timedelta(seconds=cfg.timeout_s)  # the op itself gives up, so nothing is left waiting
+        opts.asyncOp = True
+        try:
+            work = cfg.group.all_to_all_single(host, inp.cpu() if self._staged else inp, out_split or [],
+                                               in_split or [], opts)
+            work.wait(timedelta(seconds=cfg.timeout_s + 1))  # a bound for groups that do not honour opts.timeout
+        except RuntimeError as error:
+            self._failed = phase
+            if "timeout" in str(error).lower() or "timed out" in str(error).lower():
+                raise CommTimeoutError(cfg.rank, -1, phase, cfg.timeout_s) from error
+            raise
+        return out.copy_(host) if self._staged else out
 
-    def _exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
-        return self._all_to_all(torch.empty_like(send_counts), send_counts).tolist()
+    def _exchange_counts(self, phase: str, send_counts: torch.Tensor) -> list[int]:
+        return self._all_to_all(f"{phase} counts", torch.empty_like(send_counts), send_counts).tolist()
 
-    def _all_to_all_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
-        return self._all_to_all(rows.new_empty((sum(recv_counts), rows.shape[1])), rows, recv_counts, send_counts)
+    def _all_to_all_rows(self, phase: str, rows: torch.Tensor, send_counts: list[int],
+                         recv_counts: list[int]) -> torch.Tensor:
+        return self._all_to_all(f"{phase} rows", rows.new_empty((sum(recv_counts), rows.shape[1])), rows,
+                                recv_counts, send_counts)
 
     def _rank_mask(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """[N, R] bool: token n has at least one expert on rank r."""
@@ -118,13 +136,13 @@ class ReferenceBackend(Backend):
         token_ids = torch.arange(n, device=x.device, dtype=torch.int32)
         send_idx = torch.cat([token_ids[mask[:, r]] for r in range(cfg.world_size)]).long()
         send_counts = mask.sum(0).to(torch.int64)
-        recv_counts = self._exchange_counts(send_counts)
+        recv_counts = self._exchange_counts("reference dispatch", send_counts)
         parts = [x[send_idx]] + ([x_scales[send_idx]] if x_scales is not None else [])
         parts.append(send_idx.to(torch.int32).unsqueeze(1))
         if not cached:
             parts += [topk_idx[send_idx], topk_weights[send_idx]]
         rows, specs = _pack(parts)
-        got = _unpack(self._all_to_all_rows(rows, send_counts.tolist(), recv_counts), specs)
+        got = _unpack(self._all_to_all_rows("reference dispatch", rows, send_counts.tolist(), recv_counts), specs)
         recv_x = got.pop(0)
         recv_scales = got.pop(0) if x_scales is not None else None
         recv_src_index = got.pop(0).squeeze(1)
@@ -199,7 +217,7 @@ class ReferenceBackend(Backend):
             parts = [p[valid] for p in parts]
         send_back = handle.is_token_in_rank.sum(0).tolist()
         rows, specs = _pack(parts)
-        back = _unpack(self._all_to_all_rows(rows, recv_counts, send_back), specs)
+        back = _unpack(self._all_to_all_rows("reference combine", rows, recv_counts, send_back), specs)
         out = self._sum_back(back[0], handle, send_back, round_partials=True).to(torch.bfloat16)
         weights = self._sum_back(back[1], handle, send_back, round_partials=False) if topk_weights is not None else None
         return out, weights, record_event(async_op, x.device)
@@ -244,9 +262,10 @@ class ReferenceBackend(Backend):
             token_ids = torch.arange(x_in.shape[0], device=x.device, dtype=torch.int32)
             send_idx = torch.cat([token_ids[mask[:, r]] for r in range(cfg.world_size)]).long()
             send_counts = mask.sum(0).to(torch.int64)
-            recv_counts = self._exchange_counts(send_counts)
+            recv_counts = self._exchange_counts("reference low-latency dispatch", send_counts)
             rows, specs = _pack([p[send_idx] for p in payload] + [send_idx.to(torch.int32).unsqueeze(1), topk_in[send_idx]])
-            got = _unpack(self._all_to_all_rows(rows, send_counts.tolist(), recv_counts), specs)
+            got = _unpack(self._all_to_all_rows("reference low-latency dispatch", rows, send_counts.tolist(), recv_counts),
+                          specs)
             recv_topk, recv_index = got[-1], got[-2].squeeze(1)
             recv_rank = torch.repeat_interleave(
                 torch.arange(cfg.world_size, device=x.device, dtype=torch.int32),
@@ -299,7 +318,8 @@ class ReferenceBackend(Backend):
             tokens = torch.arange(n, device=x.device).unsqueeze(1).expand(n, k_top)
             pair_key = tokens * e_all + topk_in
             keys = [torch.unique(pair_key[owner == r]) for r in range(cfg.world_size)]
-            back = self._all_to_all_rows(_as_bytes(rows), send_counts.tolist(), [k.numel() for k in keys])
+            back = self._all_to_all_rows("reference low-latency combine", _as_bytes(rows), send_counts.tolist(),
+                                         [k.numel() for k in keys])
             back = back.view(torch.bfloat16)
             gathered = torch.zeros(n, k_top, cfg.hidden, dtype=torch.bfloat16, device=x.device)
             start = 0
