@@ -8,7 +8,10 @@ forward and backward on the native and the reference backend. With --ranks-per-n
 N1 and L1 rows are measured a second time with the group cut into nodes of K ranks (K=1 on one
 machine: every byte between GPUs takes the cross-node kernels' network leg), next to the NVLink
 rows in the same table. Without GPUs (gloo): the reference backend on a small case (and the layer
-case, at sizes given by --layer-*). Prints a table, writes JSON and a PNG plot.
+case, at sizes given by --layer-*). With --ranks-per-gpu N (or fewer GPUs than ranks) N ranks share
+each GPU over gloo (moe_ep.launch): such rows are labelled "shared GPU", say nothing about links and
+are never drawn against the link limit. Prints a table, writes JSON and a PNG plot (by default to
+~/.local/share/moe_ep/bench/<date>/, not into the folder it runs in).
 """
 from __future__ import annotations
 
@@ -21,14 +24,18 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import fp8
 from .buffer import Buffer, auto_backend
+from .launch import init_distributed
 from .layer import MoE
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # DeepEP V1 on our 2xH200, N1 (docs/benchmarks.md, Method): SMs -> (FP8 dispatch, BF16 dispatch, BF16 combine) us.
 DEEPEP_N1 = {8: (647.9, 972.6, 999.7), 16: (344.2, 500.4, 532.3), 24: (245.1, 343.7, 400.0), 32: (193.1, 292.7, 318.1)}
@@ -54,9 +61,17 @@ class Row:
     recv_bytes: int
     remote_bytes: int
     deepep_us: Optional[float] = None
-    cold_us: Optional[float] = None  # after a device sync and a host barrier (Timer.cold_us)
+    cold_us: Optional[float] = None  # after a device sync and a host barrier (Timer.cold_us); GPU only
     extra: dict = field(default_factory=dict)
     topology: str = ""  # "nodes x ranks per node" of the Buffer
+    experts: int = 0
+    topk: int = 0
+    ranks_per_gpu: int = 1  # ranks sharing the GPU (Buffer.ranks_per_gpu): 0 on CPU, above 1 a shared GPU
+
+    @property
+    def shared_gpu(self) -> bool:
+        """Measured with ranks time-sliced on one GPU: valid results, timings that say nothing about links."""
+        return self.ranks_per_gpu > 1
 
     @property
     def gbps(self) -> float:
@@ -68,12 +83,15 @@ class Row:
 
     @property
     def overhead_us(self) -> Optional[float]:
-        """What the host adds to a cold call over the pipelined one."""
-        return None if self.cold_us is None else self.cold_us - self.call_us
+        """What the host adds to a cold call over the pipelined one (0 where noise made the cold call faster)."""
+        return None if self.cold_us is None else max(self.cold_us - self.call_us, 0.0)
 
     @property
-    def link_us(self) -> float:
-        """The time the remote bytes take at the NVLink limit for this SM budget: the floor for the call."""
+    def link_us(self) -> Optional[float]:
+        """The time the remote bytes take at the NVLink limit for this SM budget, the floor for the call;
+        None where no link is measured (CPU, a shared GPU, no remote bytes)."""
+        if self.ranks_per_gpu != 1 or not self.remote_bytes:
+            return None
         return self.remote_bytes / (NVLINK_LIMIT_GBPS.get(self.sms or 0, NVLINK_LIMIT_ANY_GBPS) * 1e3)
 
 
@@ -145,10 +163,11 @@ class Timer:
     def call_us(self, fn: Callable[[], object]) -> float:
         return self.parts_us([fn])[0]
 
-    def cold_us(self, fn: Callable[[], object]) -> float:
+    def cold_us(self, fn: Callable[[], object]) -> Optional[float]:
         """Median time of a call made right after a device sync and a host barrier, so the host's
-        own time counts, as for the first MoE layer after any sync (docs/benchmarks.md, Method)."""
-        return self.parts_us([fn], cold=True)[0]
+        own time counts, as for the first MoE layer after any sync (docs/benchmarks.md, Method).
+        None on CPU, where every timed call already starts after a barrier (call_us is that time)."""
+        return None if self.flush_buf is None else self.parts_us([fn], cold=True)[0]
 
     def split_us(self, send: Callable[[], object]) -> tuple[float, float]:
         """Median times of a hooked call's send half (the call) and receive half (its hook())."""
@@ -188,14 +207,16 @@ class Timer:
         return self.call_us(graph.replay)
 
 
-def _topology(buf: Buffer) -> str:
-    return f"{buf.cfg.num_nodes}x{buf.cfg.ranks_per_node}"
-
-
-def _tuning(buf: Buffer) -> dict:
-    """The native kernels' tuning knobs (MOE_EP_* environment variables), so results record them."""
-    ctx = getattr(buf.backend, "_ctx", None)
-    return dict(ctx.tuning) if ctx is not None else {}
+def _row(buf: Buffer, case: str, op: str, sms: Optional[int], tokens: int, call_us: float, **values: object) -> Row:
+    """A Row with the Buffer's sizes, backend and placement; `values` sets the other fields."""
+    cfg = buf.cfg
+    values.setdefault("backend", buf.backend_name)
+    values.setdefault("kernel_us", None)
+    values.setdefault("recv_bytes", 0)
+    values.setdefault("remote_bytes", 0)
+    return Row(case=case, op=op, sms=sms, tokens=tokens, hidden=cfg.hidden, call_us=call_us,
+               topology=f"{buf.num_nodes}x{buf.ranks_per_node}", experts=cfg.num_experts, topk=cfg.num_topk,
+               ranks_per_gpu=buf.ranks_per_gpu, **values)
 
 
 def _short_name(kernel: str) -> str:
@@ -208,6 +229,11 @@ def _max_over_ranks(value: float) -> float:
                      dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def compares_to_deepep(buf: Buffer) -> bool:
+    """DeepEP's figures (DEEPEP_N1, DEEPEP_L1) were measured at EP2 on one node, a GPU per rank."""
+    return buf.group_size == 2 and buf.num_nodes == 1 and buf.ranks_per_gpu == 1
 
 
 def n1_inputs(tokens: int, hidden: int, experts: int, topk: int, device: torch.device, seed: int):
@@ -224,12 +250,12 @@ def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: li
                  with_fp8: bool, deepep: bool) -> list[Row]:
     """Whole-call and kernel-only times of BF16/FP8 dispatch and BF16 combine on one Buffer."""
     cfg = buf.cfg
-    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, cfg.device, seed=cfg.rank)
+    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, buf.device, seed=buf.rank)
     q, scales = fp8.quantize(x)
     rows: list[Row] = []
     probe = buf.dispatch(x, idx, w)
     recv = probe.x.shape[0]
-    remote = int((probe.src_rank != cfg.rank).sum())
+    remote = int((probe.src_rank != buf.rank).sum())
     row_bf16, row_fp8 = 2 * cfg.hidden, cfg.hidden + 4 * cfg.num_scales
     y = probe.x
     for sms in sms_list:
@@ -240,27 +266,27 @@ def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: li
                         ref[0] if ref else None))
         ops.append(("combine_bf16", lambda: buf.combine(y, probe.handle, num_sms=sms), row_bf16, ref[2] if ref else None))
         for op, fn, row_bytes, ref_us in ops:
-            rows.append(Row(case, op, buf.backend_name, sms, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
-                            recv * row_bytes, remote * row_bytes, ref_us, cold_us=timer.cold_us(fn),
-                            extra={"kernels": timer.last_kernels, "tuning": _tuning(buf)}, topology=_topology(buf)))
+            rows.append(_row(buf, case, op, sms, tokens, timer.call_us(fn), kernel_us=timer.kernel_us(fn),
+                             recv_bytes=recv * row_bytes, remote_bytes=remote * row_bytes, deepep_us=ref_us,
+                             cold_us=timer.cold_us(fn), extra={"kernels": timer.last_kernels}))
     return rows
 
 
 def bench_nccl_a2a(buf: Buffer, timer: Timer, case: str, tokens: int) -> Row:
     """Raw all_to_all_single moving the rows a BF16 dispatch moves (own rows included)."""
     cfg = buf.cfg
-    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, cfg.device, seed=cfg.rank)
+    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, buf.device, seed=buf.rank)
     layout = buf.get_dispatch_layout(idx)
     send = layout.num_tokens_per_rank.tolist()
     recv_t = torch.empty_like(layout.num_tokens_per_rank)
     dist.all_to_all_single(recv_t, layout.num_tokens_per_rank)
     recv = recv_t.tolist()
-    inp = torch.randn(sum(send), cfg.hidden, device=cfg.device).to(torch.bfloat16)
-    out = torch.empty(sum(recv), cfg.hidden, dtype=torch.bfloat16, device=cfg.device)
+    inp = torch.randn(sum(send), cfg.hidden, device=buf.device).to(torch.bfloat16)
+    out = torch.empty(sum(recv), cfg.hidden, dtype=torch.bfloat16, device=buf.device)
     fn = lambda: dist.all_to_all_single(out, inp, recv, send)  # noqa: E731
-    remote = sum(r for s, r in enumerate(recv) if s != cfg.rank)
-    return Row(case, "all_to_all_single", "nccl", None, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
-               sum(recv) * 2 * cfg.hidden, remote * 2 * cfg.hidden)
+    remote = sum(r for s, r in enumerate(recv) if s != buf.rank)
+    return _row(buf, case, "all_to_all_single", None, tokens, timer.call_us(fn), backend="nccl",
+                kernel_us=timer.kernel_us(fn), recv_bytes=sum(recv) * 2 * cfg.hidden, remote_bytes=remote * 2 * cfg.hidden)
 
 
 def _graph_capturable(buf: Buffer) -> bool:
@@ -273,22 +299,22 @@ def bench_low_latency(buf: Buffer, timer: Timer, tokens: int) -> list[Row]:
     """L1: FP8 dispatch and BF16 combine, whole calls (also replayed from a CUDA graph where the
     backend can be captured) and the hook's send/receive halves."""
     cfg = buf.cfg
-    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, cfg.device, seed=cfg.rank)
+    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, buf.device, seed=buf.rank)
     d = buf.low_latency_dispatch(x, idx, use_fp8=True)
-    y = torch.randn(d.x.shape, device=cfg.device).to(torch.bfloat16)
+    y = torch.randn(d.x.shape, device=buf.device).to(torch.bfloat16)
     pairs = int(d.count.sum())
     row_fp8, row_bf16 = cfg.hidden + 4 * cfg.num_scales, 2 * cfg.hidden
-    ref = DEEPEP_L1.get(tokens)
+    ref = DEEPEP_L1.get(tokens) if compares_to_deepep(buf) else None
     rows = []
     graph = _graph_capturable(buf)
 
     def add(op: str, fn: Callable[[], object], row_bytes: int, ref_us: Optional[float]) -> None:
-        rows.append(Row("L1", op, buf.backend_name, None, tokens, cfg.hidden, timer.call_us(fn), timer.kernel_us(fn),
-                        pairs * row_bytes, 0, ref_us, cold_us=timer.cold_us(fn), extra={"kernels": timer.last_kernels},
-                        topology=_topology(buf)))
+        rows.append(_row(buf, "L1", op, None, tokens, timer.call_us(fn), kernel_us=timer.kernel_us(fn),
+                         recv_bytes=pairs * row_bytes, deepep_us=ref_us, cold_us=timer.cold_us(fn),
+                         extra={"kernels": timer.last_kernels}))
         if graph:
-            rows.append(Row("L1", op + "_graph", buf.backend_name, None, tokens, cfg.hidden, timer.graph_us(fn), None,
-                            pairs * row_bytes, 0, ref_us, topology=_topology(buf)))
+            rows.append(_row(buf, "L1", op + "_graph", None, tokens, timer.graph_us(fn), recv_bytes=pairs * row_bytes,
+                             deepep_us=ref_us))
 
     # Combine first: a low-latency dispatch result (and its handle) stays valid for two dispatches only.
     add("ll_combine_bf16", lambda: buf.low_latency_combine(y, idx, w, d.handle), row_bf16, ref[1] if ref else None)
@@ -299,17 +325,16 @@ def bench_low_latency(buf: Buffer, timer: Timer, tokens: int) -> list[Row]:
     for op, send, row_bytes in halves:
         send_us, recv_us = timer.split_us(send)
         for half, us in (("send", send_us), ("recv", recv_us)):
-            rows.append(Row("L1", f"{op}_{half}", buf.backend_name, None, tokens, cfg.hidden, us, None,
-                            pairs * row_bytes, 0, topology=_topology(buf)))
+            rows.append(_row(buf, "L1", f"{op}_{half}", None, tokens, us, recv_bytes=pairs * row_bytes))
     add("ll_dispatch_fp8", lambda: buf.low_latency_dispatch(x, idx, use_fp8=True), row_fp8, ref[0] if ref else None)
     return rows
 
 
-def bench_layer(timer: Timer, shape: LayerShape, backend: str) -> list[Row]:
+def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.device) -> list[Row]:
     """moe_ep.MoE forward, backward and both (normal mode, bf16 experts) on one backend; what it
     allocates is garbage once it returns (the caller collects it before the next case)."""
     with Buffer(hidden=shape.hidden, num_experts=shape.experts, num_topk=shape.topk,
-                max_tokens_per_rank=shape.tokens, backend=backend) as buf:
+                max_tokens_per_rank=shape.tokens, backend=backend, device=device) as buf:
         torch.manual_seed(0)  # the router is replicated: the same weights on every rank
         moe = MoE(buf, shape.ffn, dtype=torch.bfloat16)
         g = torch.Generator(device=buf.device).manual_seed(buf.rank)
@@ -318,76 +343,179 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str) -> list[Row]:
         outputs: list[torch.Tensor] = []
         times = timer.parts_us([lambda: outputs.append(moe(x, mode="normal")), lambda: outputs.pop().backward(grad)])
         sms = buf.cfg.num_sms if buf.backend_name == "nvshmem" else None
-        return [Row("layer", op, buf.backend_name, sms, shape.tokens, shape.hidden, us, None, 0, 0,
-                    topology=_topology(buf)) for op, us in zip(("forward", "backward", "forward_backward"), times)]
+        return [_row(buf, "layer", op, sms, shape.tokens, us) for op, us in zip(("forward", "backward", "forward_backward"), times)]
 
 
-def _cell(value: Optional[float], width: int, sign: str = "") -> str:
-    """A right-aligned table cell with one decimal ("+": always signed), "-" for no value."""
-    return f"{value:{sign}{width}.1f}" if value is not None else f"{'-':>{width}}"
+@dataclass(frozen=True)
+class Column:
+    """One table column: its header, width, the cell of a row (None: nothing to show for that row) and,
+    for a column no row has a value in, why it is left out."""
+
+    head: str
+    width: int
+    cell: Callable[[Row], Optional[str]]
+    absent: str = ""
+    left: bool = False
 
 
-def print_table(rows: list[Row]) -> None:
-    head = f"{'case':<6} {'op':<22} {'backend':<9} {'nodes':>5} {'SMs':>4} {'tokens':>6} {'hidden':>6} {'call us':>9} " \
-           f"{'cold us':>9} {'overhead':>8} {'kernel us':>9} {'GB/s':>7} {'remote':>7} {'%link':>6} {'DeepEP':>8} " \
-           f"{'speedup':>7}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        link = f"{100 * r.link_us / r.call_us:5.1f}%" if r.remote_bytes and r.case != "cpu" else "     -"
-        ref = f"{r.deepep_us:8.1f}" if r.deepep_us else "       -"
-        speed = f"{r.deepep_us / r.call_us:6.2f}x" if r.deepep_us else "      -"
-        print(f"{r.case:<6} {r.op:<22} {r.backend:<9} {r.topology or '-':>5} {r.sms or '-':>4} {r.tokens:>6} "
-              f"{r.hidden:>6} {r.call_us:9.1f} {_cell(r.cold_us, 9)} {_cell(r.overhead_us, 8, '+')} {_cell(r.kernel_us, 9)} "
-              f"{_cell(r.gbps if r.recv_bytes else None, 7)} {_cell(r.remote_gbps if r.recv_bytes else None, 7)} "
-              f"{link} {ref} {speed}")
+def _num(value: Optional[float], fmt: str = ".1f") -> Optional[str]:
+    return None if value is None else format(value, fmt)
 
 
-def print_kernels(rows: list[Row]) -> None:
-    """Rank 0's device time per kernel for each measured call (from the profiler)."""
+_GPU_ONLY = "GPU only (on CPU every timed call starts after a barrier: call us is the cold time)"
+_DEEPEP = "DeepEP's figures exist for N1 and L1 at EP2 on one node with a GPU per rank"
+COLUMNS = [
+    Column("case", 6, lambda r: r.case, left=True),
+    Column("op", 22, lambda r: r.op, left=True),
+    Column("backend", 9, lambda r: r.backend, left=True),
+    Column("nodes", 5, lambda r: r.topology or None),
+    Column("GPU", 10, lambda r: f"shared/{r.ranks_per_gpu}" if r.shared_gpu else None),
+    Column("SMs", 4, lambda r: _num(r.sms, "d"), "only the native backend takes an SM budget"),
+    Column("tokens", 6, lambda r: str(r.tokens)),
+    Column("hidden", 6, lambda r: str(r.hidden)),
+    Column("call us", 9, lambda r: _num(r.call_us)),
+    Column("cold us", 9, lambda r: _num(r.cold_us), _GPU_ONLY),
+    Column("overhead", 8, lambda r: _num(r.overhead_us), _GPU_ONLY),
+    Column("kernel us", 9, lambda r: _num(r.kernel_us), "device time from the CUDA profiler, GPU only"),
+    Column("GB/s", 7, lambda r: _num(r.gbps) if r.recv_bytes else None, "no row moved bytes it could count"),
+    Column("remote", 7, lambda r: _num(r.remote_gbps) if r.recv_bytes else None, "no row moved bytes it could count"),
+    Column("%link", 6, lambda r: None if r.link_us is None else f"{100 * r.link_us / r.call_us:.1f}%",
+           "the NVLink limit applies only to rows with a GPU per rank"),
+    Column("DeepEP", 8, lambda r: _num(r.deepep_us), _DEEPEP),
+    Column("speedup", 7, lambda r: None if r.deepep_us is None else f"{r.deepep_us / r.call_us:.2f}x", _DEEPEP),
+]
+
+
+def table(rows: list[Row]) -> tuple[list[str], Optional[str]]:
+    """The table's lines (only the columns some row has a value in) and one line naming the columns
+    left out and why they do not apply to what ran (None when none is)."""
+    shown = [c for c in COLUMNS if any(c.cell(r) is not None for r in rows)]
+
+    def line(cells: list[str]) -> str:
+        return " ".join(f"{v:<{c.width}}" if c.left else f"{v:>{c.width}}" for c, v in zip(shown, cells))
+
+    head = line([c.head for c in shown])
+    reasons: dict[str, list[str]] = {}
+    for c in COLUMNS:
+        if c not in shown and c.absent:
+            reasons.setdefault(c.absent, []).append(c.head)
+    left_out = "; ".join(f"{', '.join(heads)}: {why}" for why, heads in reasons.items())
+    return [head, "-" * len(head)] + [line([c.cell(r) or "-" for c in shown]) for r in rows], (
+        f"not shown: {left_out}" if left_out else None)
+
+
+def kernel_lines(rows: list[Row]) -> list[str]:
+    """Rank 0's device time per kernel for each measured call (from the profiler); none on CPU."""
+    lines = []
     for r in rows:
         kernels = r.extra.get("kernels")
         if kernels:
             split = ", ".join(f"{name} {us:.1f}" for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]))
-            print(f"  {r.case} {r.op} {r.backend} {r.topology} sms={r.sms or '-'}: {split}")
+            lines.append(f"  {r.case} {r.op} {r.backend} {r.topology} sms={r.sms or '-'}: {split}")
+    return ["device time per kernel (us, rank 0):"] + lines if lines else []
 
 
-def plot(rows: list[Row], path: Path) -> None:
-    """N1 times per SM budget against DeepEP and the link limit (the remote bytes at NVLINK_LIMIT_GBPS for
-    that SM budget), for the first topology measured; and the sweep's bandwidth per token count."""
+def print_table(rows: list[Row], notes: Optional[list[str]] = None) -> None:
+    """The table, then why columns or rows are missing, then the per-kernel times where measured."""
+    lines, left_out = table(rows)
+    if left_out:
+        lines.append(left_out)
+    if any(r.shared_gpu for r in rows):
+        lines.append("GPU shared/N: N ranks time-sliced on one GPU: results are valid, timings say nothing about "
+                     "links (no link limit, no DeepEP comparison)")
+    print("\n".join(lines + (notes or []) + kernel_lines(rows)))
+
+
+def _ep_title(case: str, rows: list[Row]) -> str:
+    """A panel title from the sizes that ran: EP size, tokens, hidden, top-k/experts (each where the
+    rows agree on it) and the shared-GPU label."""
+    first = rows[0]
+    nodes, per_node = (int(v) for v in first.topology.split("x"))
+    parts = [f"EP{nodes * per_node}" + (f" ({first.topology} nodes)" if nodes > 1 else "")]
+    if len({r.tokens for r in rows}) == 1:
+        parts.append(f"{first.tokens} tokens")
+    if len({r.hidden for r in rows}) == 1:
+        parts.append(f"hidden {first.hidden}")
+    parts.append(f"top-{first.topk}/{first.experts}")
+    title = f"{case}: " + ", ".join(parts)
+    if first.shared_gpu:
+        title += f"\n{first.ranks_per_gpu} ranks share one GPU: not link timings"
+    return title
+
+
+def _bar_label(r: Row, rows: list[Row]) -> str:
+    label = f"{r.op} ({r.backend}"
+    if r.sms:
+        label += f", {r.sms} SMs"
+    if len({x.topology for x in rows}) > 1:
+        label += f", {r.topology}"
+    if len({x.tokens for x in rows}) > 1:
+        label += f", {r.tokens} tok"
+    return label + ")"
+
+
+def plot(rows: list[Row], path: Path) -> "Figure":
+    """Writes the PNG and returns its matplotlib Figure: one panel per thing that ran. N1 on the native
+    backend as times per SM budget against DeepEP and the link limit (the remote bytes at
+    NVLINK_LIMIT_GBPS for that SM budget; neither on a shared GPU), for the first topology measured;
+    the sweep's bandwidth per token count; every other case as bars of its call times."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     n1 = [r for r in rows if r.case == "N1" and r.sms]
-    n1 = [r for r in n1 if r.topology == n1[0].topology]  # not the --ranks-per-node pass
+    n1 = [r for r in n1 if r.topology == n1[0].topology]  # the --ranks-per-node pass gets bars
     sweep = [r for r in rows if r.case == "sweep"]
-    panels = (["n1"] if n1 or not sweep else []) + (["sweep"] if sweep else [])  # no empty N1 panel
+    others: dict[str, list[Row]] = {}
+    for r in rows:
+        if r not in n1 and r not in sweep:
+            others.setdefault(r.case, []).append(r)
+    panels = (["n1"] if n1 else []) + (["sweep"] if sweep else []) + list(others)
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
-    if "n1" in panels:
-        ax = axes[0][panels.index("n1")]
-        for op, color in (("dispatch_bf16", "C0"), ("dispatch_fp8", "C1"), ("combine_bf16", "C2")):
-            pts = sorted((r for r in n1 if r.op == op), key=lambda r: r.sms)
-            if pts:
-                sms = [r.sms for r in pts]
-                ax.plot(sms, [r.call_us for r in pts], "o-", color=color, label=f"moe_ep {op}")
-                ax.plot(sms, [r.deepep_us for r in pts], "x:", color=color, alpha=0.6, label=f"DeepEP {op}")
-                ax.plot(sms, [r.link_us for r in pts], "--", color=color, lw=1, alpha=0.8, label=f"link limit {op}")
-        ax.set(xlabel="SMs", ylabel="us per call (lower is better)", title="N1: EP2, 4096 tokens, hidden 7168, top-8/256")
-        if n1:
+    for ax, panel in zip(axes[0], panels):
+        if panel == "n1":
+            for op, color in (("dispatch_bf16", "C0"), ("dispatch_fp8", "C1"), ("combine_bf16", "C2")):
+                pts = sorted((r for r in n1 if r.op == op), key=lambda r: r.sms)
+                if pts:
+                    sms = [r.sms for r in pts]
+                    ax.plot(sms, [r.call_us for r in pts], "o-", color=color, label=f"moe_ep {op}")
+                    if all(r.deepep_us is not None for r in pts):
+                        ax.plot(sms, [r.deepep_us for r in pts], "x:", color=color, alpha=0.6, label=f"DeepEP {op}")
+                    if all(r.link_us is not None for r in pts):
+                        ax.plot(sms, [r.link_us for r in pts], "--", color=color, lw=1, alpha=0.8,
+                                label=f"link limit {op}")
+            ax.set(xlabel="SMs", ylabel="us per call (lower is better)", title=_ep_title("N1", n1))
             ax.legend(fontsize=7)
-    if sweep:
-        ax = axes[0][panels.index("sweep")]
-        for hidden in sorted({r.hidden for r in sweep}):
-            for op, style in (("dispatch_bf16", "o-"), ("combine_bf16", "s--")):
-                pts = sorted((r.tokens, r.gbps) for r in sweep if r.hidden == hidden and r.op == op)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{op} H={hidden}")
-        ax.set_xscale("log", base=2)
-        ax.set(xlabel="tokens per rank", ylabel="GB/s (received bytes / call time)", title="sweep (native)")
-        ax.legend(fontsize=7)
+        elif panel == "sweep":
+            for hidden in sorted({r.hidden for r in sweep}):
+                for op, style in (("dispatch_bf16", "o-"), ("combine_bf16", "s--")):
+                    pts = sorted((r.tokens, r.gbps) for r in sweep if r.hidden == hidden and r.op == op)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{op} H={hidden}")
+            ax.set_xscale("log", base=2)
+            ax.set(xlabel="tokens per rank", ylabel="GB/s (received bytes / call time)",
+                   title=_ep_title(f"sweep ({sweep[0].backend})", sweep))
+            ax.legend(fontsize=7)
+        else:
+            group = others[panel]
+            ax.barh(range(len(group)), [r.call_us for r in group], color="C0")
+            ax.set_yticks(range(len(group)), [_bar_label(r, group) for r in group], fontsize=7)
+            ax.invert_yaxis()
+            ax.set(xlabel="us per call (median, max over ranks)", title=_ep_title(panel, group))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return fig
+
+
+CASES = ("n1", "n1-native", "l1", "sweep", "cpu", "layer")
+
+
+def default_out_dir(stamp: str) -> Path:
+    """Where results go without --out: a folder per run under $XDG_DATA_HOME (~/.local/share), so a run
+    never leaves files in whatever folder it was started from (a checkout's bench/results/ holds only
+    the results someone chose to keep)."""
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "moe_ep" / "bench" / stamp
 
 
 def main() -> None:
@@ -398,81 +526,93 @@ def main() -> None:
     p.add_argument("--sms", default="8,16,24,32", help="SM budgets for the native backend")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
+    p.add_argument("--out", default=None,
+                   help="folder for the JSON and PNG (default: ~/.local/share/moe_ep/bench/<date-time>/)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="also measure native N1/L1 with nodes of this many ranks (1: network leg between GPUs)")
+    p.add_argument("--ranks-per-gpu", type=int, default=None,
+                   help="ranks sharing each GPU over gloo (docs/one_gpu.md): valid results, timings that say "
+                        "nothing about links (default: 1 when there are enough GPUs, else the ranks spread evenly)")
     for f in fields(LayerShape):
         p.add_argument(f"--layer-{f.name}", type=int, default=f.default,
                        help=f"layer case: {f.name} (default %(default)s)")
     args = p.parse_args()
+    cases = None if args.cases == "auto" else args.cases.split(",")
+    if cases is not None and not set(cases) <= set(CASES):
+        p.error(f"--cases: unknown {sorted(set(cases) - set(CASES))}; choose from {', '.join(CASES)}")
 
-    use_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if use_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if use_gpu else "gloo")
+    placement = init_distributed(ranks_per_gpu=args.ranks_per_gpu)
+    device, use_gpu = placement.device, placement.device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
-    cases = (["n1", "l1"] if use_gpu else ["cpu"]) if args.cases == "auto" else args.cases.split(",")
+    cases = cases or (["n1", "l1"] if use_gpu else ["cpu"])
     timer = Timer(device, args.warmup, args.iters)
     sms_list = [int(s) for s in args.sms.split(",")]
     rows: list[Row] = []
+    notes: list[str] = []
 
     if "cpu" in cases:
         with Buffer(hidden=2048, num_experts=64, num_topk=8, max_tokens_per_rank=512, backend="reference",
-                    low_latency=True) as buf:
+                    low_latency=True, device=device) as buf:
             rows += bench_normal(buf, timer, "cpu", 512, [None], with_fp8=True, deepep=False)
     if "layer" in cases:
         shape = LayerShape(**{f.name: getattr(args, f"layer_{f.name}") for f in fields(LayerShape)})
         for backend in dict.fromkeys([auto_backend(device)[0], "reference"]):  # native first where built
-            rows += bench_layer(timer, shape, backend)
+            rows += bench_layer(timer, shape, backend, device)
             gc.collect()  # the MoE's weights, gradients and autograd state, before the next case allocates
             if use_gpu:
                 torch.cuda.empty_cache()
     topologies = [None] + ([args.ranks_per_node] if args.ranks_per_node is not None else [])
     if "n1" in cases or "n1-native" in cases:
         for rpn in topologies:
-            with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=4096, ranks_per_node=rpn) as buf:
-                rows += bench_normal(buf, timer, "N1", 4096, sms_list, with_fp8=True,
-                                     deepep=world == 2 and buf.cfg.num_nodes == 1)
+            with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=4096, ranks_per_node=rpn,
+                        device=device) as buf:
+                rows += bench_normal(buf, timer, "N1", 4096, sms_list, with_fp8=True, deepep=compares_to_deepep(buf))
     if "n1" in cases:
-        with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=4096, backend="reference") as buf:
+        with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=4096, backend="reference",
+                    device=device) as buf:
             rows += bench_normal(buf, timer, "N1", 4096, [None], with_fp8=True, deepep=False)
-            rows.append(bench_nccl_a2a(buf, timer, "N1", 4096))
+            if placement.backend == "nccl":
+                rows.append(bench_nccl_a2a(buf, timer, "N1", 4096))
+            else:
+                notes.append("no NCCL all_to_all_single row: NCCL refuses two ranks on one GPU, so this group is gloo")
     if "l1" in cases:
         for rpn in topologies:
             for tokens in (128, 256):
                 with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=tokens, low_latency=True,
-                            ranks_per_node=rpn) as buf:
+                            ranks_per_node=rpn, device=device) as buf:
                     rows += bench_low_latency(buf, timer, tokens)
     if "sweep" in cases:
         for hidden in (2048, 4096, 7168):
-            with Buffer(hidden=hidden, num_experts=256, num_topk=8, max_tokens_per_rank=16384) as buf:
+            with Buffer(hidden=hidden, num_experts=256, num_topk=8, max_tokens_per_rank=16384, device=device) as buf:
                 for tokens in (128, 512, 2048, 4096, 8192, 16384):
                     rows += bench_normal(buf, timer, "sweep", tokens, [None], with_fp8=False, deepep=False)
 
     if rank == 0:
-        out = Path(args.out)
+        now = datetime.datetime.now()
+        out = Path(args.out) if args.out else default_out_dir(now.strftime("%Y-%m-%d_%H%M%S"))
         out.mkdir(parents=True, exist_ok=True)
         meta = {
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "date": now.isoformat(timespec="seconds"),
             "world_size": world,
-            "device": torch.cuda.get_device_name() if use_gpu else "cpu",
+            "device": torch.cuda.get_device_name(device) if use_gpu else "cpu",
+            "ranks_per_gpu": placement.ranks_per_gpu,
             "torch": torch.__version__,
             "timing": f"median of {args.iters} calls after {args.warmup} warm-up"
                       + (", L2 flushed (256 MB) between calls" if use_gpu else ", host clock"),
+            # The native kernels' tuning knobs set for this run (unset ones take the defaults documented
+            # in csrc/kernels/intranode_bindings.cpp).
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOE_EP_")},
+            "notes": notes,
         }
         stem = "bench_" + "_".join(cases)
         (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [
-            {**asdict(r), "gbps": r.gbps, "remote_gbps": r.remote_gbps, "overhead_us": r.overhead_us}
-            for r in rows]}, indent=1))
-        try:
-            plot(rows, out / f"{stem}.png")
-        except ImportError:
-            print("matplotlib is not installed: no plot written")
-        print(f"# {meta['device']} x{world}, {meta['date']}, {meta['timing']}")
-        print_table(rows)
-        print("device time per kernel (us, rank 0):")
-        print_kernels(rows)
+            {**asdict(r), "gbps": r.gbps, "remote_gbps": r.remote_gbps, "overhead_us": r.overhead_us,
+             "link_us": r.link_us, "shared_gpu": r.shared_gpu} for r in rows]}, indent=1))
+        plot(rows, out / f"{stem}.png")
+        shared = f", {placement.ranks_per_gpu} ranks per GPU" if placement.shared_gpu else ""
+        print(f"# {meta['device']} x{world}{shared}, {meta['date']}, {meta['timing']}")
+        print_table(rows, notes)
+        print(f"wrote {out / stem}.json and {out / stem}.png")
     if use_gpu:
         from .backends.symmetric import NvshmemSession
 

@@ -1,11 +1,14 @@
-"""`torchrun -m moe_ep.bench` runs on CPU (gloo, reference backend) and writes its table and JSON, cold
-calls and the MoE layer case included; the low-latency bench leaves out the CUDA-graph rows on a
-backend that cannot be captured; the N1 plot draws the link limit. Structure only: no timing asserts."""
+"""`torchrun -m moe_ep.bench` runs on CPU (gloo, reference backend): its table shows only the columns
+that apply there and says why the others are left out, its JSON has every key, its PNG has one panel
+per case that ran, and without --out it writes under $XDG_DATA_HOME, not into the folder it runs in.
+The low-latency bench leaves out the CUDA-graph rows on a backend that cannot be captured; the N1
+plot draws the link limit, except for rows measured on a shared GPU. Structure only: no timing asserts."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -18,36 +21,67 @@ from moe_ep import bench
 
 from tests._dist import run_workers
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout under test, whatever folder a rank starts in
 LAYER_OPS = {"forward", "backward", "forward_backward"}
+GPU_ONLY_COLUMNS = ("SMs", "cold us", "overhead", "kernel us", "%link", "DeepEP", "speedup")
 
 
 def _positive(value: object) -> bool:
     return isinstance(value, float) and math.isfinite(value) and value > 0
 
 
+def _png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    return struct.unpack(">II", data[16:24])
+
+
 def test_bench_runs_on_cpu(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moe_ep.bench",
-           "--cases", "cpu,layer", "--iters", "2", "--warmup", "1", "--out", str(tmp_path),
+    cwd, data_home = tmp_path / "cwd", tmp_path / "data"
+    cwd.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "moe_ep.bench", "--cases", "cpu,layer", "--iters", "2", "--warmup", "1",
            "--layer-tokens", "32", "--layer-hidden", "128", "--layer-experts", "8", "--layer-topk", "2",
            "--layer-ffn", "64"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "XDG_DATA_HOME": str(data_home),
+                              "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert run.returncode == 0, run.stderr[-3000:]
-    assert all(word in run.stdout for word in ("dispatch_bf16", "combine_bf16", "cold us", "overhead",
-                                               "forward_backward"))
-    result = json.loads((tmp_path / "bench_cpu_layer.json").read_text())
-    assert (tmp_path / "bench_cpu_layer.png").stat().st_size > 0
+    assert not list(cwd.iterdir()), "the bench wrote into the folder it ran in"
+    (json_path,) = data_home.glob("moe_ep/bench/*/bench_cpu_layer.json")
+    png_path = json_path.with_suffix(".png")
+    assert f"wrote {json_path} and {png_path}" in run.stdout
+
+    head = next(line for line in run.stdout.splitlines() if line.startswith("case "))
+    for column in ("call us", "GB/s", "remote"):
+        assert column in head, head
+    (left_out,) = [line for line in run.stdout.splitlines() if line.startswith("not shown: ")]
+    for column in GPU_ONLY_COLUMNS:
+        assert column not in head, head
+        assert column in left_out, left_out
+    assert "device time per kernel" not in run.stdout
+    assert all(word in run.stdout for word in ("dispatch_bf16", "combine_bf16", "forward_backward"))
+
+    # Two cases ran (cpu, layer): two panels, 6.5 inches each at 120 dpi.
+    assert _png_size(png_path)[0] == 2 * 6.5 * 120
+
+    result = json.loads(json_path.read_text())
+    assert result["meta"]["ranks_per_gpu"] == 0 and result["meta"]["world_size"] == 2
     rows = result["rows"]
-    assert all({"call_us", "cold_us", "overhead_us", "kernel_us", "gbps", "remote_gbps"} <= r.keys() for r in rows)
+    keys = {"call_us", "cold_us", "overhead_us", "kernel_us", "gbps", "remote_gbps", "link_us", "shared_gpu",
+            "ranks_per_gpu", "experts", "topk", "topology"}
+    assert all(keys <= r.keys() for r in rows)
     assert all(r["backend"] == "reference" and _positive(r["call_us"]) for r in rows)
+    assert all((r["cold_us"], r["overhead_us"], r["kernel_us"], r["link_us"], r["shared_gpu"], r["ranks_per_gpu"])
+               == (None, None, None, None, False, 0) for r in rows)
     cpu = [r for r in rows if r["case"] == "cpu"]
     assert {r["op"] for r in cpu} == {"dispatch_bf16", "dispatch_fp8", "combine_bf16"}
-    for r in cpu:
-        assert r["recv_bytes"] > 0 and _positive(r["cold_us"]), r
-        assert math.isclose(r["overhead_us"], r["cold_us"] - r["call_us"]), r
+    assert all(r["recv_bytes"] > 0 and (r["tokens"], r["hidden"], r["experts"], r["topk"]) == (512, 2048, 64, 8)
+               for r in cpu)
     layer = [r for r in rows if r["case"] == "layer"]
     assert sorted(r["op"] for r in layer) == sorted(LAYER_OPS)
-    assert all((r["tokens"], r["hidden"], r["cold_us"], r["overhead_us"]) == (32, 128, None, None) for r in layer)
+    assert all((r["tokens"], r["hidden"], r["experts"], r["topk"]) == (32, 128, 8, 2) for r in layer)
 
 
 def _low_latency_rows(rank: int, world: int) -> None:
@@ -58,30 +92,63 @@ def _low_latency_rows(rank: int, world: int) -> None:
     assert not any(op.endswith("_graph") for op in ops), ops
     assert sorted(ops) == sorted(["ll_combine_bf16", "ll_dispatch_fp8", "ll_combine_bf16_send", "ll_combine_bf16_recv",
                                   "ll_dispatch_fp8_send", "ll_dispatch_fp8_recv"])
-    assert all(r.backend == "reference" and r.call_us > 0 for r in rows)
-    eager = [r for r in rows if r.op in ("ll_combine_bf16", "ll_dispatch_fp8")]
-    assert all(_positive(r.cold_us) and r.overhead_us == r.cold_us - r.call_us for r in eager)
-    assert all(r.cold_us is None for r in rows if r not in eager)
-    if rank == 0:
-        bench.print_table(rows)
+    assert all(r.backend == "reference" and r.call_us > 0 and r.recv_bytes > 0 for r in rows)
+    assert all(r.cold_us is None and r.overhead_us is None and r.link_us is None for r in rows)  # CPU
+    assert all((r.hidden, r.experts, r.topk, r.ranks_per_gpu, r.topology) == (256, 8, 2, 0, "1x2") for r in rows)
 
 
 def test_low_latency_bench_skips_graph_rows_on_the_reference_backend() -> None:
     run_workers(2, _low_latency_rows)
 
 
-def test_n1_plot_draws_the_link_limit(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    rows = [bench.Row("N1", op, "nvshmem", sms, 4096, 7168, 300.0, None, 100_000_000, 58_000_000, deepep[i],
-                      cold_us=400.0, topology="1x2")
+def _n1_rows(ranks_per_gpu: int) -> list[bench.Row]:
+    return [bench.Row("N1", op, "nvshmem", sms, 4096, 7168, 300.0, 250.0, 100_000_000, 58_000_000,
+                      deepep[i] if ranks_per_gpu == 1 else None, cold_us=[290.0, 400.0][i % 2], topology="1x2",
+                      experts=256, topk=8, ranks_per_gpu=ranks_per_gpu)
             for sms, deepep in bench.DEEPEP_N1.items()
             for i, op in ((1, "dispatch_bf16"), (0, "dispatch_fp8"), (2, "combine_bf16"))]
-    assert all(r.link_us == r.remote_bytes / (bench.NVLINK_LIMIT_GBPS[r.sms] * 1e3) for r in rows)
-    bench.plot(rows, tmp_path / "n1.png")
-    assert (tmp_path / "n1.png").stat().st_size > 0
-    import matplotlib.pyplot as plt
 
-    lines = {line.get_label(): list(line.get_ydata()) for line in plt.gcf().axes[0].lines}
-    plt.close("all")
+
+def test_n1_plot_draws_the_link_limit(tmp_path: Path) -> None:
+    rows = _n1_rows(ranks_per_gpu=1)
+    assert all(r.link_us == r.remote_bytes / (bench.NVLINK_LIMIT_GBPS[r.sms] * 1e3) for r in rows)
+    fig = bench.plot(rows, tmp_path / "n1.png")
+    assert (tmp_path / "n1.png").stat().st_size > 0
+    (ax,) = fig.axes
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.lines}
+    assert ax.get_title() == "N1: EP2, 4096 tokens, hidden 7168, top-8/256"
     for op in ("dispatch_bf16", "dispatch_fp8", "combine_bf16"):
-        assert lines[f"link limit {op}"] == [r.link_us for r in sorted(rows, key=lambda r: r.sms) if r.op == op]
+        pts = sorted((r for r in rows if r.op == op), key=lambda r: r.sms)
+        assert lines[f"link limit {op}"] == [r.link_us for r in pts]
+        assert lines[f"DeepEP {op}"] == [r.deepep_us for r in pts]
+
+
+def test_shared_gpu_rows_are_labelled_and_never_against_the_link(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rows = _n1_rows(ranks_per_gpu=2)
+    assert all(r.shared_gpu and r.link_us is None for r in rows)
+    fig = bench.plot(rows, tmp_path / "shared.png")
+    (ax,) = fig.axes
+    labels = [line.get_label() for line in ax.lines]
+    assert labels and all(label.startswith("moe_ep ") for label in labels), labels
+    assert "2 ranks share one GPU" in ax.get_title()
+    bench.print_table(rows, ["a note"])
+    out = capsys.readouterr().out.splitlines()
+    head = out[0]
+    assert "GPU" in head and "%link" not in head and "DeepEP" not in head, head
+    assert all("shared/2" in line for line in out[2:2 + len(rows)])
+    assert any(line.startswith("GPU shared/N:") for line in out) and "a note" in out
+
+
+def test_overhead_is_never_negative() -> None:
+    rows = _n1_rows(ranks_per_gpu=1)
+    assert {r.overhead_us for r in rows} == {0.0, 100.0}  # cold 290 < call 300 is noise, not a gain
+
+
+def test_cpu_case_plot_titles_come_from_the_sizes_that_ran(tmp_path: Path) -> None:
+    rows = [bench.Row("cpu", op, "reference", None, 512, 2048, 900.0 + i, None, 10_000, 5_000, topology="1x2",
+                      experts=64, topk=8, ranks_per_gpu=0)
+            for i, op in enumerate(("dispatch_bf16", "dispatch_fp8", "combine_bf16"))]
+    (ax,) = bench.plot(rows, tmp_path / "cpu.png").axes
+    assert ax.get_title() == "cpu: EP2, 512 tokens, hidden 2048, top-8/64"
+    assert [p.get_width() for p in ax.patches] == [r.call_us for r in rows]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"{r.op} (reference)" for r in rows]
