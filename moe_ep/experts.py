@@ -1,78 +1,31 @@
 """Grouped SwiGLU experts: the E_l experts one rank owns, run over the rows dispatch delivered.
 
 Weights are stacked per local expert in nn.Linear layout (w1, w3: [E_l, F, H]; w2: [E_l, H, F]);
-out = w2 @ (silu(w1 @ x) * (w3 @ x)). The state dict holds one tensor per expert under its GLOBAL
-id (`{e}.w1`, `{e}.w2`, `{e}.w3`), so a checkpoint written at one expert-parallel size loads at
-another: merge the ranks' dicts and every rank picks its own experts.
+out = w2 @ (silu(w1 @ x) * (w3 @ x)). w1 and w3 are two parameters over ONE allocation
+[E_l, 2F, H] (`fused_w13`), so gate and up run as one grouped GEMM. The state dict holds one tensor
+per expert under its GLOBAL id (`{e}.w1`, `{e}.w2`, `{e}.w3`), so a checkpoint written at one
+expert-parallel size loads at another: merge the ranks' dicts and every rank picks its own experts.
 
-Rows and their (row, expert) pairs meet through fixed-order sums (`_sum_rows`) rather than
-index_add or autograd's index backward, whose atomic adds (CUDA; CPU threads in float32) make the
-bits change from run to run.
+The forward pass of normal mode, per (row, local expert) pair sorted by expert: gather the rows,
+gate/up GEMM, SwiGLU scaled by the router weight (one pass, moe_ep.expert_kernels), down GEMM,
+and a fixed-order sum of each row's pairs. The backward is written out (dX and dW as grouped GEMMs,
+the SwiGLU backward in one pass) rather than left to autograd, whose index backward adds with
+atomics (CUDA; CPU threads in float32) and so changes the bits from run to run.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .expert_kernels import sum_rows, swiglu, swiglu_backward
+
 WEIGHT_NAMES = ("w1", "w2", "w3")
 INIT_STD = 0.02
-
-
-def _row_slots(rows: torch.Tensor, num_rows: int, width: int) -> torch.Tensor:
-    """[num_rows, width] int64: slots[r, j] is the position of the j-th occurrence of r in `rows`
-    (ascending), -1 past its last; no row may occur more than `width` times."""
-    order = torch.argsort(rows, stable=True)
-    sorted_rows = rows[order]
-    counts = torch.bincount(rows, minlength=num_rows)
-    first = torch.cumsum(counts, 0) - counts
-    nth = torch.arange(rows.numel(), device=rows.device) - first[sorted_rows]
-    slots = torch.full((num_rows, width), -1, dtype=torch.int64, device=rows.device)
-    slots[sorted_rows, nth] = order  # every (row, nth) once: no accumulation
-    return slots
-
-
-def _sum_rows(src: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """out[r] = +0.0 + src[slots[r, 0]] + src[slots[r, 1]] + ... left to right, in src's dtype: the
-    bits of a serial zeros.index_add(0, rows, src), on every device and run."""
-    out = src.new_zeros(slots.shape[0], *src.shape[1:])
-    if src.shape[0] == 0:
-        return out
-    for j in range(slots.shape[1]):
-        slot = slots[:, j]
-        out = torch.where((slot >= 0).unsqueeze(1), out + src[slot.clamp_min(0)], out)
-    return out
-
-
-class _GatherRows(torch.autograd.Function):
-    """x[rows]; backward sums each row's gradients with _sum_rows (in x's dtype)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(slots)
-        return x[rows]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (slots,) = ctx.saved_tensors
-        return _sum_rows(grad, slots), None, None
-
-
-class _SumRows(torch.autograd.Function):
-    """zeros(len(slots), ...).index_add(0, rows, src), summed by _sum_rows; backward gathers grad[rows]."""
-
-    @staticmethod
-    def forward(ctx: Any, src: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(rows)
-        return _sum_rows(src, slots)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (rows,) = ctx.saved_tensors
-        return grad[rows], None, None
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -81,20 +34,129 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
+@dataclass
+class Routing:
+    """Received rows [M] with top-k slots [M, K] as (row, local expert) pairs sorted by expert."""
+
+    rows: torch.Tensor  # [P] int64: the received row of each pair, pairs in ascending expert order
+    pairs: torch.Tensor  # [P] int64: each pair's position in topk_idx.view(-1)
+    slots: torch.Tensor  # [M, K] int64: the sorted position of pair (m, k), -1 where topk_idx is -1
+    counts: torch.Tensor  # [E_l] int64: pairs per local expert
+
+
+def route(topk_idx: torch.Tensor, num_local_experts: int) -> Routing:
+    """Sort the valid pairs of topk_idx [M, K] (LOCAL ids, -1: elsewhere) by expert, stably (so by
+    row inside an expert). One host sync: the number of pairs."""
+    m, k = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    key = torch.where(flat >= 0, flat, num_local_experts)
+    counts = torch.bincount(key, minlength=num_local_experts + 1)[:num_local_experts]
+    pairs = torch.argsort(key, stable=True)[: int(counts.sum())]
+    slots = torch.full_like(flat, -1)
+    slots[pairs] = torch.arange(pairs.numel(), device=flat.device)  # each position once: no accumulation
+    return Routing(pairs // k, pairs, slots.view(m, k), counts)
+
+
+@dataclass
+class _Groups:
+    """Consecutive row groups, one per local expert, and the GEMMs over them."""
+
+    offs: torch.Tensor  # [E_l] int32 cumulative row counts (torch._grouped_mm)
+    sizes: Optional[list[int]]  # rows per group on the host: the per-expert loop instead of grouped GEMMs
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a [P, K], b [E_l, K, N] -> [P, N]: group e's rows times b[e]."""
+        if self.sizes is None:
+            return torch._grouped_mm(a, b, offs=self.offs)
+        return torch.cat([rows @ b[e] for e, rows in enumerate(a.split(self.sizes))])
+
+    def mm_t(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a [P, I], b [P, J] -> [E_l, I, J]: group e's a^T b (the weight gradient; empty groups give 0)."""
+        if self.sizes is None:
+            return torch._grouped_mm(a.t(), b, offs=self.offs)
+        return torch.stack([ae.t() @ be for ae, be in zip(a.split(self.sizes), b.split(self.sizes))])
+
+
+def _groups(rows: torch.Tensor, counts: torch.Tensor) -> _Groups:
+    grouped = grouped_mm_supported(rows) and rows.shape[0] > 0
+    return _Groups(torch.cumsum(counts, 0, dtype=torch.int32), None if grouped else counts.tolist())
+
+
+class _SwiGLUExperts(torch.autograd.Function):
+    """Scaled SwiGLU experts over pairs; with `rows`, pairs are gathered from x and summed back per row.
+
+    forward(x [M, H], scale [P] float32, w1, w3, w2, rows [P] | None, slots [M, K] | None,
+    counts [E_l], recompute) -> [M, H] (rows given) or [P, H] (x already expert-sorted, one pair per
+    row), in the weights' dtype. Keeps for backward the gate/up output [P, 2F] and, unless
+    `recompute`, the activation [P, F] and the gathered rows [P, H] (else x [M, H] and rows).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                w2: torch.Tensor, rows: Optional[torch.Tensor], slots: Optional[torch.Tensor],
+                counts: torch.Tensor, recompute: bool) -> torch.Tensor:
+        xs = (x if rows is None else x.index_select(0, rows)).to(w1.dtype)
+        groups = _groups(xs, counts)
+        h13 = groups.mm(xs, _fused_w13(w1, w3).transpose(1, 2))
+        a = swiglu(h13, scale)
+        y = groups.mm(a, w2.transpose(1, 2))
+        keep = (x, None) if recompute else (xs, a)
+        ctx.save_for_backward(*keep, h13, scale, w1, w3, w2, rows, slots)
+        ctx.groups, ctx.recompute, ctx.x_dtype = groups, recompute, x.dtype
+        return y if rows is None else sum_rows(y, slots)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        xs, a, h13, scale, w1, w3, w2, rows, slots = ctx.saved_tensors
+        groups, f = ctx.groups, w1.shape[1]
+        grad = grad.to(w1.dtype).contiguous()
+        dy = grad if rows is None else grad.index_select(0, rows)
+        need_x, need_scale, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:5]
+        dh13, dscale, a_again = swiglu_backward(h13, groups.mm(dy, w2), scale, want_a=ctx.recompute and need_w2)
+        if ctx.recompute and (need_w1 or need_w3):
+            xs = (xs if rows is None else xs.index_select(0, rows)).to(w1.dtype)
+        dx = None
+        if need_x:
+            dxs = groups.mm(dh13, _fused_w13(w1, w3))
+            dx = dxs.to(ctx.x_dtype) if rows is None else sum_rows(dxs, slots, ctx.x_dtype)
+        dw1 = groups.mm_t(dh13[:, :f], xs) if need_w1 else None
+        dw3 = groups.mm_t(dh13[:, f:], xs) if need_w3 else None
+        dw2 = groups.mm_t(dy, a_again if ctx.recompute else a) if need_w2 else None
+        return dx, dscale if need_scale else None, dw1, dw3, dw2, None, None, None, None
+
+
+def _fused_w13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """[E_l, 2F, H]: w1 and w3 stacked per expert; a view when they share one allocation, else a copy."""
+    e, f, h = w1.shape
+    tied = (w1.stride() == (2 * f * h, h, 1) and w3.stride() == w1.stride() and w1.device == w3.device
+            and w1.untyped_storage().data_ptr() == w3.untyped_storage().data_ptr()
+            and w3.storage_offset() == w1.storage_offset() + f * h)
+    if tied:
+        return w1.detach().as_strided((e, 2 * f, h), (2 * f * h, h, 1), w1.storage_offset())
+    return torch.cat([w1.detach(), w3.detach()], 1)
+
+
 class GroupedExperts(nn.Module):
-    """SwiGLU experts first_expert .. first_expert + E_l - 1 of num_experts."""
+    """SwiGLU experts first_expert .. first_expert + E_l - 1 of num_experts.
+
+    recompute_swiglu=True keeps less for backward (docs/api.md): the activation and the expert-sorted
+    copy of the rows are computed again there (one elementwise pass, one gather) instead of kept.
+    """
 
     def __init__(self, num_experts: int, num_local_experts: int, first_expert: int, hidden: int, ffn_hidden: int,
-                 *, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
+                 *, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
+                 recompute_swiglu: bool = False) -> None:
         super().__init__()
         if not 0 <= first_expert <= num_experts - num_local_experts:
             raise ValueError(f"experts [{first_expert}, {first_expert + num_local_experts}) "
                              f"do not fit in {num_experts}")
         self.num_experts, self.num_local_experts, self.first_expert = num_experts, num_local_experts, first_expert
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
+        self.recompute_swiglu = recompute_swiglu
         kw = {"dtype": dtype, "device": device}
-        self.w1 = nn.Parameter(torch.empty(num_local_experts, ffn_hidden, hidden, **kw))
-        self.w3 = nn.Parameter(torch.empty(num_local_experts, ffn_hidden, hidden, **kw))
+        w13 = torch.empty(num_local_experts, 2 * ffn_hidden, hidden, **kw)
+        self.w1 = nn.Parameter(w13[:, :ffn_hidden])
+        self.w3 = nn.Parameter(w13[:, ffn_hidden:])
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, **kw))
         self.reset_parameters()
 
@@ -113,46 +175,39 @@ class GroupedExperts(nn.Module):
                 if 0 <= local < self.num_local_experts:
                     w[local].copy_(draw)
 
+    @property
+    def fused_w13(self) -> torch.Tensor:
+        """[E_l, 2F, H] (detached): w1 and w3 stacked per expert, the gate/up GEMM's weights."""
+        return _fused_w13(self.w1, self.w3)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "GroupedExperts":
+        """Module.to() and friends give w1 and w3 separate tensors: put them back in one allocation."""
+        super()._apply(fn, recurse)
+        with torch.no_grad():
+            w13 = torch.cat([self.w1, self.w3], 1)
+            self.w1.data, self.w3.data = w13[:, : self.ffn_hidden], w13[:, self.ffn_hidden :]
+        return self
+
     # ---- compute ----------------------------------------------------------------------------
-    def _swiglu_loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Expert-sorted rows x [P, H], counts[e] rows per local expert -> [P, H]."""
-        outs = []
-        for e, rows in enumerate(x.split(counts)):
-            h = F.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())
-            outs.append(h @ self.w2[e].t())
-        return torch.cat(outs)
-
-    def _swiglu_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Same as _swiglu_loop through torch._grouped_mm; `counts` stays on the device (no sync)."""
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)
-        up = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)
-
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Normal mode: x [M, H] received rows, topk_idx [M, K] LOCAL expert ids (-1: elsewhere),
-        topk_weights [M, K] float32 -> [M, H] float32, row m = sum_k w[m, k] * expert_{idx[m, k]}(x[m]).
+        topk_weights [M, K] float32 -> [M, H] in the weights' dtype,
+        row m = sum_k w[m, k] * expert_{idx[m, k]}(x[m]).
 
-        Each (row, local expert) pair becomes one row; pairs are sorted by expert (stable, so by row
-        inside an expert), run through the experts, scaled by their weight (the epilogue) and summed
-        back into their rows in float32, in pair order (ascending expert, then k).
+        Each (row, local expert) pair becomes one row, sorted by expert (`route`); the router weight
+        scales its activation before the down projection, and row m sums its pairs from +0.0 in
+        ascending k in float32, rounded once.
         """
-        m, k = topk_idx.shape
-        flat = topk_idx.reshape(-1)
-        pairs = (flat >= 0).nonzero().squeeze(1)
-        expert = flat[pairs]
-        order = torch.argsort(expert, stable=True)
-        pairs, expert = pairs[order], expert[order]
-        rows = pairs // k
-        slots = _row_slots(rows, m, k)
-        xs = _GatherRows.apply(x, rows, slots).to(self.w1.dtype)
-        counts = torch.bincount(expert, minlength=self.num_local_experts)
-        if grouped_mm_supported(xs) and xs.shape[0] > 0:
-            y = self._swiglu_grouped(xs, counts)
-        else:
-            y = self._swiglu_loop(xs, counts.tolist())
-        y = y.float() * topk_weights.reshape(-1)[pairs].unsqueeze(1)
-        return _SumRows.apply(y, rows, slots)
+        r = route(topk_idx, self.num_local_experts)
+        scale = topk_weights.reshape(-1)[r.pairs]
+        return _SwiGLUExperts.apply(x, scale, self.w1, self.w3, self.w2, r.rows, r.slots, r.counts,
+                                    self.recompute_swiglu)
+
+    def forward_sorted(self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Rows already grouped by local expert, one pair per row (counts [E_l] rows per expert, in
+        order; weights [P] float32) -> [P, H] weighted outputs in the same order: no gather, no sum."""
+        return _SwiGLUExperts.apply(x, weights, self.w1, self.w3, self.w2, None, None, counts,
+                                    self.recompute_swiglu)
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """Low-latency mode: x [E_l, C, H] expert-major rows (each expert's valid rows first)
@@ -164,7 +219,6 @@ class GroupedExperts(nn.Module):
         xs = x.to(self.w1.dtype)
         h = F.silu(torch.bmm(xs, self.w1.transpose(1, 2))) * torch.bmm(xs, self.w3.transpose(1, 2))
         return torch.bmm(h, self.w2.transpose(1, 2)).to(x.dtype)
-
     # ---- per-expert state dict ----------------------------------------------------------------
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         for local in range(self.num_local_experts):

@@ -64,6 +64,8 @@ class MoE(nn.Module):
     With expert_bias=True, call update_expert_bias() once per optimizer step (collective).
     worst_case=True: normal mode dispatches R * T rows and runs every local expert on all of them
     (static shapes, no wait for the counts: torch.compile without graph breaks, CUDA graphs).
+    recompute_swiglu=True: normal mode's experts recompute their SwiGLU activation (and their
+    expert-sorted copy of the rows) in backward instead of keeping it (docs/api.md says what is kept).
     """
 
     def __init__(self, buffer: Buffer, ffn_hidden: int, *, score_func: str = "softmax", num_groups: int = 1,
@@ -71,7 +73,7 @@ class MoE(nn.Module):
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, expert_bias: bool = False,
                  bias_update_rate: float = 1e-3, capacity_factor: Optional[float] = None,
                  shared_ffn_hidden: int = 0, low_latency_max_tokens: int = 128, low_latency_fp8: bool = False,
-                 worst_case: bool = False, dtype: Optional[torch.dtype] = None) -> None:
+                 worst_case: bool = False, dtype: Optional[torch.dtype] = None, recompute_swiglu: bool = False) -> None:
         super().__init__()
         cfg = buffer.cfg
         if low_latency_fp8 and cfg.hidden % fp8.BLOCK != 0:
@@ -91,7 +93,7 @@ class MoE(nn.Module):
         )
         e_l = cfg.num_local_experts
         self.experts = GroupedExperts(cfg.num_experts, e_l, cfg.rank * e_l, cfg.hidden, ffn_hidden,
-                                      dtype=dtype, device=cfg.device)
+                                      dtype=dtype, device=cfg.device, recompute_swiglu=recompute_swiglu)
         self.shared = (SwiGLU(cfg.hidden, shared_ffn_hidden, dtype=dtype, device=cfg.device)
                        if shared_ffn_hidden else None)
         self.expert_load: Optional[torch.Tensor]

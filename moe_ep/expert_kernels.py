@@ -1,0 +1,176 @@
+"""The grouped experts' memory-bound passes, each one read and one write of its tensors: the SwiGLU
+activation (forward and backward) and the fixed-order row sum that undoes the expert sort.
+
+Triton kernels on CUDA (Triton ships with torch there); torch code elsewhere. Every sum runs in
+float32 in a fixed order and every result is rounded once, so the bits repeat from run to run
+(no atomics). The Triton and torch versions compute the same formulas, not the same bits; the
+torch versions compute float64 inputs in float64.
+
+Layouts: h13 [P, 2F] holds the gate (columns [0, F)) and up (columns [F, 2F)) projections of P
+rows; scale [P] float32 is each row's router weight, applied to the activation
+a = silu(gate) * up * scale, which is what the down projection reads.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch versions below serve
+    triton = None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """The Triton kernels run on CUDA tensors when Triton is importable."""
+    return triton is not None and t.is_cuda
+
+
+# ---- torch versions ----------------------------------------------------------------------------
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """t in float32, or in its own dtype when that is wider (float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _swiglu_torch(h13: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    f = h13.shape[1] // 2
+    g, u = _wide(h13[:, :f]), _wide(h13[:, f:])
+    return (g * torch.sigmoid(g) * u * scale.unsqueeze(1)).to(h13.dtype)
+
+
+def _swiglu_backward_torch(h13: torch.Tensor, grad_a: torch.Tensor, scale: torch.Tensor,
+                           want_a: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    f = h13.shape[1] // 2
+    g, u, da = _wide(h13[:, :f]), _wide(h13[:, f:]), _wide(grad_a)
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    ds = da * scale.unsqueeze(1)
+    grad_h13 = torch.cat([ds * u * sig * (1 + g * (1 - sig)), ds * silu], dim=1).to(h13.dtype)
+    grad_scale = (da * (silu * u)).sum(1).to(scale.dtype)
+    return grad_h13, grad_scale, _swiglu_torch(h13, scale) if want_a else None
+
+
+def _sum_rows_torch(src: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    acc = _wide(src.new_zeros(slots.shape[0], src.shape[1]))
+    if src.shape[0] == 0:
+        return acc.to(dtype)
+    for j in range(slots.shape[1]):
+        slot = slots[:, j]
+        acc = torch.where((slot >= 0).unsqueeze(1), acc + src[slot.clamp_min(0)], acc)
+    return acc.to(dtype)
+
+
+# ---- Triton kernels ------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _act(g, u, scale):
+        """sigmoid(g), silu(g) and the scaled activation, in one order for forward and recompute."""
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        silu = g * sig
+        return sig, silu, (silu * u) * scale
+
+    @triton.jit
+    def _swiglu_kernel(h_ptr, scale_ptr, a_ptr, F, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < F
+        g = tl.load(h_ptr + row * 2 * F + col, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + row * 2 * F + F + col, mask=mask, other=0.0).to(tl.float32)
+        _sig, _silu, a = _act(g, u, tl.load(scale_ptr + row))
+        tl.store(a_ptr + row * F + col, a.to(a_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_backward_kernel(h_ptr, da_ptr, scale_ptr, dh_ptr, dscale_ptr, a_ptr, F,
+                                WANT_A: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per row: the row's F columns in BLOCK chunks, then its weight gradient."""
+        row = tl.program_id(0).to(tl.int64)
+        scale = tl.load(scale_ptr + row)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, F, BLOCK):
+            col = start + tl.arange(0, BLOCK)
+            mask = col < F
+            g = tl.load(h_ptr + row * 2 * F + col, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(h_ptr + row * 2 * F + F + col, mask=mask, other=0.0).to(tl.float32)
+            da = tl.load(da_ptr + row * F + col, mask=mask, other=0.0).to(tl.float32)
+            sig, silu, a = _act(g, u, scale)
+            acc += da * (silu * u)
+            ds = da * scale
+            tl.store(dh_ptr + row * 2 * F + col, (ds * u * sig * (1.0 + g * (1.0 - sig))).to(dh_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.store(dh_ptr + row * 2 * F + F + col, (ds * silu).to(dh_ptr.dtype.element_ty), mask=mask)
+            if WANT_A:
+                tl.store(a_ptr + row * F + col, a.to(a_ptr.dtype.element_ty), mask=mask)
+        tl.store(dscale_ptr + row, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def _sum_rows_kernel(src_ptr, slots_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr):
+        """out[row] = src[slots[row, 0]] + src[slots[row, 1]] + ... (slots < 0 skipped), float32, left to right."""
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            slot = tl.load(slots_ptr + row * K + j)
+            width = tl.where(slot >= 0, H, 0)  # a missing slot reads nothing
+            acc += tl.load(src_ptr + slot * H + col, mask=col < width, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * H + col, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_BLOCK = 1024
+
+
+def _swiglu_triton(h13: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    p, f = h13.shape[0], h13.shape[1] // 2
+    a = h13.new_empty(p, f)
+    if p:
+        _swiglu_kernel[(p, triton.cdiv(f, _BLOCK))](h13, scale, a, f, BLOCK=_BLOCK, num_warps=4)
+    return a
+
+
+def _swiglu_backward_triton(h13: torch.Tensor, grad_a: torch.Tensor, scale: torch.Tensor,
+                            want_a: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    p, f = h13.shape[0], h13.shape[1] // 2
+    grad_h13, grad_scale = torch.empty_like(h13), scale.new_empty(p)
+    a = h13.new_empty(p, f) if want_a else grad_h13  # a_ptr is not written without WANT_A
+    if p:
+        block = min(triton.next_power_of_2(f), 2048)
+        _swiglu_backward_kernel[(p,)](h13, grad_a, scale, grad_h13, grad_scale, a, f, WANT_A=want_a, BLOCK=block,
+                                      num_warps=8)
+    return grad_h13, grad_scale, a if want_a else None
+
+
+def _sum_rows_triton(src: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    m, h = slots.shape[0], src.shape[1]
+    if src.shape[0] == 0:
+        return src.new_zeros(m, h, dtype=dtype)
+    out = src.new_empty(m, h, dtype=dtype)
+    if m and h:
+        _sum_rows_kernel[(m, triton.cdiv(h, _BLOCK))](src, slots, out, h, K=slots.shape[1], BLOCK=_BLOCK, num_warps=4)
+    return out
+
+
+# ---- entry points ----------------------------------------------------------------------------------
+def swiglu(h13: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """h13 [P, 2F] contiguous, scale [P] float32 -> a [P, F] in h13's dtype: silu(gate) * up * scale,
+    computed in float32 and rounded once."""
+    return _swiglu_triton(h13, scale) if use_triton(h13) else _swiglu_torch(h13, scale)
+
+
+def swiglu_backward(h13: torch.Tensor, grad_a: torch.Tensor, scale: torch.Tensor, want_a: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Gradients of swiglu in one pass: (grad_h13 [P, 2F] in h13's dtype, grad_scale [P] float32,
+    and with want_a the forward's activation again, the same bits as swiglu gives)."""
+    if use_triton(h13):
+        return _swiglu_backward_triton(h13, grad_a.contiguous(), scale, want_a)
+    return _swiglu_backward_torch(h13, grad_a, scale, want_a)
+
+
+def sum_rows(src: torch.Tensor, slots: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """src [P, H] contiguous, slots [M, K] int64 (each row's source rows, -1 past its last) -> [M, H]:
+    out[m] = src[slots[m, 0]] + src[slots[m, 1]] + ..., from +0.0, left to right in float32, rounded
+    once to `dtype` (default src's)."""
+    dtype = dtype or src.dtype
+    return _sum_rows_triton(src, slots, dtype) if use_triton(src) else _sum_rows_torch(src, slots, dtype)
