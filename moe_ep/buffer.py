@@ -174,13 +174,16 @@ def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_ex
     }, device
 
 
-_ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
+_ERRORS = {"TypeError": TypeError, "ValueError": ValueError}  # what a peer's rejection is re-raised as
+_RESOLVED = ("ranks_per_node", "hierarchical")  # compared as the topology resolves them
 
 
-def _agree(group: dist.ProcessGroup, settings: Optional[dict[str, Any]], error: Optional[Exception]) -> None:
+def _agree(group: dist.ProcessGroup, settings: Optional[dict[str, Any]],
+           error: Optional[Exception]) -> list[dict[str, Any]]:
     """Collective (one all_gather_object, before anything is allocated): raises on every rank when a rank's
-    arguments were invalid (`error`, None for valid `settings`) or any setting differs between ranks, so
-    that no rank goes on to allocate and wait for peers that will never join it."""
+    arguments were invalid (`error`, None for valid `settings`) or a setting differs between ranks, so
+    that no rank goes on to allocate and wait for peers that will never join it. Returns every rank's
+    settings; ranks_per_node and hierarchical are compared once resolved (_check_same_topology)."""
     mine = (type(error).__name__, str(error)) if error is not None else settings
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
@@ -192,11 +195,29 @@ def _agree(group: dist.ProcessGroup, settings: Optional[dict[str, Any]], error: 
         raise _ERRORS.get(kind, RuntimeError)(
             f"rank {rank} rejected its Buffer arguments ({kind}: {message}); creating a Buffer is collective, "
             "so no rank created it")
-    for key, value in settings.items():
-        values = [got[key] for got in everyone]
+    _check_same([{k: v for k, v in got.items() if k not in _RESOLVED} for got in everyone])
+    return everyone
+
+
+def _check_same(settings: list[dict[str, Any]]) -> None:
+    """ValueError naming the first setting whose value differs between ranks, and every rank's value."""
+    for key, value in settings[0].items():
+        values = [got[key] for got in settings]
         if any(v != value for v in values):
             raise ValueError(f"every rank must create the Buffer with the same {key}; got "
                              + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
+
+
+def _check_same_topology(everyone: list[dict[str, Any]], detected: int) -> None:
+    """ranks_per_node and hierarchical as every rank resolves them (None: the detected node size; the
+    cross-node kernels when the group spans nodes) must agree too; `detected` is the same on every rank."""
+    world = len(everyone)
+    resolved = []
+    for got in everyone:
+        size = detected if got["ranks_per_node"] is None else got["ranks_per_node"]
+        hierarchical = got["hierarchical"] if got["hierarchical"] is not None else world // size > 1
+        resolved.append({"ranks_per_node": size, "hierarchical": hierarchical})
+    _check_same(resolved)
 
 
 def _take_part(error: Exception, standin: Callable[[], object]) -> NoReturn:
@@ -259,10 +280,10 @@ class Buffer:
             from .backends.symmetric import NvshmemSession
 
             NvshmemSession.check_usable()  # before the collectives below, which would wait for a lost peer
-        _agree(group, settings, error)
+        everyone = _agree(group, settings, error)
         self.backend_name: str = settings["backend"]
-        # Collective; every rank passed the same ranks_per_node and sees the same hosts, so the result agrees too.
-        topo = _resolve_topology(group, ranks_per_node, device)
+        topo = _resolve_topology(group, ranks_per_node, device)  # collective
+        _check_same_topology(everyone, topo.detected)
         if hierarchical is False and topo.num_nodes > 1:
             raise ValueError(f"hierarchical=False needs one node, but the group spans {topo.num_nodes} nodes of "
                              f"{topo.ranks_per_node} ranks")
@@ -526,8 +547,8 @@ class Buffer:
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, return_recv_hook: bool = False) -> LowLatencyCombineResult:
         """Weighted sum of each token's expert outputs, ascending k, one rounding (docs/api.md). Rejected
-        tensors: this rank sends zero rows back (receiving with its dispatch's topk_idx), then raises
-        (with a receive hook: the hook does)."""
+        tensors: this rank sends zero rows back and receives by its dispatch's topk_idx (rejected ids
+        alone: it sends x), then raises (with a receive hook: the hook does)."""
         cfg = self.cfg
         self._check_low_latency()
         self._check_handle(handle, LowLatencyHandle)
@@ -541,9 +562,10 @@ class Buffer:
         except (TypeError, ValueError) as error:
             rows, _ = self._zero_rows(lead, False)
             return _raise_after_receive(error, run(rows, handle.topk_idx, self._no_routing(n)[1]))
-        topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        result = run(x, topk_idx, topk_weights)
-        return result if bad_ids is None else _raise_after_receive(bad_ids, result)
+        bad_ids = self._in_range_ids(topk_idx)[1]
+        if bad_ids is not None:  # receive what the dispatch's routing says the peers send back
+            return _raise_after_receive(bad_ids, run(x, handle.topk_idx, topk_weights))
+        return run(x, topk_idx, topk_weights)
 
     # ---- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -289,9 +289,9 @@ def test_bad_ranks_per_node(value: object, error: type, message: str) -> None:
                       ranks_per_node=value)
 
 
-def _misaligned(t: torch.Tensor) -> torch.Tensor:
+def misaligned(t: torch.Tensor) -> torch.Tensor:
     """The same values starting 8 bytes past a 16-byte boundary (a view into a larger buffer)."""
-    flat = torch.empty(t.numel() * t.element_size() + 32, dtype=torch.uint8)
+    flat = torch.empty(t.numel() * t.element_size() + 32, dtype=torch.uint8, device=t.device)
     start = (-flat.data_ptr()) % 16 + 8
     view = flat[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
     view.copy_(t)
@@ -303,7 +303,7 @@ def test_misaligned_inputs_are_rejected(buf, name):
     x, idx, w = _inputs()
     args = {"x": x, "topk_idx": idx, "topk_weights": w}
     original = args[name]
-    args[name] = _misaligned(original)
+    args[name] = misaligned(original)
     assert args[name].data_ptr() % 16 == 8 and torch.equal(args[name], original)
     with pytest.raises(ValueError, match=rf"{name} must start at a 16-byte aligned address"):
         buf.dispatch(args["x"], args["topk_idx"], args["topk_weights"])
