@@ -33,6 +33,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'moe_ep' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """The module's names and the lazy ones (tab completion, dir(moe_ep))."""
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = [
     "Buffer", "DispatchHandle", "DispatchLayout", "DispatchResult", "EventHandle", "LowLatencyCombineResult",
     "LowLatencyDispatchResult", "LowLatencyHandle", "fp8", "ops", *_LAZY,

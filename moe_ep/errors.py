@@ -1,8 +1,9 @@
 """The errors moe_ep raises beyond Python's own (docs/api.md, Errors).
 
 - CommTimeoutError: a wait for a peer gave up (any backend); names this rank, the peer and the phase.
-- ValueError: bad input, raised on the rank that passed it (an expert id out of range is found by
-  the native kernels without a host sync and raised when the call's results reach the host).
+- ValueError / TypeError: bad input, raised on the rank that passed it once that rank has taken its
+  part in the call on stand-in inputs, so its peers' calls complete (an expert id out of range is
+  found by the native kernels without a host sync and raised when the call's results reach the host).
 - RuntimeError "lost its peers": NVSHMEM in this process cannot be used again after a peer went
   silent (moe_ep.backends.symmetric.NvshmemSession.check_usable).
 """

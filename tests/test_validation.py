@@ -309,3 +309,17 @@ def test_misaligned_inputs_are_rejected(buf, name):
         buf.dispatch(args["x"], args["topk_idx"], args["topk_weights"])
     res = buf.dispatch(x, idx, w)  # the Buffer is untouched: the same call with aligned inputs works
     assert res.x.shape[1] == x.shape[1]
+
+
+def test_dir_lists_the_lazy_names() -> None:
+    names = dir(moe_ep)
+    assert {"MoE", "TopKRouter", "RouterOutput", "CommTimeoutError", "Buffer"} <= set(names)
+    assert all(hasattr(moe_ep, name) for name in moe_ep.__all__)
+
+
+def test_buffer_repr() -> None:
+    b = moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference")
+    assert repr(b) == ("moe_ep.Buffer(backend='reference', rank=0 of 1, hidden=256, num_experts=8, num_topk=4, "
+                       "max_tokens_per_rank=16, low_latency=False, device='cpu', ranks_per_node=1)")
+    b.close()
+    assert repr(b).startswith("moe_ep.Buffer(closed, rank=0 of 1")
