@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import moe_ep.deep_ep as deep_ep
 from moe_ep import fp8
-from tests._dist import requires_gpus, run_workers
+from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import (
     Inputs,
     expected_combine,
@@ -319,8 +319,8 @@ def _check_budget_and_modes(rank: int, world: int) -> None:
 
 def _run_cases(rank: int, world: int, cases: list[tuple], backend: str, group: dist.ProcessGroup) -> None:
     """Every check on each case, through a deep_ep.Buffer over `group` whose moe_ep Buffers use `backend`;
-    tensors on the default group's device."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensors on this rank's device (its GPU in a GPU run, shared or not)."""
+    dev = device()
     for seed, tokens, hidden, experts, topk, routing, t, per_node in cases:
         inp = make_inputs(seed, [tokens[r % len(tokens)] for r in range(world)], hidden, experts, topk, routing)
         buf = deep_ep.Buffer(group, low_latency_mode=True, explicitly_destroy=True, backend=backend,
@@ -359,14 +359,14 @@ GPU_CASES = CASES[2] + [(27, [300, 257], 2048, 64, 8, "random", 320, None)]
 def _gpu_worker(rank: int, world: int) -> None:
     for backend in ("nvshmem", "reference"):
         _run_cases(rank, world, GPU_CASES, backend, dist.group.WORLD)
-    # CUDA tensors over a CPU (gloo) group, which vLLM passes: moe_ep runs them over NCCL
+    # CUDA tensors over a CPU (gloo) group, which vLLM passes: the native backend runs over it
     _run_cases(rank, world, GPU_CASES[:1], "nvshmem", dist.new_group(backend="gloo"))
 
 
 @requires_gpus()
 def test_deep_ep_gpu() -> None:
-    """The same checks on 2 GPUs: native backend, the reference backend over NCCL, and the native
-    backend behind a gloo group."""
+    """The same checks with 2 ranks on GPUs (sharing one where there is one): native backend, the
+    reference backend, and the native backend behind a gloo group."""
     run_workers(2, _gpu_worker, backend="gpu", timeout_s=600)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import requires_gpus, run_workers
+from tests._dist import device as rank_device, requires_gpus, run_workers
 
 pytestmark = requires_gpus()
 
@@ -28,7 +28,7 @@ def _one_session(rank: int, world_size: int, round_: int) -> None:
     from moe_ep.backends.symmetric import CommTimeoutError, NvshmemSession
 
     native = _native.load()
-    device = torch.device("cuda", rank)
+    device = rank_device()
     group = dist.group.WORLD
     session = NvshmemSession.acquire(group, device, HEAP_BYTES)
     assert native.is_initialized()
@@ -79,7 +79,7 @@ def _one_session(rank: int, world_size: int, round_: int) -> None:
         watch.check()
     watch.check()
 
-    assert native.sm_count(rank) == torch.cuda.get_device_properties(rank).multi_processor_count
+    assert native.sm_count(device.index) == torch.cuda.get_device_properties(device).multi_processor_count
     session.release()
     session.release()
     assert native.is_initialized(), "an idle heap stays up for the next Buffer"
@@ -92,5 +92,5 @@ def _three_lifetimes(rank: int, world_size: int) -> None:
         _one_session(rank, world_size, round_)
 
 
-def test_nvshmem_runtime_on_two_gpus() -> None:
+def test_nvshmem_runtime_two_ranks() -> None:
     run_workers(2, _three_lifetimes, backend="gpu")
