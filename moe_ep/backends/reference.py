@@ -80,8 +80,8 @@ class ReferenceBackend(Backend):
         opts.timeout = timedelta(seconds=cfg.timeout_s)  # the op itself gives up, so nothing is left waiting
         opts.asyncOp = True
         try:
-            work = cfg.group.all_to_all_single(host, inp.cpu() if self._staged else inp, out_split or [],
-                                               in_split or [], opts)
+            work = cfg.group.alltoall_base(host, inp.cpu() if self._staged else inp, out_split or [],  # torch 2.11+
+                                           in_split or [], opts)
             work.wait(timedelta(seconds=cfg.timeout_s + 1))  # a bound for groups that do not honour opts.timeout
         except RuntimeError as error:
             self._failed = phase
