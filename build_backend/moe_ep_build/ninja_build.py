@@ -88,7 +88,8 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def sync_file(src: Path, dst: Path) -> bool:
-    """Copies src to dst unless dst already has the same bytes; returns whether it copied."""
+    """Copies src to dst (through a new file renamed over dst) unless dst already has the same bytes;
+    returns whether it copied."""
     if _same_file(src, dst):
         return False
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -186,10 +187,11 @@ def _ninja_executable() -> str:
 
 
 def jobs() -> int:
-    """Parallel compiles: $MAX_JOBS, else one per CPU this process may use."""
+    """Parallel compiles: $MAX_JOBS, else ninja's own default, two more than the CPUs this process may use
+    (an nvcc compile is a chain of single-threaded tools that also wait on files)."""
     if os.environ.get("MAX_JOBS"):
         return int(os.environ["MAX_JOBS"])
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)) + 2
 
 
 def run(build: NativeBuild) -> None:
@@ -199,9 +201,7 @@ def run(build: NativeBuild) -> None:
     print(f"moe_ep: building moe_ep._C in {build.build_dir} with {jobs()} parallel jobs "
           f"({staged} dependency files changed)", file=sys.stderr, flush=True)
     subprocess.run([_ninja_executable(), "-C", str(build.build_dir), "-j", str(jobs())], check=True)
-    build.output.parent.mkdir(parents=True, exist_ok=True)
-    if build.output.resolve() != build.module.resolve():
-        shutil.copy2(build.module, build.output)
+    sync_file(build.module, build.output)  # a new file, never rewritten in place under a process that maps it
 
 
 def write_build_info(build: NativeBuild, path: Path) -> None:
