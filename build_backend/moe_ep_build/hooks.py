@@ -68,6 +68,7 @@ def nvshmem_requirement(dist: str) -> str:
 
 
 def _native_requirements() -> list[str]:
+    """What the build environment needs besides setuptools: nothing when this install builds no _C."""
     cuda = build_cuda()
     if cuda is None:
         return []
@@ -88,11 +89,13 @@ def _take_native_setting(config_settings: ConfigSettings) -> ConfigSettings:
 
 
 def get_requires_for_build_wheel(config_settings: ConfigSettings = None) -> list[str]:
+    """setuptools' build requirements plus, when _C is built, pybind11, ninja and the NVSHMEM wheel."""
     config_settings = _take_native_setting(config_settings)
     return _setuptools.get_requires_for_build_wheel(config_settings) + _native_requirements()
 
 
 def get_requires_for_build_editable(config_settings: ConfigSettings = None) -> list[str]:
+    """As get_requires_for_build_wheel, for `pip install -e`."""
     config_settings = _take_native_setting(config_settings)
     return _setuptools.get_requires_for_build_editable(config_settings) + _native_requirements()
 
@@ -103,10 +106,12 @@ def prepare_metadata_for_build_wheel(metadata_directory: str, config_settings: C
 
 
 def prepare_metadata_for_build_editable(metadata_directory: str, config_settings: ConfigSettings = None) -> str:
+    """As prepare_metadata_for_build_wheel, for `pip install -e`."""
     return _setuptools.prepare_metadata_for_build_editable(metadata_directory, _take_native_setting(config_settings))
 
 
 def _say_if_pure_python() -> None:
+    """One line on stderr when this install builds no _C, and why."""
     if build_cuda() is None:
         why = f"{NATIVE_ENV}=0" if native_mode() == "off" else "no nvcc ($CUDA_HOME/bin/nvcc or on PATH)"
         print(f"moe_ep: {why}: installing without moe_ep._C (reference backend only)", file=sys.stderr)
@@ -114,6 +119,7 @@ def _say_if_pure_python() -> None:
 
 def build_wheel(wheel_directory: str, config_settings: ConfigSettings = None,
                 metadata_directory: Optional[str] = None) -> str:
+    """setuptools' wheel, after the native setting is applied (setup.py builds _C through ninja)."""
     config_settings = _take_native_setting(config_settings)
     _say_if_pure_python()
     return _setuptools.build_wheel(wheel_directory, config_settings, metadata_directory)
@@ -121,6 +127,7 @@ def build_wheel(wheel_directory: str, config_settings: ConfigSettings = None,
 
 def build_editable(wheel_directory: str, config_settings: ConfigSettings = None,
                    metadata_directory: Optional[str] = None) -> str:
+    """As build_wheel, for `pip install -e`."""
     config_settings = _take_native_setting(config_settings)
     _say_if_pure_python()
     return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)
