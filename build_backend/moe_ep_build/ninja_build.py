@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .toolchain import Cuda, Nvshmem
@@ -51,16 +51,9 @@ class NativeBuild:
         return self.build_dir / "deps"
 
     @property
-    def nvshmem_include(self) -> Path:
-        return self.deps_dir / "nvshmem" / "include"
-
-    @property
-    def nvshmem_device_library(self) -> Path:
-        return self.deps_dir / "nvshmem" / "lib" / self.nvshmem.device_library.name
-
-    @property
-    def nvshmem_host_library(self) -> Path:
-        return self.deps_dir / "nvshmem" / "lib" / self.nvshmem.host_library.name
+    def staged_nvshmem(self) -> Nvshmem:
+        """The NVSHMEM wheel as copied into deps_dir: the headers and libraries build.ninja names."""
+        return replace(self.nvshmem, root=self.deps_dir / "nvshmem")
 
     @property
     def pybind11_include(self) -> Path:
@@ -77,7 +70,8 @@ class NativeBuild:
 
     @property
     def compile_flags(self) -> list[str]:
-        includes = [self.csrc, self.nvshmem_include, self.pybind11_include, Path(sysconfig.get_paths()["include"])]
+        includes = [self.csrc, self.staged_nvshmem.include_dir, self.pybind11_include,
+                    Path(sysconfig.get_paths()["include"])]
         return (["-rdc=true", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden"]
                 + self.arch_flags + [f"-I{d}" for d in includes]
                 + shlex.split(os.environ.get(EXTRA_FLAGS_ENV, "")))
@@ -117,10 +111,11 @@ def stage_deps(build: NativeBuild) -> int:
     build.deps_dir; returns how many files changed there (0 on a rebuild in an unchanged environment)."""
     import pybind11
 
+    wheel, staged = build.nvshmem, build.staged_nvshmem
     return (sync_tree(Path(pybind11.get_include()), build.pybind11_include)
-            + sync_tree(build.nvshmem.include_dir, build.nvshmem_include)
-            + sync_file(build.nvshmem.device_library, build.nvshmem_device_library)
-            + sync_file(build.nvshmem.host_library, build.nvshmem_host_library))
+            + sync_tree(wheel.include_dir, staged.include_dir)
+            + sync_file(wheel.device_library, staged.device_library)
+            + sync_file(wheel.host_library, staged.host_library))
 
 
 def _quote(args: list[object]) -> str:
@@ -131,13 +126,14 @@ def _quote(args: list[object]) -> str:
 def ninja_text(build: NativeBuild) -> str:
     """The build.ninja for `build`: one compile per source, one link; the libraries are implicit
     inputs of the link, so a changed NVSHMEM relinks."""
+    nvshmem = build.staged_nvshmem
     lines = [
         "ninja_required_version = 1.3",
         f"nvcc = {_quote([build.cuda.nvcc])}",
         f"cflags = {_quote(build.compile_flags)}",
         f"archflags = {_quote(build.arch_flags)}",
-        f"devlib = {_quote([build.nvshmem_device_library])}",
-        f"hostlib = {_quote(['-Xlinker', build.nvshmem_host_library])}",
+        f"devlib = {_quote([nvshmem.device_library])}",
+        f"hostlib = {_quote(['-Xlinker', nvshmem.host_library])}",
         f"rpath = {_quote(['-Xlinker', '-rpath', '-Xlinker', NVSHMEM_RPATH])}",
         "",
         "rule compile",
@@ -156,7 +152,7 @@ def ninja_text(build: NativeBuild) -> str:
         obj = build.build_dir / "obj" / src.relative_to(build.csrc).with_suffix(src.suffix + ".o")
         objects.append(obj)
         lines.append(f"build {_ninja_path(obj)}: compile {_ninja_path(src)}")
-    libs = " ".join(_ninja_path(p) for p in (build.nvshmem_device_library, build.nvshmem_host_library))
+    libs = " ".join(_ninja_path(p) for p in (nvshmem.device_library, nvshmem.host_library))
     lines.append(f"build {_ninja_path(build.module)}: link {' '.join(_ninja_path(o) for o in objects)} | {libs}")
     lines.append(f"default {_ninja_path(build.module)}")
     return "\n".join(lines) + "\n"
