@@ -131,6 +131,46 @@ def _group() -> None:
                             device_id=torch.device("cuda", 0))
 
 
+def experts_breakdown(timer: Timer, experts: torch.nn.Module, x: torch.Tensor, topk_idx: torch.Tensor,
+                      topk_weights: torch.Tensor) -> list[dict]:
+    """Each pass of GroupedExperts' forward and backward alone, on the routing the layer produced
+    (unequal groups): where the experts' time goes."""
+    from moe_ep.expert_kernels import sum_rows, swiglu, swiglu_backward
+    from moe_ep.experts import _groups, route
+
+    f, p = experts.ffn_hidden, int((topk_idx >= 0).sum())
+    r = route(topk_idx, experts.num_local_experts)
+    scale = topk_weights.reshape(-1)[r.pairs].contiguous()
+    xs = x.index_select(0, r.rows)
+    groups, w13, w2 = _groups(xs, r.counts), experts.fused_w13, experts.w2.detach()
+    h13 = groups.mm(xs, w13.transpose(1, 2))
+    a = swiglu(h13, scale)
+    y = groups.mm(a, w2.transpose(1, 2))
+    dy, da = torch.randn_like(y), torch.randn_like(a)
+    dh13 = swiglu_backward(h13, da, scale)[0]
+    hfl = 2.0 * p * experts.hidden * f
+    stages = {
+        "route (sort pairs, one sync)": (lambda: route(topk_idx, experts.num_local_experts), 0),
+        "gather rows": (lambda: x.index_select(0, r.rows), 0),
+        "gate/up GEMM": (lambda: groups.mm(xs, w13.transpose(1, 2)), 2 * hfl),
+        "swiglu (scaled)": (lambda: swiglu(h13, scale), 0),
+        "down GEMM": (lambda: groups.mm(a, w2.transpose(1, 2)), hfl),
+        "sum rows (also the backward's dX sum)": (lambda: sum_rows(y, r.slots), 0),
+        "bwd gather dY": (lambda: dy.index_select(0, r.rows), 0),
+        "bwd dA GEMM": (lambda: groups.mm(dy, w2), hfl),
+        "bwd swiglu": (lambda: swiglu_backward(h13, da, scale), 0),
+        "bwd dX GEMM": (lambda: groups.mm(dh13, w13), 2 * hfl),
+        "bwd dW1 GEMM": (lambda: groups.mm_t(dh13[:, :f], xs), hfl),
+        "bwd dW3 GEMM": (lambda: groups.mm_t(dh13[:, f:], xs), hfl),
+        "bwd dW2 GEMM": (lambda: groups.mm_t(dy, a), hfl),
+    }
+    rows = []
+    for name, (fn, flop) in stages.items():
+        ms = timer.medians([fn])[0]
+        rows.append({"case": f"  stage: {name}", "ms": ms, "tflops": _tflops(flop, ms) if flop else 0.0})
+    return rows
+
+
 def _repeatable(step: Callable[[], None], tensors: Callable[[], list], zero: Callable[[], None]) -> bool:
     """Whether two forward + backward steps give the same bits (x.grad and every parameter's grad)."""
     got = []
@@ -142,9 +182,10 @@ def _repeatable(step: Callable[[], None], tensors: Callable[[], list], zero: Cal
 
 
 def layer_case(timer: Timer, shape: Shape, backend: str = "reference", recompute: bool = False,
-               profile_to: Optional[str] = None) -> list[dict]:
+               profile_to: Optional[str] = None, breakdown: bool = False) -> list[dict]:
     """moe_ep.MoE (normal mode, bf16 experts) forward, backward, forward + backward, and its experts
-    alone on the rows dispatch delivered; with profile_to, the top kernels of one step to that file."""
+    alone on the rows dispatch delivered; with profile_to, the top kernels of one step to that file;
+    with breakdown, each pass of the experts alone (experts_breakdown)."""
     _group()
     s = shape
     buf = moe_ep.Buffer(None, hidden=s.hidden, num_experts=s.experts, num_topk=s.topk,
@@ -183,6 +224,7 @@ def layer_case(timer: Timer, shape: Shape, backend: str = "reference", recompute
 
     e_fwd, e_bwd, e_both = timer.medians([lambda: outs.append(moe.experts(rx, d.topk_idx, d.topk_weights)),
                                           experts_backward], setup=zero_experts)
+    stages = experts_breakdown(timer, moe.experts, d.x, d.topk_idx, d.topk_weights) if breakdown else []
     if profile_to:
         from torch.profiler import ProfilerActivity, profile
         zero()
@@ -190,7 +232,7 @@ def layer_case(timer: Timer, shape: Shape, backend: str = "reference", recompute
             moe(x, mode="normal").backward(grad)
             torch.cuda.synchronize()
         with open(profile_to, "w") as fh:
-            fh.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+            fh.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
     tag = f"{buf.backend_name}{' recompute' if recompute else ''}"
     flop = s.forward_flop()
     buf.close()
@@ -201,6 +243,7 @@ def layer_case(timer: Timer, shape: Shape, backend: str = "reference", recompute
         {"case": f"experts alone forward ({tag})", "ms": e_fwd, "tflops": _tflops(flop, e_fwd)},
         {"case": f"experts alone backward ({tag})", "ms": e_bwd, "tflops": _tflops(2 * flop, e_bwd)},
         {"case": f"experts alone forward + backward ({tag})", "ms": e_both, "tflops": _tflops(3 * flop, e_both)},
+        *stages,
     ]
 
 
@@ -212,6 +255,7 @@ def main() -> None:
     p.add_argument("--recompute", action="store_true", help="also time MoE(..., recompute_swiglu=True)")
     p.add_argument("--gemms", action="store_true", help="also time the GEMMs alone and the dense ceiling")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--breakdown", action="store_true", help="time each pass of the experts alone (this tree's experts)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args()
@@ -225,7 +269,8 @@ def main() -> None:
         prof = os.path.join(args.out, f"profile_{args.tag}_{backend}.txt") if args.profile else None
         for recompute in (False, True) if args.recompute else (False,):
             try:
-                rows += layer_case(timer, shape, backend, recompute=recompute, profile_to=None if recompute else prof)
+                rows += layer_case(timer, shape, backend, recompute=recompute, profile_to=None if recompute else prof,
+                                   breakdown=args.breakdown and not recompute)
             except Exception:  # one failing case must not lose the others' numbers
                 traceback.print_exc()
             torch.cuda.empty_cache()
