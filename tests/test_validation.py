@@ -1,4 +1,5 @@
-"""Bad input raises a clear ValueError/TypeError before any communication (one test per rule)."""
+"""Bad input raises a clear ValueError/TypeError (one test per rule, on one rank;
+tests/test_one_rank_bad_input.py checks what the peers of a rank that passes it get)."""
 from __future__ import annotations
 
 import socket
