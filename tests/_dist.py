@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from typing import Any, Callable, Optional
 
@@ -23,6 +24,10 @@ _GPU_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 }
+
+
+# After a rank fails, how long its peers get to finish (or fail) before they are killed.
+FAILED_PEER_GRACE_S = 20.0
 
 
 def _free_port() -> int:
@@ -53,6 +58,9 @@ def setup_gpu_rank(rank: int, world_size: int, backend: str = "gpu") -> tuple[to
     device() returns) and the process-group backend to use; backend "gpu" or "nccl" as in run_workers."""
     for key, value in _GPU_ENV.items():
         os.environ.setdefault(key, value)
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"backend='nccl' needs a GPU per rank: {world_size} ranks, "
+                           f"{torch.cuda.device_count()} GPU(s) (backend='gpu' shares them)")
     dev, backend = gpu_placement(rank, world_size) if backend == "gpu" else (torch.device("cuda", rank), "nccl")
     torch.cuda.set_device(dev)
     os.environ["MOE_EP_TEST_DEVICE"] = str(dev)
@@ -97,8 +105,11 @@ def run_workers(world_size: int, fn: Callable, *args: Any, backend: str = "gloo"
     ]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if any(p.exitcode not in (None, 0) for p in procs):  # a rank failed: its peers may wait for it
+            deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
+        time.sleep(0.1)
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
@@ -111,7 +122,8 @@ def run_workers(world_size: int, fn: Callable, *args: Any, backend: str = "gloo"
         reports.sort()
         raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in reports))
     if hung:
-        raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s")
+        raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s (or {FAILED_PEER_GRACE_S} s after "
+                             "a peer failed)")
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise AssertionError(f"ranks exited with codes {bad}")

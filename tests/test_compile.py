@@ -197,10 +197,10 @@ def test_compile() -> None:
 @requires_gpus()
 def test_compile_gpu() -> None:
     """The native backend: opcheck, compiled (aot_eager) == eager bit for bit, forward and backward."""
-    _run("nvshmem", ("aot_eager",), "nccl")
+    _run("nvshmem", ("aot_eager",), "gpu")
 
 
 @requires_gpus()
 def test_compile_inductor_gpu() -> None:
     """The native backend under inductor (Triton kernels for the rest of the layer), forward."""
-    _run("nvshmem", ("inductor",), "nccl")
+    _run("nvshmem", ("inductor",), "gpu")

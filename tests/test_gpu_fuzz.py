@@ -1,12 +1,14 @@
-"""GPU fuzz: 10,000 random calls on one native Buffer (low_latency=True) on 2 GPUs, interleaved as
+"""GPU fuzz: 10,000 random calls on one native Buffer (low_latency=True) with 2 ranks (on 2 GPUs, or
+sharing one: tests/_dist.py), interleaved as
 tests/test_fuzz.py draws them (normal dispatch with random N including 0, K routing kinds, skew, FP8,
 alignment, worst case, NaN/Inf; combine and cached dispatch through live handles; layout;
 low-latency with and without hooks, FP8; bad inputs that must raise), each run on the reference
 backend with the same inputs and compared bit for bit. Device memory (torch allocations and the
 NVSHMEM heap's reservations) is the same before and after.
 
-Bad expert ids are left to tests/test_gpu_faults.py: the native kernels report them in the call
-that syncs or in the next one, the reference backend before any communication."""
+Bad expert ids are left to tests/test_gpu_faults.py and tests/test_one_rank_bad_input.py: the native
+kernels report them once a call's kernels are launched (in the call that syncs, or a later one), the
+reference backend after the call's exchange."""
 from __future__ import annotations
 
 import gc
