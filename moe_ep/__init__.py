@@ -6,6 +6,7 @@ from typing import Any
 
 from . import fp8, ops
 from .buffer import Buffer
+from .config import Config
 from .types import (
     DispatchHandle,
     DispatchLayout,
@@ -39,6 +40,6 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "Buffer", "DispatchHandle", "DispatchLayout", "DispatchResult", "EventHandle", "LowLatencyCombineResult",
+    "Buffer", "Config", "DispatchHandle", "DispatchLayout", "DispatchResult", "EventHandle", "LowLatencyCombineResult",
     "LowLatencyDispatchResult", "LowLatencyHandle", "fp8", "ops", *_LAZY,
 ]

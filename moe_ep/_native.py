@@ -25,6 +25,7 @@ FALLBACK_CONSTANTS = {
     "MAX_TOPK": 16,  # top-k entries per token (csrc/kernels/intranode.h and internode/internode.h kMaxTopk)
     "INTERNODE_MAX_RANKS_PER_NODE": 8,  # ranks of one NVLink domain (csrc/kernels/internode/internode.h kMaxLocal)
     "LL_META_BYTES": 48,  # one staged low-latency token's meta row (csrc/kernels/low_latency.h kMetaBytes)
+    "TUNING_MAX_WARPS": 32,  # warps of a normal-mode dispatch / combine block (csrc/kernels/intranode.h kHostWarps)
 }
 REBUILD = ("reinstall with `python -m pip install .` (offline: `python -m pip install --no-build-isolation "
            "--no-deps -e .`) and read the build's output")

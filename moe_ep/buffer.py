@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from . import _native, topology
 from .backends.base import Backend, BufferConfig
+from .config import DEFAULT_NUM_SMS, PER_BUFFER, Config
 from .types import (
     DispatchHandle,
     DispatchLayout,
@@ -22,7 +23,6 @@ from .types import (
     LowLatencyHandle,
 )
 
-DEFAULT_NUM_SMS = 24
 _buffer_ids = itertools.count(1)
 _LowLatencyResult = TypeVar("_LowLatencyResult", LowLatencyDispatchResult, LowLatencyCombineResult)
 
@@ -141,9 +141,9 @@ def _resolve_topology(group: dist.ProcessGroup, ranks_per_node: Optional[int],
 def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_experts: Any, num_topk: Any,
                     max_tokens_per_rank: Any, backend: Any, low_latency: Any, num_sms: Any, timeout_s: Any,
                     ranks_per_node: Any, hierarchical: Any, fault_tolerant: Any,
-                    device: Any) -> tuple[dict[str, Any], torch.device]:
+                    device: Any, config: Any) -> tuple[dict[str, Any], torch.device]:
     """This rank's Buffer arguments checked on their own (no communication): what every rank must agree
-    on, in the order a mismatch is reported, and the Buffer's device."""
+    on, in the order a mismatch is reported (the resolved Config last), and the Buffer's device."""
     for name, value in (("hidden", hidden), ("num_experts", num_experts), ("num_topk", num_topk),
                         ("max_tokens_per_rank", max_tokens_per_rank)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -165,12 +165,18 @@ def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_ex
     _check_ranks_per_node(ranks_per_node, world)
     if hierarchical is not None and not isinstance(hierarchical, bool):
         raise TypeError(f"hierarchical must be None, True or False, got {hierarchical!r}")
-    sms = _check_num_sms(num_sms if num_sms is not None else DEFAULT_NUM_SMS, device, default=num_sms is None)
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a moe_ep.Config, got {type(config).__name__}")
+    knobs = config if config is not None else Config.from_env()  # the environment gives defaults only
+    if num_sms is not None:
+        knobs = knobs.replace(num_sms=num_sms)
+    sms = _check_num_sms(knobs.num_sms if knobs.num_sms is not None else DEFAULT_NUM_SMS, device,
+                         default=knobs.num_sms is None)
     return {
         "backend": name, "device type": device.type, "hidden": hidden, "num_experts": num_experts,
         "num_topk": num_topk, "max_tokens_per_rank": max_tokens_per_rank, "low_latency": bool(low_latency),
         "num_sms": sms, "timeout_s": float(timeout_s), "ranks_per_node": ranks_per_node,
-        "hierarchical": hierarchical, "fault_tolerant": bool(fault_tolerant),
+        "hierarchical": hierarchical, "fault_tolerant": bool(fault_tolerant), "config": knobs.replace(num_sms=sms),
     }, device
 
 
@@ -258,7 +264,8 @@ class Buffer:
                  max_tokens_per_rank: int, backend: str = "auto", low_latency: bool = False,
                  num_sms: Optional[int] = None, timeout_s: float = 100.0,
                  ranks_per_node: Optional[int] = None, hierarchical: Optional[bool] = None,
-                 fault_tolerant: bool = False, device: Optional[torch.device] = None) -> None:
+                 fault_tolerant: bool = False, device: Optional[torch.device] = None,
+                 config: Optional[Config] = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
         group = group if group is not None else dist.group.WORLD
@@ -273,7 +280,7 @@ class Buffer:
                 group, world, hidden=hidden, num_experts=num_experts, num_topk=num_topk,
                 max_tokens_per_rank=max_tokens_per_rank, backend=backend, low_latency=low_latency, num_sms=num_sms,
                 timeout_s=timeout_s, ranks_per_node=ranks_per_node, hierarchical=hierarchical,
-                fault_tolerant=fault_tolerant, device=device)
+                fault_tolerant=fault_tolerant, device=device, config=config)
         except (TypeError, ValueError, RuntimeError) as e:
             error = e
         if settings is not None and settings["backend"] == "nvshmem":
@@ -292,7 +299,7 @@ class Buffer:
             num_topk=num_topk, max_tokens_per_rank=max_tokens_per_rank, low_latency=bool(low_latency),
             num_sms=settings["num_sms"], timeout_s=float(timeout_s), buffer_id=next(_buffer_ids), device=device,
             ranks_per_node=topo.ranks_per_node, hierarchical=bool(hierarchical) or topo.num_nodes > 1,
-            fault_tolerant=bool(fault_tolerant), ranks_per_gpu=topo.ranks_per_gpu,
+            fault_tolerant=bool(fault_tolerant), ranks_per_gpu=topo.ranks_per_gpu, config=settings["config"],
         )
         self._backend: Optional[Backend] = self._make_backend()
 
@@ -335,6 +342,11 @@ class Buffer:
         """The most ranks of the group that share one GPU (0 on CPU). Above 1 the ranks are
         time-sliced on their GPU: results are valid, timings say nothing about links."""
         return self.cfg.ranks_per_gpu
+
+    @property
+    def config(self) -> Config:
+        """The Buffer's kernel knobs, num_sms resolved (moe_ep.Config); a call may override them."""
+        return self.cfg.config
 
     @property
     def num_local_experts(self) -> int:
@@ -403,8 +415,21 @@ class Buffer:
         if handle.buffer_id != self.cfg.buffer_id:
             raise ValueError("handle comes from another Buffer")
 
-    def _sms(self, num_sms: Optional[int]) -> int:
-        return self.cfg.num_sms if num_sms is None else _check_num_sms(num_sms, self.cfg.device)
+    def _knobs(self, num_sms: Optional[int], config: Optional[Config]) -> tuple[int, Config]:
+        """A call's SM budget and kernel knobs: num_sms, else config.num_sms, else the Buffer's; the knobs
+        of `config`, else the Buffer's. A call may not change what sizes the Buffer's memory."""
+        knobs = self.cfg.config
+        if config is not None:
+            if not isinstance(config, Config):
+                raise TypeError(f"config must be a moe_ep.Config, got {type(config).__name__}")
+            fixed = [name for name in PER_BUFFER if getattr(config, name) != getattr(knobs, name)]
+            if fixed:
+                raise ValueError(f"Config.{fixed[0]} is fixed when the Buffer is made ({getattr(knobs, fixed[0])}); "
+                                 f"a call cannot change it (got {getattr(config, fixed[0])})")
+            knobs = config if config.num_sms is not None else config.replace(num_sms=knobs.num_sms)
+        if num_sms is not None:
+            knobs = knobs.replace(num_sms=num_sms)
+        return _check_num_sms(knobs.num_sms, self.cfg.device), knobs
 
     @staticmethod
     def _check_event(previous_event: object) -> Optional[EventHandle]:
@@ -470,14 +495,15 @@ class Buffer:
     def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *, x_scales: Optional[torch.Tensor] = None,
                  expert_alignment: int = 1, handle: Optional[DispatchHandle] = None, worst_case: bool = False,
-                 num_sms: Optional[int] = None,
+                 num_sms: Optional[int] = None, config: Optional[Config] = None,
                  previous_event: Optional[EventHandle] = None, async_op: bool = False) -> DispatchResult:
         """Send each token once to every rank holding one of its experts (docs/api.md). Rejected tensors:
         this rank takes part as a rank without tokens (a cached dispatch: with zero rows), then raises."""
         if handle is not None:
             self._check_handle(handle, DispatchHandle)
-        run = functools.partial(self.backend.dispatch, handle=handle, worst_case=bool(worst_case),
-                                num_sms=self._sms(num_sms), previous_event=self._check_event(previous_event),
+        sms, knobs = self._knobs(num_sms, config)
+        run = functools.partial(self.backend.dispatch, handle=handle, worst_case=bool(worst_case), num_sms=sms,
+                                knobs=knobs, previous_event=self._check_event(previous_event),
                                 async_op=bool(async_op))
         try:
             self._check_dispatch(x, x_scales, topk_idx, topk_weights, handle, expert_alignment)
@@ -494,13 +520,15 @@ class Buffer:
         return result
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, *, topk_weights: Optional[torch.Tensor] = None,
-                num_sms: Optional[int] = None, previous_event: Optional[EventHandle] = None, async_op: bool = False):
+                num_sms: Optional[int] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventHandle] = None, async_op: bool = False):
         """Sum each token's rows (and topk_weights rows) back on its source rank (docs/api.md); returns out,
         (out, weights) with topk_weights, and the EventHandle last when async_op. Rejected tensors: this
         rank sends zero rows (and weights) back, then raises."""
         cfg = self.cfg
         self._check_handle(handle, DispatchHandle)
-        run = functools.partial(self.backend.combine, handle=handle, num_sms=self._sms(num_sms),
+        sms, knobs = self._knobs(num_sms, config)
+        run = functools.partial(self.backend.combine, handle=handle, num_sms=sms, knobs=knobs,
                                 previous_event=self._check_event(previous_event), async_op=bool(async_op))
         m = handle.num_recv_rows
         try:

@@ -78,9 +78,9 @@ inline WorkspaceLayout workspace_layout(const Dims& d) {
   return w;
 }
 
-// Run-time tuning of dispatch and combine, read once per process from the environment by
-// intranode_bindings.cpp (which documents the variables and defaults). Results never depend on it:
-// it only changes which warp moves which row when, and how many loads each keeps in flight.
+// Run-time tuning of dispatch and combine: moe_ep.Config's knobs (moe_ep/config.py documents them),
+// set per Buffer or per call through IntranodeContext::set_tuning. Results never depend on it: it
+// only changes which warp moves which row when, and how many loads each keeps in flight.
 struct Tuning {
   int send_warps;  // dispatch: warps per block that send first (1..kWarps); the others receive from the start
   int combine_send_warps;  // combine: warps per block that send first; the others reduce from the start

@@ -2,28 +2,14 @@
 // fixed device addresses (kernels/intranode.h Context) and the host-mapped count mailbox; its methods
 // launch the kernels. Tensors travel as device addresses (int), streams as cudaStream_t (int).
 //
-// Run-time tuning of the dispatch / combine kernels (intranode.h Tuning), read once per process, the
-// first time a context is made. Results are identical for every setting; only speed changes. Ranks
-// may differ (the protocol does not depend on it).
-//   MOE_EP_SEND_WARPS  = 1..32  dispatch: warps per 32-warp block that send first; the rest receive
-//                               from the start. Default 24.
-//   MOE_EP_COMBINE_SEND_WARPS = 1..32  combine: the same, the rest reduce from the start. Default 16
-//                               (measured on 2xH200, 2026-11-30, against 24: 419.5 / 232.2 / 220.5 vs
-//                               431.4 / 242.7 / 228.1 us at 8 / 24 / 32 SMs).
-//   MOE_EP_UNROLL      = 4 | 6  int4 loads in flight per lane in every row copy (6 is the most the
-//                               dispatch kernel holds in its 64 registers without spilling). Default 6.
-//   MOE_EP_FLAG_BATCH  = 1..32  row flags a sending warp raises per system fence (dispatch: one per
-//                               peer destination of a token; combine: one per row). Default 4.
-//   MOE_EP_RECV_RUN    = 1..32  dispatch: consecutive positions of one source per receive work item
-//                               (copied as one span); combine: tokens per reduce work item. Default 1
-//                               (measured on 2xH200, 2026-11-30: combine 252 vs 340 us at 32 SMs
-//                               against 8; dispatch within run-to-run noise).
+// The kernels' tuning (intranode.h Tuning) comes from moe_ep.Config (moe_ep/config.py documents each
+// knob, its default and the environment variable that may set that default) through set_tuning,
+// which checks every field here. Results are identical for every setting; only speed changes.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -40,34 +26,12 @@ namespace intranode {
 
 namespace {
 
-// Integer environment variable `name` in [lo, hi], or `fallback` when unset or empty.
-int env_int(const char* name, int fallback, int lo, int hi) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const long value = std::strtol(v, &end, 10);
-  if (*end != '\0' || value < lo || value > hi)
-    throw std::invalid_argument(std::string(name) + "=" + v + ": expected an integer in " + std::to_string(lo) +
-                                ".." + std::to_string(hi));
-  return static_cast<int>(value);
-}
-
-Tuning read_tuning() {
-  Tuning t{};
-  t.send_warps = env_int("MOE_EP_SEND_WARPS", 24, 1, kHostWarps);
-  t.combine_send_warps = env_int("MOE_EP_COMBINE_SEND_WARPS", 16, 1, kHostWarps);
-  t.unroll = env_int("MOE_EP_UNROLL", 6, 4, 6);
-  if (t.unroll != 4 && t.unroll != 6)
-    throw std::invalid_argument("MOE_EP_UNROLL=" + std::to_string(t.unroll) + ": expected 4 or 6");
-  t.flag_batch = env_int("MOE_EP_FLAG_BATCH", 4, 1, 32);
-  t.recv_run = env_int("MOE_EP_RECV_RUN", 1, 1, 32);
-  return t;
-}
-
-// The process-wide tuning, read on first use.
-const Tuning& tuning() {
-  static const Tuning t = read_tuning();
-  return t;
+// `value` of the tuning field `name` when it lies in [lo, hi]; std::invalid_argument naming it otherwise.
+int checked_knob(const char* name, int value, int lo, int hi) {
+  if (value < lo || value > hi)
+    throw std::invalid_argument(std::string("tuning: ") + name + " = " + std::to_string(value) +
+                                ", expected an integer in " + std::to_string(lo) + ".." + std::to_string(hi));
+  return value;
 }
 
 class IntranodeContext {
@@ -90,7 +54,6 @@ class IntranodeContext {
     ctx_.epochs = epochs;
     ctx_.block_counters = block_counters;
     ctx_.layout_scratch = layout_scratch;
-    ctx_.tuning = tuning();
     for (int r = 0; r < nranks; ++r) {
       ctx_.signals[r] = signals[r];
       ctx_.workspace[r] = workspace[r];
@@ -117,14 +80,16 @@ class IntranodeContext {
                   stream);
   }
 
-  py::dict tuning_dict() const {
-    py::dict d;
-    d["send_warps"] = ctx_.tuning.send_warps;
-    d["combine_send_warps"] = ctx_.tuning.combine_send_warps;
-    d["unroll"] = ctx_.tuning.unroll;
-    d["flag_batch"] = ctx_.tuning.flag_batch;
-    d["recv_run"] = ctx_.tuning.recv_run;
-    return d;
+  // The tuning of the next dispatch / combine launches (every field checked, named in the error).
+  void set_tuning(int send_warps, int combine_send_warps, int unroll, int flag_batch, int recv_run) {
+    Tuning t{};
+    t.send_warps = checked_knob("send_warps", send_warps, 1, kHostWarps);
+    t.combine_send_warps = checked_knob("combine_send_warps", combine_send_warps, 1, kHostWarps);
+    t.unroll = checked_knob("unroll", unroll, 4, 6);
+    if (t.unroll == 5) throw std::invalid_argument("tuning: unroll = 5, expected 4 or 6");
+    t.flag_batch = checked_knob("flag_batch", flag_batch, 1, 32);
+    t.recv_run = checked_knob("recv_run", recv_run, 1, 32);
+    ctx_.tuning = t;
   }
 
   // (rows from each source, received rows per local expert) of the last non-worst-case notify; valid
@@ -187,6 +152,7 @@ void register_intranode(py::module_& m) {
   using moe_ep::intranode::IntranodeContext;
   m.attr("SIGNAL_WORDS") = moe_ep::intranode::kSignalWords;
   m.attr("MAX_TOPK") = moe_ep::intranode::kMaxTopk;
+  m.attr("TUNING_MAX_WARPS") = moe_ep::intranode::kHostWarps;
   m.attr("NUM_EPOCHS") = moe_ep::intranode::kEpochCounters;
   m.def("intranode_workspace_bytes", &moe_ep::intranode::workspace_bytes, py::arg("nranks"), py::arg("max_tokens"),
         py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"),
@@ -209,6 +175,7 @@ void register_intranode(py::module_& m) {
       .def("combine", &IntranodeContext::combine,
            "Launch the combine kernel (with_weights: topk_weights travel with the rows, their sums go to "
            "out_topk_weights).")
-      .def_property_readonly("tuning", &IntranodeContext::tuning_dict,
-                             "Kernel tuning in use (MOE_EP_SEND_WARPS, _COMBINE_SEND_WARPS, _UNROLL, _FLAG_BATCH, _RECV_RUN).");
+      .def("set_tuning", &IntranodeContext::set_tuning, py::arg("send_warps"), py::arg("combine_send_warps"),
+           py::arg("unroll"), py::arg("flag_batch"), py::arg("recv_run"),
+           "Tuning of the next dispatch / combine launches (moe_ep.Config; each field checked).");
 }

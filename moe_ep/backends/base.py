@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..config import Config
 from ..types import (
     DispatchHandle,
     DispatchLayout,
@@ -116,6 +117,7 @@ class BufferConfig:
     hierarchical: bool = False  # normal mode on the cross-node kernels (always when num_nodes > 1)
     fault_tolerant: bool = False  # low-latency kernels mask a rank that misses the timeout instead of failing
     ranks_per_gpu: int = 1  # the most ranks of the group sharing one GPU (0 on CPU; above 1: gloo, time-sliced)
+    config: Optional[Config] = None  # the Buffer's kernel knobs, num_sms resolved (moe_ep.Config)
 
     @property
     def num_nodes(self) -> int:
@@ -168,11 +170,12 @@ class Backend(abc.ABC):
         expert_alignment: int,
         worst_case: bool,
         num_sms: int,
+        knobs: Config,
         previous_event: Optional[EventHandle],
         async_op: bool,
     ) -> DispatchResult:
         """Normal-mode dispatch. With `handle`, reuse its layout (cached dispatch: topk_* are None
-        and the result's topk_idx/topk_weights are None)."""
+        and the result's topk_idx/topk_weights are None). `knobs`: the call's kernel knobs (speed only)."""
 
     @abc.abstractmethod
     def combine(
@@ -182,6 +185,7 @@ class Backend(abc.ABC):
         *,
         topk_weights: Optional[torch.Tensor],
         num_sms: int,
+        knobs: Config,
         previous_event: Optional[EventHandle],
         async_op: bool,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:

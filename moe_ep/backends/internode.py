@@ -31,8 +31,6 @@ from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatc
 if TYPE_CHECKING:
     from .symmetric import ErrorWatch, NvshmemSession
 
-# Symmetric memory one Buffer's cross-node workspace may take (per GPU); the round size follows.
-WORKSPACE_BUDGET_BYTES = 2 << 30
 HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding of the one allocation
 # Outside worst-case mode, outputs of R * T rows up to this size are allocated before the counts are
 # known, so the dispatch kernel starts without waiting for the host.
@@ -63,9 +61,10 @@ class NodeDispatchState:
 
 
 def workspace_plan(cfg: BufferConfig) -> tuple[int, int]:
-    """(round_tokens, workspace bytes) of this Buffer's cross-node workspace."""
+    """(round_tokens, workspace bytes) of this Buffer's cross-node workspace, within its budget
+    (Config.internode_workspace_bytes); the round size follows from it."""
     return _native.load().internode_plan(cfg.world_size, cfg.ranks_per_node, cfg.max_tokens_per_rank, cfg.hidden,
-                                         cfg.num_topk, cfg.num_experts, WORKSPACE_BUDGET_BYTES)
+                                         cfg.num_topk, cfg.num_experts, cfg.config.internode_workspace_bytes)
 
 
 def heap_bytes(cfg: BufferConfig) -> int:

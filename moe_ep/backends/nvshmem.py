@@ -28,6 +28,7 @@ from ..types import (
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
+from ..config import Config
 from .base import Backend, BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result, record_event
 from . import internode
 from .internode import InternodeEngine
@@ -83,6 +84,7 @@ class NvshmemBackend(Backend):
         self._error = self._session.error_state(cfg.timeout_s, cfg.num_experts)
         self._internode: Optional[InternodeEngine] = None
         self._ctx: Any = None
+        self._tuning: Optional[tuple[int, ...]] = None  # the NVLink context's (send_warps, ..., recv_run)
         self._low_latency: Any = None
         try:
             if cfg.hierarchical:
@@ -115,6 +117,13 @@ class NvshmemBackend(Backend):
         )
 
     # ---- normal mode -----------------------------------------------------------------------
+    def _tune(self, knobs: Config) -> None:
+        """The NVLink kernels' tuning for the next launch (set on the context only when it changed)."""
+        tuning = (knobs.send_warps, knobs.combine_send_warps, knobs.unroll, knobs.flag_batch, knobs.recv_run)
+        if tuning != self._tuning:
+            self._ctx.set_tuning(*tuning)
+            self._tuning = tuning
+
     def _stream(self, previous_event: Optional[EventHandle]) -> torch.cuda.Stream:
         """Raises a timeout recorded by an earlier kernel (a bad id waits for the end of a call:
         ErrorWatch.check), orders after previous_event; the current stream."""
@@ -151,7 +160,7 @@ class NvshmemBackend(Backend):
                          tokens_per_expert.data_ptr(), expert_alignment, worst_case, stream.cuda_stream)
         return in_rank, DispatchState(pos, recv_info, None), tokens_per_expert
 
-    def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, num_sms,
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, num_sms, knobs,
                  previous_event, async_op) -> DispatchResult:
         """Notify, then the dispatch kernel straight away: it reads the counts on the device, so the
         host waits for the counts (to size the result) while rows already move. Outputs are
@@ -166,6 +175,7 @@ class NvshmemBackend(Backend):
         n, fp8 = x.shape[0], x.dtype == torch.float8_e4m3fn
         cached = handle is not None
         counts_ready: Optional[torch.cuda.Event] = None
+        self._tune(knobs)
         if cached:
             state: DispatchState = handle.state
             worst_case, recv_counts = handle.worst_case, handle.recv_counts
@@ -201,7 +211,7 @@ class NvshmemBackend(Backend):
             tokens_per_expert_raw=state.tokens_per_expert, expert_alignment=expert_alignment,
             tokens_per_expert_tensor=tokens_per_expert_tensor, async_op=async_op, check=self._error.check)
 
-    def combine(self, x, handle, *, topk_weights, num_sms, previous_event, async_op):
+    def combine(self, x, handle, *, topk_weights, num_sms, knobs, previous_event, async_op):
         """One kernel: the rows, and topk_weights when given, travel back together (intranode or cross-node)."""
         cfg = self.cfg
         stream = self._stream(previous_event)
@@ -212,6 +222,7 @@ class NvshmemBackend(Backend):
             self._internode.combine(x, handle, out, topk_weights, out_w, num_sms=num_sms, stream=stream)
         else:
             state: DispatchState = handle.state
+            self._tune(knobs)
             self._ctx.combine(x.data_ptr(), x.shape[0], handle.src_rank.data_ptr(), handle.src_index.data_ptr(),
                               handle.is_token_in_rank.data_ptr(), state.pos.data_ptr(), state.recv_info.data_ptr(), n,
                               out.data_ptr(), topk_weights is not None, _ptr(topk_weights), _ptr(out_w), num_sms,

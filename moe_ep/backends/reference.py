@@ -125,7 +125,7 @@ class ReferenceBackend(Backend):
         )
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case,
-                 num_sms, previous_event, async_op) -> DispatchResult:
+                 num_sms, knobs, previous_event, async_op) -> DispatchResult:
         cfg = self.cfg
         if previous_event is not None:
             previous_event.wait()
@@ -207,7 +207,7 @@ class ReferenceBackend(Backend):
             event=record_event(async_op, x.device),
         )
 
-    def combine(self, x, handle, *, topk_weights, num_sms, previous_event, async_op):
+    def combine(self, x, handle, *, topk_weights, num_sms, knobs, previous_event, async_op):
         if previous_event is not None:
             previous_event.wait()
         recv_counts = handle.state["recv_counts"]
