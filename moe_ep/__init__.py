@@ -7,6 +7,7 @@ from typing import Any
 from . import fp8, ops
 from .buffer import Buffer
 from .config import Config
+from .errors import BadExpertIdError, CommTimeoutError, PeersLostError
 from .types import (
     DispatchHandle,
     DispatchLayout,
@@ -24,7 +25,6 @@ _LAZY = {
     "TopKRouter": "moe_ep.router",
     "RouterOutput": "moe_ep.router",
     "MoE": "moe_ep.layer",
-    "CommTimeoutError": "moe_ep.errors",
 }
 
 
@@ -40,6 +40,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "Buffer", "Config", "DispatchHandle", "DispatchLayout", "DispatchResult", "EventHandle", "LowLatencyCombineResult",
-    "LowLatencyDispatchResult", "LowLatencyHandle", "fp8", "ops", *_LAZY,
+    "BadExpertIdError", "Buffer", "CommTimeoutError", "Config", "DispatchHandle", "DispatchLayout", "DispatchResult",
+    "EventHandle", "LowLatencyCombineResult", "LowLatencyDispatchResult", "LowLatencyHandle", "PeersLostError", "fp8",
+    "ops", *_LAZY,
 ]

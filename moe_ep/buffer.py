@@ -13,6 +13,7 @@ import torch.distributed as dist
 from . import _native, topology
 from .backends.base import Backend, BufferConfig
 from .config import DEFAULT_NUM_SMS, PER_BUFFER, Config
+from .errors import BadExpertIdError
 from .types import (
     DispatchHandle,
     DispatchLayout,
@@ -392,7 +393,7 @@ class Buffer:
         lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
         if lo >= -1 and hi < cfg.num_experts:
             return topk_idx, None
-        error = ValueError(f"topk_idx values must lie in [-1, {cfg.num_experts}), got min {lo} and max {hi}")
+        error = BadExpertIdError(f"topk_idx values must lie in [-1, {cfg.num_experts}), got min {lo} and max {hi}")
         return torch.where((topk_idx >= -1) & (topk_idx < cfg.num_experts), topk_idx, -1), error
 
     def _check_weights(self, topk_weights: object, n: int) -> torch.Tensor:

@@ -23,3 +23,11 @@ class CommTimeoutError(RuntimeError):
 
     def __reduce__(self):
         return CommTimeoutError, (self.rank, self.peer, self.phase, self.timeout_s)
+
+
+class BadExpertIdError(ValueError):
+    """An expert id outside [-1, num_experts) in topk_idx; the call treated it as -1."""
+
+
+class PeersLostError(RuntimeError):
+    """NVSHMEM in this process lost its peers (one went silent): it cannot be finalized or started again."""

@@ -291,5 +291,5 @@ def test_bad_expert_ids_raise_in_the_call() -> None:
     for step, bad in enumerate((E + 5, -7, (1 << 32) + 3)):
         assert seen[(0, f"bad{step}")][0] == "none"  # rank 0's inputs were fine; it got rank 1's other rows
         kind, msg = seen[(1, f"bad{step}")]
-        assert kind == "ValueError" and f"topk_idx[3, 2] = {bad}" in msg, msg
+        assert kind == "BadExpertIdError" and f"topk_idx[3, 2] = {bad}" in msg, msg
         assert seen[(0, f"after{step}")] and seen[(1, f"after{step}")]

@@ -27,11 +27,11 @@ import torch
 from .. import _native
 from ..types import DispatchHandle, DispatchResult
 from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result
+from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
     from .symmetric import ErrorWatch, NvshmemSession
 
-HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding of the one allocation
 # Outside worst-case mode, outputs of R * T rows up to this size are allocated before the counts are
 # known, so the dispatch kernel starts without waiting for the host.
 EAGER_OUTPUT_BYTES = 1 << 30
@@ -69,7 +69,7 @@ def workspace_plan(cfg: BufferConfig) -> tuple[int, int]:
 
 def heap_bytes(cfg: BufferConfig) -> int:
     """Symmetric heap this engine allocates."""
-    return workspace_plan(cfg)[1] + HEAP_SLACK
+    return workspace_plan(cfg)[1] + ALLOCATION_SLACK_BYTES  # one allocation
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:

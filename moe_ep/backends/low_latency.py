@@ -26,12 +26,12 @@ import torch
 from .. import _native
 from ..types import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
 from .base import BufferConfig
+from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
     from .symmetric import ErrorWatch, NvshmemSession, SymmetricTensor
 
 ALIGN = 256
-HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding of this one allocation
 # Per-expert kernels: P = clamp(PER_EXPERT_GRID // E_l, 1, MAX_BLOCKS_PER_EXPERT) blocks per expert, about
 # two blocks per SM on an H200 (one wave). From the Buffer's dimensions only, never the local GPU: every
 # rank must launch the same combine send grid, since peers count its blocks.
@@ -126,11 +126,9 @@ class _Hook:
 
 class LowLatencyEngine:
     """Runs the low-latency kernels of one Buffer; owns its symmetric region (staging and signal
-    words) and output sets. `signals` (the Buffer's comm.h signal array, at most 8 sources per slot)
-    is not used: the low-latency signal words live in the region, R per slot, for any R."""
+    words, R per slot for any R: not the Buffer's comm.h signal array) and output sets."""
 
-    def __init__(self, cfg: BufferConfig, session: NvshmemSession, signals: SymmetricTensor,
-                 epochs: torch.Tensor, error: ErrorWatch) -> None:
+    def __init__(self, cfg: BufferConfig, session: NvshmemSession, epochs: torch.Tensor, error: ErrorWatch) -> None:
         self.cfg = cfg
         self._session = session
         self._epochs, self._error = epochs, error  # kept alive: the kernels use them
@@ -172,7 +170,7 @@ class LowLatencyEngine:
     @staticmethod
     def heap_bytes(cfg: BufferConfig) -> int:
         """Symmetric heap bytes this engine allocates for `cfg` (call before acquiring the session)."""
-        return SymmetricLayout.of(cfg).total + HEAP_SLACK
+        return SymmetricLayout.of(cfg).total + ALLOCATION_SLACK_BYTES  # one allocation
 
     def _begin(self, kind: str) -> int:
         """Checks for a recorded kernel timeout and an unfinished hook; returns the current stream.

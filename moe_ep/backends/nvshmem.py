@@ -32,9 +32,8 @@ from ..config import Config
 from .base import Backend, BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result, record_event
 from . import internode
 from .internode import InternodeEngine
-from .symmetric import NvshmemSession
+from .symmetric import ALLOCATION_SLACK_BYTES, NvshmemSession
 
-HEAP_SLACK = 2 << 20  # room for the symmetric allocator's rounding, per allocation
 NUM_ALLOCATIONS = 3  # signals, workspace, row flags
 
 
@@ -63,11 +62,11 @@ class NvshmemBackend(Backend):
         r, e = cfg.world_size, cfg.num_experts
         t = cfg.max_tokens_per_rank
         if cfg.hierarchical:
-            heap_bytes = native.SIGNAL_WORDS * 8 + HEAP_SLACK + internode.heap_bytes(cfg)
+            heap_bytes = native.SIGNAL_WORDS * 8 + ALLOCATION_SLACK_BYTES + internode.heap_bytes(cfg)
         else:
             workspace_bytes = native.intranode_workspace_bytes(r, t, cfg.hidden, cfg.num_topk, e)
             row_flags_shape = (2, r, t)  # [dispatch | combine][source][row] uint64 (kernels/intranode.h)
-            heap_bytes = workspace_bytes + (native.SIGNAL_WORDS + 2 * r * t) * 8 + NUM_ALLOCATIONS * HEAP_SLACK
+            heap_bytes = workspace_bytes + (native.SIGNAL_WORDS + 2 * r * t) * 8 + NUM_ALLOCATIONS * ALLOCATION_SLACK_BYTES
         engine_cls: Any = None
         if cfg.low_latency:
             from .low_latency import LowLatencyEngine
@@ -92,7 +91,7 @@ class NvshmemBackend(Backend):
             else:
                 self._ctx = self._intranode_context(native, workspace_bytes, row_flags_shape)
             if engine_cls is not None:
-                self._low_latency = engine_cls(cfg, self._session, self._signals, self._epochs, self._error)
+                self._low_latency = engine_cls(cfg, self._session, self._epochs, self._error)
         except BaseException:
             self._session.release()
             raise

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _native, topology
-from ..errors import CommTimeoutError
+from ..errors import BadExpertIdError, CommTimeoutError, PeersLostError
 
 logger = logging.getLogger("moe_ep")
 
@@ -23,6 +23,8 @@ logger = logging.getLogger("moe_ep")
 # the heap is sized as the callers' needs plus this, rounded up to the granularity below.
 HEAP_HEADROOM_BYTES = 256 << 20
 HEAP_GRANULARITY_BYTES = 2 << 20
+# What a caller adds to its heap_bytes per allocation it makes, for the symmetric allocator's rounding.
+ALLOCATION_SLACK_BYTES = 2 << 20
 
 # The NVSHMEM variables that decide how traffic between nodes runs: reported when NVSHMEM starts
 # and by `python -m moe_ep.info`.
@@ -99,8 +101,8 @@ class ErrorWatch:
             token, k, value = state.bad_token, state.bad_k, state.bad_value
             ctypes.memset(self._host_ptr, 0, ctypes.sizeof(_ErrorState))
             bound = f"[-1, {self.num_experts})" if self.num_experts is not None else "[-1, num_experts)"
-            raise ValueError(f"topk_idx[{token}, {k}] = {value}: expert ids must lie in {bound} (the kernels "
-                             "treated it as -1; this call's results are not valid)")
+            raise BadExpertIdError(f"topk_idx[{token}, {k}] = {value}: expert ids must lie in {bound} (the kernels "
+                                   "treated it as -1; this call's results are not valid)")
 
     def close(self) -> None:
         """Frees the ErrorState (once no kernel uses it); later checks are no-ops."""
@@ -228,7 +230,7 @@ class NvshmemSession:
         collective, which would wait for that peer)."""
         heap = cls._heap
         if heap is not None and heap.lost is not None:
-            raise RuntimeError(
+            raise PeersLostError(
                 f"moe_ep: NVSHMEM in this process lost its peers ({heap.lost}); it cannot be finalized or started "
                 "again without every PE, so a native Buffer needs a new process (e.g. torchrun --max-restarts); "
                 "backend='reference' works on a new group")

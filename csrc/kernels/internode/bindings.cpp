@@ -24,9 +24,9 @@ namespace {
 
 Dims make_dims(int rank, int nranks, int ranks_per_node, int max_tokens, int hidden, int num_topk, int num_experts,
                int round_tokens) {
-  if (nranks < 1 || nranks > kMaxRanks || rank < 0 || rank >= nranks)
+  if (nranks < 1 || nranks > kMaxGroupRanks || rank < 0 || rank >= nranks)
     throw std::invalid_argument("InternodeContext: rank " + std::to_string(rank) + " of " + std::to_string(nranks) +
-                                " (at most " + std::to_string(kMaxRanks) + " ranks)");
+                                " (at most " + std::to_string(kMaxGroupRanks) + " ranks)");
   if (ranks_per_node < 1 || ranks_per_node > kMaxLocal || nranks % ranks_per_node != 0)
     throw std::invalid_argument("InternodeContext: ranks_per_node " + std::to_string(ranks_per_node) +
                                 " must divide " + std::to_string(nranks) + " and be at most " +
@@ -143,7 +143,7 @@ std::pair<int, uint64_t> plan(int nranks, int ranks_per_node, int max_tokens, in
 
 void register_internode(py::module_& m) {
   using moe_ep::internode::InternodeContext;
-  m.attr("INTERNODE_MAX_RANKS") = moe_ep::internode::kMaxRanks;
+  m.attr("INTERNODE_MAX_RANKS") = moe_ep::internode::kMaxGroupRanks;
   m.attr("INTERNODE_MAX_RANKS_PER_NODE") = moe_ep::internode::kMaxLocal;
   m.attr("INTERNODE_MAX_CHANNELS") = moe_ep::internode::kMaxChannels;
   m.attr("INTERNODE_NUM_EPOCHS") = moe_ep::internode::kEpochCounters;

@@ -89,7 +89,7 @@ __device__ __forceinline__ int lower_bound(const int* src_index, int lo, int hi,
 
 __global__ void __launch_bounds__(kThreads, 1)
 combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ CombineArgs a) {
-  __shared__ int row_begin[kMaxRanks], row_end[kMaxRanks];
+  __shared__ int row_begin[kMaxGroupRanks], row_end[kMaxGroupRanks];
   const Comm& comm = ctx.comm;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = comm.nranks, L = ctx.dims.local, Nn = ctx.nodes(), n = ctx.node(), l = ctx.local();

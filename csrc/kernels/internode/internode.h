@@ -69,7 +69,7 @@ namespace moe_ep {
 namespace internode {
 
 constexpr int kMaxLocal = 8;     // ranks per node, at most
-constexpr int kMaxRanks = 1024;  // R, at most
+constexpr int kMaxGroupRanks = 1024;  // R, at most (moe_ep::kMaxRanks = 8 bounds a comm.h signal array, not this path)
 constexpr int kMaxTopk = 16;
 constexpr int kMaxChannels = 64;  // Q (the grid of a dispatch or combine), at most
 // Device int64 counters: [0] notify calls, [1] dispatch rounds, [2] combine rounds, [3] combine calls,
