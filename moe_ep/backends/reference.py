@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
@@ -53,6 +54,15 @@ def _unpack(rows: torch.Tensor, specs: list[tuple[int, torch.dtype, tuple[int, .
         out.append(part.view(dtype).reshape(rows.shape[0], *shape))
         col += nbytes
     return out
+
+
+@dataclass(frozen=True)
+class ReferenceDispatchState:
+    """Backend-private part of a DispatchHandle made by the reference backend (the native backends'
+    are DispatchState and NodeDispatchState): what combine and a cached dispatch reuse."""
+
+    recv_counts: list[int]  # rows received from each rank (worst-case mode too)
+    tokens_per_expert: list[int]  # raw received rows per local expert
 
 
 class ReferenceBackend(Backend):
@@ -152,7 +162,7 @@ class ReferenceBackend(Backend):
         )
         if cached:
             recv_topk, recv_weights = None, None
-            tokens_per_expert_raw = handle.state["tokens_per_expert_raw"]
+            tokens_per_expert_raw = handle.state.tokens_per_expert
         else:
             recv_topk = self._local_ids(got[0])
             recv_weights = torch.where(recv_topk >= 0, got[1], torch.zeros_like(got[1]))
@@ -192,7 +202,7 @@ class ReferenceBackend(Backend):
             src_rank=recv_rank,
             src_index=recv_src_index,
             worst_case=worst_case,
-            state={"recv_counts": recv_counts, "tokens_per_expert_raw": tokens_per_expert_raw},
+            state=ReferenceDispatchState(recv_counts, tokens_per_expert_raw),
         )
         return DispatchResult(
             x=recv_x,
@@ -210,7 +220,7 @@ class ReferenceBackend(Backend):
     def combine(self, x, handle, *, topk_weights, num_sms, knobs, previous_event, async_op):
         if previous_event is not None:
             previous_event.wait()
-        recv_counts = handle.state["recv_counts"]
+        recv_counts = handle.state.recv_counts
         parts = [x] if topk_weights is None else [x, topk_weights]
         if handle.worst_case:
             valid = handle.src_rank >= 0
