@@ -15,6 +15,8 @@ mode=None picks low-latency when the Buffer has it, autograd is off and no rank 
 under CUDA-graph capture or torch.compile).
 
 Communication goes through the moe_ep custom ops (moe_ep.ops), so torch.compile traces the layer.
+Overlap of communication with computation (chunked normal mode, the shared expert behind the first
+dispatch, the start/finish decode API) lives in moe_ep.overlap.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd, fp8, ops
+from . import autograd, fp8, ops, overlap
 from .buffer import Buffer
 from .experts import GroupedExperts
 from .router import RouterOutput, TopKRouter
@@ -66,6 +68,14 @@ class MoE(nn.Module):
     (static shapes, no wait for the counts: torch.compile without graph breaks, CUDA graphs).
     recompute_swiglu=True: normal mode's experts recompute their SwiGLU activation (and their
     expert-sorted copy of the rows) in backward instead of keeping it (docs/api.md says what is kept).
+    overlap_chunks=C: normal mode splits a forward's tokens into C chunks; on GPUs the experts of chunk i
+    run on the caller's stream while dispatch i+1 and combine i-1 run on the Buffer's communication
+    stream, forward and backward (moe_ep.overlap). Every rank must pass the same C: the first
+    normal-mode forward checks it (one all_gather_object) and raises ValueError on every rank when
+    they differ. SM budget: each dispatch and combine gets the Buffer's num_sms (every call of the
+    Buffer runs on that one stream, so communication never holds more); the experts' kernels take
+    the remaining SMs. With C chunks a forward may hold up to C * max_tokens_per_rank tokens per rank.
+    The shared expert, when present, runs while the first dispatch is in flight.
     """
 
     def __init__(self, buffer: Buffer, ffn_hidden: int, *, score_func: str = "softmax", num_groups: int = 1,
@@ -73,14 +83,19 @@ class MoE(nn.Module):
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, expert_bias: bool = False,
                  bias_update_rate: float = 1e-3, capacity_factor: Optional[float] = None,
                  shared_ffn_hidden: int = 0, low_latency_max_tokens: int = 128, low_latency_fp8: bool = False,
-                 worst_case: bool = False, dtype: Optional[torch.dtype] = None, recompute_swiglu: bool = False) -> None:
+                 worst_case: bool = False, dtype: Optional[torch.dtype] = None, recompute_swiglu: bool = False,
+                 overlap_chunks: int = 1) -> None:
         super().__init__()
         cfg = buffer.cfg
+        if not isinstance(overlap_chunks, int) or isinstance(overlap_chunks, bool) or overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks must be a positive int, got {overlap_chunks!r}")
         if low_latency_fp8 and cfg.hidden % fp8.BLOCK != 0:
             raise ValueError(f"low_latency_fp8 needs hidden to be a multiple of {fp8.BLOCK}, got {cfg.hidden}")
         self.buffer = buffer
         self.buffer_id = ops.register(buffer)
         self.worst_case = worst_case
+        self.overlap_chunks = overlap_chunks
+        self._chunks_checked = cfg.world_size == 1
         self.hidden, self.num_experts, self.top_k = cfg.hidden, cfg.num_experts, cfg.num_topk
         self.low_latency_max_tokens = low_latency_max_tokens
         self.low_latency_fp8 = low_latency_fp8
@@ -116,11 +131,23 @@ class MoE(nn.Module):
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=cfg.group)
         return "low_latency" if int(most.item()) <= self.low_latency_max_tokens else "normal"
 
-    def _normal(self, x: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
-        d = autograd.dispatch(self.buffer, x.to(torch.bfloat16).contiguous(), routing.topk_idx,
-                              routing.topk_weights, worst_case=self.worst_case)
-        y = self._static_experts(d) if self.worst_case else _sparse_experts(self.experts, d)
-        return autograd.combine(y.to(torch.bfloat16), d.ref)
+    def run_experts(self, d: autograd.Dispatched) -> torch.Tensor:
+        """Normal mode's local experts over one dispatch's rows -> [M, H] weighted sums, float."""
+        return self._static_experts(d) if self.worst_case else _sparse_experts(self.experts, d)
+
+    def shared_forward(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """The shared expert over tokens [N, H] in its weights' dtype, or None without one."""
+        return None if self.shared is None else self.shared(tokens.to(self.shared.w1.weight.dtype))
+
+    def _check_chunks(self) -> None:
+        """Once, at the first eager normal-mode forward: every rank uses the same overlap_chunks."""
+        if self._chunks_checked or torch.compiler.is_compiling():
+            return
+        if self.buffer.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("run one normal-mode forward of this MoE before capturing a CUDA graph: the first "
+                               "forward checks (collectively) that every rank uses the same overlap_chunks")
+        overlap.check_chunks(self.buffer, self.overlap_chunks)
+        self._chunks_checked = True
 
     def _static_experts(self, d: autograd.Dispatched) -> torch.Tensor:
         """Worst-case mode's experts, free of data-dependent shapes (torch.compile, CUDA graphs):
@@ -135,10 +162,15 @@ class MoE(nn.Module):
             out = out + w.unsqueeze(1) * y[e]
         return out
 
-    def _low_latency(self, x: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+    @staticmethod
+    def _check_no_grad(x: torch.Tensor, routing: RouterOutput) -> None:
         if torch.is_grad_enabled() and (x.requires_grad or routing.topk_weights.requires_grad):
             raise RuntimeError("low-latency mode has no backward: run it under torch.no_grad() "
                                "or use mode='normal'")
+
+    def _low_latency(self, x: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+        """Low-latency mode through the custom ops (what torch.compile traces; no receive hooks)."""
+        self._check_no_grad(x, routing)
         recv, scales, _count, handle = ops.low_latency_dispatch(
             x.to(torch.bfloat16).contiguous(), routing.topk_idx, self.buffer_id, self.low_latency_fp8, False)
         rows = fp8.dequantize(recv, scales) if self.low_latency_fp8 else recv
@@ -149,6 +181,32 @@ class MoE(nn.Module):
         """Route, dispatch, run the local experts, combine; plus the shared expert when present."""
         if mode is not None and mode not in MODES:
             raise ValueError(f"mode must be one of {MODES} or None, got {mode!r}")
+        tokens, routing = self._route(x)
+        mode = mode or self._pick_mode(tokens.shape[0])
+        if mode == "low_latency":
+            if not torch.compiler.is_compiling():
+                self._check_no_grad(tokens, routing)
+                return overlap.start(self, x, tokens, routing).finish()
+            out, shared = self._low_latency(tokens, routing), self.shared_forward(tokens)
+        else:
+            self._check_chunks()
+            out, shared = overlap.chunked(self, tokens, routing, lambda: self.shared_forward(tokens))
+        out = out.to(x.dtype)
+        if shared is not None:
+            out = out + shared.to(x.dtype)
+        return out.view(x.shape)
+
+    def start(self, x: torch.Tensor) -> overlap.PendingMoE:
+        """Decode, phase one of a low-latency step (moe_ep.overlap.PendingMoE): route x [..., H], send its
+        tokens to their experts and run the shared expert; `.compute()` and `.finish()` do the rest, so
+        another micro-batch's work can run between the phases. Needs a Buffer with low_latency=True
+        and autograd off (or x without grad); every rank calls each phase, in the same order."""
+        tokens, routing = self._route(x)
+        self._check_no_grad(tokens, routing)
+        return overlap.start(self, x, tokens, routing)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
+        """x [..., H] as tokens [N, H] and their routing (kept in last_routing, counted in expert_load)."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"x must have {self.hidden} features in its last dimension, got {list(x.shape)}")
         tokens = x.reshape(-1, self.hidden)
@@ -156,12 +214,7 @@ class MoE(nn.Module):
         self.last_routing = routing
         if self.training and self.expert_load is not None:
             self.expert_load += routing.tokens_per_expert
-        mode = mode or self._pick_mode(tokens.shape[0])
-        out = self._low_latency(tokens, routing) if mode == "low_latency" else self._normal(tokens, routing)
-        out = out.to(x.dtype)
-        if self.shared is not None:
-            out = out + self.shared(tokens.to(self.shared.w1.weight.dtype)).to(x.dtype)
-        return out.view(x.shape)
+        return tokens, routing
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:

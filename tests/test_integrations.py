@@ -22,6 +22,7 @@ import moe_ep.deep_ep
 from moe_ep import fp8
 from tests._dist import run_workers
 from tests.test_compile import same_bits
+from tests.test_overlap import _one_call as one_call
 from tests.oracle import Inputs, expected_combine, expected_dispatch, expected_low_latency_combine, make_inputs
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
@@ -215,6 +216,18 @@ def _check_compile(code: str, inp: Inputs, me: int, buffer: moe_ep.Buffer) -> No
         same_bits(ns["y_decode"], moe(x, mode="low_latency"), "compiled low-latency forward")
 
 
+def _check_decode_overlap(code: str, inp: Inputs, me: int, buffer: moe_ep.Buffer) -> None:
+    """The two micro-batches against the same layer's one-call low-latency path (the custom ops, no
+    receive hooks), bit for bit; tests/test_overlap.py checks that against the dense MoE."""
+    x_a, x_b = inp.x[me].float(), inp.x[1 - me][: 5 + me].float()
+    torch.manual_seed(0)  # the same replicated weights on every rank
+    ns = _run(code, buffer=buffer, x_a=x_a, x_b=x_b, attention=torch.tanh)
+    moe = ns["moe"]
+    with torch.no_grad():
+        for got, x, what in ((ns["y_a"], x_a, "A"), (ns["y_b"], torch.tanh(x_b), "B")):
+            same_bits(got, one_call(moe, x), f"decode micro-batch {what}")
+
+
 CHECKS = {
     "deep_ep": _check_deep_ep,
     "deep_ep_alias": _check_deep_ep_alias,
@@ -222,6 +235,7 @@ CHECKS = {
     "prepare_finalize_low_latency": _check_prepare_finalize_low_latency,
     "megatron": _check_megatron,
     "compile": _check_compile,
+    "decode_overlap": _check_decode_overlap,
 }
 
 

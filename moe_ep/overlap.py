@@ -1,0 +1,226 @@
+"""Communication overlapped with computation inside moe_ep.MoE (docs/api.md, "Overlap").
+
+Normal mode (`chunked`): a forward's tokens are split into C chunks. Every Buffer call runs on one
+communication stream per Buffer, the router, experts and shared expert on the caller's (compute)
+stream, and CUDA events order the two: the experts of chunk i wait for dispatch i, combine i waits
+for experts i. The host issues dispatch i+1, then experts i, then combine i-1, so on the device the
+experts of chunk i run while dispatch i+1 and combine i-1 move rows (the host's own waits — the
+counts of an exact-size dispatch, the experts' pair count — fall where the device is busy anyway).
+Backward is per-chunk autograd: each backward op runs on its forward op's stream, so every cached
+dispatch and combine of the backward lands on the communication stream too, the experts' backward
+on the compute stream, and autograd's engine adds the events (and record_stream) between them; the
+backward has no host sync, so it pipelines the same way without a hand-written Function, and every
+rank issues its calls in the same order (the engine orders ready nodes by creation, the same graph
+on every rank). On the CPU there are no streams: the same chunks run one after another.
+
+Decode (`PendingMoE`): low-latency calls with receive hooks split a step into start / compute /
+finish so that another micro-batch's work runs while this one's rows travel, with no host sync.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import autograd, fp8
+from .buffer import Buffer
+from .router import RouterOutput
+from .types import LowLatencyCombineResult, LowLatencyDispatchResult
+
+if TYPE_CHECKING:
+    from .layer import MoE
+
+_comm_streams: "weakref.WeakKeyDictionary[Buffer, torch.cuda.Stream]" = weakref.WeakKeyDictionary()
+
+
+def check_chunks(buffer: Buffer, chunks: int) -> None:
+    """Collective (one all_gather_object over the Buffer's group): ValueError on every rank, naming
+    each rank's value, unless all ranks use the same overlap_chunks (it sets the number of calls)."""
+    everyone: list[Optional[int]] = [None] * buffer.cfg.world_size
+    dist.all_gather_object(everyone, chunks, group=buffer.cfg.group)
+    if any(c != chunks for c in everyone):
+        raise ValueError("every rank must build its MoE with the same overlap_chunks (it sets how many dispatch and "
+                         "combine calls a forward makes); got " + ", ".join(f"{c} on rank {r}" for r, c in enumerate(everyone)))
+
+
+class _Streams:
+    """The compute (current) stream, the Buffer's communication stream and the events between them;
+    on the CPU, and while torch.compile traces, both streams are None and every method a no-op."""
+
+    def __init__(self, buffer: Buffer) -> None:
+        self.compute: Optional[torch.cuda.Stream] = None
+        self.comm: Optional[torch.cuda.Stream] = None
+        if buffer.device.type == "cuda" and not torch.compiler.is_compiling():
+            self.compute = torch.cuda.current_stream(buffer.device)
+            if buffer not in _comm_streams:
+                _comm_streams[buffer] = torch.cuda.Stream(buffer.device)
+            self.comm = _comm_streams[buffer]
+
+    def mark(self, comm: bool = False) -> Optional[torch.cuda.Event]:
+        """An event after the work so far of the compute stream (or of the communication stream)."""
+        stream = self.comm if comm else self.compute
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    @contextlib.contextmanager
+    def on_comm(self, after: Optional[torch.cuda.Event], *inputs: torch.Tensor) -> Iterator[None]:
+        """Run the block on the communication stream once `after` completed; `inputs` (made on the
+        compute stream) stay allocated until the block's kernels are done with them."""
+        if self.comm is None:
+            yield
+            return
+        self.comm.wait_event(after)
+        for t in inputs:
+            t.record_stream(self.comm)
+        with torch.cuda.stream(self.comm):
+            yield
+
+    def wait(self, event: Optional[torch.cuda.Event], *outputs: torch.Tensor) -> None:
+        """The compute stream waits for `event` (communication), whose `outputs` it then reads."""
+        if self.compute is None:
+            return
+        self.compute.wait_event(event)
+        for t in outputs:
+            t.record_stream(self.compute)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """A chunk of several as the Buffer takes it: contiguous from a 16-byte aligned address (a copy when
+    it starts inside a row block, and always while torch.compile traces, which cannot read addresses)."""
+    if not torch.compiler.is_compiling() and t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def chunked(moe: "MoE", tokens: torch.Tensor, routing: RouterOutput,
+            shared: Optional[Callable[[], torch.Tensor]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Normal mode over moe.overlap_chunks chunks of `tokens` [N, H]: (routed output [N, H] bf16, the
+    shared expert's output or None). Chunk c holds rows tensor_split(N, C)[c]; every rank makes C
+    dispatches and C combines whatever its N (a rank without tokens sends empty chunks)."""
+    streams = _Streams(moe.buffer)
+    c = moe.overlap_chunks
+    x = tokens.to(torch.bfloat16).contiguous()
+    xs, idx, w = x.tensor_split(c), routing.topk_idx.tensor_split(c), routing.topk_weights.tensor_split(c)
+    routed = streams.mark()  # dispatches wait for the router only, not for the shared expert or experts
+    sent: list[Optional[autograd.Dispatched]] = [None] * c
+    arrived: list[Optional[torch.cuda.Event]] = [None] * c
+    rows: list[Optional[torch.Tensor]] = [None] * c
+    outs: list[Optional[torch.Tensor]] = [None] * c
+
+    def send(i: int) -> None:
+        with streams.on_comm(routed, x, routing.topk_idx, routing.topk_weights):
+            part = (lambda t: t) if c == 1 else _aligned  # C = 1: the tensors themselves, as before chunking
+            sent[i] = autograd.dispatch(moe.buffer, part(xs[i]), part(idx[i]), part(w[i]), worst_case=moe.worst_case)
+        arrived[i] = streams.mark(comm=True)
+
+    def back(i: int) -> None:
+        with streams.on_comm(streams.mark(), rows[i]):
+            outs[i] = autograd.combine(rows[i], sent[i].ref)
+
+    shared_out = shared() if shared is not None else None  # queued first: it runs while dispatch 0 moves rows
+    send(0)
+    for i in range(c):
+        if i + 1 < c:
+            send(i + 1)
+        d = sent[i]
+        streams.wait(arrived[i], d.x, d.topk_idx, d.topk_weights, d.tokens_per_expert, d.src_rank)
+        rows[i] = moe.run_experts(d).to(torch.bfloat16)
+        if i > 0:
+            back(i - 1)
+    back(c - 1)
+    streams.wait(streams.mark(comm=True), *outs)
+    return (outs[0] if c == 1 else torch.cat(outs)), shared_out
+
+
+# ---- decode: start / compute / finish --------------------------------------------------------------
+_open_hooks: dict[int, dict[str, "PendingMoE"]] = {}  # buffer_id -> kind -> the micro-batch whose receive is due
+
+
+def _claim(buffer: Buffer, kind: str, pending: "PendingMoE") -> None:
+    """A micro-batch sends its `kind` ("dispatch" or "combine") half: the previous one's receive of the
+    same kind must have run (the native kernels reuse the buffers; this makes every backend say so)."""
+    open_ = _open_hooks.setdefault(buffer.cfg.buffer_id, {})
+    if kind in open_:
+        step = "compute() (or finish())" if kind == "dispatch" else "finish()"
+        raise RuntimeError(f"a micro-batch's low-latency {kind} is still in flight on this Buffer: call its "
+                           f"{step} before starting the {kind} of another")
+    open_[kind] = pending
+
+
+def _release(buffer: Buffer, kind: str) -> None:
+    _open_hooks.get(buffer.cfg.buffer_id, {}).pop(kind, None)
+
+
+@dataclass
+class PendingMoE:
+    """One micro-batch of a low-latency MoE step between its phases (MoE.start).
+
+    start():   router; low_latency_dispatch send half; the shared expert (while the tokens travel).
+    compute(): dispatch receive; the experts; low_latency_combine send half.
+    finish():  compute() if not done; combine receive; + shared expert -> [..., H] in x's dtype.
+    No host sync in any phase on the native backend (CUDA-graph capturable); all three on the
+    caller's stream, as the low-latency calls of one Buffer must be.
+    """
+
+    moe: "MoE"
+    shape: torch.Size
+    dtype: torch.dtype
+    routing: RouterOutput
+    dispatched: LowLatencyDispatchResult
+    shared: Optional[torch.Tensor]
+    combined: Optional[LowLatencyCombineResult] = None
+    done: bool = False
+
+    def compute(self) -> "PendingMoE":
+        """Receive this micro-batch's rows, run the local experts, send their outputs back."""
+        if self.combined is not None or self.done:
+            raise RuntimeError("compute() already ran for this micro-batch")
+        moe, d = self.moe, self.dispatched
+        _claim(moe.buffer, "combine", self)
+        try:
+            d.hook()
+        finally:
+            _release(moe.buffer, "dispatch")
+        recv = fp8.dequantize(d.x, d.x_scales) if moe.low_latency_fp8 else d.x
+        y = moe.experts.forward_padded(recv).to(torch.bfloat16)
+        self.combined = moe.buffer.low_latency_combine(y, self.routing.topk_idx, self.routing.topk_weights,
+                                                       d.handle, return_recv_hook=True)
+        return self
+
+    def finish(self) -> torch.Tensor:
+        """Receive the combined outputs; the layer's output for this micro-batch."""
+        if self.done:
+            raise RuntimeError("finish() already ran for this micro-batch")
+        if self.combined is None:
+            self.compute()
+        self.done = True
+        try:
+            self.combined.hook()
+        finally:
+            _release(self.moe.buffer, "combine")
+        out = self.combined.x.to(self.dtype)
+        if self.shared is not None:
+            out = out + self.shared.to(self.dtype)
+        return out.view(self.shape)
+
+
+def start(moe: "MoE", x: torch.Tensor, tokens: torch.Tensor, routing: RouterOutput) -> PendingMoE:
+    """Send a micro-batch's tokens (low-latency dispatch, send half), then run the shared expert."""
+    pending = PendingMoE(moe, x.shape, x.dtype, routing, None, None)  # type: ignore[arg-type]
+    _claim(moe.buffer, "dispatch", pending)
+    try:
+        pending.dispatched = moe.buffer.low_latency_dispatch(
+            tokens.to(torch.bfloat16).contiguous(), routing.topk_idx, use_fp8=moe.low_latency_fp8,
+            return_recv_hook=True)
+    except BaseException:
+        _release(moe.buffer, "dispatch")
+        raise
+    pending.shared = moe.shared_forward(tokens)
+    return pending
