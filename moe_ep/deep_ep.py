@@ -238,9 +238,12 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """moe_ep's low-latency symmetric memory for these shapes at top-k 16 (an upper bound): two sets
-        of a payload and a meta row per (source, slot), and of a bf16 row per (slot, top-k)."""
+        """moe_ep's low-latency symmetric region for these shapes at top-k 16 on one node (an upper bound
+        there; its owner: csrc/kernels/low_latency.h region_layout), or, without moe_ep._C, its two
+        staging sets: a payload and a meta row per (source, slot), a bf16 row per (slot, top-k)."""
         t = num_max_dispatch_tokens_per_rank
+        if _native.available()[0]:
+            return _native.load().ll_region_layout(num_ranks, t, hidden, NORMAL_TOPK, 0)["total"]
         return 2 * num_ranks * t * (2 * hidden + _native.constant("LL_META_BYTES")) + 4 * t * NORMAL_TOPK * hidden
 
     @staticmethod

@@ -267,3 +267,20 @@ def test_constant_from_the_module_else_the_fallback(monkeypatch: pytest.MonkeyPa
     assert _native.constant("MAX_TOPK") == _native.FALLBACK_CONSTANTS["MAX_TOPK"]
     monkeypatch.setattr(_native, "_load", lambda: "moe_ep._C is not built")  # no _C at all
     assert _native.constant("MAX_TOPK") == _native.FALLBACK_CONSTANTS["MAX_TOPK"]
+
+
+@needs_native
+def test_low_latency_region_layout_is_csrc_s() -> None:
+    """The low-latency region as low_latency.h's comment lays it out, worked by hand for R=4, T=3, H=128,
+    K=2 on 2 nodes (P * E_l = 5 scratch blocks): areas in order, each 256-byte aligned."""
+    got = _native.load().ll_region_layout(4, 3, 128, 2, 5)
+    payload = 2 * 4 * 3 * 2 * 128  # [2][R][T][2H] bytes = 6144
+    meta = 2 * 4 * 3 * 48  # [2][R][T][48] = 1152 -> next 256: 6144 + 1152 = 7296 -> 7424
+    combine = 2 * 3 * 2 * 128 * 2  # [2][T][K][H] bf16 = 3072
+    scratch = 5 * 8 * 128 * 2  # [P * E_l][8][H] bf16 = 10240
+    assert got == {"dispatch_payload": 0, "dispatch_meta": payload, "combine_payload": 7424,
+                   "combine_scratch": 7424 + combine, "signals": 7424 + combine + scratch,
+                   "total": 7424 + combine + scratch + 256}  # 6 * 4 * 8 = 192 signal bytes -> 256
+    assert meta == 7296 - payload
+    with pytest.raises(ValueError, match="sizes must be positive"):
+        _native.load().ll_region_layout(0, 3, 128, 2, 0)

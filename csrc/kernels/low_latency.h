@@ -11,9 +11,10 @@
 // every byte between two GPUs of one machine through the network code. Any R (nothing is sized by
 // a per-peer array except the node's at most kMaxNodeRanks peers).
 //
-// Symmetric region (one allocation, same layout on every rank; byte offsets chosen by
-// moe_ep/backends/low_latency.py and passed in LowLatencyParams). The staging areas have two sets,
-// picked by the parity of the call's device-side epoch:
+// Symmetric region (one allocation, same layout on every rank; byte offsets from region_layout
+// below, which moe_ep/backends/low_latency.py reads through moe_ep._C and passes back in
+// LowLatencyParams). The staging areas have two sets, picked by the parity of the call's device-side
+// epoch:
 //   dispatch payload [2][R src][T][2H bytes]  bf16 row, or e4m3 row (H bytes) then H/128 float scales
 //   dispatch meta    [2][R src][T][48 bytes]  the token's global expert id per k as int16 (-1 past K
 //                                             or for topk id -1), 16 of them, then the low 32 bits of
@@ -37,6 +38,27 @@ constexpr int kMetaEntries = 16;  // int16 expert ids per staged token (num_topk
 constexpr int kMetaBytes = 48;    // one meta row: 16 int16 ids, uint32 epoch tag, padding
 constexpr int kScratchRows = 8;   // combine scratch rows per send block (several nodes)
 constexpr int kNumSignals = 6;    // signal words per source rank
+constexpr uint64_t kRegionAlign = 256;  // every area of the region starts at a multiple of this
+
+// Byte offsets of the region's areas (and its size), in the order of the comment above.
+struct RegionLayout {
+  uint64_t dispatch_payload, dispatch_meta, combine_payload, combine_scratch, signals, total;
+};
+
+// The region of a Buffer with R ranks, T tokens per rank, hidden H and top-k K; scratch_blocks is
+// the combine send grid (P * E_l) when the group spans several nodes, else 0.
+inline RegionLayout region_layout(int nranks, int max_tokens, int hidden, int num_topk, int scratch_blocks) {
+  const auto align = [](uint64_t n) { return (n + kRegionAlign - 1) / kRegionAlign * kRegionAlign; };
+  const uint64_t r = nranks, t = max_tokens, h = hidden, k = num_topk;
+  RegionLayout l{};
+  l.dispatch_payload = 0;
+  l.dispatch_meta = align(2 * r * t * 2 * h);
+  l.combine_payload = align(l.dispatch_meta + 2 * r * t * kMetaBytes);
+  l.combine_scratch = align(l.combine_payload + 2 * t * k * h * 2);
+  l.signals = align(l.combine_scratch + static_cast<uint64_t>(scratch_blocks) * kScratchRows * h * 2);
+  l.total = align(l.signals + kNumSignals * r * 8);
+  return l;
+}
 
 struct LowLatencyParams {
   // Comm (see csrc/runtime/comm.h)

@@ -65,6 +65,23 @@ LowLatencyParams make_params(int rank, int nranks, int ranks_per_node, int num_l
 }  // namespace
 
 void register_low_latency(py::module_& m) {
+  m.def(
+      "ll_region_layout",
+      [](int nranks, int max_tokens, int hidden, int num_topk, int scratch_blocks) {
+        if (nranks < 1 || max_tokens < 1 || hidden < 1 || num_topk < 1 || scratch_blocks < 0)
+          throw std::invalid_argument("ll_region_layout: sizes must be positive (scratch_blocks >= 0)");
+        const auto l = moe_ep::ll::region_layout(nranks, max_tokens, hidden, num_topk, scratch_blocks);
+        py::dict d;
+        d["dispatch_payload"] = l.dispatch_payload;
+        d["dispatch_meta"] = l.dispatch_meta;
+        d["combine_payload"] = l.combine_payload;
+        d["combine_scratch"] = l.combine_scratch;
+        d["signals"] = l.signals;
+        d["total"] = l.total;
+        return d;
+      },
+      py::arg("nranks"), py::arg("max_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("scratch_blocks"),
+      "Byte offsets of the low-latency symmetric region's areas and its size (kernels/low_latency.h).");
   m.attr("LL_META_BYTES") = moe_ep::ll::kMetaBytes;
   m.attr("LL_SCRATCH_ROWS") = moe_ep::ll::kScratchRows;
   m.attr("LL_NUM_SIGNALS") = moe_ep::ll::kNumSignals;

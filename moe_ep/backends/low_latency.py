@@ -31,16 +31,11 @@ from .symmetric import ALLOCATION_SLACK_BYTES
 if TYPE_CHECKING:
     from .symmetric import ErrorWatch, NvshmemSession, SymmetricTensor
 
-ALIGN = 256
 # Per-expert kernels: P = clamp(PER_EXPERT_GRID // E_l, 1, MAX_BLOCKS_PER_EXPERT) blocks per expert, about
 # two blocks per SM on an H200 (one wave). From the Buffer's dimensions only, never the local GPU: every
 # rank must launch the same combine send grid, since peers count its blocks.
 PER_EXPERT_GRID = 256
 MAX_BLOCKS_PER_EXPERT = 32
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def blocks_per_expert(cfg: BufferConfig) -> int:
@@ -50,7 +45,8 @@ def blocks_per_expert(cfg: BufferConfig) -> int:
 
 @dataclass(frozen=True)
 class SymmetricLayout:
-    """Byte offsets of the areas in the one symmetric allocation (staging areas hold both buffer sets)."""
+    """Byte offsets of the areas in the one symmetric allocation (staging areas hold both buffer sets);
+    csrc/kernels/low_latency.h region_layout owns them."""
 
     dispatch_payload: int  # [2][R][T][2H] bytes: bf16 row, or e4m3 row + H/128 float32 scales
     dispatch_meta: int  # [2][R][T][LL_META_BYTES]: int16 global expert ids, epoch tag
@@ -61,16 +57,10 @@ class SymmetricLayout:
 
     @classmethod
     def of(cls, cfg: BufferConfig) -> "SymmetricLayout":
-        """The sizes of csrc/kernels/low_latency.h (kMetaBytes, kScratchRows, kNumSignals), read from moe_ep._C."""
-        native = _native.load()
-        r, t, h, k = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden, cfg.num_topk
-        meta = _align(2 * r * t * 2 * h)
-        combine = _align(meta + 2 * r * t * native.LL_META_BYTES)
-        scratch = _align(combine + 2 * t * k * h * 2)
-        scratch_rows = (blocks_per_expert(cfg) * cfg.num_local_experts * native.LL_SCRATCH_ROWS
-                        if cfg.num_nodes > 1 else 0)
-        signals = _align(scratch + scratch_rows * h * 2)
-        return cls(0, meta, combine, scratch, signals, _align(signals + native.LL_NUM_SIGNALS * r * 8))
+        """The layout of a Buffer's region, from moe_ep._C."""
+        scratch_blocks = blocks_per_expert(cfg) * cfg.num_local_experts if cfg.num_nodes > 1 else 0
+        return cls(**_native.load().ll_region_layout(cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden,
+                                                     cfg.num_topk, scratch_blocks))
 
 
 @dataclass(frozen=True)
