@@ -75,7 +75,8 @@ class MoE(nn.Module):
     they differ. SM budget: each dispatch and combine gets the Buffer's num_sms (every call of the
     Buffer runs on that one stream, so communication never holds more); the experts' kernels take
     the remaining SMs. With C chunks a forward may hold up to C * max_tokens_per_rank tokens per rank.
-    The shared expert, when present, runs while the first dispatch is in flight.
+    The shared expert, when present, runs while the first dispatch is in flight when C >= 2 (C = 1
+    keeps every kernel on the caller's stream, as before overlap existed) and in decode (start()).
     """
 
     def __init__(self, buffer: Buffer, ffn_hidden: int, *, score_func: str = "softmax", num_groups: int = 1,

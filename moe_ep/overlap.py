@@ -49,12 +49,13 @@ def check_chunks(buffer: Buffer, chunks: int) -> None:
 
 class _Streams:
     """The compute (current) stream, the Buffer's communication stream and the events between them;
-    on the CPU, and while torch.compile traces, both streams are None and every method a no-op."""
+    on the CPU, while torch.compile traces, and when not `enabled`, both streams are None and every
+    method a no-op (everything runs on the caller's stream)."""
 
-    def __init__(self, buffer: Buffer) -> None:
+    def __init__(self, buffer: Buffer, enabled: bool = True) -> None:
         self.compute: Optional[torch.cuda.Stream] = None
         self.comm: Optional[torch.cuda.Stream] = None
-        if buffer.device.type == "cuda" and not torch.compiler.is_compiling():
+        if enabled and buffer.device.type == "cuda" and not torch.compiler.is_compiling():
             self.compute = torch.cuda.current_stream(buffer.device)
             if buffer not in _comm_streams:
                 _comm_streams[buffer] = torch.cuda.Stream(buffer.device)
@@ -103,8 +104,10 @@ def chunked(moe: "MoE", tokens: torch.Tensor, routing: RouterOutput,
             shared: Optional[Callable[[], torch.Tensor]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Normal mode over moe.overlap_chunks chunks of `tokens` [N, H]: (routed output [N, H] bf16, the
     shared expert's output or None). Chunk c holds rows tensor_split(N, C)[c]; every rank makes C
-    dispatches and C combines whatever its N (a rank without tokens sends empty chunks)."""
-    streams = _Streams(moe.buffer)
+    dispatches and C combines whatever its N (a rank without tokens sends empty chunks). C = 1 runs
+    everything on the caller's stream, as the layer did before overlap existed (the shared expert then
+    overlaps nothing); the communication stream serves C >= 2."""
+    streams = _Streams(moe.buffer, enabled=moe.overlap_chunks > 1)
     c = moe.overlap_chunks
     x = tokens.to(torch.bfloat16).contiguous()
     xs, idx, w = x.tensor_split(c), routing.topk_idx.tensor_split(c), routing.topk_weights.tensor_split(c)
