@@ -66,8 +66,9 @@ def _not_built() -> str:
         return f"moe_ep._C is not built completely ({extension.name} is there but {missing}): {REBUILD}"
     nvcc = find_nvcc()
     if nvcc is not None:
-        return (f"moe_ep._C is not built ({missing}) although nvcc is here ({nvcc}): its build failed, or moe_ep "
-                f"was installed before nvcc was; {REBUILD}")
+        return (f"moe_ep._C is not built ({missing}) although nvcc is here ({nvcc}): it was installed with "
+                f"MOE_EP_NATIVE=0 (or --config-settings native=0), its build failed, or moe_ep was installed before "
+                f"nvcc was; {REBUILD}")
     return (f"moe_ep._C is not built ({missing}): the install found no CUDA compiler; reinstall with nvcc on PATH "
             "or CUDA_HOME set")
 
