@@ -4,18 +4,23 @@ On GPUs (NCCL group): N1 (normal mode, native backend at several SM budgets, the
 on NCCL, and raw NCCL all_to_all_single moving the same bytes), L1 (low-latency) and optionally a
 hidden x tokens sweep. Normal and eager low-latency calls are also timed "cold" (right after a
 device sync and a host barrier, so the host's own time counts). The "layer" case times moe_ep.MoE
-forward and backward on the native and the reference backend. With --ranks-per-node K the native
+forward, backward and both (ms and TFLOP/s of the routing it ran) at overlap_chunks 1, 2 and 4 on the
+native and the reference backend, beside (GPU only) the layer's grouped GEMMs alone and a dense bf16
+matmul ceiling, and a decode step of two micro-batches (MoE.start/compute/finish) interleaved and
+in sequence; it runs with one rank too. With --ranks-per-node K the native
 N1 and L1 rows are measured a second time with the group cut into nodes of K ranks (K=1 on one
 machine: every byte between GPUs takes the cross-node kernels' network leg), next to the NVLink
 rows in the same table. Without GPUs (gloo): the reference backend on a small case (and the layer
 case, at sizes given by --layer-*). With --ranks-per-gpu N (or fewer GPUs than ranks) N ranks share
 each GPU over gloo (moe_ep.launch): such rows are labelled "shared GPU", say nothing about links and
-are never drawn against the link limit. Prints a table, writes JSON and a PNG plot (by default to
-~/.local/share/moe_ep/bench/<date>/, not into the folder it runs in).
+are never drawn against the link limit. Prints the Buffers' moe_ep.Config and a table, writes JSON
+(the Config recorded) and a PNG plot (by default to ~/.local/share/moe_ep/bench/<date>/, not into the
+folder it runs in).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -67,6 +72,12 @@ class Row:
     experts: int = 0
     topk: int = 0
     ranks_per_gpu: int = 1  # ranks sharing the GPU (Buffer.ranks_per_gpu): 0 on CPU, above 1 a shared GPU
+    flop: Optional[float] = None  # floating-point operations of the call (layer case), for TFLOP/s
+    config: Optional[dict] = None  # dataclasses.asdict of the Buffer's moe_ep.Config (None: no Buffer)
+
+    @property
+    def tflops(self) -> Optional[float]:
+        return None if self.flop is None else tflops(self.flop, self.call_us)
 
     @property
     def shared_gpu(self) -> bool:
@@ -104,6 +115,30 @@ class LayerShape:
     experts: int = 256
     topk: int = 8
     ffn: int = 2048  # each expert's SwiGLU hidden size
+    decode_tokens: int = 128  # per rank in each of the decode step's two micro-batches
+
+
+OVERLAP_CHUNKS = (1, 2, 4)  # the layer case's MoE(..., overlap_chunks=C), side by side
+
+
+def tflops(flop: float, us: float) -> float:
+    return flop / (us * 1e-6) / 1e12
+
+
+def layer_flop(pairs: int, hidden: int, ffn: int) -> float:
+    """FLOPs of the experts' GEMMs in one forward: gate/up (2 P H 2F) and down (2 P F H) over P
+    (row, local expert) pairs; a backward does twice as many (dX and dW of each GEMM)."""
+    return 6.0 * pairs * hidden * ffn
+
+
+def expert_pairs(buf: Buffer, topk_idx: torch.Tensor) -> int:
+    """The (row, local expert) pairs this rank's experts computed for the routing `topk_idx` [N, K]
+    of every rank (collective: one all_reduce of per-expert counts); dropped slots (-1) count nothing."""
+    cfg = buf.cfg
+    counts = torch.bincount(topk_idx[topk_idx >= 0].reshape(-1), minlength=cfg.num_experts).to(buf.device)
+    dist.all_reduce(counts)
+    first = buf.rank * cfg.num_local_experts
+    return int(counts[first:first + cfg.num_local_experts].sum())
 
 
 class Timer:
@@ -119,8 +154,10 @@ class Timer:
             torch.cuda.synchronize()
         dist.barrier()
 
-    def _run(self, calls: list[Callable[[], object]], cold: bool = False) -> list[list[float]]:
+    def _run(self, calls: list[Callable[[], object]], cold: bool = False,
+             setup: Optional[Callable[[], None]] = None) -> list[list[float]]:
         """Warm up, then time each of `calls` in turn per iteration; returns [iteration][call] us.
+        `setup` (untimed) runs before each iteration, e.g. to set gradients to None.
 
         On GPU, as DeepEP's tests do: no host barrier between iterations (the collective calls
         keep the ranks in step by themselves), the 256 MB flush is enqueued before each iteration,
@@ -130,6 +167,8 @@ class Timer:
         samples = []
         self._align()
         for i in range(self.warmup + self.iters):
+            if setup is not None:
+                setup()
             if self.flush_buf is None:
                 dist.barrier()
                 stamps = [time.perf_counter()]
@@ -154,10 +193,11 @@ class Timer:
             samples = [[a.elapsed_time(b) * 1e3 for a, b in zip(ev, ev[1:])] for ev in samples]
         return samples
 
-    def parts_us(self, calls: list[Callable[[], object]], cold: bool = False) -> list[float]:
-        """Median time of each of `calls` (made in turn every iteration), then of their per-iteration
-        sum; each the maximum over ranks."""
-        samples = self._run(calls, cold)
+    def parts_us(self, calls: list[Callable[[], object]], cold: bool = False,
+                 setup: Optional[Callable[[], None]] = None) -> list[float]:
+        """Median time of each of `calls` (made in turn every iteration, after `setup`), then of their
+        per-iteration sum; each the maximum over ranks."""
+        samples = self._run(calls, cold, setup)
         return [_max_over_ranks(statistics.median(col)) for col in [*zip(*samples), [sum(t) for t in samples]]]
 
     def call_us(self, fn: Callable[[], object]) -> float:
@@ -208,9 +248,10 @@ class Timer:
 
 
 def _row(buf: Buffer, case: str, op: str, sms: Optional[int], tokens: int, call_us: float, **values: object) -> Row:
-    """A Row with the Buffer's sizes, backend and placement; `values` sets the other fields."""
+    """A Row with the Buffer's sizes, backend, placement and Config; `values` sets the other fields."""
     cfg = buf.cfg
     values.setdefault("backend", buf.backend_name)
+    values.setdefault("config", dataclasses.asdict(buf.config))
     values.setdefault("kernel_us", None)
     values.setdefault("recv_bytes", 0)
     values.setdefault("remote_bytes", 0)
@@ -330,20 +371,140 @@ def bench_low_latency(buf: Buffer, timer: Timer, tokens: int) -> list[Row]:
     return rows
 
 
-def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.device) -> list[Row]:
-    """moe_ep.MoE forward, backward and both (normal mode, bf16 experts) on one backend; what it
-    allocates is garbage once it returns (the caller collects it before the next case)."""
+LAYER_PASSES = (("forward", 1), ("backward", 2), ("forward_backward", 3))  # (op, FLOPs in forwards' FLOPs)
+
+
+def layer_inputs(shape: LayerShape, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer input x [tokens, H] bf16 (requires grad) and the gradient its output gets back."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(shape.tokens, shape.hidden, generator=g, device=device).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(shape.tokens, shape.hidden, generator=g, device=device).to(torch.bfloat16)
+    return x, grad
+
+
+def time_layer(timer: Timer, moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> list[float]:
+    """us of moe's normal-mode forward, its backward and both, with every gradient set to None
+    before each step (as after optimizer.zero_grad(): no accumulation into .grad is timed)."""
+    outputs: list[torch.Tensor] = []
+
+    def zero() -> None:
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return timer.parts_us([lambda: outputs.append(moe(x, mode="normal")), lambda: outputs.pop().backward(grad)],
+                          setup=zero)
+
+
+def gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int,
+               device: torch.device) -> dict[str, tuple[Callable[[], object], float]]:
+    """Each grouped GEMM of the experts alone (torch._grouped_mm: sm90 GPUs), on `pairs` rows in equal
+    groups: name -> (call, FLOPs). "fwd" names are a forward's GEMMs (gate/up fused, down), "bwd"
+    a backward's (dA, dW2, dX, dW1 + dW3); "cmp" the forward with gate and up unfused, for comparison."""
+    e, h, f, bf = local_experts, hidden, ffn, torch.bfloat16
+    group = max(pairs // e, 1)
+    p = group * e
+    offs = torch.arange(1, e + 1, device=device, dtype=torch.int32) * group
+    x, dy = (torch.randn(p, h, device=device, dtype=bf) for _ in range(2))
+    h13, a = torch.randn(p, 2 * f, device=device, dtype=bf), torch.randn(p, f, device=device, dtype=bf)
+    w13 = torch.randn(e, 2 * f, h, device=device, dtype=bf) * 0.02
+    w2 = torch.randn(e, h, f, device=device, dtype=bf) * 0.02
+    gmm = torch._grouped_mm
+    return {
+        "fwd gate/up fused [P,H]x[H,2F]": (lambda: gmm(x, w13.transpose(1, 2), offs=offs), 4.0 * p * h * f),
+        "fwd down [P,F]x[F,H]": (lambda: gmm(a, w2.transpose(1, 2), offs=offs), 2.0 * p * h * f),
+        "cmp gate, up, down unfused": (lambda: (gmm(x, w13[:, :f].transpose(1, 2), offs=offs),
+                                                gmm(x, w13[:, f:].transpose(1, 2), offs=offs),
+                                                gmm(a, w2.transpose(1, 2), offs=offs)), 6.0 * p * h * f),
+        "bwd dA = dY w2": (lambda: gmm(dy, w2, offs=offs), 2.0 * p * h * f),
+        "bwd dW2 = dY^T a": (lambda: gmm(dy.t(), a, offs=offs), 2.0 * p * h * f),
+        "bwd dX = dH13 w13": (lambda: gmm(h13, w13, offs=offs), 4.0 * p * h * f),
+        "bwd dW1, dW3 = dH^T X": (lambda: (gmm(h13[:, :f].t(), x, offs=offs), gmm(h13[:, f:].t(), x, offs=offs)),
+                                  4.0 * p * h * f),
+    }
+
+
+def time_gemms(timer: Timer, cases: dict[str, tuple[Callable[[], object], float]]) -> dict[str, tuple[float, float]]:
+    """name -> (us, FLOPs) of each of gemm_cases alone, then "GEMMs <op>" for each of LAYER_PASSES:
+    the sums of the fwd GEMMs, of the bwd GEMMs, and of both."""
+    timed = {name: (timer.call_us(fn), flop) for name, (fn, flop) in cases.items()}
+    sums = {kind: [sum(v[i] for n, v in timed.items() if n.startswith(kind)) for i in (0, 1)] for kind in ("fwd", "bwd")}
+    sums["both"] = [sums["fwd"][i] + sums["bwd"][i] for i in (0, 1)]
+    for (op, _), kind in zip(LAYER_PASSES, ("fwd", "bwd", "both")):
+        timed[f"GEMMs {op}"] = (sums[kind][0], sums[kind][1])
+    return timed
+
+
+def dense_ceiling(timer: Timer, device: torch.device, n: int = 8192) -> tuple[float, float]:
+    """(us, FLOPs) of a bf16 n^3 matmul on random data: the GPU's practical matrix rate."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return timer.call_us(lambda: a @ b), 2.0 * n ** 3
+
+
+def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.device, gemms: bool) -> list[Row]:
+    """moe_ep.MoE forward, backward and both (normal mode, bf16 experts) on one backend at each of
+    OVERLAP_CHUNKS, with FLOPs from the pairs this rank's experts computed; with `gemms`, the layer's
+    grouped GEMMs alone on as many pairs and the dense bf16 ceiling (rows of backend "torch"). What
+    it allocates is garbage once it returns (the caller collects it before the next case)."""
+    rows: list[Row] = []
     with Buffer(hidden=shape.hidden, num_experts=shape.experts, num_topk=shape.topk,
                 max_tokens_per_rank=shape.tokens, backend=backend, device=device) as buf:
-        torch.manual_seed(0)  # the router is replicated: the same weights on every rank
+        sms = buf.config.num_sms if buf.backend_name == "nvshmem" else None
+        x, grad = layer_inputs(shape, buf.device, seed=buf.rank)
+        for chunks in OVERLAP_CHUNKS:
+            torch.manual_seed(0)  # the same weights for every C, the router's the same on every rank
+            moe = MoE(buf, shape.ffn, dtype=torch.bfloat16, overlap_chunks=chunks)
+            times = time_layer(timer, moe, x, grad)
+            pairs = expert_pairs(buf, moe.last_routing.topk_idx)
+            rows += [_row(buf, "layer", f"{op} C={chunks}", sms, shape.tokens, us,
+                          flop=k * layer_flop(pairs, shape.hidden, shape.ffn),
+                          extra={"overlap_chunks": chunks, "pairs": pairs})
+                     for (op, k), us in zip(LAYER_PASSES, times)]
+            del moe
+            gc.collect()
+        if gemms:
+            timed = time_gemms(timer, gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn, buf.device))
+            timed["dense bf16 8192^3"] = dense_ceiling(timer, buf.device)
+            rows += [_row(buf, "layer", name, None, shape.tokens, us, backend="torch", flop=flop, config=None)
+                     for name, (us, flop) in timed.items() if not name.startswith(("fwd", "bwd", "cmp"))]
+    return rows
+
+
+def bench_decode(timer: Timer, shape: LayerShape, backend: str, device: torch.device) -> list[Row]:
+    """A decode step of two micro-batches of shape.decode_tokens tokens through MoE.start / compute /
+    finish (low-latency Buffer): in sequence, interleaved (A's compute, then B's start before A's
+    finish, as docs/integrations.md section 5), and their communication alone (each micro-batch's
+    whole low-latency dispatch + combine). The interleaved row's extra "comm_hidden" is
+    (sequential - interleaved) / communication alone: the share of communication the order hides."""
+    t = shape.decode_tokens
+    with Buffer(hidden=shape.hidden, num_experts=shape.experts, num_topk=shape.topk, max_tokens_per_rank=t,
+                backend=backend, low_latency=True, device=device) as buf, torch.no_grad():
+        torch.manual_seed(0)
         moe = MoE(buf, shape.ffn, dtype=torch.bfloat16)
         g = torch.Generator(device=buf.device).manual_seed(buf.rank)
-        x = torch.randn(shape.tokens, shape.hidden, generator=g, device=buf.device).to(torch.bfloat16).requires_grad_()
-        grad = torch.randn(shape.tokens, shape.hidden, generator=g, device=buf.device).to(torch.bfloat16)
-        outputs: list[torch.Tensor] = []
-        times = timer.parts_us([lambda: outputs.append(moe(x, mode="normal")), lambda: outputs.pop().backward(grad)])
-        sms = buf.cfg.num_sms if buf.backend_name == "nvshmem" else None
-        return [_row(buf, "layer", op, sms, shape.tokens, us) for op, us in zip(("forward", "backward", "forward_backward"), times)]
+        xa, xb = (torch.randn(t, shape.hidden, generator=g, device=buf.device).to(torch.bfloat16) for _ in range(2))
+        routes = [moe.router(x) for x in (xa, xb)]
+        y = torch.zeros_like(buf.low_latency_dispatch(xa, routes[0].topk_idx).x)
+
+        def sequential() -> None:
+            moe.start(xa).finish()
+            moe.start(xb).finish()
+
+        def interleaved() -> None:
+            a = moe.start(xa).compute()
+            b = moe.start(xb)
+            a.finish()
+            b.finish()
+
+        def communication() -> None:
+            for x, r in zip((xa, xb), routes):
+                d = buf.low_latency_dispatch(x, r.topk_idx)
+                buf.low_latency_combine(y, r.topk_idx, r.topk_weights, d.handle)
+
+        seq_us, inter_us, comm_us = (timer.call_us(fn) for fn in (sequential, interleaved, communication))
+        return [_row(buf, "decode", "2 in sequence", None, t, seq_us),
+                _row(buf, "decode", "2 interleaved", None, t, inter_us,
+                     extra={"comm_hidden": (seq_us - inter_us) / comm_us}),
+                _row(buf, "decode", "comm only (2 x d + c)", None, t, comm_us)]
 
 
 @dataclass(frozen=True)
@@ -362,6 +523,7 @@ def _num(value: Optional[float], fmt: str = ".1f") -> Optional[str]:
     return None if value is None else format(value, fmt)
 
 
+_LAYER = "only the layer case counts FLOPs (and is given in ms)"
 _GPU_ONLY = "GPU only (on CPU every timed call starts after a barrier: call us is the cold time)"
 _DEEPEP = "DeepEP's figures exist for N1 and L1 at EP2 on one node with a GPU per rank"
 COLUMNS = [
@@ -374,6 +536,10 @@ COLUMNS = [
     Column("tokens", 6, lambda r: str(r.tokens)),
     Column("hidden", 6, lambda r: str(r.hidden)),
     Column("call us", 9, lambda r: _num(r.call_us)),
+    Column("ms", 8, lambda r: _num(r.call_us / 1e3, ".3f") if r.flop is not None else None, _LAYER),
+    Column("TFLOP/s", 7, lambda r: _num(r.tflops, ".4g"), _LAYER),
+    Column("%hidden", 7, lambda r: None if "comm_hidden" not in r.extra else f"{100 * r.extra['comm_hidden']:.1f}%",
+           "only the decode case's interleaved row hides communication"),
     Column("cold us", 9, lambda r: _num(r.cold_us), _GPU_ONLY),
     Column("overhead", 8, lambda r: _num(r.overhead_us), _GPU_ONLY),
     Column("kernel us", 9, lambda r: _num(r.kernel_us), "device time from the CUDA profiler, GPU only"),
@@ -507,6 +673,34 @@ def plot(rows: list[Row], path: Path) -> "Figure":
     return fig
 
 
+def shared_config(rows: list[Row]) -> Optional[dict]:
+    """The Config every Buffer-made row ran with, or None when they differ (or no row had a Buffer)."""
+    configs = [r.config for r in rows if r.config is not None]
+    return configs[0] if configs and all(c == configs[0] for c in configs) else None
+
+
+def config_line(rows: list[Row]) -> str:
+    """One line naming the moe_ep.Config the Buffers ran with (per-call SM budgets are in the SMs column)."""
+    configs = list({json.dumps(r.config, sort_keys=True): r.config for r in rows if r.config is not None}.values())
+    if not configs:
+        return "config: no Buffer ran"
+    text = " | ".join(" ".join(f"{k}={v}" for k, v in c.items()) for c in configs)
+    return f"config ({'every Buffer' if len(configs) == 1 else f'{len(configs)} different, per row in the JSON'}): {text}"
+
+
+def layer_notes(use_gpu: bool, shared_gpu: bool) -> list[str]:
+    """What the layer case's table leaves out or how to read it, one line each."""
+    notes = ["no FP8 layer rows: FP8 experts (issue 21 item 4) do not exist yet",
+             "%hidden = (2 in sequence - 2 interleaved) / comm only: the share of the decode step's communication "
+             "that interleaving two micro-batches hides"
+             + ("; meaningless for links here (CPU or shared GPU: no link carries the rows)"
+                if not use_gpu or shared_gpu else "")]
+    if not use_gpu:
+        notes.insert(0, "no grouped-GEMM or dense-ceiling rows: torch._grouped_mm needs an sm90 GPU, and a CPU "
+                        "matmul rate says nothing about a GPU's roofline")
+    return notes
+
+
 CASES = ("n1", "n1-native", "l1", "sweep", "cpu", "layer")
 
 
@@ -534,7 +728,7 @@ def main() -> None:
                    help="ranks sharing each GPU over gloo (docs/one_gpu.md): valid results, timings that say "
                         "nothing about links (default: 1 when there are enough GPUs, else the ranks spread evenly)")
     for f in fields(LayerShape):
-        p.add_argument(f"--layer-{f.name}", type=int, default=f.default,
+        p.add_argument(f"--layer-{f.name.replace('_', '-')}", type=int, default=f.default,
                        help=f"layer case: {f.name} (default %(default)s)")
     args = p.parse_args()
     cases = None if args.cases == "auto" else args.cases.split(",")
@@ -556,11 +750,13 @@ def main() -> None:
             rows += bench_normal(buf, timer, "cpu", 512, [None], with_fp8=True, deepep=False)
     if "layer" in cases:
         shape = LayerShape(**{f.name: getattr(args, f"layer_{f.name}") for f in fields(LayerShape)})
-        for backend in dict.fromkeys([auto_backend(device)[0], "reference"]):  # native first where built
-            rows += bench_layer(timer, shape, backend, device)
+        for i, backend in enumerate(dict.fromkeys([auto_backend(device)[0], "reference"])):  # native first where built
+            rows += bench_layer(timer, shape, backend, device, gemms=use_gpu and i == 0)
+            rows += bench_decode(timer, shape, backend, device)
             gc.collect()  # the MoE's weights, gradients and autograd state, before the next case allocates
             if use_gpu:
                 torch.cuda.empty_cache()
+        notes += layer_notes(use_gpu, placement.shared_gpu)
     topologies = [None] + ([args.ranks_per_node] if args.ranks_per_node is not None else [])
     if "n1" in cases or "n1-native" in cases:
         for rpn in topologies:
@@ -599,18 +795,19 @@ def main() -> None:
             "torch": torch.__version__,
             "timing": f"median of {args.iters} calls after {args.warmup} warm-up"
                       + (", L2 flushed (256 MB) between calls" if use_gpu else ", host clock"),
-            # The native kernels' tuning knobs set for this run (unset ones take the defaults documented
-            # in csrc/kernels/intranode_bindings.cpp).
-            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOE_EP_")},
+            # The Buffers' moe_ep.Config, once when every Buffer had the same (else None and one per row).
+            "config": shared_config(rows),
             "notes": notes,
         }
         stem = "bench_" + "_".join(cases)
         (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [
-            {**asdict(r), "gbps": r.gbps, "remote_gbps": r.remote_gbps, "overhead_us": r.overhead_us,
-             "link_us": r.link_us, "shared_gpu": r.shared_gpu} for r in rows]}, indent=1))
+            {**{k: v for k, v in asdict(r).items() if k != "config" or meta["config"] is None},
+             "gbps": r.gbps, "remote_gbps": r.remote_gbps, "overhead_us": r.overhead_us, "link_us": r.link_us,
+             "shared_gpu": r.shared_gpu, "tflops": r.tflops} for r in rows]}, indent=1))
         plot(rows, out / f"{stem}.png")
         shared = f", {placement.ranks_per_gpu} ranks per GPU" if placement.shared_gpu else ""
         print(f"# {meta['device']} x{world}{shared}, {meta['date']}, {meta['timing']}")
+        print(config_line(rows))
         print_table(rows, notes)
         print(f"wrote {out / stem}.json and {out / stem}.png")
     if use_gpu:

@@ -1,10 +1,13 @@
 """`torchrun -m moe_ep.bench` runs on CPU (gloo, reference backend): its table shows only the columns
-that apply there and says why the others are left out, its JSON has every key, its PNG has one panel
-per case that ran, and without --out it writes under $XDG_DATA_HOME, not into the folder it runs in.
+that apply there and says why the others are left out, the layer case has ms and TFLOP/s rows for
+overlap_chunks 1, 2 and 4 and a decode step's rows, the Config the Buffers ran with is printed and
+recorded, its JSON has every key, its PNG has one panel per case that ran, and without --out it
+writes under $XDG_DATA_HOME, not into the folder it runs in.
 The low-latency bench leaves out the CUDA-graph rows on a backend that cannot be captured; the N1
 plot draws the link limit, except for rows measured on a shared GPU. Structure only: no timing asserts."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,11 +21,13 @@ import torch
 
 import moe_ep
 from moe_ep import bench
+from moe_ep.config import DEFAULT_NUM_SMS
 
 from tests._dist import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout under test, whatever folder a rank starts in
-LAYER_OPS = {"forward", "backward", "forward_backward"}
+LAYER_OPS = {f"{op} C={c}" for op in ("forward", "backward", "forward_backward") for c in (1, 2, 4)}
+DECODE_OPS = {"2 in sequence", "2 interleaved", "comm only (2 x d + c)"}
 GPU_ONLY_COLUMNS = ("SMs", "cold us", "overhead", "kernel us", "%link", "DeepEP", "speedup")
 
 
@@ -43,7 +48,7 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "moe_ep.bench", "--cases", "cpu,layer", "--iters", "2", "--warmup", "1",
            "--layer-tokens", "32", "--layer-hidden", "128", "--layer-experts", "8", "--layer-topk", "2",
-           "--layer-ffn", "64"]
+           "--layer-ffn", "64", "--layer-decode-tokens", "8"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "XDG_DATA_HOME": str(data_home),
                               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
@@ -54,24 +59,35 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     assert f"wrote {json_path} and {png_path}" in run.stdout
 
     head = next(line for line in run.stdout.splitlines() if line.startswith("case "))
-    for column in ("call us", "GB/s", "remote"):
+    for column in ("call us", "GB/s", "remote", "ms", "TFLOP/s", "%hidden"):
         assert column in head, head
+    lines = run.stdout.splitlines()
+    (config,) = [line for line in lines if line.startswith("config ")]
+    assert lines.index(config) < lines.index(head)
+    assert all(f"{f.name}=" in config for f in dataclasses.fields(moe_ep.Config)), config
+    for note in ("no grouped-GEMM or dense-ceiling rows:", "no FP8 layer rows:", "%hidden = "):
+        assert any(line.startswith(note) for line in lines), note
+    assert "meaningless for links" in run.stdout
     (left_out,) = [line for line in run.stdout.splitlines() if line.startswith("not shown: ")]
     for column in GPU_ONLY_COLUMNS:
         assert column not in head, head
         assert column in left_out, left_out
     assert "device time per kernel" not in run.stdout
-    assert all(word in run.stdout for word in ("dispatch_bf16", "combine_bf16", "forward_backward"))
+    assert all(word in run.stdout for word in ("dispatch_bf16", "combine_bf16", *LAYER_OPS, *DECODE_OPS))
 
-    # Two cases ran (cpu, layer): two panels, 6.5 inches each at 120 dpi.
-    assert _png_size(png_path)[0] == 2 * 6.5 * 120
+    # Three panels (cpu; layer; its decode step), 6.5 inches each at 120 dpi.
+    assert _png_size(png_path)[0] == 3 * 6.5 * 120
 
     result = json.loads(json_path.read_text())
-    assert result["meta"]["ranks_per_gpu"] == 0 and result["meta"]["world_size"] == 2
+    meta = result["meta"]
+    assert meta["ranks_per_gpu"] == 0 and meta["world_size"] == 2 and "env" not in meta
+    # Every Buffer ran with the environment's Config (its SM budget resolved): once, in meta, not per row.
+    env = moe_ep.Config.from_env()
+    assert meta["config"] == dataclasses.asdict(env.replace(num_sms=env.num_sms or DEFAULT_NUM_SMS))
     rows = result["rows"]
     keys = {"call_us", "cold_us", "overhead_us", "kernel_us", "gbps", "remote_gbps", "link_us", "shared_gpu",
-            "ranks_per_gpu", "experts", "topk", "topology"}
-    assert all(keys <= r.keys() for r in rows)
+            "ranks_per_gpu", "experts", "topk", "topology", "flop", "tflops"}
+    assert all(keys <= r.keys() and "config" not in r for r in rows)
     assert all(r["backend"] == "reference" and _positive(r["call_us"]) for r in rows)
     assert all((r["cold_us"], r["overhead_us"], r["kernel_us"], r["link_us"], r["shared_gpu"], r["ranks_per_gpu"])
                == (None, None, None, None, False, 0) for r in rows)
@@ -82,6 +98,31 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     layer = [r for r in rows if r["case"] == "layer"]
     assert sorted(r["op"] for r in layer) == sorted(LAYER_OPS)
     assert all((r["tokens"], r["hidden"], r["experts"], r["topk"]) == (32, 128, 8, 2) for r in layer)
+    assert all(r["op"].endswith(f"C={r['extra']['overlap_chunks']}") for r in layer)
+    # FLOPs from the routing that ran (rank 0's experts' pairs, the same routing for every C).
+    assert len({r["extra"]["pairs"] for r in layer}) == 1 and 0 < layer[0]["extra"]["pairs"] <= 2 * 32 * 2
+    for r in layer:
+        passes = {"forward": 1, "backward": 2, "forward_backward": 3}[r["op"].split()[0]]
+        assert r["flop"] == passes * bench.layer_flop(r["extra"]["pairs"], 128, 64)
+        assert _positive(r["tflops"])
+    decode = {r["op"]: r for r in rows if r["case"] == "decode"}
+    assert set(decode) == DECODE_OPS
+    assert all((r["tokens"], r["flop"], r["tflops"]) == (8, None, None) for r in decode.values())
+    seq, inter, comm = (decode[op]["call_us"] for op in ("2 in sequence", "2 interleaved", "comm only (2 x d + c)"))
+    assert decode["2 interleaved"]["extra"]["comm_hidden"] == pytest.approx((seq - inter) / comm)
+
+
+def _pairs(rank: int, world: int) -> None:
+    with moe_ep.Buffer(hidden=128, num_experts=4, num_topk=2, max_tokens_per_rank=4, backend="reference") as buf:
+        # Rank r's tokens pick experts (0, 1), (r + 2, -1 dropped), (1, 3): over both ranks expert 0 gets 2
+        # pairs, 1 gets 4, 2 gets 1, 3 gets 3; rank 0 owns experts 0 and 1, rank 1 experts 2 and 3.
+        topk_idx = torch.tensor([[0, 1], [rank + 2, -1], [1, 3]])
+        got = bench.expert_pairs(buf, topk_idx)
+    assert got == [2 + 4, 1 + 3][rank], got
+
+
+def test_expert_pairs_counts_the_rows_this_ranks_experts_compute() -> None:
+    run_workers(2, _pairs)
 
 
 def _low_latency_rows(rank: int, world: int) -> None:
