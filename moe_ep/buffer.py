@@ -345,6 +345,21 @@ class Buffer:
         return self.cfg.ranks_per_gpu
 
     @property
+    def normal_path(self) -> str:
+        """Which kernels serve normal mode: "reference", "nvlink" (one node) or "cross-node"
+        (several nodes, or hierarchical=True)."""
+        return self.backend.normal_path
+
+    def fill_workspace(self, value: int) -> None:
+        """A testing aid (local, not collective): set every byte of this rank's normal-mode symmetric
+        workspace to `value` (0..255), so rows a call fails to write cannot pass for results. Call it
+        only while no rank is inside a call of this Buffer (e.g. between barriers); nothing on the
+        reference backend."""
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 255:
+            raise ValueError(f"value must be a byte (0..255), got {value!r}")
+        self.backend.fill_workspace(value)
+
+    @property
     def config(self) -> Config:
         """The Buffer's kernel knobs, num_sms resolved (moe_ep.Config); a call may override them."""
         return self.cfg.config

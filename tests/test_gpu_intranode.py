@@ -129,8 +129,7 @@ def _poison_workspace(buf: moe_ep.Buffer) -> None:
     while no rank is inside a call."""
     torch.cuda.synchronize()
     dist.barrier()
-    engine = buf.backend._internode
-    (buf.backend._workspace.tensor if engine is None else engine.data).fill_(POISON)
+    buf.fill_workspace(POISON)
     torch.cuda.synchronize()
     dist.barrier()
 
@@ -374,7 +373,7 @@ def _worker(rank: int, world: int, topo: dict) -> None:
         with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", **common) as nat, \
                 moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **common) as ref:
             assert nat.backend_name == "nvshmem"
-            assert (nat.backend._internode is not None) == bool(topo)
+            assert nat.normal_path == ("cross-node" if topo else "nvlink")
             for case in cases:
                 if rank == 0:
                     print(f"{label} case {case.seed} shape {shape}", flush=True)

@@ -324,3 +324,11 @@ def test_buffer_repr() -> None:
                        "max_tokens_per_rank=16, low_latency=False, device='cpu', ranks_per_node=1)")
     b.close()
     assert repr(b).startswith("moe_ep.Buffer(closed, rank=0 of 1")
+
+
+def test_normal_path_and_workspace_fill_on_the_reference_backend(buf) -> None:
+    assert buf.normal_path == "reference"
+    buf.fill_workspace(0x7F)  # no symmetric workspace here: nothing to fill, nothing raised
+    for bad in (-1, 256, 1.0, True):
+        with pytest.raises(ValueError, match="value must be a byte"):
+            buf.fill_workspace(bad)

@@ -152,6 +152,15 @@ class Backend(abc.ABC):
     def __init__(self, cfg: BufferConfig) -> None:
         self.cfg = cfg
 
+    @property
+    def normal_path(self) -> str:
+        """Which kernels serve normal mode: "reference", "nvlink" (one node) or "cross-node"."""
+        return self.name
+
+    def fill_workspace(self, value: int) -> None:
+        """Local: sets every byte of this rank's normal-mode symmetric workspace (signal words excepted)
+        to `value`; a testing aid, so data a call fails to write cannot pass for results. None here."""
+
     def abort(self) -> None:
         """Local: gives the Buffer up after a peer went silent, releasing nothing that waits for peers."""
 

@@ -244,6 +244,13 @@ class NvshmemBackend(Backend):
                             return_recv_hook) -> LowLatencyCombineResult:
         return self._engine().combine(x, topk_idx, topk_weights, handle, return_recv_hook=return_recv_hook)
 
+    @property
+    def normal_path(self) -> str:
+        return "nvlink" if self._internode is None else "cross-node"
+
+    def fill_workspace(self, value: int) -> None:
+        (self._workspace.tensor if self._internode is None else self._internode.data).fill_(value)
+
     def masked_ranks(self) -> list[int]:
         return self._engine().masked_ranks()
 
