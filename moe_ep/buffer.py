@@ -442,10 +442,12 @@ class Buffer:
             if fixed:
                 raise ValueError(f"Config.{fixed[0]} is fixed when the Buffer is made ({getattr(knobs, fixed[0])}); "
                                  f"a call cannot change it (got {getattr(config, fixed[0])})")
-            knobs = config if config.num_sms is not None else config.replace(num_sms=knobs.num_sms)
-        if num_sms is not None:
-            knobs = knobs.replace(num_sms=num_sms)
-        return _check_num_sms(knobs.num_sms, self.cfg.device), knobs
+            sms = config.num_sms if config.num_sms is not None else knobs.num_sms
+            knobs = config
+        else:
+            sms = knobs.num_sms
+        # the SM budget travels on its own: no Config is built per call
+        return _check_num_sms(num_sms if num_sms is not None else sms, self.cfg.device), knobs
 
     @staticmethod
     def _check_event(previous_event: object) -> Optional[EventHandle]:

@@ -99,7 +99,7 @@ def _topology_lines() -> list[str]:
     if dist.is_available() and dist.is_initialized():
         gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         places = topology.placements(dist.group.WORLD, gpu)
-        topo = topology.resolve(dist.group.WORLD, None, gpu)
+        topo = topology.from_placements(places, None)
         lines = [f"Nodes        {dist.get_world_size()} ranks: {topo.num_nodes} node(s) of {topo.ranks_per_node} "
                  "ranks (detected from the ranks' hostnames)"]
         gpus = Counter(p for p in places if p[1] is not None)

@@ -95,8 +95,12 @@ def detect(group: dist.ProcessGroup) -> int:
 def resolve(group: dist.ProcessGroup, ranks_per_node: Optional[int], device: Optional[torch.device] = None) -> Topology:
     """Collective over `group`: the topology with `ranks_per_node` forced (Buffer has validated it),
     or detected when it is None; `device` is this rank's (for ranks_per_gpu)."""
-    places = placements(group, device)
+    return from_placements(placements(group, device), ranks_per_node)
+
+
+def from_placements(places: list[tuple[str, Optional[str]]], ranks_per_node: Optional[int]) -> Topology:
+    """The topology of ranks at `places` (placements' result), with `ranks_per_node` forced or detected."""
     detected = node_size(ranks_per_host([host for host, _ in places]))
     size = detected if ranks_per_node is None else ranks_per_node
-    return Topology(ranks_per_node=size, num_nodes=dist.get_world_size(group) // size, detected=detected,
+    return Topology(ranks_per_node=size, num_nodes=len(places) // size, detected=detected,
                     forced=ranks_per_node is not None, ranks_per_gpu=ranks_per_gpu(places))

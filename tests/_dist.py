@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe_ep.launch import plan
+
 _GPU_ENV = {
     "NVSHMEM_REMOTE_TRANSPORT": "none",
     "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
@@ -37,21 +39,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def gpu_placement(rank: int, world_size: int) -> tuple[torch.device, str]:
-    """(this rank's GPU, the process-group backend) for a backend="gpu" run: R / G ranks per GPU."""
-    gpus = torch.cuda.device_count()
-    per_gpu = -(-world_size // gpus)
-    return torch.device("cuda", rank // per_gpu), "nccl" if per_gpu == 1 else "gloo"
-
-
 def device() -> torch.device:
     """This worker's device: its GPU in a backend="gpu" or "nccl" run, else the CPU."""
     return torch.device(os.environ.get("MOE_EP_TEST_DEVICE", "cpu"))
-
-
-def ranks_per_gpu() -> int:
-    """Ranks sharing this worker's GPU (0 on CPU)."""
-    return int(os.environ.get("MOE_EP_TEST_RANKS_PER_GPU", "0"))
 
 
 def setup_gpu_rank(rank: int, world_size: int, backend: str = "gpu") -> tuple[torch.device, str]:
@@ -59,13 +49,11 @@ def setup_gpu_rank(rank: int, world_size: int, backend: str = "gpu") -> tuple[to
     device() returns) and the process-group backend to use; backend "gpu" or "nccl" as in run_workers."""
     for key, value in _GPU_ENV.items():
         os.environ.setdefault(key, value)
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise RuntimeError(f"backend='nccl' needs a GPU per rank: {world_size} ranks, "
-                           f"{torch.cuda.device_count()} GPU(s) (backend='gpu' shares them)")
-    dev, backend = gpu_placement(rank, world_size) if backend == "gpu" else (torch.device("cuda", rank), "nccl")
+    # moe_ep.launch.plan places the ranks as torchrun's would be: R / G per GPU, or one each for "nccl"
+    placement = plan(rank, world_size, torch.cuda.device_count(), "cuda", 1 if backend == "nccl" else None)
+    dev, backend = placement.device, placement.backend
     torch.cuda.set_device(dev)
     os.environ["MOE_EP_TEST_DEVICE"] = str(dev)
-    os.environ["MOE_EP_TEST_RANKS_PER_GPU"] = str(-(-world_size // torch.cuda.device_count()))
     return dev, backend
 
 
