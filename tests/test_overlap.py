@@ -73,11 +73,11 @@ def _want(case: Case, moe: MoE, full: dict, x0: torch.Tensor, grad_out: torch.Te
     return want
 
 
-def _normal_case(rank: int, world: int, case: Case, worst_case: bool, backend: str) -> None:
+def _normal_case(rank: int, world: int, case: Case, worst_case: bool, opts: dict) -> None:
     """C in CHUNKS against the dense MoE and against C = 1 (what must be bitwise), each run twice."""
     max_tokens = max(case.n(r) for r in range(world)) or 1
     buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
-                        max_tokens_per_rank=max_tokens, backend=backend)
+                        max_tokens_per_rank=max_tokens, **opts)
     template, full = _build(case, buf)
     x0, grad_out = _inputs(case, rank, buf.device)
     want = _want(case, template, full, x0, grad_out, world)
@@ -99,11 +99,11 @@ def _normal_case(rank: int, world: int, case: Case, worst_case: bool, backend: s
     buf.close()
 
 
-def _more_tokens_than_one_call(rank: int, world: int, backend: str) -> None:
+def _more_tokens_than_one_call(rank: int, world: int, opts: dict) -> None:
     """With C chunks a forward holds up to C * max_tokens_per_rank tokens: each call fits the Buffer."""
     case = Case(21, [40, 33, 0], 32, 6, 2, 24, shared=16)
     buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
-                        max_tokens_per_rank=10, backend=backend)
+                        max_tokens_per_rank=10, **opts)
     template, full = _build(case, buf)
     x0, grad_out = _inputs(case, rank, buf.device)
     want = _want(case, template, full, x0, grad_out, world)
@@ -113,10 +113,10 @@ def _more_tokens_than_one_call(rank: int, world: int, backend: str) -> None:
     buf.close()
 
 
-def _chunks_must_agree(rank: int, world: int, backend: str) -> None:
+def _chunks_must_agree(rank: int, world: int, opts: dict) -> None:
     """A rank with another overlap_chunks: every rank raises at the first forward, naming every value."""
     buf = moe_ep.Buffer(None, device=device(), hidden=16, num_experts=6, num_topk=2, max_tokens_per_rank=8,
-                        backend=backend)
+                        **opts)
     with pytest.raises(ValueError, match="overlap_chunks"):
         MoE(buf, 8, overlap_chunks=0)
     moe = MoE(buf, 8, overlap_chunks=2 if rank == world - 1 else 1)
@@ -147,10 +147,10 @@ def _one_call(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return (out if shared is None else out + shared.to(x.dtype)).view(x.shape)
 
 
-def _decode_case(rank: int, world: int, use_fp8: bool, backend: str) -> None:
+def _decode_case(rank: int, world: int, use_fp8: bool, opts: dict) -> None:
     case = Case(31, [5, 0, 7], 128 if use_fp8 else 32, 6, 2, 24, dict(score_func="sigmoid"), shared=16)
     buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
-                        max_tokens_per_rank=16, backend=backend, low_latency=True)
+                        max_tokens_per_rank=16, low_latency=True, **opts)
     moe, full = _build(case, buf)
     moe.low_latency_fp8 = use_fp8
     ref_router, ref_shared = _reference_modules(case, moe, None)
@@ -181,17 +181,19 @@ def _decode_case(rank: int, world: int, use_fp8: bool, backend: str) -> None:
     buf.close()
 
 
-def _worker(rank: int, world: int, backend: str = "reference") -> None:
+def _worker(rank: int, world: int, opts: Optional[dict] = None) -> None:
+    """opts: the Buffer arguments every case adds (backend, ranks_per_node)."""
+    opts = opts or {"backend": "reference"}
     # Each case's own seed, as tests/test_layer.py's dense check uses: with a fresh seed per run the k = 1 case
     # (whose router gradient is analytically ~0 through the top-1 normalisation) once missed the relative
     # tolerance on rounding noise (seed 397347)
     for case in CASES:
-        _normal_case(rank, world, case, worst_case=False, backend=backend)
-    _normal_case(rank, world, CASES[1], worst_case=True, backend=backend)
-    _more_tokens_than_one_call(rank, world, backend)
-    _chunks_must_agree(rank, world, backend)
-    _decode_case(rank, world, use_fp8=False, backend=backend)
-    _decode_case(rank, world, use_fp8=True, backend=backend)
+        _normal_case(rank, world, case, worst_case=False, opts=opts)
+    _normal_case(rank, world, CASES[1], worst_case=True, opts=opts)
+    _more_tokens_than_one_call(rank, world, opts)
+    _chunks_must_agree(rank, world, opts)
+    _decode_case(rank, world, use_fp8=False, opts=opts)
+    _decode_case(rank, world, use_fp8=True, opts=opts)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -221,11 +223,11 @@ def _delayed_streams(seed: int) -> None:
     MoE.run_experts = slow_experts
 
 
-def _graph_decode(rank: int, world: int) -> None:
+def _graph_decode(rank: int, world: int, opts: dict) -> None:
     """start/compute/finish of two micro-batches captured in one CUDA graph, replayed on new inputs."""
     case = Case(41, [6, 3, 8], 128, 8, 2, 32, shared=16)
     buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
-                        max_tokens_per_rank=16, backend="auto", low_latency=True)
+                        max_tokens_per_rank=16, low_latency=True, **opts)
     moe, _ = _build(case, buf)
     xa = torch.randn(case.n(rank), case.hidden, device=buf.device)
     xb = torch.randn(case.n(rank + 1), case.hidden, device=buf.device)
@@ -248,13 +250,15 @@ def _graph_decode(rank: int, world: int) -> None:
     buf.close()
 
 
-def _gpu_worker(rank: int, world: int) -> None:
+def _gpu_worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
     _delayed_streams(1234 + rank)
-    _worker(rank, world, backend="auto")
-    _graph_decode(rank, world)
+    opts = {"backend": "auto", "ranks_per_node": ranks_per_node}
+    _worker(rank, world, opts)
+    _graph_decode(rank, world, opts)
 
 
 @requires_gpus()
-@pytest.mark.parametrize("world", [2, 4])
-def test_overlap_gpu(world: int) -> None:
-    run_workers(world, _gpu_worker, backend="gpu")
+@pytest.mark.parametrize("world,ranks_per_node", [(2, None), (4, 2)], ids=["ep2", "2x2"])
+def test_overlap_gpu(world: int, ranks_per_node: Optional[int]) -> None:
+    """EP2 on one node; 2 nodes x 2 ranks, so the cross-node kernels carry every chunk."""
+    run_workers(world, _gpu_worker, ranks_per_node, backend="gpu")
