@@ -39,6 +39,12 @@ class RouterOutput:
     num_dropped: torch.Tensor  # scalar int64
 
 
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in ids (int64 [n]). Unlike torch.bincount on CUDA it needs no host
+    sync, so a router inside a CUDA graph can count; integer adds, so the order does not matter."""
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
 class TopKRouter(nn.Module):
     """Linear gate [E, H] -> scores -> (group-limited) top-k, plus balancing losses and expert bias.
 
@@ -110,7 +116,7 @@ class TopKRouter(nn.Module):
         capacity = math.ceil(self.capacity_factor * n * k / self.num_experts)
         flat = topk_idx.t().reshape(-1)  # k-major priority order
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = count_ids(flat, self.num_experts)
         first = torch.cumsum(counts, 0) - counts
         position = torch.empty_like(flat)
         position[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
@@ -121,7 +127,7 @@ class TopKRouter(nn.Module):
     def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """coef * E * sum_e f_e * P_e: f_e = share of the N*K selections, P_e = mean normalised score."""
         n = scores.shape[0]
-        total = torch.tensor([float(n)], device=scores.device)
+        total = scores.new_full((1,), float(n))
         load = counts.float()
         if self.aux_loss_group is not None:
             stats = torch.cat([load, total])
@@ -151,7 +157,7 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob and self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
         weights = weights * self.routed_scaling_factor
-        counts = torch.bincount(topk_idx.flatten(), minlength=self.num_experts)
+        counts = count_ids(topk_idx.flatten(), self.num_experts)
         zero = logits.new_zeros(())
         aux = self._aux_loss(scores, counts) if self.aux_loss_coef else zero
         z = self._z_loss(logits) if self.z_loss_coef else zero

@@ -136,7 +136,7 @@ def test_killed_rank_normal_mode() -> None:
         assert secs < TIMEOUT_S + SLACK_S, (key, secs)
     assert seen[(0, "abort_s")] < TIMEOUT_S + SLACK_S  # waits for kernels still giving up, frees nothing
     kind, msg, _ = seen[(0, "rebuild")]
-    assert kind == "RuntimeError" and "lost its peers" in msg, msg
+    assert kind == "PeersLostError" and "lost its peers" in msg, msg
     assert seen[(0, "new_group")]
     assert seen[(0, "done")]
 

@@ -1,6 +1,7 @@
 """Overlap inside moe_ep.MoE (moe_ep.overlap): chunked normal mode (overlap_chunks C in 1, 2, 4) and the
 start / compute / finish decode API, against the independent dense MoE of tests/test_layer.py (same
-tolerances), and the same bits run to run. One spawn per world size (R = 2, 3), many cases inside.
+tolerances), and the same bits run to run. One spawn per world size (R = 2, 3; on a GPU EP2 and 2 nodes
+x 2), many cases inside; 12 experts, so every group size divides them.
 
 What chunking leaves bitwise equal to C = 1, and asserted here: the routing (the router sees all
 tokens at once), the shared expert's output and weight gradients (it runs once over all tokens), and
@@ -28,9 +29,9 @@ from tests.test_layer import FP8_TOL, TOL, Case, _build, _close, _dense, _grad, 
 
 CHUNKS = (1, 2, 4)
 CASES = [
-    Case(11, [23, 17, 0], 32, 6, 2, 24, dict(aux_loss_coef=0.01, z_loss_coef=1e-3)),  # a rank with no tokens
+    Case(11, [23, 17, 0], 32, 12, 2, 24, dict(aux_loss_coef=0.01, z_loss_coef=1e-3)),  # a rank with no tokens
     Case(12, [19, 31, 12], 64, 12, 4, 32, dict(score_func="sigmoid", num_groups=3, topk_groups=2), shared=24),
-    Case(13, [3, 1, 2], 16, 6, 1, 16, dict(capacity_factor=1.0), shared=8),  # fewer tokens than chunks
+    Case(13, [3, 1, 2], 16, 12, 1, 16, dict(capacity_factor=1.0), shared=8),  # fewer tokens than chunks
 ]
 
 
@@ -101,7 +102,7 @@ def _normal_case(rank: int, world: int, case: Case, worst_case: bool, opts: dict
 
 def _more_tokens_than_one_call(rank: int, world: int, opts: dict) -> None:
     """With C chunks a forward holds up to C * max_tokens_per_rank tokens: each call fits the Buffer."""
-    case = Case(21, [40, 33, 0], 32, 6, 2, 24, shared=16)
+    case = Case(21, [40, 33, 0], 32, 12, 2, 24, shared=16)
     buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
                         max_tokens_per_rank=10, **opts)
     template, full = _build(case, buf)
@@ -115,7 +116,7 @@ def _more_tokens_than_one_call(rank: int, world: int, opts: dict) -> None:
 
 def _chunks_must_agree(rank: int, world: int, opts: dict) -> None:
     """A rank with another overlap_chunks: every rank raises at the first forward, naming every value."""
-    buf = moe_ep.Buffer(None, device=device(), hidden=16, num_experts=6, num_topk=2, max_tokens_per_rank=8,
+    buf = moe_ep.Buffer(None, device=device(), hidden=16, num_experts=12, num_topk=2, max_tokens_per_rank=8,
                         **opts)
     with pytest.raises(ValueError, match="overlap_chunks"):
         MoE(buf, 8, overlap_chunks=0)
@@ -148,7 +149,7 @@ def _one_call(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_case(rank: int, world: int, use_fp8: bool, opts: dict) -> None:
-    case = Case(31, [5, 0, 7], 128 if use_fp8 else 32, 6, 2, 24, dict(score_func="sigmoid"), shared=16)
+    case = Case(31, [5, 0, 7], 128 if use_fp8 else 32, 12, 2, 24, dict(score_func="sigmoid"), shared=16)
     buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
                         max_tokens_per_rank=16, low_latency=True, **opts)
     moe, full = _build(case, buf)
