@@ -5,6 +5,7 @@ import importlib
 from typing import Any
 
 from . import fp8, ops
+from .backends.symmetric import SymmetricHeapUsage, symmetric_heap_usage
 from .buffer import Buffer
 from .config import Config
 from .errors import BadExpertIdError, CommTimeoutError, PeersLostError
@@ -41,6 +42,6 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BadExpertIdError", "Buffer", "CommTimeoutError", "Config", "DispatchHandle", "DispatchLayout", "DispatchResult",
-    "EventHandle", "LowLatencyCombineResult", "LowLatencyDispatchResult", "LowLatencyHandle", "PeersLostError", "fp8",
-    "ops", *_LAZY,
+    "EventHandle", "LowLatencyCombineResult", "LowLatencyDispatchResult", "LowLatencyHandle", "PeersLostError",
+    "SymmetricHeapUsage", "fp8", "ops", "symmetric_heap_usage", *_LAZY,
 ]

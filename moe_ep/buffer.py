@@ -369,6 +369,11 @@ class Buffer:
         return self.cfg.num_local_experts
 
     @property
+    def max_tokens_per_rank(self) -> int:
+        """The most tokens one rank may pass to a call (what the Buffer's memory is sized for)."""
+        return self.cfg.max_tokens_per_rank
+
+    @property
     def device(self) -> torch.device:
         return self.cfg.device
 

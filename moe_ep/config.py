@@ -13,6 +13,7 @@ the defaults of a Buffer made without a config, read once where the Buffer is ma
 | unroll | MOE_EP_UNROLL | 6 |
 | flag_batch | MOE_EP_FLAG_BATCH | 4 |
 | recv_run | MOE_EP_RECV_RUN | 1 |
+| eager_output_bytes | MOE_EP_EAGER_OUTPUT_BYTES | 1 GiB |
 | internode_workspace_bytes | MOE_EP_INTERNODE_WORKSPACE_BYTES | 2 GiB |
 """
 from __future__ import annotations
@@ -38,12 +39,15 @@ class Config:
     unroll: int = 6  # NVLink kernels: int4 loads in flight per lane in every row copy (4 or 6)
     flag_batch: int = 4  # NVLink kernels: row flags a sending warp raises per system fence (1..32)
     recv_run: int = 1  # NVLink dispatch: positions per receive work item; combine: tokens per item (1..32)
+    # normal dispatch outside worst-case mode: outputs of R * T rows up to this size are allocated before the
+    # counts are known, so the kernel starts before the host waits for them (0: always exact-size, after the wait)
+    eager_output_bytes: int = 1 << 30
     internode_workspace_bytes: int = 2 << 30  # cross-node workspace per GPU; its token rounds follow (per Buffer)
 
     def __post_init__(self) -> None:
         most = _native.constant("TUNING_MAX_WARPS")
         for name, lo, hi in (("send_warps", 1, most), ("combine_send_warps", 1, most), ("flag_batch", 1, 32),
-                             ("recv_run", 1, 32), ("internode_workspace_bytes", 1 << 20, 1 << 40)):
+                             ("recv_run", 1, 32), ("eager_output_bytes", 0, 1 << 48), ("internode_workspace_bytes", 1 << 20, 1 << 40)):
             _check_int(name, getattr(self, name), lo, hi)
         if self.unroll not in (4, 6):
             raise ValueError(f"Config.unroll must be 4 or 6, got {self.unroll!r}")

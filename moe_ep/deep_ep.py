@@ -217,6 +217,11 @@ class Buffer:
         self._low_latency: dict[tuple[int, int, int, int], moe_ep.Buffer] = {}
         self._zero_copy: dict[moe_ep.Buffer, torch.Tensor] = {}
 
+    @property
+    def moe_ep_buffers(self) -> list[moe_ep.Buffer]:
+        """The moe_ep Buffers this Buffer made so far (one per shape it was called with; moe_ep's own API)."""
+        return [*self._normal.values(), *self._low_latency.values()]
+
     # ---- static helpers -------------------------------------------------------------------
     @staticmethod
     def is_sm90_compiled() -> bool:

@@ -16,7 +16,7 @@ pytestmark = requires_gpus()
 
 CHANGES = [dict(send_warps=1), dict(send_warps=32), dict(combine_send_warps=1), dict(combine_send_warps=31),
            dict(unroll=4), dict(flag_batch=1), dict(flag_batch=32), dict(recv_run=3), dict(recv_run=32),
-           dict(num_sms=3)]
+           dict(num_sms=3), dict(eager_output_bytes=0)]
 
 
 def _worker(rank: int, world: int) -> None:

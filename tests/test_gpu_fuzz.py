@@ -185,10 +185,8 @@ def replace_fp8(call: Call) -> Call:
 
 
 def _heap_state() -> tuple[int, int]:
-    from moe_ep.backends.symmetric import NvshmemSession
-
-    heap = NvshmemSession._heap
-    return (heap.reserved, heap.holders) if heap is not None else (0, 0)
+    heap = moe_ep.symmetric_heap_usage()
+    return (heap.reserved_bytes, heap.buffers) if heap is not None else (0, 0)
 
 
 def _worker(rank: int, world: int, seed: int) -> None:

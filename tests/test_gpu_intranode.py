@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep import fp8
-from moe_ep.backends import internode
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import random_topk
 
@@ -378,17 +377,15 @@ def _worker(rank: int, world: int, topo: dict) -> None:
                 if rank == 0:
                     print(f"{label} case {case.seed} shape {shape}", flush=True)
                 _run_case(nat, ref, shape, case, rank)
-    if topo:  # the cross-node path once more with exact-size outputs allocated after the count wait
-        internode.EAGER_OUTPUT_BYTES, eager = 0, internode.EAGER_OUTPUT_BYTES
-        shape = next(iter(SHAPES))
-        hidden, experts, k, t = shape
-        with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", hidden=hidden, num_experts=experts, num_topk=k,
-                           max_tokens_per_rank=t, **topo) as nat, \
-                moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", hidden=hidden, num_experts=experts,
-                              num_topk=k, max_tokens_per_rank=t, **topo) as ref:
-            for case in SHAPES[shape]:
-                _run_case(nat, ref, shape, case, rank)
-        internode.EAGER_OUTPUT_BYTES = eager
+    # once more with exact-size outputs, allocated after the count wait
+    shape = next(iter(SHAPES))
+    hidden, experts, k, t = shape
+    common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, **topo)
+    with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", config=moe_ep.Config(eager_output_bytes=0),
+                       **common) as nat, \
+            moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **common) as ref:
+        for case in SHAPES[shape]:
+            _run_case(nat, ref, shape, case, rank)
     for part in (_stress, _graph, _timeout, _combine_timeout):
         if rank == 0:
             print(f"{label} {part.__name__.strip('_')}", flush=True)

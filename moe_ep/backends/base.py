@@ -30,6 +30,11 @@ def align_up_device(counts: torch.Tensor, alignment: int) -> torch.Tensor:
     return torch.div(counts + (alignment - 1), alignment, rounding_mode="floor") * alignment
 
 
+def ptr_or_null(t: Optional[torch.Tensor]) -> int:
+    """A tensor's device address for a native launch, 0 for an absent one."""
+    return 0 if t is None else t.data_ptr()
+
+
 def record_event(async_op: bool, device: torch.device,
                  check: Optional[Callable[[], None]] = None) -> Optional[EventHandle]:
     """For async_op: an EventHandle recorded on `device`'s current stream (an empty one on CPU);

@@ -8,14 +8,12 @@ for the budget below), not by R * T rows. The NvshmemBackend uses this engine fo
 calls when the group spans several nodes (or when asked to, with one node, to run the forwarding leg).
 
 A call's routing (is_token_in_rank, each token's position among the tokens for each rank, the nodes
-it goes to) comes from the route kernel, then the notify kernel exchanges counts. Outside
-worst-case mode the host waits for the counts to size the result: while outputs of R * T rows fit in
-EAGER_OUTPUT_BYTES it allocates those and launches the dispatch kernel first (results are views of
-the first M rows), beyond that (large R) it allocates exact-size outputs after the wait. Worst-case mode sizes every output at R * T rows and never waits, so it captures into a
-CUDA graph. Calls of one Buffer must be ordered on the device (one stream, or events between
-streams), and every rank must pass the same num_sms to a call: block q of every rank is channel q
-of that call (at most INTERNODE_MAX_CHANNELS); a rank that launched fewer blocks leaves its peers'
-extra channels waiting until the timeout names it.
+it goes to) comes from the route kernel, then the notify kernel exchanges counts; the dispatch flow
+around them is the one of every normal engine (backends/engine.py `normal_dispatch`). Calls of one
+Buffer must be ordered on the device (one stream, or events between streams), and every rank must
+pass the same num_sms to a call: block q of every rank is channel q of that call (at most
+INTERNODE_MAX_CHANNELS); a rank that launched fewer blocks leaves its peers' extra channels waiting
+until the timeout names it.
 """
 from __future__ import annotations
 
@@ -25,16 +23,14 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .. import _native
-from ..types import DispatchHandle, DispatchResult
-from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result
+from ..config import Config
+from ..types import DispatchHandle, DispatchLayout
+from .base import BufferConfig, DispatchOutputs, ptr_or_null
+from .engine import NormalEngine, Notified
 from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
     from .symmetric import ErrorWatch, NvshmemSession
-
-# Outside worst-case mode, outputs of R * T rows up to this size are allocated before the counts are
-# known, so the dispatch kernel starts without waiting for the host.
-EAGER_OUTPUT_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -67,17 +63,10 @@ def workspace_plan(cfg: BufferConfig) -> tuple[int, int]:
                                          cfg.num_topk, cfg.num_experts, cfg.config.internode_workspace_bytes)
 
 
-def heap_bytes(cfg: BufferConfig) -> int:
-    """Symmetric heap this engine allocates."""
-    return workspace_plan(cfg)[1] + ALLOCATION_SLACK_BYTES  # one allocation
-
-
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
-class InternodeEngine:
+class InternodeEngine(NormalEngine):
     """The cross-node normal-mode kernels of one Buffer and their symmetric workspace."""
+
+    path = "cross-node"
 
     def __init__(self, cfg: BufferConfig, session: "NvshmemSession", error: "ErrorWatch") -> None:
         native = _native.load()
@@ -101,7 +90,10 @@ class InternodeEngine:
             error=error.device_ptr, epochs=self._epochs.data_ptr(), block_counters=self._block_counters.data_ptr(),
             workspace=self._workspace.ptr, node_peers=list(node_peers),
         )
-        self._error = error
+
+    @staticmethod
+    def heap_bytes(cfg: BufferConfig) -> int:
+        return workspace_plan(cfg)[1] + ALLOCATION_SLACK_BYTES  # one allocation
 
     @property
     def round_tokens(self) -> int:
@@ -123,44 +115,33 @@ class InternodeEngine:
                         layout.tokens_per_expert.data_ptr(), stream.cuda_stream)
         return layout
 
-    @property
-    def data(self) -> torch.Tensor:
-        """The workspace's data areas (rows, metadata, counts), without its signal words."""
-        return self._workspace.tensor[self._ctx.data_offset:]
+    def layout(self, topk_idx: torch.Tensor, stream: torch.cuda.Stream) -> DispatchLayout:
+        layout = self.route(topk_idx, stream)
+        return DispatchLayout(num_tokens_per_rank=layout.tokens_per_rank,
+                              num_tokens_per_expert=layout.tokens_per_expert, is_token_in_rank=layout.in_rank)
 
-    def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, num_sms,
-                 stream: torch.cuda.Stream, async_op: bool) -> DispatchResult:
-        """Layout and count exchange (unless cached), then the dispatch kernel."""
+    def notify(self, topk_idx: torch.Tensor, expert_alignment: int, worst_case: bool,
+               stream: torch.cuda.Stream) -> Notified:
+        cfg, n, dev, t = self.cfg, topk_idx.shape[0], self.cfg.device, self.cfg.max_tokens_per_rank
+        layout = self.route(topk_idx, stream)
+        recv_info = torch.empty(2 * cfg.world_size + cfg.num_local_experts + 1, dtype=torch.int32, device=dev)
+        tokens_per_expert = torch.empty(cfg.num_local_experts, dtype=torch.int32, device=dev)
+        self._ctx.notify(layout.tokens_per_rank.data_ptr(), layout.tokens_per_expert.data_ptr(), n,
+                         recv_info.data_ptr(), tokens_per_expert.data_ptr(), expert_alignment, worst_case,
+                         stream.cuda_stream)
+        state = NodeDispatchState(layout.pos, layout.in_node, recv_info,
+                                  torch.zeros(cfg.num_nodes, t, dtype=torch.int32, device=dev),
+                                  torch.empty(cfg.num_nodes, t, dtype=torch.int32, device=dev), None)
+        return Notified(layout.in_rank, state, tokens_per_expert)
+
+    def raw_expert_counts(self, state: NodeDispatchState) -> torch.Tensor:
+        r = self.cfg.world_size
+        return state.recv_info[2 * r:2 * r + self.cfg.num_local_experts]
+
+    def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state: NodeDispatchState, out: DispatchOutputs, *,
+                        cached, worst_case, num_sms, knobs, stream) -> None:
         cfg = self.cfg
-        dev, r, t, h, k = cfg.device, cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden, cfg.num_topk
-        n, fp8 = x.shape[0], x.dtype == torch.float8_e4m3fn
-        cached = handle is not None
-        counts_ready: Optional[torch.cuda.Event] = None  # recorded after notify, outside worst-case mode
-        if cached:
-            state: NodeDispatchState = handle.state
-            worst_case, recv_counts = handle.worst_case, handle.recv_counts
-            tokens_per_expert_tensor = align_up_device(state.recv_info[2 * r:2 * r + cfg.num_local_experts],
-                                                       expert_alignment)
-        else:
-            layout = self.route(topk_idx, stream)
-            recv_info = torch.empty(2 * r + cfg.num_local_experts + 1, dtype=torch.int32, device=dev)
-            tokens_per_expert_tensor = torch.empty(cfg.num_local_experts, dtype=torch.int32, device=dev)
-            self._ctx.notify(layout.tokens_per_rank.data_ptr(), layout.tokens_per_expert.data_ptr(), n,
-                             recv_info.data_ptr(), tokens_per_expert_tensor.data_ptr(), expert_alignment, worst_case,
-                             stream.cuda_stream)
-            state = NodeDispatchState(layout.pos, layout.in_node, recv_info,
-                                      torch.zeros(cfg.num_nodes, t, dtype=torch.int32, device=dev),
-                                      torch.empty(cfg.num_nodes, t, dtype=torch.int32, device=dev), None)
-            recv_counts = None
-            if not worst_case:
-                counts_ready = torch.cuda.Event()
-                counts_ready.record(stream)
-        eager = counts_ready is not None and r * t * (h * x.element_size() + 16 * k) <= EAGER_OUTPUT_BYTES
-        raw: Optional[list[int]] = None
-        if counts_ready is not None and not eager:
-            recv_counts, raw = self._wait_counts(counts_ready)
-        m = r * t if worst_case or eager else sum(recv_counts)
-        out = DispatchOutputs.allocate(cfg, m, x.dtype, handle)
+        fp8 = x.dtype == torch.float8_e4m3fn
         if worst_case:  # rows no source fills are padding (zero rows, as the intranode kernel writes them)
             out.x.zero_()
             if out.scales is not None:
@@ -171,43 +152,31 @@ class InternodeEngine:
                 out.src_rank.fill_(-1)
                 out.src_index.fill_(-1)
         self._ctx.dispatch(
-            x.data_ptr(), _ptr(x_scales), _ptr(topk_idx), _ptr(topk_weights), state.pos.data_ptr(),
-            state.in_node.data_ptr(), state.recv_info.data_ptr(), n, h * x.element_size(),
-            cfg.num_scales if fp8 else 0, out.x.data_ptr(), _ptr(out.scales), _ptr(out.topk_idx),
-            _ptr(out.topk_weights), 0 if cached else out.src_rank.data_ptr(),
+            x.data_ptr(), ptr_or_null(x_scales), ptr_or_null(topk_idx), ptr_or_null(topk_weights), state.pos.data_ptr(),
+            state.in_node.data_ptr(), state.recv_info.data_ptr(), x.shape[0], cfg.hidden * x.element_size(),
+            cfg.num_scales if fp8 else 0, out.x.data_ptr(), ptr_or_null(out.scales), ptr_or_null(out.topk_idx),
+            ptr_or_null(out.topk_weights), 0 if cached else out.src_rank.data_ptr(),
             0 if cached else out.src_index.data_ptr(), state.forward_mask.data_ptr(), state.own_row.data_ptr(),
             cached, num_sms, stream.cuda_stream,
         )
-        if eager:
-            recv_counts, raw = self._wait_counts(counts_ready)
-            m = sum(recv_counts)
-            out = out.head(m)
-        if counts_ready is not None:
-            state = NodeDispatchState(state.pos, state.in_node, state.recv_info, state.forward_mask, state.own_row, raw)
-        self._error.check()  # every kernel of the call is launched: raising keeps the ranks in step
-        return native_dispatch_result(
-            cfg, handle, out, num_tokens=n, is_token_in_rank=handle.is_token_in_rank if cached else layout.in_rank,
-            recv_counts=recv_counts, worst_case=worst_case, state=state,
-            tokens_per_expert_raw=state.tokens_per_expert, expert_alignment=expert_alignment,
-            tokens_per_expert_tensor=tokens_per_expert_tensor, async_op=async_op, check=self._error.check)
 
-    def _wait_counts(self, counts_ready: torch.cuda.Event) -> tuple[list[int], list[int]]:
-        """(rows from each source, raw rows per local expert), once the notify kernel before
-        `counts_ready` has run. Raises only a timeout: a bad id is raised once the dispatch kernel is
-        launched too (ErrorWatch.check)."""
-        counts_ready.synchronize()
-        self._error.check(timeouts_only=True)
+    def host_counts(self) -> tuple[list[int], list[int]]:
         return self._ctx.host_info()
 
+    def fill_workspace(self, value: int) -> None:
+        """The workspace's data areas (rows, metadata, counts), without its signal words."""
+        self._workspace.tensor[self._ctx.data_offset:].fill_(value)
+
     def combine(self, x: torch.Tensor, handle: DispatchHandle, out: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                out_topk_weights: Optional[torch.Tensor], *, num_sms: int, stream: torch.cuda.Stream) -> None:
+                out_topk_weights: Optional[torch.Tensor], *, num_sms: int, knobs: Config,
+                stream: torch.cuda.Stream) -> None:
         """Rows (with their topk_weights, when given) back to their sources' forwarders, node partials back
         to the sources, summed into out (and out_topk_weights)."""
         state: NodeDispatchState = handle.state
         self._ctx.combine(x.data_ptr(), handle.src_index.data_ptr(), state.recv_info.data_ptr(),
                           state.forward_mask.data_ptr(), state.own_row.data_ptr(), state.in_node.data_ptr(),
-                          handle.num_tokens, out.data_ptr(), topk_weights is not None, _ptr(topk_weights),
-                          _ptr(out_topk_weights), num_sms, stream.cuda_stream)
+                          handle.num_tokens, out.data_ptr(), topk_weights is not None, ptr_or_null(topk_weights),
+                          ptr_or_null(out_topk_weights), num_sms, stream.cuda_stream)
 
     def close(self) -> None:
         """Frees the host-mapped mailbox (the workspace goes with the session)."""

@@ -3,7 +3,7 @@
 Fixed-capacity expert-major receive buffers, no host synchronisation (both calls capture into a CUDA
 graph), in-kernel FP8 cast, and an optional receive hook that splits each call into a send half and
 a receive half. The NvshmemBackend creates one LowLatencyEngine per low_latency Buffer and forwards
-the low-latency calls to it.
+the low-latency calls to it (the engine interface: backends/engine.py).
 
 Lifetimes: dispatch results are views of two alternating output sets, so a result (x, x_scales,
 count and its handle) stays valid until the second low_latency_dispatch after it: at most two
@@ -26,6 +26,7 @@ import torch
 from .. import _native
 from ..types import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
 from .base import BufferConfig
+from .engine import Engine
 from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ class _Hook:
         self.engine._receive(self)
 
 
-class LowLatencyEngine:
+class LowLatencyEngine(Engine):
     """Runs the low-latency kernels of one Buffer; owns its symmetric region (staging and signal
     words, R per slot for any R: not the Buffer's comm.h signal array) and output sets."""
 

@@ -59,7 +59,7 @@ def _unpack(rows: torch.Tensor, specs: list[tuple[int, torch.dtype, tuple[int, .
 @dataclass(frozen=True)
 class ReferenceDispatchState:
     """Backend-private part of a DispatchHandle made by the reference backend (the native backends'
-    are DispatchState and NodeDispatchState): what combine and a cached dispatch reuse."""
+    are intranode.DispatchState and internode.NodeDispatchState): what combine and a cached dispatch reuse."""
 
     recv_counts: list[int]  # rows received from each rank (worst-case mode too)
     tokens_per_expert: list[int]  # raw received rows per local expert

@@ -157,6 +157,21 @@ class _Heap:
     lost: Optional[str] = None  # why NVSHMEM can no longer be used in this process (a peer went silent)
 
 
+@dataclass(frozen=True)
+class SymmetricHeapUsage:
+    """This process's NVSHMEM symmetric heap: its size and what the open native Buffers reserved of it."""
+
+    capacity_bytes: int  # NVSHMEM_SYMMETRIC_SIZE it was started with
+    reserved_bytes: int  # the open Buffers' heap_bytes, summed
+    buffers: int  # open native Buffers
+
+
+def symmetric_heap_usage() -> Optional[SymmetricHeapUsage]:
+    """The heap of this process's NVSHMEM, or None while NVSHMEM is not started (local; no sync)."""
+    heap = NvshmemSession._heap
+    return None if heap is None else SymmetricHeapUsage(heap.capacity, heap.reserved, heap.holders)
+
+
 def _cuda_device(device: torch.device) -> torch.device:
     device = torch.device(device)
     return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())

@@ -1,0 +1,147 @@
+"""Normal-mode dispatch/combine inside one node on the NVLink kernels (csrc/kernels/intranode/).
+
+The notify kernel computes the layout and exchanges counts with every peer (the start barrier);
+then at once the dispatch kernel, whose warps store rows into the peers' symmetric workspace over
+NVLink while other warps copy the rows that already landed here (per-row flags) into the output
+tensors. The combine kernel sends each received row back and reduces a token's rows in ascending
+rank order. Every rank of the group must be reachable by NVLink loads and stores (nvshmem_ptr).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from .. import _native
+from ..config import Config
+from ..types import DispatchHandle, DispatchLayout
+from .base import BufferConfig, DispatchOutputs, ptr_or_null
+from .engine import NormalEngine, Notified
+from .symmetric import ALLOCATION_SLACK_BYTES
+
+if TYPE_CHECKING:
+    from .symmetric import ErrorWatch, NvshmemSession
+
+NUM_ALLOCATIONS = 3  # signals, workspace, row flags
+
+
+@dataclass(frozen=True)
+class DispatchState:
+    """Backend-private part of a DispatchHandle made on one node: what combine and a cached dispatch reuse."""
+
+    pos: torch.Tensor  # [N, R] int32: row of token n among the tokens sent to rank r, -1 if not sent
+    recv_info: torch.Tensor  # [2R + E_l] int32: rows per source, first output row per source, raw rows per expert
+    tokens_per_expert: Optional[list[int]]  # raw received rows per local expert; None in worst-case mode
+
+
+def _row_flags_shape(cfg: BufferConfig) -> tuple[int, int, int]:
+    """[dispatch | combine][source][row] uint64 (csrc/kernels/intranode/ workspace protocol)."""
+    return 2, cfg.world_size, cfg.max_tokens_per_rank
+
+
+def _workspace_bytes(cfg: BufferConfig) -> int:
+    return _native.load().intranode_workspace_bytes(cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden,
+                                                    cfg.num_topk, cfg.num_experts)
+
+
+class IntranodeEngine(NormalEngine):
+    """The NVLink normal-mode kernels of one Buffer and their symmetric memory (signals, workspace, row flags)."""
+
+    path = "nvlink"
+
+    def __init__(self, cfg: BufferConfig, session: "NvshmemSession", epochs: torch.Tensor,
+                 error: "ErrorWatch") -> None:
+        native = _native.load()
+        self.cfg = cfg
+        dev, r, e = cfg.device, cfg.world_size, cfg.num_experts
+        self._epochs = epochs  # kept alive: the kernels use it
+        self._block_counters = torch.zeros(4, dtype=torch.int32, device=dev)
+        self._layout_scratch = torch.empty(r + e, dtype=torch.int32, device=dev)
+        torch.cuda.synchronize(dev)  # the zeros land before any kernel, on any stream
+        self._signals = session.alloc((native.SIGNAL_WORDS,), torch.int64)
+        self._workspace = session.alloc((_workspace_bytes(cfg),), torch.uint8)
+        self._row_flags = session.alloc(_row_flags_shape(cfg), torch.int64)
+        unreachable = [p for p, addr in enumerate(self._workspace.peer_ptrs) if addr == 0]
+        if unreachable:
+            raise RuntimeError(f"moe_ep rank {cfg.rank}: ranks {unreachable} are not reachable by NVLink loads/stores "
+                               "(nvshmem_ptr is 0); give Buffer the node size (ranks_per_node) so the cross-node "
+                               "path serves them")
+        self._ctx: Any = native.IntranodeContext(
+            rank=cfg.rank, nranks=r, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, num_topk=cfg.num_topk,
+            num_experts=e, timeout_s=cfg.timeout_s, error=error.device_ptr, epochs=epochs.data_ptr(),
+            block_counters=self._block_counters.data_ptr(), layout_scratch=self._layout_scratch.data_ptr(),
+            signals=list(self._signals.peer_ptrs), workspace=list(self._workspace.peer_ptrs),
+            row_flags=list(self._row_flags.peer_ptrs),
+        )
+        self._tuning: Optional[tuple[int, ...]] = None  # the context's (send_warps, ..., recv_run)
+
+    @staticmethod
+    def heap_bytes(cfg: BufferConfig) -> int:
+        r, t = cfg.world_size, cfg.max_tokens_per_rank
+        return (_workspace_bytes(cfg) + (_native.load().SIGNAL_WORDS + 2 * r * t) * 8
+                + NUM_ALLOCATIONS * ALLOCATION_SLACK_BYTES)
+
+    def _tune(self, knobs: Config) -> None:
+        """The kernels' tuning for the next launch (set on the context only when it changed)."""
+        tuning = (knobs.send_warps, knobs.combine_send_warps, knobs.unroll, knobs.flag_batch, knobs.recv_run)
+        if tuning != self._tuning:
+            self._ctx.set_tuning(*tuning)
+            self._tuning = tuning
+
+    def layout(self, topk_idx: torch.Tensor, stream: torch.cuda.Stream) -> DispatchLayout:
+        cfg, n = self.cfg, topk_idx.shape[0]
+        per_rank = torch.empty(cfg.world_size, dtype=torch.int32, device=cfg.device)
+        per_expert = torch.empty(cfg.num_experts, dtype=torch.int32, device=cfg.device)
+        in_rank = torch.empty(n, cfg.world_size, dtype=torch.bool, device=cfg.device)
+        self._ctx.layout(topk_idx.data_ptr(), n, per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(),
+                         stream.cuda_stream)
+        return DispatchLayout(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank)
+
+    def notify(self, topk_idx: torch.Tensor, expert_alignment: int, worst_case: bool,
+               stream: torch.cuda.Stream) -> Notified:
+        cfg, n, r = self.cfg, topk_idx.shape[0], self.cfg.world_size
+        dev = cfg.device
+        in_rank = torch.empty(n, r, dtype=torch.bool, device=dev)
+        pos = torch.empty(n, r, dtype=torch.int32, device=dev)
+        recv_info = torch.empty(2 * r + cfg.num_local_experts, dtype=torch.int32, device=dev)
+        tokens_per_expert = torch.empty(cfg.num_local_experts, dtype=torch.int32, device=dev)
+        self._ctx.notify(topk_idx.data_ptr(), n, in_rank.data_ptr(), pos.data_ptr(), recv_info.data_ptr(),
+                         tokens_per_expert.data_ptr(), expert_alignment, worst_case, stream.cuda_stream)
+        return Notified(in_rank, DispatchState(pos, recv_info, None), tokens_per_expert)
+
+    def raw_expert_counts(self, state: DispatchState) -> torch.Tensor:
+        return state.recv_info[2 * self.cfg.world_size:]
+
+    def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state: DispatchState, out: DispatchOutputs, *,
+                        cached, worst_case, num_sms, knobs, stream) -> None:
+        cfg = self.cfg
+        fp8 = x.dtype == torch.float8_e4m3fn
+        self._tune(knobs)
+        self._ctx.dispatch(
+            x.data_ptr(), ptr_or_null(x_scales), ptr_or_null(topk_idx), ptr_or_null(topk_weights), state.pos.data_ptr(),
+            state.recv_info.data_ptr(), x.shape[0], cfg.hidden * x.element_size(), cfg.num_scales if fp8 else 0,
+            out.x.data_ptr(), ptr_or_null(out.scales), ptr_or_null(out.topk_idx), ptr_or_null(out.topk_weights),
+            0 if cached else out.src_rank.data_ptr(), 0 if cached else out.src_index.data_ptr(), worst_case, cached,
+            num_sms, stream.cuda_stream,
+        )
+
+    def host_counts(self) -> tuple[list[int], list[int]]:
+        return self._ctx.host_info()
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, out: torch.Tensor,
+                topk_weights: Optional[torch.Tensor], out_topk_weights: Optional[torch.Tensor], *, num_sms: int,
+                knobs: Config, stream: torch.cuda.Stream) -> None:
+        state: DispatchState = handle.state
+        self._tune(knobs)
+        self._ctx.combine(x.data_ptr(), x.shape[0], handle.src_rank.data_ptr(), handle.src_index.data_ptr(),
+                          handle.is_token_in_rank.data_ptr(), state.pos.data_ptr(), state.recv_info.data_ptr(),
+                          handle.num_tokens, out.data_ptr(), topk_weights is not None, ptr_or_null(topk_weights),
+                          ptr_or_null(out_topk_weights), num_sms, stream.cuda_stream)
+
+    def fill_workspace(self, value: int) -> None:
+        self._workspace.tensor.fill_(value)
+
+    def close(self) -> None:
+        """Frees the host-mapped count mailbox."""
+        self._ctx.close()
