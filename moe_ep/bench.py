@@ -461,11 +461,16 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.dev
                      for (op, k), us in zip(LAYER_PASSES, times)]
             del moe
             gc.collect()
-        if gemms:
-            timed = time_gemms(timer, gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn, buf.device))
-            timed["dense bf16 8192^3"] = dense_ceiling(timer, buf.device)
-            rows += [_row(buf, "layer", name, None, shape.tokens, us, backend="torch", flop=flop, config=None)
-                     for name, (us, flop) in timed.items() if not name.startswith(("fwd", "bwd", "cmp"))]
+        if gemms:  # per C: C times the GEMMs of one chunk (pairs / C), what chunking costs the experts alone
+            for chunks in OVERLAP_CHUNKS:
+                timed = time_gemms(timer, gemm_cases(pairs // chunks, buf.num_local_experts, shape.hidden, shape.ffn,
+                                                     buf.device))
+                rows += [_row(buf, "layer", f"{name} C={chunks}", None, shape.tokens, chunks * us, backend="torch",
+                              flop=chunks * flop, config=None, extra={"overlap_chunks": chunks})
+                         for name, (us, flop) in timed.items() if name.startswith("GEMMs")]
+            us, flop = dense_ceiling(timer, buf.device)
+            rows.append(_row(buf, "layer", "dense bf16 8192^3", None, shape.tokens, us, backend="torch", flop=flop,
+                             config=None))
     return rows
 
 
