@@ -5,8 +5,8 @@
 namespace py = pybind11;
 
 void register_runtime(py::module_& m);      // runtime/runtime_bindings.cpp
-void register_intranode(py::module_& m);    // kernels/intranode_bindings.cpp
-void register_low_latency(py::module_& m);  // kernels/low_latency_bindings.cpp
+void register_intranode(py::module_& m);    // kernels/intranode/bindings.cpp
+void register_low_latency(py::module_& m);  // kernels/low_latency/bindings.cpp
 void register_internode(py::module_& m);    // kernels/internode/bindings.cpp
 
 PYBIND11_MODULE(_C, m) {

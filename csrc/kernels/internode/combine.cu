@@ -45,6 +45,8 @@
 //   c. After the barrier threads n_d signal-op comb_credit[n][q] = e at (n_d, l).
 // As in the dispatch no step waits for a later step of any rank. The last block adds the round count
 // to epochs[2] and advances epochs[3]; a timeout leaves the loop and the host raises CommTimeoutError.
+#include "kernels/common/bf16_math.cuh"
+#include "kernels/common/launch.cuh"
 #include "kernels/internode/internode.h"
 
 namespace moe_ep {

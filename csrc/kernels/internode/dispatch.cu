@@ -46,6 +46,10 @@
 // The last block to finish (arrive_last) adds the round count to epochs[1] (and advances epochs[4]
 // after a cached dispatch). A timeout leaves the loop (every block still arrives); the host raises
 // CommTimeoutError.
+#include "kernels/common/launch.cuh"
+#include "kernels/common/routing.cuh"
+#include "kernels/common/warp.cuh"
+#include "kernels/common/warp_copy.cuh"
 #include "kernels/internode/internode.h"
 
 namespace moe_ep {

@@ -241,24 +241,13 @@ void launch_combine(const Context& c, const CombineArgs& a, uintptr_t stream);
 }  // namespace moe_ep
 
 #if defined(__CUDACC__)
-#include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
-#include "kernels/intranode.h"
+#include "kernels/common/warp_copy.cuh"
 #include "runtime/comm.h"
 
 namespace moe_ep {
 namespace internode {
-
-using intranode::add_bf16x8;
-using intranode::arrive_last;
-using intranode::check_launch;
-using intranode::kFullMask;
-using intranode::lane_route;
-using intranode::LaneRoute;
-using intranode::round_bf16x8;
-using intranode::warp_copy;
-using intranode::warp_copy_cg;
-using intranode::warp_sum_weights;
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
@@ -354,7 +343,7 @@ __device__ __forceinline__ Channel my_channel(int round_tokens) {
 // GPU or the NIC wrote it) and stored to every destination.
 __device__ __forceinline__ void warp_copy_to_peers(const DeviceContext& ctx, uint64_t dst_offset, const int4* src,
                                                    int vecs, unsigned mask, int lane) {
-  warp_copy<kCopyUnroll>(src, vecs, lane, intranode::LoadCg{}, mask,
+  warp_copy<kCopyUnroll>(src, vecs, lane, LoadCg{}, mask,
                          [&](int j) { return ctx.at_peer<int4>(j, dst_offset); });
 }
 

@@ -18,6 +18,8 @@
 // mine, but my notify of call c - 2 (the last one that read this set) finished before my notify of
 // call c - 1 started, and the peer cannot start call c before it has seen my notify signal of c - 1.
 // On a timeout every count is taken as 0 (no rows, no rounds) and the host raises CommTimeoutError.
+#include "kernels/common/launch.cuh"
+#include "kernels/common/warp.cuh"
 #include "kernels/internode/internode.h"
 
 namespace moe_ep {

@@ -11,6 +11,8 @@
 // `hit` (warp ballots, then the warp totals) plus the running total of earlier tiles gives pos[t][r]
 // (-1 when not hit); the final total is tokens_per_rank[r]. Barriers separate the scan's steps, so
 // its shared arrays are reused safely from tile to tile.
+#include "kernels/common/launch.cuh"
+#include "kernels/common/warp.cuh"
 #include "kernels/internode/internode.h"
 
 namespace moe_ep {

@@ -1,6 +1,7 @@
 // Python bindings of the intranode (normal-mode) kernels: one IntranodeContext per Buffer holds the
-// fixed device addresses (kernels/intranode.h Context) and the host-mapped count mailbox; its methods
-// launch the kernels. Tensors travel as device addresses (int), streams as cudaStream_t (int).
+// fixed device addresses (intranode.h Context, in this folder) and the host-mapped count mailbox;
+// its methods launch the kernels. Tensors travel as device addresses (int), streams as cudaStream_t
+// (int).
 //
 // The kernels' tuning (intranode.h Tuning) comes from moe_ep.Config (moe_ep/config.py documents each
 // knob, its default and the environment variable that may set that default) through set_tuning,
@@ -15,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/intranode.h"
+#include "kernels/intranode/intranode.h"
 #include "runtime/error_check.h"
 #include "runtime/host_mailbox.h"
 
@@ -153,10 +154,10 @@ void register_intranode(py::module_& m) {
   m.attr("SIGNAL_WORDS") = moe_ep::intranode::kSignalWords;
   m.attr("MAX_TOPK") = moe_ep::intranode::kMaxTopk;
   m.attr("TUNING_MAX_WARPS") = moe_ep::intranode::kHostWarps;
-  m.attr("NUM_EPOCHS") = moe_ep::intranode::kEpochCounters;
+  m.attr("NUM_EPOCHS") = moe_ep::intranode::kHostNumEpochs;
   m.def("intranode_workspace_bytes", &moe_ep::intranode::workspace_bytes, py::arg("nranks"), py::arg("max_tokens"),
         py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"),
-        "Bytes of the symmetric workspace one normal-mode Buffer needs (kernels/intranode.h).");
+        "Bytes of the symmetric workspace one normal-mode Buffer needs (kernels/intranode/intranode.h).");
   py::class_<IntranodeContext>(m, "IntranodeContext",
                                "Fixed device addresses of one Buffer's normal-mode kernels, and their launchers.")
       .def(py::init<int, int, int, int, int, int, double, uintptr_t, uintptr_t, uintptr_t, uintptr_t,

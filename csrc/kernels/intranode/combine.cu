@@ -17,7 +17,7 @@
 //     row i of slot [me] of s's weights region. The row's flag, [combine][me][i] at s, joins the
 //     warp's pending flags (shared memory); once G are pending (and at the end) the warp publishes
 //     them: __syncwarp, one fence.acq_rel.sys, then relaxed stores of `epoch` (intranode.h "Row
-//     flags"), so a flag is raised only after its row and its weights.
+//     flags", in this folder), so a flag is raised only after its row and its weights.
 //  2. Reduce (the other warps from the start, the sending warps once their rows are done). Warps take
 //     runs of B tokens [kB, kB + B) of this rank from a grid-wide counter. Per token i: lane r < R
 //     reads is_token_in_rank[i][r]; lanes of peer sources wait for their row flag to reach `epoch`
@@ -35,7 +35,11 @@
 // arrives, so epochs stay in step.
 #include <cuda_bf16.h>
 
-#include "kernels/intranode.h"
+#include "kernels/common/bf16_math.cuh"
+#include "kernels/common/launch.cuh"
+#include "kernels/common/warp.cuh"
+#include "kernels/common/warp_copy.cuh"
+#include "kernels/intranode/intranode.h"
 
 namespace moe_ep {
 namespace intranode {

@@ -18,8 +18,8 @@
 //     src_rank). Each peer row's flag, [dispatch][me][pos] at peer r, joins the warp's pending flags
 //     (shared memory, up to 32); once G are pending (before a token would overflow 32, and at the
 //     end) the warp publishes them: __syncwarp, one fence.acq_rel.sys, then relaxed stores of `epoch`
-//     (intranode.h "Row flags"). A flag is raised only after its row and metadata, and the warp pays
-//     one system fence per G flags instead of one per token.
+//     (intranode.h "Row flags", in this folder). A flag is raised only after its row and metadata, and
+//     the warp pays one system fence per G flags instead of one per token.
 //  2. Receive (the other warps from the start, the sending warps once their tokens are done). Work
 //     item k (from a grid-wide counter) is the run of positions [jB, jB + B) of source s, with
 //     j = k / R and s = k % R. In worst-case mode the run's padding rows (p >= count_s) get zero x and scales, src = -1,
@@ -33,7 +33,11 @@
 //  3. arrive_last: the last block resets the work counter and advances the device epochs.
 // A timeout in a wait leaves the loops early (every block still arrives, so epochs stay in step);
 // the host raises CommTimeoutError.
-#include "kernels/intranode.h"
+#include "kernels/common/launch.cuh"
+#include "kernels/common/routing.cuh"
+#include "kernels/common/warp.cuh"
+#include "kernels/common/warp_copy.cuh"
+#include "kernels/intranode/intranode.h"
 
 namespace moe_ep {
 namespace intranode {

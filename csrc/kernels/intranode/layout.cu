@@ -1,9 +1,11 @@
 // get_dispatch_layout: tokens per rank and per expert, and the token -> rank mask, from topk_idx.
 //
-// Protocol: a single block of kLayoutThreads threads runs layout_counts (kernels/intranode.h, shared
-// with the notify kernel, which adds positions and the count exchange); it also writes
+// Protocol: a single block of kLayoutThreads threads runs layout_counts (dispatch_layout.cuh in this
+// folder, shared with the notify kernel, which adds positions and the count exchange); it also writes
 // is_token_in_rank. No communication.
-#include "kernels/intranode.h"
+#include "kernels/common/launch.cuh"
+#include "kernels/intranode/dispatch_layout.cuh"
+#include "kernels/intranode/intranode.h"
 
 namespace moe_ep {
 namespace intranode {

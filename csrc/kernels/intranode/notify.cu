@@ -1,8 +1,8 @@
 // Notify: the dispatch layout plus the count exchange, which is also the start barrier of a dispatch.
 //
 // Protocol: one block of kLayoutThreads threads (a template on kK, the bound on K: 8 or 16).
-//  1. layout_counts (kernels/intranode.h): tokens per rank and per expert into Context::layout_scratch,
-//     and is_token_in_rank.
+//  1. layout_counts (dispatch_layout.cuh in this folder): tokens per rank and per expert into
+//     Context::layout_scratch, and is_token_in_rank.
 //  2. epoch = epochs[kSigNotify] + 1. For every rank d (this one included), the block writes row
 //     [me] of counts set [epoch % 2] at d: the number of tokens it sends to d, then its token counts
 //     for d's E_l local experts (all threads, one entry each). The block joins (__syncthreads orders
@@ -24,7 +24,9 @@
 // it cannot get two calls ahead, since that next notify waits for this rank's next flag.
 // On a timeout the outputs are zero (no rows, offsets s * T or 0), so later kernels touch no memory
 // out of bounds; the host raises CommTimeoutError.
-#include "kernels/intranode.h"
+#include "kernels/common/launch.cuh"
+#include "kernels/intranode/dispatch_layout.cuh"
+#include "kernels/intranode/intranode.h"
 
 namespace moe_ep {
 namespace intranode {

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/low_latency.h"
+#include "kernels/low_latency/low_latency.h"
 
 namespace py = pybind11;
 using moe_ep::ll::LowLatencyParams;
@@ -81,7 +81,7 @@ void register_low_latency(py::module_& m) {
         return d;
       },
       py::arg("nranks"), py::arg("max_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("scratch_blocks"),
-      "Byte offsets of the low-latency symmetric region's areas and its size (kernels/low_latency.h).");
+      "Byte offsets of the low-latency symmetric region's areas and its size (kernels/low_latency/low_latency.h).");
   m.attr("LL_META_BYTES") = moe_ep::ll::kMetaBytes;
   m.attr("LL_SCRATCH_ROWS") = moe_ep::ll::kScratchRows;
   m.attr("LL_NUM_SIGNALS") = moe_ep::ll::kNumSignals;

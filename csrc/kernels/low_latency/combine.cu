@@ -13,9 +13,9 @@
 // that is ~4 remote rows per token: 128 tokens send 7.3 MB each way, ~19-21 us at 350-390 GB/s.
 //
 // Protocol: one kernel, `combine`, with a send half and a receive half, launched as the dispatch
-// kernel is (low_latency_dispatch.cu: one launch for both halves, or the send half and then the
+// kernel is (dispatch.cu in this folder: one launch for both halves, or the send half and then the
 // receive half in hook(); grid G = kernel_blocks, all blocks resident). Node ranks / net ranks as
-// in low_latency_dispatch.cu (from ranks_per_node).
+// in dispatch.cu (from ranks_per_node).
 //
 // Send half — items (p, e), local expert e, part p < P; block b serves items b, b + G, ...
 //   Reads the call's epoch e = epochs[10] + 1 and uses set e & 1. All blocks together first copy
@@ -66,7 +66,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "kernels/low_latency.h"
+#include "kernels/low_latency/low_latency.h"
 
 namespace moe_ep {
 namespace ll {
@@ -139,7 +139,7 @@ __device__ __forceinline__ void send_rows(const CombineArgs& a, unsigned long lo
     for (int item = warp; item < n * row_chunks; item += warps) {
       const int r = item / row_chunks, chunk = item - r * row_chunks;
       const size_t m = expert_row0 + p + static_cast<size_t>(parts) * (r0 + r);
-      int4 v[kCopyUnroll];
+      int4 v[kChunkUnroll];
       warp_load_chunk(v, a.y + m * row_int4, row_int4, chunk, lane);  // issued with the src_* loads below
       const int dst = a.src_rank[m];
       if (skip_rank(c, dst)) continue;
@@ -166,7 +166,7 @@ __device__ __forceinline__ void send_rows(const CombineArgs& a, unsigned long lo
   }
 }
 
-// Receive half for token n, int4 columns [col0, col0 + kThreads), after wait_all_sources (ok: it
+// Receive half for token n, int4 columns [col0, col0 + kBlockThreads), after wait_all_sources (ok: it
 // succeeded); protocol in the file comment. kSlots >= num_topk: rows held in registers per thread.
 template <int kSlots>
 __device__ __forceinline__ void reduce_token(const CombineArgs& a, unsigned long long epoch, int n, int col0, bool ok) {
@@ -229,7 +229,7 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& a, unsigned long
 
 // The combine kernel: the send half and/or the receive half (file comment).
 template <bool kNetwork, int kSlots>
-__global__ void __launch_bounds__(kThreads, 2) combine(const CombineArgs a) {
+__global__ void __launch_bounds__(kBlockThreads, 2) combine(const CombineArgs a) {
   const Comm& c = a.peers.comm;
   // A send (with or without the receive) starts epoch e = epochs[10] + 1; a receive alone follows
   // the send launch of the same call, which published e into epochs[10].
@@ -248,9 +248,9 @@ __global__ void __launch_bounds__(kThreads, 2) combine(const CombineArgs a) {
   const bool ok = wait_all_sources(a.peers, kSigCombineNode + static_cast<int>(epoch & 1),
                                    arrivals_after(epoch, gridDim.x), kSigCombineNet, epoch,
                                    kPhaseLowLatencyCombineRecv);
-  const int cols = (a.hidden / 8 + kThreads - 1) / kThreads;
+  const int cols = (a.hidden / 8 + kBlockThreads - 1) / kBlockThreads;
   for (int item = blockIdx.x; item < a.num_tokens * cols; item += gridDim.x)
-    reduce_token<kSlots>(a, epoch, item / cols, item % cols * kThreads, ok);
+    reduce_token<kSlots>(a, epoch, item / cols, item % cols * kBlockThreads, ok);
 }
 
 void launch_combine(const LowLatencyParams& p, uintptr_t y, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k,

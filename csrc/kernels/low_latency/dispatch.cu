@@ -95,7 +95,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include "kernels/low_latency.h"
+#include "kernels/low_latency/low_latency.h"
 
 namespace moe_ep {
 namespace ll {
@@ -364,7 +364,7 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& a, unsigned l
     const int j = r < kSharedRows ? staged_j[r] : a.src_rank[row] * a.max_tokens + a.src_index[row];
     const uint8_t* staged = a.payload + (static_cast<size_t>(set * c.nranks) * a.max_tokens + j) * staged_bytes;
     if (chunk < row_chunks) {
-      int4 v[kCopyUnroll];
+      int4 v[kChunkUnroll];
       warp_load_chunk(v, reinterpret_cast<const int4*>(staged), row_int4, chunk, lane);
       warp_store_chunk(reinterpret_cast<int4*>(a.recv_x + row * row_int4 * 16), v, row_int4, chunk, lane);
     } else {
@@ -381,7 +381,7 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& a, unsigned l
 
 // The dispatch kernel: the send half and/or the receive half (file comment).
 template <bool kFp8, bool kRoundScale>
-__global__ void __launch_bounds__(kThreads, 2) dispatch(const DispatchArgs a) {
+__global__ void __launch_bounds__(kBlockThreads, 2) dispatch(const DispatchArgs a) {
   const Comm& c = a.peers.comm;
   // A send (with or without the receive) starts epoch e = epochs[8] + 1; a receive alone follows
   // the send launch of the same call, which published e into epochs[8].

@@ -92,10 +92,10 @@ struct LowLatencyParams {
   int num_sms;                      // SMs of this rank's GPU (kernel_blocks)
 };
 
-constexpr int kThreads = 512;  // threads per block of both kernels
+constexpr int kBlockThreads = 512;  // threads per block of both kernels
 
 // Grid of both kernels: one block per (local expert, part) item, P * E_l, but at most two blocks per
-// SM (each kernel's __launch_bounds__(kThreads, 2) makes two fit), so that every block is resident
+// SM (each kernel's __launch_bounds__(kBlockThreads, 2) makes two fit), so that every block is resident
 // at once: a kernel running both halves waits in its receive half for the send half of every block
 // of every rank, its own included (launched cooperatively, so a grid that cannot be co-resident
 // fails to launch instead of hanging). Blocks loop over items when the grid is smaller. Fixed per
@@ -129,7 +129,7 @@ void launch_combine(const LowLatencyParams& p, uintptr_t y, uintptr_t src_rank, 
 }  // namespace moe_ep
 
 #if defined(__CUDACC__)
-// Device-side pieces shared by low_latency_dispatch.cu and low_latency_combine.cu.
+// Device-side pieces shared by dispatch.cu and combine.cu in this folder.
 #include <cuda_runtime.h>
 #include <stdexcept>
 #include <string>
@@ -186,13 +186,13 @@ inline void check_launch(const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("moe_ep low-latency ") + what + ": " + cudaGetErrorString(err));
 }
 
-// Launches kernel(args) on kernel_blocks(p) blocks of kThreads, cooperatively (all blocks resident).
+// Launches kernel(args) on kernel_blocks(p) blocks of kBlockThreads, cooperatively (all blocks resident).
 template <typename Args>
 void launch_cooperative(void (*kernel)(Args), const LowLatencyParams& p, const Args& args, uintptr_t stream,
                         const char* what) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(kernel_blocks(p));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(kBlockThreads);
   cfg.stream = reinterpret_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeCooperative;
@@ -227,24 +227,24 @@ __device__ __forceinline__ uint64_t arrivals_after(unsigned long long epoch, int
 // A copy unit: one warp moves up to kChunkInt4 int4 with every load in flight before any store
 // (one memory round trip per chunk). Rows are cut into chunks so that all warps of a block share
 // the rows instead of one warp walking a whole row through several dependent round trips.
-constexpr int kCopyUnroll = 8;
-constexpr int kChunkInt4 = 32 * kCopyUnroll;  // 4 KB
+constexpr int kChunkUnroll = 8;
+constexpr int kChunkInt4 = 32 * kChunkUnroll;  // 4 KB
 
 __device__ __forceinline__ int chunks_of(int n_int4) { return (n_int4 + kChunkInt4 - 1) / kChunkInt4; }
 
 // Loads int4 [chunk * kChunkInt4, min(n, (chunk + 1) * kChunkInt4)) of src into v (lane's share).
-__device__ __forceinline__ void warp_load_chunk(int4 (&v)[kCopyUnroll], const int4* src, int n, int chunk, int lane) {
+__device__ __forceinline__ void warp_load_chunk(int4 (&v)[kChunkUnroll], const int4* src, int n, int chunk, int lane) {
 #pragma unroll
-  for (int u = 0; u < kCopyUnroll; ++u) {
+  for (int u = 0; u < kChunkUnroll; ++u) {
     const int i = chunk * kChunkInt4 + u * 32 + lane;
     if (i < n) v[u] = src[i];
   }
 }
 
 // Stores what warp_load_chunk loaded for the same (n, chunk, lane).
-__device__ __forceinline__ void warp_store_chunk(int4* dst, const int4 (&v)[kCopyUnroll], int n, int chunk, int lane) {
+__device__ __forceinline__ void warp_store_chunk(int4* dst, const int4 (&v)[kChunkUnroll], int n, int chunk, int lane) {
 #pragma unroll
-  for (int u = 0; u < kCopyUnroll; ++u) {
+  for (int u = 0; u < kChunkUnroll; ++u) {
     const int i = chunk * kChunkInt4 + u * 32 + lane;
     if (i < n) dst[i] = v[u];
   }
