@@ -10,16 +10,17 @@
 //     rewrite notify_stage.
 //  3. Thread s waits (comm.h wait_signal_geq: signal fetch, then acquire fence) until notify_sig[s] >=
 //     epoch; the block joins. Reads of counts go through L2 (ld.cg).
-//  4. A block-wide scan gives each source's first output row (or s * T in worst-case mode); thread e
-//     sums local expert e over the sources; thread 0 takes max N over the sources and writes the
-//     round count ceil(max N / C). Results go to recv_info (device) and, when asked, host memory.
+//  4. A block-wide scan (common/scan.cuh) gives each source's first output row (or s * T in
+//     worst-case mode); thread e sums local expert e over the sources; thread 0 takes max N over the
+//     sources and writes the round count ceil(max N / C). Results go to recv_info (device) and, when
+//     asked, host memory.
 //  5. Thread 0 stores epoch into epochs[0].
 // Why counts[set] is free when a peer writes it: the peer's notify of call c waits for nothing of
 // mine, but my notify of call c - 2 (the last one that read this set) finished before my notify of
 // call c - 1 started, and the peer cannot start call c before it has seen my notify signal of c - 1.
 // On a timeout every count is taken as 0 (no rows, no rounds) and the host raises CommTimeoutError.
 #include "kernels/common/launch.cuh"
-#include "kernels/common/warp.cuh"
+#include "kernels/common/scan.cuh"
 #include "kernels/internode/internode.h"
 
 namespace moe_ep {
@@ -29,10 +30,10 @@ namespace {
 
 __global__ void __launch_bounds__(kThreads, 1)
 notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ NotifyArgs a) {
-  __shared__ int warp_sums[kWarps];
+  __shared__ int warp_sums[32];
   __shared__ int max_tokens;
   const Comm& comm = ctx.comm;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, me = comm.rank, R = comm.nranks;
+  const int tid = threadIdx.x, me = comm.rank, R = comm.nranks;
   const int E_l = ctx.dims.num_local_experts(), CS = ctx.dims.count_stride(), T = ctx.dims.max_tokens;
   const uint64_t epoch = comm.epochs[0] + 1;
   const int set = static_cast<int>(epoch & 1);
@@ -56,26 +57,18 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
   // 3. everyone's counts for me
   const bool ok = block_wait<true>(comm, notify_sig, R, 1, epoch, kPhaseNodeNotify, [](int s) { return s; });
 
-  // 4. rows and first row per source (block scan over R <= 1024 sources, one per thread)
+  // 4. rows and first row per source (block_exclusive_scan over R <= 1024 sources, one per thread)
   auto* recv_info = reinterpret_cast<int*>(a.recv_info);
   auto* host_info = reinterpret_cast<int*>(a.host_info);
   if (tid == 0) max_tokens = 0;
   __syncthreads();
   const int rows = ok && tid < R ? __ldcg(counts + (size_t)tid * CS + 1) : 0;
   if (ok && tid < R) atomicMax(&max_tokens, __ldcg(counts + (size_t)tid * CS));
-  int inclusive = rows;
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const int up = __shfl_up_sync(kFullMask, inclusive, d);
-    if (lane >= d) inclusive += up;
-  }
-  if (lane == 31) warp_sums[warp] = inclusive;
-  __syncthreads();
-  int before = 0;
-  for (int w = 0; w < warp; ++w) before += warp_sums[w];
+  int all_rows;
+  const int first = block_exclusive_scan(rows, warp_sums, &all_rows);
   if (tid < R) {
     recv_info[tid] = rows;
-    recv_info[R + tid] = a.worst_case ? tid * T : before + inclusive - rows;
+    recv_info[R + tid] = a.worst_case ? tid * T : first;
     if (host_info != nullptr) host_info[tid] = rows;
   }
   for (int e = tid; e < E_l; e += kThreads) {

@@ -8,11 +8,11 @@
 // on rank e / E_l), adding 1 to tokens_per_expert of each of r's experts at its first occurrence in
 // the row (integer atomics: the totals do not depend on their order). in_rank[t][r] = hit, in_node[t]
 // [r / L] = true when hit (several blocks may store the same true). A block-wide exclusive scan of
-// `hit` (warp ballots, then the warp totals) plus the running total of earlier tiles gives pos[t][r]
-// (-1 when not hit); the final total is tokens_per_rank[r]. Barriers separate the scan's steps, so
-// its shared arrays are reused safely from tile to tile.
+// `hit` (common/scan.cuh block_exclusive_scan) plus the running total of earlier tiles gives
+// pos[t][r] (-1 when not hit); the final total is tokens_per_rank[r]. A barrier ends every tile, so
+// the scan's shared array is reused safely from tile to tile.
 #include "kernels/common/launch.cuh"
-#include "kernels/common/warp.cuh"
+#include "kernels/common/scan.cuh"
 #include "kernels/internode/internode.h"
 
 namespace moe_ep {
@@ -22,16 +22,15 @@ namespace {
 
 __global__ void __launch_bounds__(kThreads, 1)
 route_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ RouteArgs a) {
-  __shared__ int warp_total[kWarps];
-  __shared__ int carry;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = blockIdx.x;
+  __shared__ int warp_sums[32];
+  const int tid = threadIdx.x, r = blockIdx.x;
   const int R = ctx.dims.nranks, K = ctx.dims.num_topk, E_l = ctx.dims.num_local_experts(), Nn = ctx.nodes();
   const auto* topk = reinterpret_cast<const long long*>(a.topk_idx);
   auto* in_rank = reinterpret_cast<bool*>(a.in_rank);
   auto* in_node = reinterpret_cast<bool*>(a.in_node);
   auto* pos = reinterpret_cast<int*>(a.pos);
   auto* per_expert = reinterpret_cast<int*>(a.tokens_per_expert);
-  if (tid == 0) carry = 0;
+  int carry = 0;  // tokens of earlier tiles that go to r (block-uniform)
   for (int tile = 0; tile < a.num_tokens; tile += kThreads) {
     const int t = tile + tid;
     bool hit = false;
@@ -52,19 +51,11 @@ route_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ 
       in_rank[(size_t)t * R + r] = hit;
       if (hit) in_node[(size_t)t * Nn + r / ctx.dims.local] = true;
     }
-    const unsigned votes = __ballot_sync(kFullMask, hit);
-    if (lane == 0) warp_total[warp] = __popc(votes);
-    __syncthreads();
-    int before = carry + __popc(votes & ((1u << lane) - 1u));
-    for (int w = 0; w < warp; ++w) before += warp_total[w];
+    int total;
+    const int before = carry + block_exclusive_scan(hit ? 1 : 0, warp_sums, &total);
     if (t < a.num_tokens) pos[(size_t)t * R + r] = hit ? before : -1;
-    __syncthreads();
-    if (tid == 0) {
-      int total = 0;
-      for (int w = 0; w < kWarps; ++w) total += warp_total[w];
-      carry += total;
-    }
-    __syncthreads();
+    carry += total;
+    __syncthreads();  // warp_sums is free for the next tile's scan
   }
   if (tid == 0) reinterpret_cast<int*>(a.tokens_per_rank)[r] = carry;
 }

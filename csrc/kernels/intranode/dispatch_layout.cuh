@@ -21,6 +21,7 @@
 //     pos = carry + warp offset + lane offset. Barriers separate the ballot, the scan and the reads
 //     of its result, so each step's shared arrays are reused safely.
 #pragma once
+#include "kernels/common/scan.cuh"
 #include "kernels/common/warp.cuh"
 #include "kernels/intranode/intranode.h"
 #include "runtime/comm.h"
@@ -162,12 +163,7 @@ __device__ __forceinline__ void layout_positions(const LayoutArgs& a, int nranks
     if (warp < nranks) {  // warp r: exclusive scan of rank r's warp totals, plus the carry
       const int r = warp;
       const int mine = warp_total[lane][r];
-      int inclusive = mine;
-#pragma unroll
-      for (int d = 1; d < 32; d *= 2) {
-        const int up = __shfl_up_sync(kFullMask, inclusive, d);
-        if (lane >= d) inclusive += up;
-      }
+      const int inclusive = warp_inclusive_scan(mine, lane);
       const int base = carry[r];
       warp_first[lane][r] = base + inclusive - mine;
       __syncwarp();

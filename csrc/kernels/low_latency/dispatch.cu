@@ -55,7 +55,8 @@
 //   2. Scans every staged meta row (s, t) in (s, t) order, contiguous chunks per thread: a row
 //      whose tag is not e is stale (its source did not send token t here this call), else the
 //      token counts for e once, at its first k naming global expert me * E_l + e. A block-wide
-//      exclusive scan of the per-thread counts gives each token's row: deterministic, no atomics.
+//      exclusive scan of the per-thread counts (common/scan.cuh) gives each token's row:
+//      deterministic, no atomics.
 //      Rows m with m % P == p are this block's: it writes src_rank / src_index / src_k (first k
 //      naming e, for combine) for them, and keeps the staged token of its first 1024 rows in shared
 //      memory; item p == 0 writes count[e]. All P items of e compute the same scan.
@@ -95,6 +96,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "kernels/common/scan.cuh"
 #include "kernels/low_latency/low_latency.h"
 
 namespace moe_ep {
@@ -289,31 +291,6 @@ __device__ __forceinline__ int first_k(const DispatchArgs& a, int set, unsigned 
     if (k < a.num_topk && id == expert) return k;
   }
   return -1;
-}
-
-// Exclusive prefix sum of `v` over the block (blockDim.x a multiple of 32); *total gets the sum.
-__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  int incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += n;
-  }
-  if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < warps ? warp_sums[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int n = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += n;
-    }
-    warp_sums[lane] = w;
-  }
-  __syncthreads();
-  *total = warp_sums[warps - 1];
-  return (warp > 0 ? warp_sums[warp - 1] : 0) + incl - v;
 }
 
 // Receive half for local expert e, part p of P, after wait_all_sources; protocol in the file comment.
