@@ -248,7 +248,7 @@ def test_info_reports_build_and_backend() -> None:
 
 
 def test_fallback_constants_equal_the_kernels_limits() -> None:
-    for header in ("kernels/intranode.h", "kernels/internode/internode.h"):
+    for header in ("kernels/intranode/intranode.h", "kernels/internode/internode.h"):
         value = re.search(r"constexpr int kMaxTopk = (\d+);", (ROOT / "csrc" / header).read_text())[1]
         assert int(value) == _native.FALLBACK_CONSTANTS["MAX_TOPK"], header
     if _native.available()[0]:
