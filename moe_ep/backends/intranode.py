@@ -53,6 +53,7 @@ class IntranodeEngine(NormalEngine):
     def __init__(self, cfg: BufferConfig, session: "NvshmemSession", epochs: torch.Tensor,
                  error: "ErrorWatch") -> None:
         native = _native.load()
+        self._native: Any = native  # the launch argument structs (IntranodeDispatchArgs, ...)
         self.cfg = cfg
         dev, r, e = cfg.device, cfg.world_size, cfg.num_experts
         self._epochs = epochs  # kept alive: the kernels use it
@@ -94,8 +95,10 @@ class IntranodeEngine(NormalEngine):
         per_rank = torch.empty(cfg.world_size, dtype=torch.int32, device=cfg.device)
         per_expert = torch.empty(cfg.num_experts, dtype=torch.int32, device=cfg.device)
         in_rank = torch.empty(n, cfg.world_size, dtype=torch.bool, device=cfg.device)
-        self._ctx.layout(topk_idx.data_ptr(), n, per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(),
-                         stream.cuda_stream)
+        self._ctx.layout(self._native.IntranodeLayoutArgs(
+            topk_idx=topk_idx.data_ptr(), num_tokens=n, tokens_per_rank=per_rank.data_ptr(),
+            tokens_per_expert=per_expert.data_ptr(), is_token_in_rank=in_rank.data_ptr(),
+        ), stream.cuda_stream)
         return DispatchLayout(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank)
 
     def notify(self, topk_idx: torch.Tensor, expert_alignment: int, worst_case: bool,
@@ -106,8 +109,11 @@ class IntranodeEngine(NormalEngine):
         pos = torch.empty(n, r, dtype=torch.int32, device=dev)
         recv_info = torch.empty(2 * r + cfg.num_local_experts, dtype=torch.int32, device=dev)
         tokens_per_expert = torch.empty(cfg.num_local_experts, dtype=torch.int32, device=dev)
-        self._ctx.notify(topk_idx.data_ptr(), n, in_rank.data_ptr(), pos.data_ptr(), recv_info.data_ptr(),
-                         tokens_per_expert.data_ptr(), expert_alignment, worst_case, stream.cuda_stream)
+        self._ctx.notify(self._native.IntranodeNotifyArgs(
+            topk_idx=topk_idx.data_ptr(), num_tokens=n, is_token_in_rank=in_rank.data_ptr(), pos=pos.data_ptr(),
+            recv_info=recv_info.data_ptr(), tokens_per_expert=tokens_per_expert.data_ptr(),
+            expert_alignment=expert_alignment, worst_case=worst_case,
+        ), stream.cuda_stream)
         return Notified(in_rank, DispatchState(pos, recv_info, None), tokens_per_expert)
 
     def raw_expert_counts(self, state: DispatchState) -> torch.Tensor:
@@ -118,13 +124,16 @@ class IntranodeEngine(NormalEngine):
         cfg = self.cfg
         fp8 = x.dtype == torch.float8_e4m3fn
         self._tune(knobs)
-        self._ctx.dispatch(
-            x.data_ptr(), ptr_or_null(x_scales), ptr_or_null(topk_idx), ptr_or_null(topk_weights), state.pos.data_ptr(),
-            state.recv_info.data_ptr(), x.shape[0], cfg.hidden * x.element_size(), cfg.num_scales if fp8 else 0,
-            out.x.data_ptr(), ptr_or_null(out.scales), ptr_or_null(out.topk_idx), ptr_or_null(out.topk_weights),
-            0 if cached else out.src_rank.data_ptr(), 0 if cached else out.src_index.data_ptr(), worst_case, cached,
-            num_sms, stream.cuda_stream,
-        )
+        self._ctx.dispatch(self._native.IntranodeDispatchArgs(
+            x=x.data_ptr(), x_scales=ptr_or_null(x_scales), topk_idx=ptr_or_null(topk_idx),
+            topk_weights=ptr_or_null(topk_weights), pos=state.pos.data_ptr(), recv_info=state.recv_info.data_ptr(),
+            num_tokens=x.shape[0], row_bytes=cfg.hidden * x.element_size(), num_scales=cfg.num_scales if fp8 else 0,
+            num_rows=out.x.shape[0], out_x=out.x.data_ptr(), out_scales=ptr_or_null(out.scales),
+            out_topk_idx=ptr_or_null(out.topk_idx), out_topk_weights=ptr_or_null(out.topk_weights),
+            out_src_rank=0 if cached else out.src_rank.data_ptr(),
+            out_src_index=0 if cached else out.src_index.data_ptr(), worst_case=worst_case, cached=cached,
+            num_blocks=num_sms,
+        ), stream.cuda_stream)
 
     def host_counts(self) -> tuple[list[int], list[int]]:
         return self._ctx.host_info()
@@ -134,10 +143,13 @@ class IntranodeEngine(NormalEngine):
                 knobs: Config, stream: torch.cuda.Stream) -> None:
         state: DispatchState = handle.state
         self._tune(knobs)
-        self._ctx.combine(x.data_ptr(), x.shape[0], handle.src_rank.data_ptr(), handle.src_index.data_ptr(),
-                          handle.is_token_in_rank.data_ptr(), state.pos.data_ptr(), state.recv_info.data_ptr(),
-                          handle.num_tokens, out.data_ptr(), topk_weights is not None, ptr_or_null(topk_weights),
-                          ptr_or_null(out_topk_weights), num_sms, stream.cuda_stream)
+        self._ctx.combine(self._native.IntranodeCombineArgs(
+            x=x.data_ptr(), num_rows=x.shape[0], src_rank=handle.src_rank.data_ptr(),
+            src_index=handle.src_index.data_ptr(), is_token_in_rank=handle.is_token_in_rank.data_ptr(),
+            pos=state.pos.data_ptr(), recv_info=state.recv_info.data_ptr(), num_tokens=handle.num_tokens,
+            out=out.data_ptr(), with_weights=topk_weights is not None, topk_weights=ptr_or_null(topk_weights),
+            out_topk_weights=ptr_or_null(out_topk_weights), num_blocks=num_sms,
+        ), stream.cuda_stream)
 
     def fill_workspace(self, value: int) -> None:
         self._workspace.tensor.fill_(value)

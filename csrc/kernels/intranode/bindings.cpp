@@ -3,6 +3,12 @@
 // its methods launch the kernels. Tensors travel as device addresses (int), streams as cudaStream_t
 // (int).
 //
+// Each launcher takes one argument struct (intranode.h LayoutArgs, NotifyArgs, DispatchArgs,
+// CombineArgs), bound as IntranodeLayoutArgs, ... with keyword-only constructors, and the stream:
+// ctx.dispatch(IntranodeDispatchArgs(x=..., ...), stream). It checks the struct first (check below,
+// also callable as args.check(IntranodeDims(...)) without a GPU): ValueError naming the launcher and
+// the field.
+//
 // The kernels' tuning (intranode.h Tuning) comes from moe_ep.Config (moe_ep/config.py documents each
 // knob, its default and the environment variable that may set that default) through set_tuning,
 // which checks every field here. Results are identical for every setting; only speed changes.
@@ -16,9 +22,11 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/common/normal_args.h"
 #include "kernels/intranode/intranode.h"
 #include "runtime/error_check.h"
 #include "runtime/host_mailbox.h"
+#include "runtime/named_args.h"
 
 namespace py = pybind11;
 
@@ -35,50 +43,105 @@ int checked_knob(const char* name, int value, int lo, int hi) {
   return value;
 }
 
+// The Buffer's dimensions, checked (the context's constructor).
+Dims make_dims(int rank, int nranks, int max_tokens, int hidden, int num_topk, int num_experts) {
+  check_normal_dims(ArgCheck("IntranodeContext"), rank, nranks, kMaxPeers, max_tokens, hidden, num_topk, kMaxTopk,
+                    num_experts);
+  return Dims{rank, nranks, max_tokens, hidden, num_topk, num_experts};
+}
+
+// Every address the context holds, checked (none may be 0).
+Context make_context(const Dims& dims, double timeout_s, uintptr_t error, uintptr_t epochs, uintptr_t block_counters,
+                     uintptr_t layout_scratch, const std::vector<uintptr_t>& signals,
+                     const std::vector<uintptr_t>& workspace, const std::vector<uintptr_t>& row_flags) {
+  const ArgCheck c("IntranodeContext");
+  const int nranks = dims.nranks;
+  if (static_cast<int>(signals.size()) != nranks || static_cast<int>(workspace.size()) != nranks ||
+      static_cast<int>(row_flags.size()) != nranks)
+    c.fail("need one signal, workspace and row-flag address per rank");
+  Context ctx = normal_context<Context>(c, dims, timeout_s, error, epochs, block_counters);
+  c.pointer("layout_scratch", layout_scratch);
+  ctx.layout_scratch = layout_scratch;
+  const auto peers = [&](const char* name, const std::vector<uintptr_t>& list, uintptr_t* to) {
+    for (int r = 0; r < nranks; ++r) {
+      if (list[r] == 0) c.fail(std::string(name) + "[" + std::to_string(r) + "] is null");
+      to[r] = list[r];
+    }
+  };
+  peers("signals", signals, ctx.signals);
+  peers("workspace", workspace, ctx.workspace);
+  peers("row_flags", row_flags, ctx.row_flags);
+  return ctx;
+}
+
+// ---- The launchers' checks (check(dims, args), also bound as IntranodeXxxArgs.check) ----
+void check(const Dims& d, const LayoutArgs& a) {
+  const ArgCheck c("IntranodeContext.layout");
+  c.count("num_tokens", a.num_tokens, "max_tokens", d.max_tokens);
+  const bool in = a.num_tokens > 0;
+  c.pointer("topk_idx", a.topk_idx, in);
+  c.pointer("tokens_per_rank", a.tokens_per_rank);
+  c.pointer("tokens_per_expert", a.tokens_per_expert);
+  c.pointer("is_token_in_rank", a.is_token_in_rank, in);
+}
+
+void check(const Dims& d, const NotifyArgs& a) {
+  const ArgCheck c("IntranodeContext.notify");
+  c.count("num_tokens", a.num_tokens, "max_tokens", d.max_tokens);
+  c.at_least("expert_alignment", a.expert_alignment, 1);
+  const bool in = a.num_tokens > 0;
+  c.pointer("topk_idx", a.topk_idx, in);
+  c.pointer("is_token_in_rank", a.is_token_in_rank, in);
+  c.pointer("pos", a.pos, in);
+  c.pointer("recv_info", a.recv_info);
+  c.pointer("tokens_per_expert", a.tokens_per_expert);
+}
+
+void check(const Dims& d, const DispatchArgs& a) {
+  const ArgCheck c("IntranodeContext.dispatch");
+  check_normal_dispatch(c, d, a);
+  const long long rows = static_cast<long long>(d.nranks) * d.max_tokens;
+  if (a.worst_case && a.num_rows != rows)
+    c.fail("num_rows = " + std::to_string(a.num_rows) + " in worst-case mode, expected nranks * max_tokens = " +
+           std::to_string(rows));
+}
+
+void check(const Dims& d, const CombineArgs& a) {
+  const ArgCheck c("IntranodeContext.combine");
+  check_normal_combine(c, d, a);
+  c.pointer("src_rank", a.src_rank, a.num_rows > 0);
+  c.pointer("is_token_in_rank", a.is_token_in_rank, a.num_tokens > 0);
+  c.pointer("pos", a.pos, a.num_tokens > 0);
+}
+
 class IntranodeContext {
  public:
+  // Every argument is checked before anything is allocated (ValueError naming the field).
   IntranodeContext(int rank, int nranks, int max_tokens, int hidden, int num_topk, int num_experts, double timeout_s,
                    uintptr_t error, uintptr_t epochs, uintptr_t block_counters, uintptr_t layout_scratch,
                    const std::vector<uintptr_t>& signals, const std::vector<uintptr_t>& workspace,
                    const std::vector<uintptr_t>& row_flags)
-      : host_info_(nranks > 0 ? nranks + num_experts / nranks : 1, "intranode host info") {
-    if (nranks < 1 || nranks > kMaxPeers || rank < 0 || rank >= nranks)
-      throw std::invalid_argument("IntranodeContext: rank " + std::to_string(rank) + " of " + std::to_string(nranks) +
-                                  " (at most " + std::to_string(kMaxPeers) + " ranks)");
-    if (static_cast<int>(signals.size()) != nranks || static_cast<int>(workspace.size()) != nranks ||
-        static_cast<int>(row_flags.size()) != nranks)
-      throw std::invalid_argument("IntranodeContext: need one signal, workspace and row-flag address per rank");
-    ctx_.dims = Dims{rank, nranks, max_tokens, hidden, num_topk, num_experts};
-    ctx_.ws = workspace_layout(ctx_.dims);
-    ctx_.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
-    ctx_.error = error;
-    ctx_.epochs = epochs;
-    ctx_.block_counters = block_counters;
-    ctx_.layout_scratch = layout_scratch;
-    for (int r = 0; r < nranks; ++r) {
-      ctx_.signals[r] = signals[r];
-      ctx_.workspace[r] = workspace[r];
-      ctx_.row_flags[r] = row_flags[r];
-    }
-  }
+      : ctx_(make_context(make_dims(rank, nranks, max_tokens, hidden, num_topk, num_experts), timeout_s, error, epochs,
+                          block_counters, layout_scratch, signals, workspace, row_flags)),
+        host_info_(nranks + num_experts / nranks, "intranode host info") {}
 
   ~IntranodeContext() { close(); }
 
   void close() { host_info_.close(); }
 
-  void layout(uintptr_t topk_idx, int num_tokens, uintptr_t tokens_per_rank, uintptr_t tokens_per_expert,
-              uintptr_t is_token_in_rank, uintptr_t stream) const {
-    launch_layout(ctx_, LayoutArgs{topk_idx, num_tokens, tokens_per_rank, tokens_per_expert, is_token_in_rank, 0},
-                  stream);
+  const Dims& dims() const { return ctx_.dims; }
+
+  // Each launcher checks its arguments first (check above: ValueError naming the field).
+  void layout(const LayoutArgs& a, uintptr_t stream) const {
+    check(ctx_.dims, a);
+    launch_layout(ctx_, a, stream);
   }
 
-  void notify(uintptr_t topk_idx, int num_tokens, uintptr_t is_token_in_rank, uintptr_t pos, uintptr_t recv_info,
-              uintptr_t tokens_per_expert, int expert_alignment, bool worst_case, uintptr_t stream) const {
-    const uintptr_t host = worst_case ? 0 : host_info_.device();
-    launch_notify(ctx_,
-                  NotifyArgs{topk_idx, num_tokens, is_token_in_rank, pos, recv_info, tokens_per_expert, host,
-                             expert_alignment, worst_case},
-                  stream);
+  void notify(const NotifyArgs& args, uintptr_t stream) const {
+    check(ctx_.dims, args);
+    NotifyArgs a = args;
+    a.host_info = a.worst_case ? 0 : host_info_.device();
+    launch_notify(ctx_, a, stream);
   }
 
   // The tuning of the next dispatch / combine launches (every field checked, named in the error).
@@ -100,43 +163,18 @@ class IntranodeContext {
     return {host_info_.read(0, nranks), host_info_.read(nranks, ctx_.dims.num_experts / nranks)};
   }
 
-  void dispatch(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t pos,
-                uintptr_t recv_info, int num_tokens, int row_bytes, int num_scales, uintptr_t out_x,
-                uintptr_t out_scales, uintptr_t out_topk_idx, uintptr_t out_topk_weights, uintptr_t out_src_rank,
-                uintptr_t out_src_index, bool worst_case, bool cached, int num_blocks, uintptr_t stream) const {
-    DispatchArgs a{};
-    a.x = x;
-    a.x_scales = x_scales;
-    a.topk_idx = topk_idx;
-    a.topk_weights = topk_weights;
-    a.pos = pos;
-    a.recv_info = recv_info;
-    a.num_tokens = num_tokens;
-    a.row_bytes = row_bytes;
-    a.num_scales = num_scales;
-    a.out_x = out_x;
-    a.out_scales = out_scales;
-    a.out_topk_idx = out_topk_idx;
-    a.out_topk_weights = out_topk_weights;
-    a.out_src_rank = out_src_rank;
-    a.out_src_index = out_src_index;
-    a.worst_case = worst_case;
-    a.cached = cached;
-    a.num_blocks = num_blocks;
+  void dispatch(const DispatchArgs& a, uintptr_t stream) const {
+    check(ctx_.dims, a);
     launch_dispatch(ctx_, a, stream);
   }
 
-  void combine(uintptr_t x, int num_rows, uintptr_t src_rank, uintptr_t src_index, uintptr_t is_token_in_rank,
-               uintptr_t pos, uintptr_t recv_info, int num_tokens, uintptr_t out, bool with_weights,
-               uintptr_t topk_weights, uintptr_t out_topk_weights, int num_blocks, uintptr_t stream) const {
-    launch_combine(ctx_,
-                   CombineArgs{x, num_rows, src_rank, src_index, is_token_in_rank, pos, recv_info, num_tokens, out,
-                               with_weights, topk_weights, out_topk_weights, num_blocks},
-                   stream);
+  void combine(const CombineArgs& a, uintptr_t stream) const {
+    check(ctx_.dims, a);
+    launch_combine(ctx_, a, stream);
   }
 
  private:
-  Context ctx_{};
+  Context ctx_{};          // first: its checks run before host_info_ allocates
   HostMailbox host_info_;  // [R] rows per source, then [E_l] rows per local expert
 };
 
@@ -150,32 +188,86 @@ uint64_t workspace_bytes(int nranks, int max_tokens, int hidden, int num_topk, i
 }  // namespace moe_ep
 
 void register_intranode(py::module_& m) {
-  using moe_ep::intranode::IntranodeContext;
-  m.attr("SIGNAL_WORDS") = moe_ep::intranode::kSignalWords;
-  m.attr("MAX_TOPK") = moe_ep::intranode::kMaxTopk;
-  m.attr("TUNING_MAX_WARPS") = moe_ep::intranode::kHostWarps;
-  m.attr("NUM_EPOCHS") = moe_ep::intranode::kHostNumEpochs;
-  m.def("intranode_workspace_bytes", &moe_ep::intranode::workspace_bytes, py::arg("nranks"), py::arg("max_tokens"),
+  namespace intra = moe_ep::intranode;
+  namespace na = moe_ep::named_args;
+  using intra::IntranodeContext;
+  m.attr("SIGNAL_WORDS") = intra::kSignalWords;
+  m.attr("MAX_TOPK") = intra::kMaxTopk;
+  m.attr("TUNING_MAX_WARPS") = intra::kHostWarps;
+  m.attr("NUM_EPOCHS") = intra::kHostNumEpochs;
+  m.def("intranode_workspace_bytes", &intra::workspace_bytes, py::arg("nranks"), py::arg("max_tokens"),
         py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"),
         "Bytes of the symmetric workspace one normal-mode Buffer needs (kernels/intranode/intranode.h).");
+
+  using D = intra::Dims;
+  na::bind_args<D>(m, "IntranodeDims", "The fixed dimensions of one Buffer's normal-mode kernels (intranode.h Dims).",
+                   na::required("rank", &D::rank), na::required("nranks", &D::nranks),
+                   na::required("max_tokens", &D::max_tokens), na::required("hidden", &D::hidden),
+                   na::required("num_topk", &D::num_topk), na::required("num_experts", &D::num_experts));
+  using LA = intra::LayoutArgs;
+  auto layout = na::bind_args<LA>(
+      m, "IntranodeLayoutArgs", "Arguments of IntranodeContext.layout (intranode.h LayoutArgs).",
+      na::required("topk_idx", &LA::topk_idx), na::required("num_tokens", &LA::num_tokens),
+      na::required("tokens_per_rank", &LA::tokens_per_rank), na::required("tokens_per_expert", &LA::tokens_per_expert),
+      na::required("is_token_in_rank", &LA::is_token_in_rank), na::optional("pos", &LA::pos));
+  na::def_check<D>(layout, &intra::check);
+  using NA = intra::NotifyArgs;
+  auto notify = na::bind_args<NA>(
+      m, "IntranodeNotifyArgs",
+      "Arguments of IntranodeContext.notify (intranode.h NotifyArgs; host_info is the context's mailbox).",
+      na::required("topk_idx", &NA::topk_idx), na::required("num_tokens", &NA::num_tokens),
+      na::required("is_token_in_rank", &NA::is_token_in_rank), na::required("pos", &NA::pos),
+      na::required("recv_info", &NA::recv_info), na::required("tokens_per_expert", &NA::tokens_per_expert),
+      na::required("expert_alignment", &NA::expert_alignment), na::required("worst_case", &NA::worst_case));
+  na::def_check<D>(notify, &intra::check);
+  using DA = intra::DispatchArgs;
+  auto dispatch = na::bind_args<DA>(
+      m, "IntranodeDispatchArgs", "Arguments of IntranodeContext.dispatch (intranode.h DispatchArgs).",
+      na::required("x", &DA::x), na::optional("x_scales", &DA::x_scales), na::optional("topk_idx", &DA::topk_idx),
+      na::optional("topk_weights", &DA::topk_weights), na::required("pos", &DA::pos),
+      na::required("recv_info", &DA::recv_info), na::required("num_tokens", &DA::num_tokens),
+      na::required("row_bytes", &DA::row_bytes), na::required("num_scales", &DA::num_scales),
+      na::required("num_rows", &DA::num_rows), na::required("out_x", &DA::out_x),
+      na::optional("out_scales", &DA::out_scales), na::optional("out_topk_idx", &DA::out_topk_idx),
+      na::optional("out_topk_weights", &DA::out_topk_weights), na::optional("out_src_rank", &DA::out_src_rank),
+      na::optional("out_src_index", &DA::out_src_index), na::required("worst_case", &DA::worst_case),
+      na::required("cached", &DA::cached), na::required("num_blocks", &DA::num_blocks));
+  na::def_check<D>(dispatch, &intra::check);
+  using CA = intra::CombineArgs;
+  auto combine = na::bind_args<CA>(
+      m, "IntranodeCombineArgs", "Arguments of IntranodeContext.combine (intranode.h CombineArgs).",
+      na::required("x", &CA::x), na::required("num_rows", &CA::num_rows), na::required("src_rank", &CA::src_rank),
+      na::required("src_index", &CA::src_index), na::required("is_token_in_rank", &CA::is_token_in_rank),
+      na::required("pos", &CA::pos), na::required("recv_info", &CA::recv_info),
+      na::required("num_tokens", &CA::num_tokens), na::required("out", &CA::out),
+      na::required("with_weights", &CA::with_weights), na::optional("topk_weights", &CA::topk_weights),
+      na::optional("out_topk_weights", &CA::out_topk_weights), na::required("num_blocks", &CA::num_blocks));
+  na::def_check<D>(combine, &intra::check);
+
   py::class_<IntranodeContext>(m, "IntranodeContext",
                                "Fixed device addresses of one Buffer's normal-mode kernels, and their launchers.")
       .def(py::init<int, int, int, int, int, int, double, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
                     const std::vector<uintptr_t>&, const std::vector<uintptr_t>&, const std::vector<uintptr_t>&>(),
-           py::arg("rank"), py::arg("nranks"), py::arg("max_tokens"), py::arg("hidden"), py::arg("num_topk"),
-           py::arg("num_experts"), py::arg("timeout_s"), py::arg("error"), py::arg("epochs"),
+           py::kw_only(), py::arg("rank"), py::arg("nranks"), py::arg("max_tokens"), py::arg("hidden"),
+           py::arg("num_topk"), py::arg("num_experts"), py::arg("timeout_s"), py::arg("error"), py::arg("epochs"),
            py::arg("block_counters"), py::arg("layout_scratch"), py::arg("signals"), py::arg("workspace"),
-           py::arg("row_flags"))
+           py::arg("row_flags"),
+           "Checks every argument (ValueError naming it: a size out of range, a null address) before it "
+           "allocates the host-mapped count mailbox.")
+      .def_property_readonly("dims", &IntranodeContext::dims, "The Buffer's IntranodeDims.")
       .def("close", &IntranodeContext::close, "Free the host-mapped count mailbox.")
-      .def("layout", &IntranodeContext::layout, "Launch the layout kernel (get_dispatch_layout).")
-      .def("notify", &IntranodeContext::notify,
-           "Launch layout + count exchange (start of a dispatch); fills pos, recv_info, tokens_per_expert.")
+      .def("layout", &IntranodeContext::layout, py::arg("args"), py::arg("stream"),
+           "Check an IntranodeLayoutArgs and launch the layout kernel (get_dispatch_layout).")
+      .def("notify", &IntranodeContext::notify, py::arg("args"), py::arg("stream"),
+           "Check an IntranodeNotifyArgs and launch layout + count exchange (start of a dispatch); fills pos, "
+           "recv_info, tokens_per_expert.")
       .def("host_info", &IntranodeContext::host_info,
            "(rows per source, rows per local expert) written by the last non-worst-case notify.")
-      .def("dispatch", &IntranodeContext::dispatch, "Launch the dispatch kernel.")
-      .def("combine", &IntranodeContext::combine,
-           "Launch the combine kernel (with_weights: topk_weights travel with the rows, their sums go to "
-           "out_topk_weights).")
+      .def("dispatch", &IntranodeContext::dispatch, py::arg("args"), py::arg("stream"),
+           "Check an IntranodeDispatchArgs and launch the dispatch kernel.")
+      .def("combine", &IntranodeContext::combine, py::arg("args"), py::arg("stream"),
+           "Check an IntranodeCombineArgs and launch the combine kernel (with_weights: topk_weights travel "
+           "with the rows, their sums go to out_topk_weights).")
       .def("set_tuning", &IntranodeContext::set_tuning, py::arg("send_warps"), py::arg("combine_send_warps"),
            py::arg("unroll"), py::arg("flag_batch"), py::arg("recv_run"),
            "Tuning of the next dispatch / combine launches (moe_ep.Config; each field checked).");

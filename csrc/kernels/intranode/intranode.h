@@ -128,7 +128,8 @@ struct NotifyArgs {
   uintptr_t pos;                // out [N, R] int32
   uintptr_t recv_info;          // out [2R + E_l] int32, device
   uintptr_t tokens_per_expert;  // out [E_l] int32, device: recv_info's counts aligned up
-  uintptr_t host_info;          // out [R + E_l] int32 host-mapped (rows per source, raw per expert), or 0
+  uintptr_t host_info;          // out [R + E_l] int32 host-mapped (rows per source, raw per expert), or 0:
+                                //   the context's mailbox, set by IntranodeContext.notify (not a Python field)
   int expert_alignment;
   bool worst_case;
 };
@@ -143,6 +144,7 @@ struct DispatchArgs {
   int num_tokens;
   int row_bytes;                // 2H (bf16) or H (e4m3)
   int num_scales;               // H / 128 for FP8, else 0
+  int num_rows;                 // M, rows of the out_ tensors (R * T in worst-case mode); only the host check reads it
   uintptr_t out_x;              // [M, row_bytes]
   uintptr_t out_scales;         // [M, num_scales] float32, or 0
   uintptr_t out_topk_idx;       // [M, K] int64, 0 for a cached dispatch
@@ -170,6 +172,8 @@ struct CombineArgs {
   int num_blocks;
 };
 
+// The launchers. IntranodeContext (bindings.cpp in this folder) checks every argument struct first
+// (check(dims, args): a pointer the call's sizes say it uses must not be 0, a size must fit the Dims).
 void launch_layout(const Context& c, const LayoutArgs& a, uintptr_t stream);
 void launch_notify(const Context& c, const NotifyArgs& a, uintptr_t stream);
 void launch_dispatch(const Context& c, const DispatchArgs& a, uintptr_t stream);
