@@ -18,7 +18,7 @@ until the timeout names it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -70,6 +70,7 @@ class InternodeEngine(NormalEngine):
 
     def __init__(self, cfg: BufferConfig, session: "NvshmemSession", error: "ErrorWatch") -> None:
         native = _native.load()
+        self._native: Any = native  # the launch argument structs (InternodeDispatchArgs, ...)
         self.cfg = cfg
         self._session = session
         round_tokens, workspace_bytes = workspace_plan(cfg)
@@ -110,9 +111,11 @@ class InternodeEngine(NormalEngine):
             tokens_per_rank=torch.empty(cfg.world_size, dtype=torch.int32, device=dev),
             tokens_per_expert=torch.empty(cfg.num_experts, dtype=torch.int32, device=dev),
         )
-        self._ctx.route(topk_idx.data_ptr(), n, layout.in_rank.data_ptr(), layout.pos.data_ptr(),
-                        layout.in_node.data_ptr(), layout.tokens_per_rank.data_ptr(),
-                        layout.tokens_per_expert.data_ptr(), stream.cuda_stream)
+        self._ctx.route(self._native.InternodeRouteArgs(
+            topk_idx=topk_idx.data_ptr(), num_tokens=n, in_rank=layout.in_rank.data_ptr(), pos=layout.pos.data_ptr(),
+            in_node=layout.in_node.data_ptr(), tokens_per_rank=layout.tokens_per_rank.data_ptr(),
+            tokens_per_expert=layout.tokens_per_expert.data_ptr(),
+        ), stream.cuda_stream)
         return layout
 
     def layout(self, topk_idx: torch.Tensor, stream: torch.cuda.Stream) -> DispatchLayout:
@@ -126,9 +129,11 @@ class InternodeEngine(NormalEngine):
         layout = self.route(topk_idx, stream)
         recv_info = torch.empty(2 * cfg.world_size + cfg.num_local_experts + 1, dtype=torch.int32, device=dev)
         tokens_per_expert = torch.empty(cfg.num_local_experts, dtype=torch.int32, device=dev)
-        self._ctx.notify(layout.tokens_per_rank.data_ptr(), layout.tokens_per_expert.data_ptr(), n,
-                         recv_info.data_ptr(), tokens_per_expert.data_ptr(), expert_alignment, worst_case,
-                         stream.cuda_stream)
+        self._ctx.notify(self._native.InternodeNotifyArgs(
+            tokens_per_rank=layout.tokens_per_rank.data_ptr(), tokens_per_expert=layout.tokens_per_expert.data_ptr(),
+            num_tokens=n, recv_info=recv_info.data_ptr(), tokens_per_expert_aligned=tokens_per_expert.data_ptr(),
+            expert_alignment=expert_alignment, worst_case=worst_case,
+        ), stream.cuda_stream)
         state = NodeDispatchState(layout.pos, layout.in_node, recv_info,
                                   torch.zeros(cfg.num_nodes, t, dtype=torch.int32, device=dev),
                                   torch.empty(cfg.num_nodes, t, dtype=torch.int32, device=dev), None)
@@ -151,14 +156,16 @@ class InternodeEngine(NormalEngine):
                 out.topk_weights.zero_()
                 out.src_rank.fill_(-1)
                 out.src_index.fill_(-1)
-        self._ctx.dispatch(
-            x.data_ptr(), ptr_or_null(x_scales), ptr_or_null(topk_idx), ptr_or_null(topk_weights), state.pos.data_ptr(),
-            state.in_node.data_ptr(), state.recv_info.data_ptr(), x.shape[0], cfg.hidden * x.element_size(),
-            cfg.num_scales if fp8 else 0, out.x.data_ptr(), ptr_or_null(out.scales), ptr_or_null(out.topk_idx),
-            ptr_or_null(out.topk_weights), 0 if cached else out.src_rank.data_ptr(),
-            0 if cached else out.src_index.data_ptr(), state.forward_mask.data_ptr(), state.own_row.data_ptr(),
-            cached, num_sms, stream.cuda_stream,
-        )
+        self._ctx.dispatch(self._native.InternodeDispatchArgs(
+            x=x.data_ptr(), x_scales=ptr_or_null(x_scales), topk_idx=ptr_or_null(topk_idx),
+            topk_weights=ptr_or_null(topk_weights), pos=state.pos.data_ptr(), in_node=state.in_node.data_ptr(),
+            recv_info=state.recv_info.data_ptr(), num_tokens=x.shape[0], row_bytes=cfg.hidden * x.element_size(),
+            num_scales=cfg.num_scales if fp8 else 0, num_rows=out.x.shape[0], out_x=out.x.data_ptr(),
+            out_scales=ptr_or_null(out.scales), out_topk_idx=ptr_or_null(out.topk_idx),
+            out_topk_weights=ptr_or_null(out.topk_weights), out_src_rank=0 if cached else out.src_rank.data_ptr(),
+            out_src_index=0 if cached else out.src_index.data_ptr(), forward_mask=state.forward_mask.data_ptr(),
+            own_row=state.own_row.data_ptr(), cached=cached, num_blocks=num_sms,
+        ), stream.cuda_stream)
 
     def host_counts(self) -> tuple[list[int], list[int]]:
         return self._ctx.host_info()
@@ -173,10 +180,13 @@ class InternodeEngine(NormalEngine):
         """Rows (with their topk_weights, when given) back to their sources' forwarders, node partials back
         to the sources, summed into out (and out_topk_weights)."""
         state: NodeDispatchState = handle.state
-        self._ctx.combine(x.data_ptr(), handle.src_index.data_ptr(), state.recv_info.data_ptr(),
-                          state.forward_mask.data_ptr(), state.own_row.data_ptr(), state.in_node.data_ptr(),
-                          handle.num_tokens, out.data_ptr(), topk_weights is not None, ptr_or_null(topk_weights),
-                          ptr_or_null(out_topk_weights), num_sms, stream.cuda_stream)
+        self._ctx.combine(self._native.InternodeCombineArgs(
+            x=x.data_ptr(), src_index=handle.src_index.data_ptr(), recv_info=state.recv_info.data_ptr(),
+            forward_mask=state.forward_mask.data_ptr(), own_row=state.own_row.data_ptr(),
+            in_node=state.in_node.data_ptr(), num_tokens=handle.num_tokens, num_rows=x.shape[0], out=out.data_ptr(),
+            with_weights=topk_weights is not None, topk_weights=ptr_or_null(topk_weights),
+            out_topk_weights=ptr_or_null(out_topk_weights), num_blocks=num_sms,
+        ), stream.cuda_stream)
 
     def close(self) -> None:
         """Frees the host-mapped mailbox (the workspace goes with the session)."""

@@ -1,6 +1,12 @@
 // Python bindings of the cross-node normal-mode kernels: one InternodeContext per Buffer holds the
 // fixed device addresses (internode.h Context) and the host-mapped count mailbox; its methods launch
 // the kernels. Tensors travel as device addresses (int), streams as cudaStream_t (int).
+//
+// Each launcher takes one argument struct (internode.h RouteArgs, NotifyArgs, DispatchArgs,
+// CombineArgs), bound as InternodeRouteArgs, ... with keyword-only constructors, and the stream:
+// ctx.dispatch(InternodeDispatchArgs(x=..., ...), stream). It checks the struct first (check below,
+// also callable as args.check(InternodeDims(...)) without a GPU): ValueError naming the launcher and
+// the field.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -11,9 +17,11 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/common/normal_args.h"
 #include "kernels/internode/internode.h"
 #include "runtime/error_check.h"
 #include "runtime/host_mailbox.h"
+#include "runtime/named_args.h"
 
 namespace py = pybind11;
 
@@ -22,57 +30,101 @@ namespace internode {
 
 namespace {
 
-Dims make_dims(int rank, int nranks, int ranks_per_node, int max_tokens, int hidden, int num_topk, int num_experts,
-               int round_tokens) {
-  if (nranks < 1 || nranks > kMaxGroupRanks || rank < 0 || rank >= nranks)
-    throw std::invalid_argument("InternodeContext: rank " + std::to_string(rank) + " of " + std::to_string(nranks) +
-                                " (at most " + std::to_string(kMaxGroupRanks) + " ranks)");
+// The Buffer's dimensions, checked (the context's constructor and plan); `where` names the caller.
+Dims make_dims(const char* where, int rank, int nranks, int ranks_per_node, int max_tokens, int hidden, int num_topk,
+               int num_experts, int round_tokens) {
+  const ArgCheck c(where);
+  check_normal_dims(c, rank, nranks, kMaxGroupRanks, max_tokens, hidden, num_topk, kMaxTopk, num_experts);
   if (ranks_per_node < 1 || ranks_per_node > kMaxLocal || nranks % ranks_per_node != 0)
-    throw std::invalid_argument("InternodeContext: ranks_per_node " + std::to_string(ranks_per_node) +
-                                " must divide " + std::to_string(nranks) + " and be at most " +
-                                std::to_string(kMaxLocal));
-  if (num_topk < 1 || num_topk > kMaxTopk)
-    throw std::invalid_argument("InternodeContext: num_topk must be in [1, " + std::to_string(kMaxTopk) + "]");
+    c.fail("ranks_per_node " + std::to_string(ranks_per_node) + " must divide " + std::to_string(nranks) +
+           " and be at most " + std::to_string(kMaxLocal));
+  c.in_range("round_tokens", round_tokens, 1, max_tokens);
   return Dims{rank, nranks, ranks_per_node, max_tokens, hidden, num_topk, num_experts, round_tokens};
+}
+
+// Every address the context holds, checked (none may be 0).
+Context make_context(const Dims& dims, double timeout_s, uintptr_t error, uintptr_t epochs, uintptr_t block_counters,
+                     uintptr_t workspace, const std::vector<uintptr_t>& node_peers) {
+  const ArgCheck c("InternodeContext");
+  if (static_cast<int>(node_peers.size()) != dims.local)
+    c.fail("need one workspace address per rank of this node");
+  Context ctx = normal_context<Context>(c, dims, timeout_s, error, epochs, block_counters);
+  c.pointer("workspace", workspace);
+  ctx.workspace = workspace;
+  for (int j = 0; j < dims.local; ++j) {
+    if (node_peers[j] == 0) c.fail("node_peers[" + std::to_string(j) + "] is null");
+    ctx.node_peers[j] = node_peers[j];
+  }
+  return ctx;
+}
+
+// ---- The launchers' checks (check(dims, args), also bound as InternodeXxxArgs.check) ----
+void check(const Dims& d, const RouteArgs& a) {
+  const ArgCheck c("InternodeContext.route");
+  c.count("num_tokens", a.num_tokens, "max_tokens", d.max_tokens);
+  const bool in = a.num_tokens > 0;
+  c.pointer("topk_idx", a.topk_idx, in);
+  c.pointer("in_rank", a.in_rank, in);
+  c.pointer("pos", a.pos, in);
+  c.pointer("in_node", a.in_node, in);
+  c.pointer("tokens_per_rank", a.tokens_per_rank);
+  c.pointer("tokens_per_expert", a.tokens_per_expert);
+}
+
+void check(const Dims& d, const NotifyArgs& a) {
+  const ArgCheck c("InternodeContext.notify");
+  c.pointer("tokens_per_rank", a.tokens_per_rank);
+  c.pointer("tokens_per_expert", a.tokens_per_expert);
+  c.count("num_tokens", a.num_tokens, "max_tokens", d.max_tokens);
+  c.pointer("recv_info", a.recv_info);
+  c.pointer("tokens_per_expert_aligned", a.tokens_per_expert_aligned);
+  c.at_least("expert_alignment", a.expert_alignment, 1);
+}
+
+void check(const Dims& d, const DispatchArgs& a) {
+  const ArgCheck c("InternodeContext.dispatch");
+  check_normal_dispatch(c, d, a);
+  c.pointer("in_node", a.in_node, a.num_tokens > 0);
+  c.pointer("forward_mask", a.forward_mask, !a.cached);
+  c.pointer("own_row", a.own_row, !a.cached);
+}
+
+void check(const Dims& d, const CombineArgs& a) {
+  const ArgCheck c("InternodeContext.combine");
+  check_normal_combine(c, d, a);
+  c.pointer("forward_mask", a.forward_mask);
+  c.pointer("own_row", a.own_row);
+  c.pointer("in_node", a.in_node, a.num_tokens > 0);
 }
 
 class InternodeContext {
  public:
+  // Every argument is checked before anything is allocated (ValueError naming the field).
   InternodeContext(int rank, int nranks, int ranks_per_node, int max_tokens, int hidden, int num_topk,
                    int num_experts, int round_tokens, double timeout_s, uintptr_t error, uintptr_t epochs,
                    uintptr_t block_counters, uintptr_t workspace, const std::vector<uintptr_t>& node_peers)
-      : host_info_(nranks > 0 ? nranks + num_experts / nranks : 1, "internode host info") {
-    ctx_.dims = make_dims(rank, nranks, ranks_per_node, max_tokens, hidden, num_topk, num_experts, round_tokens);
-    if (round_tokens < 1 || round_tokens > max_tokens)
-      throw std::invalid_argument("InternodeContext: round_tokens must be in [1, max_tokens]");
-    if (static_cast<int>(node_peers.size()) != ranks_per_node)
-      throw std::invalid_argument("InternodeContext: need one workspace address per rank of this node");
-    ctx_.ws = workspace_layout(ctx_.dims);
-    ctx_.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
-    ctx_.error = error;
-    ctx_.epochs = epochs;
-    ctx_.block_counters = block_counters;
-    ctx_.workspace = workspace;
-    for (int j = 0; j < ranks_per_node; ++j) ctx_.node_peers[j] = node_peers[j];
-  }
+      : ctx_(make_context(make_dims("InternodeContext", rank, nranks, ranks_per_node, max_tokens, hidden, num_topk,
+                                    num_experts, round_tokens),
+                          timeout_s, error, epochs, block_counters, workspace, node_peers)),
+        host_info_(nranks + num_experts / nranks, "internode host info") {}
 
   ~InternodeContext() { close(); }
 
   void close() { host_info_.close(); }
 
-  void route(uintptr_t topk_idx, int num_tokens, uintptr_t in_rank, uintptr_t pos, uintptr_t in_node,
-             uintptr_t tokens_per_rank, uintptr_t tokens_per_expert, uintptr_t stream) const {
-    launch_route(ctx_, RouteArgs{topk_idx, num_tokens, in_rank, pos, in_node, tokens_per_rank, tokens_per_expert},
-                 stream);
+  const Dims& dims() const { return ctx_.dims; }
+
+  // Each launcher checks its arguments first (check above: ValueError naming the field).
+  void route(const RouteArgs& a, uintptr_t stream) const {
+    check(ctx_.dims, a);
+    launch_route(ctx_, a, stream);
   }
 
-  void notify(uintptr_t tokens_per_rank, uintptr_t tokens_per_expert, int num_tokens, uintptr_t recv_info,
-              uintptr_t tokens_per_expert_aligned, int expert_alignment, bool worst_case, uintptr_t stream) const {
-    const uintptr_t host = worst_case ? 0 : host_info_.device();
-    launch_notify(ctx_,
-                  NotifyArgs{tokens_per_rank, tokens_per_expert, num_tokens, recv_info, tokens_per_expert_aligned, host,
-                             expert_alignment, worst_case},
-                  stream);
+  void notify(const NotifyArgs& args, uintptr_t stream) const {
+    check(ctx_.dims, args);
+    NotifyArgs a = args;
+    a.host_info = a.worst_case ? 0 : host_info_.device();
+    launch_notify(ctx_, a, stream);
   }
 
   // (rows from each source, received rows per local expert) of the last non-worst-case notify; valid
@@ -82,56 +134,33 @@ class InternodeContext {
     return {host_info_.read(0, nranks), host_info_.read(nranks, ctx_.dims.num_experts / nranks)};
   }
 
-  void dispatch(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t pos,
-                uintptr_t in_node, uintptr_t recv_info, int num_tokens, int row_bytes, int num_scales, uintptr_t out_x,
-                uintptr_t out_scales, uintptr_t out_topk_idx, uintptr_t out_topk_weights, uintptr_t out_src_rank,
-                uintptr_t out_src_index, uintptr_t forward_mask, uintptr_t own_row, bool cached, int num_blocks,
-                uintptr_t stream) const {
-    DispatchArgs a{};
-    a.x = x;
-    a.x_scales = x_scales;
-    a.topk_idx = topk_idx;
-    a.topk_weights = topk_weights;
-    a.pos = pos;
-    a.in_node = in_node;
-    a.recv_info = recv_info;
-    a.num_tokens = num_tokens;
-    a.row_bytes = row_bytes;
-    a.num_scales = num_scales;
-    a.out_x = out_x;
-    a.out_scales = out_scales;
-    a.out_topk_idx = out_topk_idx;
-    a.out_topk_weights = out_topk_weights;
-    a.out_src_rank = out_src_rank;
-    a.out_src_index = out_src_index;
-    a.forward_mask = forward_mask;
-    a.own_row = own_row;
-    a.cached = cached;
-    a.num_blocks = num_blocks < kMaxChannels ? num_blocks : kMaxChannels;
+  // num_blocks above kMaxChannels launches kMaxChannels blocks (channels) for dispatch and combine.
+  void dispatch(const DispatchArgs& args, uintptr_t stream) const {
+    check(ctx_.dims, args);
+    DispatchArgs a = args;
+    a.num_blocks = a.num_blocks < kMaxChannels ? a.num_blocks : kMaxChannels;
     launch_dispatch(ctx_, a, stream);
   }
 
-  void combine(uintptr_t x, uintptr_t src_index, uintptr_t recv_info, uintptr_t forward_mask, uintptr_t own_row,
-               uintptr_t in_node, int num_tokens, uintptr_t out, bool with_weights, uintptr_t topk_weights,
-               uintptr_t out_topk_weights, int num_blocks, uintptr_t stream) const {
-    launch_combine(ctx_,
-                   CombineArgs{x, src_index, recv_info, forward_mask, own_row, in_node, num_tokens, out, with_weights,
-                               topk_weights, out_topk_weights, num_blocks < kMaxChannels ? num_blocks : kMaxChannels},
-                   stream);
+  void combine(const CombineArgs& args, uintptr_t stream) const {
+    check(ctx_.dims, args);
+    CombineArgs a = args;
+    a.num_blocks = a.num_blocks < kMaxChannels ? a.num_blocks : kMaxChannels;
+    launch_combine(ctx_, a, stream);
   }
 
   int round_tokens() const { return ctx_.dims.round_tokens; }
   uint64_t data_offset() const { return ctx_.ws.counts; }
 
  private:
-  Context ctx_{};
+  Context ctx_{};          // first: its checks run before host_info_ allocates
   HostMailbox host_info_;  // [R] rows per source, then [E_l] rows per local expert
 };
 
 // Round size and workspace bytes of a Buffer: the largest round whose workspace fits the budget.
 std::pair<int, uint64_t> plan(int nranks, int ranks_per_node, int max_tokens, int hidden, int num_topk,
                               int num_experts, uint64_t budget_bytes) {
-  Dims d = make_dims(0, nranks, ranks_per_node, max_tokens, hidden, num_topk, num_experts, 1);
+  Dims d = make_dims("internode_plan", 0, nranks, ranks_per_node, max_tokens, hidden, num_topk, num_experts, 1);
   d.round_tokens = choose_round_tokens(d, budget_bytes);
   return {d.round_tokens, workspace_layout(d).total};
 }
@@ -142,36 +171,93 @@ std::pair<int, uint64_t> plan(int nranks, int ranks_per_node, int max_tokens, in
 }  // namespace moe_ep
 
 void register_internode(py::module_& m) {
-  using moe_ep::internode::InternodeContext;
-  m.attr("INTERNODE_MAX_RANKS") = moe_ep::internode::kMaxGroupRanks;
-  m.attr("INTERNODE_MAX_RANKS_PER_NODE") = moe_ep::internode::kMaxLocal;
-  m.attr("INTERNODE_MAX_CHANNELS") = moe_ep::internode::kMaxChannels;
-  m.attr("INTERNODE_NUM_EPOCHS") = moe_ep::internode::kEpochCounters;
-  m.attr("INTERNODE_ROW_META_BYTES") = static_cast<int>(sizeof(moe_ep::internode::RowMeta));
-  m.def("internode_plan", &moe_ep::internode::plan, py::arg("nranks"), py::arg("ranks_per_node"),
-        py::arg("max_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"), py::arg("budget_bytes"),
+  namespace inter = moe_ep::internode;
+  namespace na = moe_ep::named_args;
+  using inter::InternodeContext;
+  m.attr("INTERNODE_MAX_RANKS") = inter::kMaxGroupRanks;
+  m.attr("INTERNODE_MAX_RANKS_PER_NODE") = inter::kMaxLocal;
+  m.attr("INTERNODE_MAX_CHANNELS") = inter::kMaxChannels;
+  m.attr("INTERNODE_NUM_EPOCHS") = inter::kEpochCounters;
+  m.attr("INTERNODE_ROW_META_BYTES") = static_cast<int>(sizeof(inter::RowMeta));
+  m.def("internode_plan", &inter::plan, py::arg("nranks"), py::arg("ranks_per_node"), py::arg("max_tokens"),
+        py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"), py::arg("budget_bytes"),
         "(round_tokens, workspace_bytes): the largest round of token slots (at most max_tokens) whose "
         "cross-node workspace fits "
         "budget_bytes (kernels/internode/internode.h), and that workspace's size.");
+
+  using D = inter::Dims;
+  na::bind_args<D>(m, "InternodeDims", "The fixed dimensions of one Buffer's cross-node kernels (internode.h Dims).",
+                   na::required("rank", &D::rank), na::required("nranks", &D::nranks),
+                   na::required("ranks_per_node", &D::local), na::required("max_tokens", &D::max_tokens),
+                   na::required("hidden", &D::hidden), na::required("num_topk", &D::num_topk),
+                   na::required("num_experts", &D::num_experts), na::required("round_tokens", &D::round_tokens));
+  using RA = inter::RouteArgs;
+  auto route = na::bind_args<RA>(
+      m, "InternodeRouteArgs", "Arguments of InternodeContext.route (internode.h RouteArgs).",
+      na::required("topk_idx", &RA::topk_idx), na::required("num_tokens", &RA::num_tokens),
+      na::required("in_rank", &RA::in_rank), na::required("pos", &RA::pos), na::required("in_node", &RA::in_node),
+      na::required("tokens_per_rank", &RA::tokens_per_rank), na::required("tokens_per_expert", &RA::tokens_per_expert));
+  na::def_check<D>(route, &inter::check);
+  using NA = inter::NotifyArgs;
+  auto notify = na::bind_args<NA>(
+      m, "InternodeNotifyArgs",
+      "Arguments of InternodeContext.notify (internode.h NotifyArgs; host_info is the context's mailbox).",
+      na::required("tokens_per_rank", &NA::tokens_per_rank), na::required("tokens_per_expert", &NA::tokens_per_expert),
+      na::required("num_tokens", &NA::num_tokens), na::required("recv_info", &NA::recv_info),
+      na::required("tokens_per_expert_aligned", &NA::tokens_per_expert_aligned),
+      na::required("expert_alignment", &NA::expert_alignment), na::required("worst_case", &NA::worst_case));
+  na::def_check<D>(notify, &inter::check);
+  using DA = inter::DispatchArgs;
+  auto dispatch = na::bind_args<DA>(
+      m, "InternodeDispatchArgs", "Arguments of InternodeContext.dispatch (internode.h DispatchArgs).",
+      na::required("x", &DA::x), na::optional("x_scales", &DA::x_scales), na::optional("topk_idx", &DA::topk_idx),
+      na::optional("topk_weights", &DA::topk_weights), na::required("pos", &DA::pos),
+      na::required("in_node", &DA::in_node), na::required("recv_info", &DA::recv_info),
+      na::required("num_tokens", &DA::num_tokens), na::required("row_bytes", &DA::row_bytes),
+      na::required("num_scales", &DA::num_scales), na::required("num_rows", &DA::num_rows),
+      na::required("out_x", &DA::out_x), na::optional("out_scales", &DA::out_scales),
+      na::optional("out_topk_idx", &DA::out_topk_idx), na::optional("out_topk_weights", &DA::out_topk_weights),
+      na::optional("out_src_rank", &DA::out_src_rank), na::optional("out_src_index", &DA::out_src_index),
+      na::required("forward_mask", &DA::forward_mask), na::required("own_row", &DA::own_row),
+      na::required("cached", &DA::cached), na::required("num_blocks", &DA::num_blocks));
+  na::def_check<D>(dispatch, &inter::check);
+  using CA = inter::CombineArgs;
+  auto combine = na::bind_args<CA>(
+      m, "InternodeCombineArgs", "Arguments of InternodeContext.combine (internode.h CombineArgs).",
+      na::required("x", &CA::x), na::required("src_index", &CA::src_index), na::required("recv_info", &CA::recv_info),
+      na::required("forward_mask", &CA::forward_mask), na::required("own_row", &CA::own_row),
+      na::required("in_node", &CA::in_node), na::required("num_tokens", &CA::num_tokens),
+      na::required("num_rows", &CA::num_rows), na::required("out", &CA::out),
+      na::required("with_weights", &CA::with_weights), na::optional("topk_weights", &CA::topk_weights),
+      na::optional("out_topk_weights", &CA::out_topk_weights), na::required("num_blocks", &CA::num_blocks));
+  na::def_check<D>(combine, &inter::check);
+
   py::class_<InternodeContext>(m, "InternodeContext",
                                "Fixed device addresses of one Buffer's cross-node normal-mode kernels, and their "
                                "launchers.")
       .def(py::init<int, int, int, int, int, int, int, int, double, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
                     const std::vector<uintptr_t>&>(),
-           py::arg("rank"), py::arg("nranks"), py::arg("ranks_per_node"), py::arg("max_tokens"), py::arg("hidden"),
-           py::arg("num_topk"), py::arg("num_experts"), py::arg("round_tokens"), py::arg("timeout_s"),
-           py::arg("error"), py::arg("epochs"), py::arg("block_counters"), py::arg("workspace"),
-           py::arg("node_peers"))
+           py::kw_only(), py::arg("rank"), py::arg("nranks"), py::arg("ranks_per_node"), py::arg("max_tokens"),
+           py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"), py::arg("round_tokens"),
+           py::arg("timeout_s"), py::arg("error"), py::arg("epochs"), py::arg("block_counters"), py::arg("workspace"),
+           py::arg("node_peers"),
+           "Checks every argument (ValueError naming it: a size out of range, a null address) before it "
+           "allocates the host-mapped count mailbox.")
+      .def_property_readonly("dims", &InternodeContext::dims, "The Buffer's InternodeDims.")
       .def("close", &InternodeContext::close, "Free the host-mapped count mailbox.")
-      .def("route", &InternodeContext::route,
-           "Launch the routing kernel: is_token_in_rank, positions, nodes, tokens per rank and expert.")
-      .def("notify", &InternodeContext::notify, "Launch the count exchange; fills recv_info.")
+      .def("route", &InternodeContext::route, py::arg("args"), py::arg("stream"),
+           "Check an InternodeRouteArgs and launch the routing kernel: is_token_in_rank, positions, nodes, tokens "
+           "per rank and expert.")
+      .def("notify", &InternodeContext::notify, py::arg("args"), py::arg("stream"),
+           "Check an InternodeNotifyArgs and launch the count exchange; fills recv_info.")
       .def("host_info", &InternodeContext::host_info,
            "(rows per source, rows per local expert) written by the last non-worst-case notify.")
-      .def("dispatch", &InternodeContext::dispatch, "Launch the cross-node dispatch kernel.")
-      .def("combine", &InternodeContext::combine,
-           "Launch the cross-node combine kernel (with_weights: topk_weights travel with the rows, their sums go to "
-           "out_topk_weights).")
+      .def("dispatch", &InternodeContext::dispatch, py::arg("args"), py::arg("stream"),
+           "Check an InternodeDispatchArgs and launch the cross-node dispatch kernel (at most "
+           "INTERNODE_MAX_CHANNELS blocks).")
+      .def("combine", &InternodeContext::combine, py::arg("args"), py::arg("stream"),
+           "Check an InternodeCombineArgs and launch the cross-node combine kernel (with_weights: topk_weights "
+           "travel with the rows, their sums go to out_topk_weights).")
       .def_property_readonly("round_tokens", &InternodeContext::round_tokens, "Token slots per round (C).")
       .def_property_readonly("data_offset", &InternodeContext::data_offset,
                              "Workspace offset where the data areas start (the signal words lie before it).");

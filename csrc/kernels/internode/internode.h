@@ -193,7 +193,8 @@ struct NotifyArgs {
   int num_tokens;
   uintptr_t recv_info;          // out, device
   uintptr_t tokens_per_expert_aligned;  // out [E_l] int32
-  uintptr_t host_info;          // out [R + E_l] int32 host-mapped, or 0
+  uintptr_t host_info;          // out [R + E_l] int32 host-mapped, or 0: the context's mailbox, set by
+                                //   InternodeContext.notify (not a Python field)
   int expert_alignment;
   bool worst_case;
 };
@@ -209,7 +210,10 @@ struct DispatchArgs {
   int num_tokens;
   int row_bytes;                // 2H (bf16) or H (e4m3)
   int num_scales;               // H / 128 for FP8, else 0
-  uintptr_t out_x, out_scales, out_topk_idx, out_topk_weights, out_src_rank, out_src_index;
+  int num_rows;                 // M, rows of the out_ tensors; only the host check reads it
+  uintptr_t out_x, out_scales, out_topk_idx, out_topk_weights, out_src_rank, out_src_index;  // [M, row_bytes],
+                                // [M, num_scales] float32 or 0, [M, K] int64, [M, K] float32, [M] int32, [M] int32
+                                // (the last four 0 for a cached dispatch)
   uintptr_t forward_mask;       // out [N_n, T] int32: as forwarder, local mask of each (source node, token)
   uintptr_t own_row;            // out [N_n, T] int32: as forwarder, my output row of each token I received
                                 // from source (n_s, my local index) (0 for a cached dispatch)
@@ -225,6 +229,7 @@ struct CombineArgs {
   uintptr_t own_row;            // [N_n, T] int32 of the dispatch
   uintptr_t in_node;            // [N, N_n] bool of the dispatch
   int num_tokens;               // N
+  int num_rows;                 // M, rows of x and src_index; only the host check reads it
   uintptr_t out;                // [N, H] bf16
   bool with_weights;            // the call has weights: topk_weights travel with the rows, their sums
   uintptr_t topk_weights;       //   go to out_topk_weights (a pointer may be 0 when its tensor is empty)
@@ -232,6 +237,8 @@ struct CombineArgs {
   int num_blocks;
 };
 
+// The launchers. InternodeContext (bindings.cpp in this folder) checks every argument struct first
+// (check(dims, args): a pointer the call's sizes say it uses must not be 0, a size must fit the Dims).
 void launch_route(const Context& c, const RouteArgs& a, uintptr_t stream);
 void launch_notify(const Context& c, const NotifyArgs& a, uintptr_t stream);
 void launch_dispatch(const Context& c, const DispatchArgs& a, uintptr_t stream);
