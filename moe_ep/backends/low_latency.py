@@ -203,15 +203,14 @@ class LowLatencyEngine(Engine):
         out = self._sets[self._dispatches & 1]
         self._dispatches += 1
         n = x.shape[0]
-        ctx = self._ctx
-        x_ptr, idx_ptr = x.data_ptr(), topk_idx.data_ptr()
+        ctx, args_of = self._ctx, self._native.LowLatencyDispatchArgs
         recv_x, scales, src_rank, src_index, src_k, count = out.recv_ptrs
-        if not use_fp8:
-            scales = 0
+        fields = dict(x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), num_tokens=n, recv_x=recv_x,
+                      recv_scales=scales if use_fp8 else 0, src_rank=src_rank, src_index=src_index, src_k=src_k,
+                      count=count, use_fp8=use_fp8, round_scale=round_scale)
 
         def launch(s: int, send: bool, receive: bool) -> None:
-            ctx.dispatch(x_ptr, idx_ptr, n, recv_x, scales, src_rank, src_index, src_k, count, use_fp8, round_scale,
-                         send, receive, s)
+            ctx.dispatch(args_of(**fields, send=send, receive=receive), s)
 
         hook = self._launch("dispatch", launch, stream, return_recv_hook)
         handle = LowLatencyHandle(self.cfg.buffer_id, n, out.src_rank, out.src_index, out.count,
@@ -225,12 +224,14 @@ class LowLatencyEngine(Engine):
         stream = self._begin("combine")
         n = topk_idx.shape[0]
         out = torch.empty(n, self.cfg.hidden, dtype=torch.bfloat16, device=self.cfg.device)
-        ctx = self._ctx
-        args = (x.data_ptr(), handle.src_rank.data_ptr(), handle.src_index.data_ptr(), handle.state.src_k.data_ptr(),
-                handle.count.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), n, out.data_ptr())
+        ctx, args_of = self._ctx, self._native.LowLatencyCombineArgs
+        fields = dict(y=x.data_ptr(), src_rank=handle.src_rank.data_ptr(), src_index=handle.src_index.data_ptr(),
+                      src_k=handle.state.src_k.data_ptr(), count=handle.count.data_ptr(),
+                      topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), num_tokens=n,
+                      out=out.data_ptr())
 
         def launch(s: int, send: bool, receive: bool) -> None:
-            ctx.combine(*args, send, receive, s)
+            ctx.combine(args_of(**fields, send=send, receive=receive), s)
 
         return LowLatencyCombineResult(out, self._launch("combine", launch, stream, return_recv_hook))
 

@@ -1,6 +1,10 @@
 // Python bindings of the low-latency kernels: a LowLatencyContext holds everything fixed for one
 // Buffer (ranks, node size, dims, region addresses, offsets), so each call passes only its tensors'
-// addresses.
+// addresses. Each launcher takes one argument struct (low_latency.h DispatchLaunchArgs,
+// CombineLaunchArgs), bound as LowLatencyDispatchArgs and LowLatencyCombineArgs with keyword-only
+// constructors, and the stream: ctx.dispatch(LowLatencyDispatchArgs(x=..., ...), stream). It checks the
+// struct first (check below, also callable as args.check(LowLatencyDims(...)) without a GPU):
+// ValueError naming the launcher and the field.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -9,12 +13,16 @@
 #include <vector>
 
 #include "kernels/low_latency/low_latency.h"
+#include "runtime/named_args.h"
 
 namespace py = pybind11;
-using moe_ep::ll::LowLatencyParams;
+
+namespace moe_ep {
+namespace ll {
 
 namespace {
 
+// Every field of the context, checked (ValueError naming it); nothing is allocated.
 LowLatencyParams make_params(int rank, int nranks, int ranks_per_node, int num_local_experts, int num_topk, int hidden,
                              int max_tokens, double timeout_s, uintptr_t error, uintptr_t epochs, uintptr_t masked,
                              uintptr_t sym,
@@ -22,20 +30,30 @@ LowLatencyParams make_params(int rank, int nranks, int ranks_per_node, int num_l
                              uint64_t dispatch_meta_offset, uint64_t combine_payload_offset,
                              uint64_t combine_scratch_offset, uint64_t signals_offset, uintptr_t done_counters,
                              uintptr_t combine_stash, int blocks_per_expert, int num_sms) {
-  using moe_ep::ll::kMaxNodeRanks;
+  const ArgCheck c("LowLatencyContext");
   if (ranks_per_node < 1 || ranks_per_node > kMaxNodeRanks || nranks < 1 || nranks % ranks_per_node != 0)
-    throw std::invalid_argument("LowLatencyContext: ranks_per_node must be in [1, " + std::to_string(kMaxNodeRanks) +
-                                "] and divide nranks, got " + std::to_string(ranks_per_node) + " of " +
-                                std::to_string(nranks));
+    c.fail("ranks_per_node must be in [1, " + std::to_string(kMaxNodeRanks) + "] and divide nranks, got " +
+           std::to_string(ranks_per_node) + " of " + std::to_string(nranks));
+  c.in_range("rank", rank, 0, nranks - 1);
+  c.at_least("num_local_experts", num_local_experts, 1);
   if (static_cast<long long>(num_local_experts) * nranks > 32767)
-    throw std::invalid_argument("LowLatencyContext: expert ids travel as int16, so at most 32767 experts, got " +
-                                std::to_string(static_cast<long long>(num_local_experts) * nranks));
-  if (static_cast<int>(node_sym.size()) != ranks_per_node)
-    throw std::invalid_argument("LowLatencyContext: node_sym needs one address per rank of the node");
+    c.fail("expert ids travel as int16, so at most 32767 experts, got " +
+           std::to_string(static_cast<long long>(num_local_experts) * nranks));
+  c.in_range("num_topk", num_topk, 1, kMetaEntries);
+  c.positive_multiple("hidden", hidden, 8);
+  c.at_least("max_tokens", max_tokens, 1);
+  c.pointer("error", error);
+  c.pointer("epochs", epochs);
+  c.pointer("sym", sym);
+  if (static_cast<int>(node_sym.size()) != ranks_per_node) c.fail("node_sym needs one address per rank of the node");
   for (int i = 0; i < ranks_per_node; ++i)
     if (node_sym[i] == 0)
-      throw std::invalid_argument("LowLatencyContext: rank " + std::to_string(rank - rank % ranks_per_node + i) +
-                                  " of this rank's node is not reachable by NVLink loads/stores (nvshmem_ptr is 0)");
+      c.fail("rank " + std::to_string(rank - rank % ranks_per_node + i) +
+             " of this rank's node is not reachable by NVLink loads/stores (nvshmem_ptr is 0)");
+  c.pointer("done_counters", done_counters);
+  c.pointer("combine_stash", combine_stash);
+  c.at_least("blocks_per_expert", blocks_per_expert, 1);
+  c.at_least("num_sms", num_sms, 1);
   LowLatencyParams p{};
   p.rank = rank;
   p.nranks = nranks;
@@ -62,7 +80,44 @@ LowLatencyParams make_params(int rank, int nranks, int ranks_per_node, int num_l
   return p;
 }
 
+// ---- The launchers' checks (check(dims, args), also bound as LowLatencyXxxArgs.check) ----
+// A launch runs the send half, the receive half or both; a pointer is needed only by a half it runs.
+void check(const Dims& d, const DispatchLaunchArgs& a) {
+  const ArgCheck c("LowLatencyContext.dispatch");
+  if (!a.send && !a.receive) c.fail("send and receive are both false: the launch would run neither half");
+  c.count("num_tokens", a.num_tokens, "max_tokens", d.max_tokens);
+  if (a.round_scale && !a.use_fp8) c.fail("round_scale needs use_fp8");
+  if (a.use_fp8 && d.hidden % 128 != 0)
+    c.fail("use_fp8 needs hidden to be a multiple of 128, got " + std::to_string(d.hidden));
+  const bool in = a.send && a.num_tokens > 0;
+  c.pointer("x", a.x, in);
+  c.pointer("topk_idx", a.topk_idx, in);
+  c.pointer("recv_x", a.recv_x, a.receive);
+  c.pointer("recv_scales", a.recv_scales, a.receive && a.use_fp8);
+  c.pointer("src_rank", a.src_rank, a.receive);
+  c.pointer("src_index", a.src_index, a.receive);
+  c.pointer("src_k", a.src_k, a.receive);
+  c.pointer("count", a.count, a.receive);
+}
+
+void check(const Dims& d, const CombineLaunchArgs& a) {
+  const ArgCheck c("LowLatencyContext.combine");
+  if (!a.send && !a.receive) c.fail("send and receive are both false: the launch would run neither half");
+  c.count("num_tokens", a.num_tokens, "max_tokens", d.max_tokens);
+  c.pointer("y", a.y, a.send);
+  c.pointer("src_rank", a.src_rank, a.send);
+  c.pointer("src_index", a.src_index, a.send);
+  c.pointer("src_k", a.src_k, a.send);
+  c.pointer("count", a.count, a.send);
+  c.pointer("topk_idx", a.topk_idx, a.send && a.num_tokens > 0);
+  c.pointer("topk_weights", a.topk_weights, a.send && a.num_tokens > 0);
+  c.pointer("out", a.out, a.receive && a.num_tokens > 0);
+}
+
 }  // namespace
+
+}  // namespace ll
+}  // namespace moe_ep
 
 void register_low_latency(py::module_& m) {
   m.def(
@@ -85,24 +140,68 @@ void register_low_latency(py::module_& m) {
   m.attr("LL_META_BYTES") = moe_ep::ll::kMetaBytes;
   m.attr("LL_SCRATCH_ROWS") = moe_ep::ll::kScratchRows;
   m.attr("LL_NUM_SIGNALS") = moe_ep::ll::kNumSignals;
+  namespace ll = moe_ep::ll;
+  namespace na = moe_ep::named_args;
+  using ll::LowLatencyParams;
+  using D = ll::Dims;
+  na::bind_args<D>(m, "LowLatencyDims",
+                   "The fixed dimensions of one Buffer's low-latency kernels (low_latency.h Dims).",
+                   na::required("rank", &D::rank), na::required("nranks", &D::nranks),
+                   na::required("ranks_per_node", &D::ranks_per_node),
+                   na::required("num_local_experts", &D::num_local_experts), na::required("num_topk", &D::num_topk),
+                   na::required("hidden", &D::hidden), na::required("max_tokens", &D::max_tokens));
+  using DA = ll::DispatchLaunchArgs;
+  auto dispatch = na::bind_args<DA>(
+      m, "LowLatencyDispatchArgs",
+      "Arguments of one LowLatencyContext.dispatch launch (low_latency.h DispatchLaunchArgs): its send half, "
+      "receive half, or both.",
+      na::required("x", &DA::x), na::required("topk_idx", &DA::topk_idx), na::required("num_tokens", &DA::num_tokens),
+      na::required("recv_x", &DA::recv_x), na::optional("recv_scales", &DA::recv_scales),
+      na::required("src_rank", &DA::src_rank), na::required("src_index", &DA::src_index),
+      na::required("src_k", &DA::src_k), na::required("count", &DA::count), na::required("use_fp8", &DA::use_fp8),
+      na::required("round_scale", &DA::round_scale), na::required("send", &DA::send),
+      na::required("receive", &DA::receive));
+  na::def_check<D>(dispatch, &ll::check);
+  using CA = ll::CombineLaunchArgs;
+  auto combine = na::bind_args<CA>(
+      m, "LowLatencyCombineArgs",
+      "Arguments of one LowLatencyContext.combine launch (low_latency.h CombineLaunchArgs): its send half, "
+      "receive half, or both.",
+      na::required("y", &CA::y), na::required("src_rank", &CA::src_rank), na::required("src_index", &CA::src_index),
+      na::required("src_k", &CA::src_k), na::required("count", &CA::count), na::required("topk_idx", &CA::topk_idx),
+      na::required("topk_weights", &CA::topk_weights), na::required("num_tokens", &CA::num_tokens),
+      na::required("out", &CA::out), na::required("send", &CA::send), na::required("receive", &CA::receive));
+  na::def_check<D>(combine, &ll::check);
+
   py::class_<LowLatencyParams>(m, "LowLatencyContext",
                                "Fixed state of one Buffer's low-latency kernels (addresses are device pointers).")
-      .def(py::init(&make_params), py::kw_only(), py::arg("rank"), py::arg("nranks"), py::arg("ranks_per_node"),
+      .def(py::init(&ll::make_params), py::kw_only(), py::arg("rank"), py::arg("nranks"), py::arg("ranks_per_node"),
            py::arg("num_local_experts"), py::arg("num_topk"), py::arg("hidden"), py::arg("max_tokens"),
            py::arg("timeout_s"), py::arg("error"), py::arg("epochs"), py::arg("masked"), py::arg("sym"),
            py::arg("node_sym"),
            py::arg("dispatch_payload_offset"), py::arg("dispatch_meta_offset"), py::arg("combine_payload_offset"),
            py::arg("combine_scratch_offset"), py::arg("signals_offset"), py::arg("done_counters"),
-           py::arg("combine_stash"), py::arg("blocks_per_expert"), py::arg("num_sms"))
-      .def("dispatch", &moe_ep::ll::launch_dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("num_tokens"),
-           py::arg("recv_x"), py::arg("recv_scales"), py::arg("src_rank"), py::arg("src_index"), py::arg("src_k"),
-           py::arg("count"), py::arg("use_fp8"), py::arg("round_scale"), py::arg("send"), py::arg("receive"),
-           py::arg("stream"),
-           "The dispatch kernel's send half (push each token to the ranks of its experts) and/or receive half "
-           "(wait for every rank, expand staged tokens into expert-major rows).")
-      .def("combine", &moe_ep::ll::launch_combine, py::arg("y"), py::arg("src_rank"), py::arg("src_index"),
-           py::arg("src_k"), py::arg("count"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_tokens"),
-           py::arg("out"), py::arg("send"), py::arg("receive"), py::arg("stream"),
-           "The combine kernel's send half (push expert outputs back to their tokens' ranks) and/or receive "
-           "half (wait for every rank, reduce each token's rows in ascending k into out).");
+           py::arg("combine_stash"), py::arg("blocks_per_expert"), py::arg("num_sms"),
+           "Checks every argument (ValueError naming it: a size out of range, a null address; masked may be 0).")
+      .def_property_readonly("dims", &ll::dims_of, "The Buffer's LowLatencyDims.")
+      .def(
+          "dispatch",
+          [](const LowLatencyParams& p, const DA& a, uintptr_t stream) {
+            ll::check(ll::dims_of(p), a);
+            ll::launch_dispatch(p, a, stream);
+          },
+          py::arg("args"), py::arg("stream"),
+          "Check a LowLatencyDispatchArgs, then launch the dispatch kernel's send half (push each token to the "
+          "ranks of its experts) and/or receive half (wait for every rank, expand staged tokens into "
+          "expert-major rows).")
+      .def(
+          "combine",
+          [](const LowLatencyParams& p, const CA& a, uintptr_t stream) {
+            ll::check(ll::dims_of(p), a);
+            ll::launch_combine(p, a, stream);
+          },
+          py::arg("args"), py::arg("stream"),
+          "Check a LowLatencyCombineArgs, then launch the combine kernel's send half (push expert outputs back "
+          "to their tokens' ranks) and/or receive half (wait for every rank, reduce each token's rows in "
+          "ascending k into out).");
 }

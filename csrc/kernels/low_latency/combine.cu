@@ -253,33 +253,31 @@ __global__ void __launch_bounds__(kBlockThreads, 2) combine(const CombineArgs a)
     reduce_token<kSlots>(a, epoch, item / cols, item % cols * kBlockThreads, ok);
 }
 
-void launch_combine(const LowLatencyParams& p, uintptr_t y, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k,
-                    uintptr_t count, uintptr_t topk_idx, uintptr_t topk_weights, int num_tokens, uintptr_t out,
-                    bool send, bool receive, uintptr_t stream) {
+void launch_combine(const LowLatencyParams& p, const CombineLaunchArgs& call, uintptr_t stream) {
   CombineArgs a{};
   a.peers = make_peers(p);
   a.payload_offset = p.combine_payload_offset;
   a.scratch = reinterpret_cast<int4*>(p.sym + p.combine_scratch_offset);
-  a.y = reinterpret_cast<const int4*>(y);
-  a.src_rank = reinterpret_cast<const int*>(src_rank);
-  a.src_index = reinterpret_cast<const int*>(src_index);
-  a.src_k = reinterpret_cast<const int*>(src_k);
-  a.count = reinterpret_cast<const int*>(count);
-  a.topk_idx = reinterpret_cast<const int64_t*>(topk_idx);
-  a.topk_weights = reinterpret_cast<const float*>(topk_weights);
+  a.y = reinterpret_cast<const int4*>(call.y);
+  a.src_rank = reinterpret_cast<const int*>(call.src_rank);
+  a.src_index = reinterpret_cast<const int*>(call.src_index);
+  a.src_k = reinterpret_cast<const int*>(call.src_k);
+  a.count = reinterpret_cast<const int*>(call.count);
+  a.topk_idx = reinterpret_cast<const int64_t*>(call.topk_idx);
+  a.topk_weights = reinterpret_cast<const float*>(call.topk_weights);
   a.stash_idx = reinterpret_cast<int64_t*>(p.combine_stash);
   a.stash_weights = reinterpret_cast<float*>(p.combine_stash + sizeof(int64_t) * p.max_tokens * p.num_topk);
   a.done = reinterpret_cast<int*>(p.done_counters) + 1;
   a.payload = reinterpret_cast<const int4*>(p.sym + p.combine_payload_offset);
-  a.out = reinterpret_cast<uint4*>(out);
-  a.num_tokens = num_tokens;
+  a.out = reinterpret_cast<uint4*>(call.out);
+  a.num_tokens = call.num_tokens;
   a.num_topk = p.num_topk;
   a.hidden = p.hidden;
   a.max_tokens = p.max_tokens;
   a.num_local_experts = p.num_local_experts;
   a.blocks_per_expert = p.blocks_per_expert;
-  a.send = send;
-  a.receive = receive;
+  a.send = call.send;
+  a.receive = call.receive;
   const bool wide = p.num_topk > 8;
   if (a.peers.network)
     launch_cooperative(wide ? combine<true, kMetaEntries> : combine<true, 8>, p, a, stream, "combine kernel launch");

@@ -376,35 +376,33 @@ __global__ void __launch_bounds__(kBlockThreads, 2) dispatch(const DispatchArgs 
     receive_expert<kFp8>(a, epoch, item / a.blocks_per_expert, item % a.blocks_per_expert);
 }
 
-void launch_dispatch(const LowLatencyParams& p, uintptr_t x, uintptr_t topk_idx, int num_tokens, uintptr_t recv_x,
-                     uintptr_t recv_scales, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k, uintptr_t count,
-                     bool use_fp8, bool round_scale, bool send, bool receive, uintptr_t stream) {
+void launch_dispatch(const LowLatencyParams& p, const DispatchLaunchArgs& call, uintptr_t stream) {
   DispatchArgs a{};
   a.peers = make_peers(p);
   a.payload_offset = p.dispatch_payload_offset;
   a.meta_offset = p.dispatch_meta_offset;
-  a.x = reinterpret_cast<const uint4*>(x);
-  a.topk_idx = reinterpret_cast<const int64_t*>(topk_idx);
-  a.num_tokens = num_tokens;
+  a.x = reinterpret_cast<const uint4*>(call.x);
+  a.topk_idx = reinterpret_cast<const int64_t*>(call.topk_idx);
+  a.num_tokens = call.num_tokens;
   a.done = reinterpret_cast<int*>(p.done_counters);
   a.payload = reinterpret_cast<const uint8_t*>(p.sym + p.dispatch_payload_offset);
   a.meta = reinterpret_cast<const uint8_t*>(p.sym + p.dispatch_meta_offset);
-  a.recv_x = reinterpret_cast<uint8_t*>(recv_x);
-  a.recv_scales = reinterpret_cast<float*>(recv_scales);
-  a.src_rank = reinterpret_cast<int*>(src_rank);
-  a.src_index = reinterpret_cast<int*>(src_index);
-  a.src_k = reinterpret_cast<int*>(src_k);
-  a.count = reinterpret_cast<int*>(count);
+  a.recv_x = reinterpret_cast<uint8_t*>(call.recv_x);
+  a.recv_scales = reinterpret_cast<float*>(call.recv_scales);
+  a.src_rank = reinterpret_cast<int*>(call.src_rank);
+  a.src_index = reinterpret_cast<int*>(call.src_index);
+  a.src_k = reinterpret_cast<int*>(call.src_k);
+  a.count = reinterpret_cast<int*>(call.count);
   a.num_local_experts = p.num_local_experts;
   a.num_topk = p.num_topk;
   a.hidden = p.hidden;
   a.max_tokens = p.max_tokens;
   a.blocks_per_expert = p.blocks_per_expert;
-  a.send = send;
-  a.receive = receive;
-  if (!use_fp8)
+  a.send = call.send;
+  a.receive = call.receive;
+  if (!call.use_fp8)
     launch_cooperative(dispatch<false, false>, p, a, stream, "dispatch kernel launch");
-  else if (round_scale)
+  else if (call.round_scale)
     launch_cooperative(dispatch<true, true>, p, a, stream, "dispatch kernel launch");
   else
     launch_cooperative(dispatch<true, false>, p, a, stream, "dispatch kernel launch");

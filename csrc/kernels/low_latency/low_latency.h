@@ -105,25 +105,64 @@ inline int kernel_blocks(const LowLatencyParams& p) {
   return items < 2 * p.num_sms ? items : 2 * p.num_sms;
 }
 
+// The fixed dimensions of one Buffer's low-latency kernels (what the argument checks compare with).
+struct Dims {
+  int rank;
+  int nranks;             // R
+  int ranks_per_node;
+  int num_local_experts;  // E_l
+  int num_topk;           // K
+  int hidden;             // H
+  int max_tokens;         // T
+};
+
+inline Dims dims_of(const LowLatencyParams& p) {
+  return Dims{p.rank, p.nranks, p.ranks_per_node, p.num_local_experts, p.num_topk, p.hidden, p.max_tokens};
+}
+
 // Low-latency dispatch, one kernel with two halves; `send` and `receive` pick which run (both: one
 // launch for the whole call; with the receive hook the send launch now and the receive launch in
 // hook()). Send: quantise (optionally) and push every token to each rank holding one of its
-// experts, then release its arrival; x [N, H] bf16, topk_idx [N, K] int64. Receive: wait for every
-// source, expand staged tokens into the expert-major rows: recv_x [E_l, R*T, H] (bf16, or e4m3 when
-// use_fp8), recv_scales [E_l, R*T, H/128] float32 (fp8), src_rank / src_index / src_k [E_l, R*T]
-// int32, count [E_l] int32. Both launches of a call pass the same use_fp8 and round_scale.
-void launch_dispatch(const LowLatencyParams& p, uintptr_t x, uintptr_t topk_idx, int num_tokens, uintptr_t recv_x,
-                     uintptr_t recv_scales, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k, uintptr_t count,
-                     bool use_fp8, bool round_scale, bool send, bool receive, uintptr_t stream);
+// experts, then release its arrival. Receive: wait for every source, expand staged tokens into the
+// expert-major rows. Both launches of a call pass the same use_fp8 and round_scale.
+struct DispatchLaunchArgs {
+  uintptr_t x;            // [N, H] bf16 (send half)
+  uintptr_t topk_idx;     // [N, K] int64 (send half)
+  int num_tokens;         // N
+  uintptr_t recv_x;       // [E_l, R*T, H] bf16, or e4m3 with use_fp8 (receive half, as the five below)
+  uintptr_t recv_scales;  // [E_l, R*T, H/128] float32 with use_fp8, else 0
+  uintptr_t src_rank;     // [E_l, R*T] int32
+  uintptr_t src_index;    // [E_l, R*T] int32
+  uintptr_t src_k;        // [E_l, R*T] int32
+  uintptr_t count;        // [E_l] int32
+  bool use_fp8;
+  bool round_scale;       // power-of-two scales (use_fp8 only)
+  bool send;
+  bool receive;
+};
 
 // Low-latency combine, one kernel with two halves as above. Send: push every received row's expert
-// output back to its token's rank; y [E_l, R*T, H] bf16; src_* and count from the dispatch;
-// topk_idx [N, K] int64 and topk_weights [N, K] float32 of this rank's own tokens are stashed for
-// the receive half. Receive: wait for every rank, then out[n] = bf16(sum_k w[n,k] * row) in
-// ascending k; out [N, H] bf16.
-void launch_combine(const LowLatencyParams& p, uintptr_t y, uintptr_t src_rank, uintptr_t src_index, uintptr_t src_k,
-                    uintptr_t count, uintptr_t topk_idx, uintptr_t topk_weights, int num_tokens, uintptr_t out,
-                    bool send, bool receive, uintptr_t stream);
+// output back to its token's rank; this rank's own topk_idx and topk_weights are stashed for the
+// receive half. Receive: wait for every rank, then out[n] = bf16(sum_k w[n,k] * row) in ascending k.
+struct CombineLaunchArgs {
+  uintptr_t y;             // [E_l, R*T, H] bf16 (send half, as the six below)
+  uintptr_t src_rank;      // [E_l, R*T] int32, from the dispatch
+  uintptr_t src_index;     // [E_l, R*T] int32, from the dispatch
+  uintptr_t src_k;         // [E_l, R*T] int32, from the dispatch
+  uintptr_t count;         // [E_l] int32, from the dispatch
+  uintptr_t topk_idx;      // [N, K] int64 of this rank's own tokens
+  uintptr_t topk_weights;  // [N, K] float32 of this rank's own tokens
+  int num_tokens;          // N
+  uintptr_t out;           // [N, H] bf16 (receive half)
+  bool send;
+  bool receive;
+};
+
+// The launchers. LowLatencyContext (bindings.cpp in this folder) checks the argument struct first
+// (check(dims, args): a pointer the launch's halves and sizes say it uses must not be 0, a size must
+// fit the Dims).
+void launch_dispatch(const LowLatencyParams& p, const DispatchLaunchArgs& a, uintptr_t stream);
+void launch_combine(const LowLatencyParams& p, const CombineLaunchArgs& a, uintptr_t stream);
 
 }  // namespace ll
 }  // namespace moe_ep
