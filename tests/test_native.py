@@ -284,3 +284,209 @@ def test_low_latency_region_layout_is_csrc_s() -> None:
     assert meta == 7296 - payload
     with pytest.raises(ValueError, match="sizes must be positive"):
         _native.load().ll_region_layout(0, 3, 128, 2, 0)
+
+
+# ---- Named launcher arguments (csrc/runtime/named_args.h; each folder's bindings.cpp) ----
+# Every launcher takes one struct with named fields; its check (args.check(dims), the same one the context's
+# launch method runs first) raises ValueError naming the launcher and the field. No GPU needed.
+
+_R, _T, _H, _K, _E = 4, 64, 256, 4, 16  # dims of every case below: M <= R * T rows, E_l = 4
+
+
+def _ptrs(*names: str) -> dict[str, int]:
+    """A distinct fake device address for each field."""
+    return {name: 0x1000 * (i + 1) for i, name in enumerate(names)}
+
+
+def _intranode_dims(native):
+    return native.IntranodeDims(rank=1, nranks=_R, max_tokens=_T, hidden=_H, num_topk=_K, num_experts=_E)
+
+
+def _internode_dims(native):
+    return native.InternodeDims(rank=1, nranks=_R, ranks_per_node=2, max_tokens=_T, hidden=_H, num_topk=_K,
+                                num_experts=_E, round_tokens=16)
+
+
+def _low_latency_dims(native):
+    return native.LowLatencyDims(rank=1, nranks=_R, ranks_per_node=2, num_local_experts=_E // _R, num_topk=_K,
+                                 hidden=_H, max_tokens=_T)
+
+
+# (args class, dims factory, valid fields, a required pointer set to 0, an out-of-range size, its whole message)
+_ARGS_CASES = [
+    ("IntranodeLayoutArgs", _intranode_dims,
+     dict(_ptrs("topk_idx", "tokens_per_rank", "tokens_per_expert", "is_token_in_rank"), num_tokens=_T),
+     "tokens_per_expert", dict(num_tokens=_T + 1), f"num_tokens = {_T + 1} exceeds max_tokens = {_T}"),
+    ("IntranodeNotifyArgs", _intranode_dims,
+     dict(_ptrs("topk_idx", "is_token_in_rank", "pos", "recv_info", "tokens_per_expert"), num_tokens=5,
+          expert_alignment=128, worst_case=False),
+     "pos", dict(expert_alignment=0), "expert_alignment = 0, expected at least 1"),
+    ("IntranodeDispatchArgs", _intranode_dims,
+     dict(_ptrs("x", "topk_idx", "topk_weights", "pos", "recv_info", "out_x", "out_topk_idx", "out_topk_weights",
+                "out_src_rank", "out_src_index"),
+          num_tokens=5, row_bytes=2 * _H, num_scales=0, num_rows=7, worst_case=False, cached=False, num_blocks=20),
+     "out_x", dict(row_bytes=3 * _H),
+     f"row_bytes = {3 * _H}, expected hidden * 2 = {2 * _H} (bf16) or hidden * 1 = {_H} (FP8)"),
+    ("IntranodeCombineArgs", _intranode_dims,
+     dict(_ptrs("x", "src_rank", "src_index", "is_token_in_rank", "pos", "recv_info", "out"), num_rows=7,
+          num_tokens=5, with_weights=False, num_blocks=20),
+     "src_rank", dict(num_rows=_R * _T + 1), f"num_rows = {_R * _T + 1} exceeds nranks * max_tokens = {_R * _T}"),
+    ("InternodeRouteArgs", _internode_dims,
+     dict(_ptrs("topk_idx", "in_rank", "pos", "in_node", "tokens_per_rank", "tokens_per_expert"), num_tokens=5),
+     "in_node", dict(num_tokens=-1), "num_tokens = -1 is negative"),
+    ("InternodeNotifyArgs", _internode_dims,
+     dict(_ptrs("tokens_per_rank", "tokens_per_expert", "recv_info", "tokens_per_expert_aligned"), num_tokens=0,
+          expert_alignment=1, worst_case=True),
+     "tokens_per_expert_aligned", dict(num_tokens=_T + 1), f"num_tokens = {_T + 1} exceeds max_tokens = {_T}"),
+    ("InternodeDispatchArgs", _internode_dims,
+     dict(_ptrs("x", "x_scales", "topk_idx", "topk_weights", "pos", "in_node", "recv_info", "out_x", "out_scales",
+                "out_topk_idx", "out_topk_weights", "out_src_rank", "out_src_index", "forward_mask", "own_row"),
+          num_tokens=5, row_bytes=_H, num_scales=_H // 128, num_rows=7, cached=False, num_blocks=20),
+     "x_scales", dict(num_scales=1),
+     f"num_scales = 1 with FP8 rows (row_bytes = {_H} = hidden * 1), expected hidden / 128 = {_H // 128}"),
+    ("InternodeCombineArgs", _internode_dims,
+     dict(_ptrs("x", "src_index", "recv_info", "forward_mask", "own_row", "in_node", "out", "topk_weights",
+                "out_topk_weights"),
+          num_tokens=5, num_rows=7, with_weights=True, num_blocks=20),
+     "out_topk_weights", dict(num_blocks=0), "num_blocks = 0, expected at least 1"),
+    ("LowLatencyDispatchArgs", _low_latency_dims,
+     dict(_ptrs("x", "topk_idx", "recv_x", "recv_scales", "src_rank", "src_index", "src_k", "count"), num_tokens=5,
+          use_fp8=True, round_scale=True, send=True, receive=True),
+     "recv_scales", dict(num_tokens=_T + 1), f"num_tokens = {_T + 1} exceeds max_tokens = {_T}"),
+    ("LowLatencyCombineArgs", _low_latency_dims,
+     dict(_ptrs("y", "src_rank", "src_index", "src_k", "count", "topk_idx", "topk_weights", "out"), num_tokens=5,
+          send=True, receive=True),
+     "topk_weights", dict(num_tokens=-3), "num_tokens = -3 is negative"),
+]
+_LAUNCHER = {"IntranodeLayoutArgs": "IntranodeContext.layout", "IntranodeNotifyArgs": "IntranodeContext.notify",
+             "IntranodeDispatchArgs": "IntranodeContext.dispatch", "IntranodeCombineArgs": "IntranodeContext.combine",
+             "InternodeRouteArgs": "InternodeContext.route", "InternodeNotifyArgs": "InternodeContext.notify",
+             "InternodeDispatchArgs": "InternodeContext.dispatch", "InternodeCombineArgs": "InternodeContext.combine",
+             "LowLatencyDispatchArgs": "LowLatencyContext.dispatch",
+             "LowLatencyCombineArgs": "LowLatencyContext.combine"}
+
+
+@needs_native
+@pytest.mark.parametrize("name, dims, valid, null, bad, message", _ARGS_CASES, ids=[c[0] for c in _ARGS_CASES])
+def test_launch_args_are_checked_by_name(name, dims, valid, null, bad, message) -> None:
+    native = _native.load()
+    cls, d = getattr(native, name), dims(native)
+    args = cls(**valid)
+    args.check(d)
+    for field, value in valid.items():  # every field reads back, read-only
+        assert getattr(args, field) == value, field
+    with pytest.raises(AttributeError):
+        setattr(args, null, 0)
+    assert repr(args).startswith(f"{name}(") and f"{null}={valid[null]}" in repr(args)
+    where = re.escape(_LAUNCHER[name])
+    with pytest.raises(ValueError, match=rf"^{where}: {null} is null$"):
+        cls(**{**valid, null: 0}).check(d)
+    with pytest.raises(ValueError, match=rf"^{where}: {re.escape(message)}$"):
+        cls(**{**valid, **bad}).check(d)
+    with pytest.raises(TypeError):  # keyword-only
+        cls(*valid.values())
+
+
+def _struct_fields(header: str, struct: str) -> list[str]:
+    """The field names of `struct` in a csrc header (one declaration per line, comma lists allowed)."""
+    body = re.search(rf"struct {struct} \{{(.*?)\n\}};", (ROOT / "csrc" / header).read_text(), re.S)[1]
+    names = []
+    for decl in re.findall(r"^\s*(?:uintptr_t|int|bool)\s+([^;]+);", body, re.M):
+        names += [n.strip() for n in decl.split(",")]
+    return names
+
+
+@needs_native
+@pytest.mark.parametrize("name, header, struct, unbound", [
+    ("IntranodeDims", "kernels/intranode/intranode.h", "Dims", set()),
+    ("IntranodeLayoutArgs", "kernels/intranode/intranode.h", "LayoutArgs", set()),
+    ("IntranodeNotifyArgs", "kernels/intranode/intranode.h", "NotifyArgs", {"host_info"}),
+    ("IntranodeDispatchArgs", "kernels/intranode/intranode.h", "DispatchArgs", set()),
+    ("IntranodeCombineArgs", "kernels/intranode/intranode.h", "CombineArgs", set()),
+    ("InternodeRouteArgs", "kernels/internode/internode.h", "RouteArgs", set()),
+    ("InternodeNotifyArgs", "kernels/internode/internode.h", "NotifyArgs", {"host_info"}),
+    ("InternodeDispatchArgs", "kernels/internode/internode.h", "DispatchArgs", set()),
+    ("InternodeCombineArgs", "kernels/internode/internode.h", "CombineArgs", set()),
+    ("LowLatencyDims", "kernels/low_latency/low_latency.h", "Dims", set()),
+    ("LowLatencyDispatchArgs", "kernels/low_latency/low_latency.h", "DispatchLaunchArgs", set()),
+    ("LowLatencyCombineArgs", "kernels/low_latency/low_latency.h", "CombineLaunchArgs", set()),
+])
+def test_launch_args_bind_every_field(name, header, struct, unbound) -> None:
+    """A field added to a launcher's struct must reach Python (or be named here as the context's own)."""
+    fields = _struct_fields(header, struct)
+    assert len(fields) >= 6 and unbound <= set(fields)
+    cls = getattr(_native.load(), name)
+    assert [f for f in fields if f not in unbound and not hasattr(cls, f)] == []
+    for f in unbound:
+        assert not hasattr(cls, f)
+
+
+@needs_native
+def test_launch_args_checks_follow_the_call_sizes() -> None:
+    """A pointer whose tensor is empty may be 0 (torch gives empty CUDA tensors address 0); the checks ask
+    for a pointer only when the launch uses it."""
+    native = _native.load()
+    d = _intranode_dims(native)
+    # no tokens and no rows received: only recv_info is needed
+    native.IntranodeDispatchArgs(x=0, pos=0, recv_info=1, num_tokens=0, row_bytes=2 * _H, num_scales=0, num_rows=0,
+                                 out_x=0, worst_case=False, cached=False, num_blocks=1).check(d)
+    cached = dict(x=1, pos=2, recv_info=3, num_tokens=5, row_bytes=_H, num_scales=_H // 128, num_rows=_R * _T,
+                  out_x=4, x_scales=5, out_scales=6, worst_case=True, cached=True, num_blocks=1)
+    native.IntranodeDispatchArgs(**cached).check(d)  # a cached dispatch: no topk, no src_rank / src_index
+    with pytest.raises(ValueError, match=r"^IntranodeContext.dispatch: topk_idx is null$"):
+        native.IntranodeDispatchArgs(**{**cached, "cached": False}).check(d)
+    worst = rf"num_rows = 7 in worst-case mode, expected nranks \* max_tokens = {_R * _T}$"
+    with pytest.raises(ValueError, match=worst):
+        native.IntranodeDispatchArgs(**{**cached, "num_rows": 7}).check(d)
+    with pytest.raises(ValueError, match=r"num_scales = 2 with bf16 rows"):
+        native.IntranodeDispatchArgs(**{**cached, "row_bytes": 2 * _H}).check(d)
+    combine = dict(x=1, num_rows=3, src_rank=2, src_index=3, is_token_in_rank=4, pos=5, recv_info=6, num_tokens=2,
+                   out=7, with_weights=False, num_blocks=1)
+    native.IntranodeCombineArgs(**combine).check(d)  # no weights: neither weight pointer is needed
+    with pytest.raises(ValueError, match=r"^IntranodeContext.combine: topk_weights is null$"):
+        native.IntranodeCombineArgs(**{**combine, "with_weights": True}).check(d)
+    ll = _low_latency_dims(native)
+    recv = dict(x=0, topk_idx=0, num_tokens=9, recv_x=1, src_rank=2, src_index=3, src_k=4, count=5, use_fp8=False,
+                round_scale=False, send=False, receive=True)
+    native.LowLatencyDispatchArgs(**recv).check(ll)  # a receive-only launch reads no x
+    with pytest.raises(ValueError, match=r"^LowLatencyContext.dispatch: x is null$"):
+        native.LowLatencyDispatchArgs(**{**recv, "send": True}).check(ll)
+    with pytest.raises(ValueError, match=r"^LowLatencyContext.dispatch: round_scale needs use_fp8$"):
+        native.LowLatencyDispatchArgs(**{**recv, "round_scale": True}).check(ll)
+    with pytest.raises(ValueError, match=r"send and receive are both false"):
+        native.LowLatencyDispatchArgs(**{**recv, "receive": False}).check(ll)
+
+
+@needs_native
+def test_contexts_check_their_addresses_before_allocating() -> None:
+    """A null address given to a context names its field (checked before any CUDA call, so also here)."""
+    native = _native.load()
+    intranode = dict(rank=0, nranks=2, max_tokens=_T, hidden=_H, num_topk=_K, num_experts=_E, timeout_s=1.0,
+                     error=1, epochs=2, block_counters=3, layout_scratch=4, signals=[5, 6], workspace=[7, 8],
+                     row_flags=[9, 10])
+    for field, value, message in (("epochs", 0, "epochs is null"), ("workspace", [7, 0], r"workspace\[1\] is null"),
+                                  ("num_topk", 17, "num_topk = 17, expected 1..16"),
+                                  ("num_experts", 15, "num_experts = 15, expected a positive multiple of nranks")):
+        with pytest.raises(ValueError, match=rf"^IntranodeContext: {message}"):
+            native.IntranodeContext(**{**intranode, field: value})
+    internode = dict(rank=0, nranks=4, ranks_per_node=2, max_tokens=_T, hidden=_H, num_topk=_K, num_experts=_E,
+                     round_tokens=16, timeout_s=1.0, error=1, epochs=2, block_counters=3, workspace=4,
+                     node_peers=[5, 6])
+    for field, value, message in (("error", 0, "error is null"), ("node_peers", [0, 6], r"node_peers\[0\] is null"),
+                                  ("round_tokens", _T + 1, f"round_tokens = {_T + 1}, expected 1..{_T}")):
+        with pytest.raises(ValueError, match=rf"^InternodeContext: {message}"):
+            native.InternodeContext(**{**internode, field: value})
+    low_latency = dict(rank=1, nranks=_R, ranks_per_node=2, num_local_experts=_E // _R, num_topk=_K, hidden=_H,
+                       max_tokens=_T, timeout_s=1.0, error=1, epochs=2, masked=0, sym=3, node_sym=[4, 5],
+                       dispatch_payload_offset=0, dispatch_meta_offset=256, combine_payload_offset=512,
+                       combine_scratch_offset=768, signals_offset=1024, done_counters=6, combine_stash=7,
+                       blocks_per_expert=8, num_sms=132)
+    ctx = native.LowLatencyContext(**low_latency)  # masked may be 0 (fault tolerance off); nothing is allocated
+    assert repr(ctx.dims) == repr(_low_latency_dims(native))
+    for field, message in (("done_counters", "done_counters is null"), ("sym", "sym is null"),
+                           ("blocks_per_expert", "blocks_per_expert = 0, expected at least 1")):
+        with pytest.raises(ValueError, match=rf"^LowLatencyContext: {message}$"):
+            native.LowLatencyContext(**{**low_latency, field: 0})
+    with pytest.raises(ValueError, match=r"^LowLatencyContext.combine: out is null$"):
+        ctx.combine(native.LowLatencyCombineArgs(y=1, src_rank=2, src_index=3, src_k=4, count=5, topk_idx=6,
+                                                 topk_weights=7, num_tokens=1, out=0, send=False, receive=True), 0)
