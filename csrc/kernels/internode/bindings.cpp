@@ -87,6 +87,10 @@ void check(const Dims& d, const DispatchArgs& a) {
   c.pointer("in_node", a.in_node, a.num_tokens > 0);
   c.pointer("forward_mask", a.forward_mask, !a.cached);
   c.pointer("own_row", a.own_row, !a.cached);
+  const long long rows = static_cast<long long>(d.nranks) * d.max_tokens;
+  if (a.worst_case && a.num_rows != rows)
+    c.fail("num_rows = " + std::to_string(a.num_rows) + " in worst-case mode, expected nranks * max_tokens = " +
+           std::to_string(rows));
 }
 
 void check(const Dims& d, const CombineArgs& a) {
@@ -219,7 +223,8 @@ void register_internode(py::module_& m) {
       na::optional("out_topk_idx", &DA::out_topk_idx), na::optional("out_topk_weights", &DA::out_topk_weights),
       na::optional("out_src_rank", &DA::out_src_rank), na::optional("out_src_index", &DA::out_src_index),
       na::required("forward_mask", &DA::forward_mask), na::required("own_row", &DA::own_row),
-      na::required("cached", &DA::cached), na::required("num_blocks", &DA::num_blocks));
+      na::optional("worst_case", &DA::worst_case), na::required("cached", &DA::cached),
+      na::required("num_blocks", &DA::num_blocks));
   na::def_check<D>(dispatch, &inter::check);
   using CA = inter::CombineArgs;
   auto combine = na::bind_args<CA>(

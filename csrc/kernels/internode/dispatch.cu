@@ -40,12 +40,27 @@
 //      at position p = meta.pos[l]: row, scales, local expert ids (-1 where the expert is elsewhere),
 //      weights (0 there), token index and s go to output row first[s] + p (ld.cg reads).
 //   c. After the barrier threads l' < L publish nvl_credit[l][q] = e at local rank l'.
+// Worst-case mode (output rows [0, R*T), source s's at [s*T, s*T + count_s)): the rows no source fills
+// are padding, zero x and scales, topk_idx -1, weights 0, src_rank / src_index -1 (on a cached dispatch
+// x and scales only: common/routing.cuh fill_dispatch_rows), as the NVLink dispatch writes them. Block
+// q writes them for its share of the R*T rows (rows [q*ceil(R*T/Q), (q+1)*ceil(R*T/Q))), one part per
+// round between D1 and D2 (while the round's rows travel), or all at the end when there are no rounds.
 // No step waits for a later step of any rank, so the rounds cannot deadlock; the channels are
 // independent (a block only waits for the same block elsewhere).
 // Tags make slots self-describing: a set's previous round has tag e - 2 and a never-used slot 0.
-// The last block to finish (arrive_last) adds the round count to epochs[1] (and advances epochs[4]
-// after a cached dispatch). A timeout leaves the loop (every block still arrives); the host raises
-// CommTimeoutError.
+// The last block to finish (arrive_last_verdict) adds the round count to epochs[1] (and advances
+// epochs[4] after a cached dispatch).
+// Give-up: a wait that times out or sees the error word set (or the cached start barrier giving up)
+// makes the block leave the loop: it waits for nothing more and still arrives (epochs stay in step),
+// counting itself in as having given up; so does a block whose thread 0 found the error word already
+// set when the block started (notify's count exchange gave up, and left no rounds, or an earlier
+// kernel did). The last block to arrive, once every block has (so no thread writes output rows any
+// more), then writes poison over every output row of the call, all 1024 threads: rows [0, sum of
+// count_s) outside worst-case mode, all R*T rows in it; NaN x (FP8: 0x7f bytes), NaN scales and
+// weights, topk_idx / src_rank / src_index -1 (on a cached dispatch x and scales only;
+// fill_dispatch_rows). Rows that did arrive are poisoned too: their positions come with their meta,
+// so the receiving side cannot tell which rows an unfinished round would have filled. A failed call's
+// output thus holds no row that looks valid; the host raises CommTimeoutError.
 #include "kernels/common/launch.cuh"
 #include "kernels/common/routing.cuh"
 #include "kernels/common/warp.cuh"
@@ -145,6 +160,46 @@ __device__ __forceinline__ void forward_slot(const DeviceContext& ctx, const Dis
                      sizeof(RowMeta) / 16, others, lane);
 }
 
+// Worst-case padding (fill_dispatch_rows): part `part` of `parts` of this block's share of the output
+// rows no source fills. Block q's share is rows [q * chunk, (q + 1) * chunk) of the R * T (chunk =
+// ceil(R * T / Q)); of those, source s's rows [s*T + count_s, (s+1)*T) are padding. The whole block.
+// Not inlined: the round loop that calls it keeps its registers.
+__device__ __noinline__ void write_padding_part(const DeviceContext& ctx, const DispatchArgs& a, int part, int parts) {
+  const int R = ctx.comm.nranks, T = ctx.dims.max_tokens;
+  const auto* recv_info = reinterpret_cast<const int*>(a.recv_info);
+  const long long total = (long long)R * T, chunk = (total + gridDim.x - 1) / gridDim.x;
+  const long long share = min(total, blockIdx.x * chunk), len = min(total - share, chunk);
+  const long long lo = share + len * part / parts, hi = share + len * (part + 1) / parts;
+  for (int s = static_cast<int>(lo / T); s < R && (long long)s * T < hi; ++s) {
+    const long long pad0 = max(lo, (long long)s * T + recv_info[s]), pad1 = min(hi, (long long)(s + 1) * T);
+    if (pad1 > pad0)
+      fill_dispatch_rows(a, ctx.dims.num_topk, pad0, pad1 - pad0, RowFill::kPadding, threadIdx.x, blockDim.x);
+  }
+}
+
+constexpr int kGaveUpBlock = 1 << 16;  // added to the arrival counter by a block that gave up (Q < 2^16)
+
+// The end of the kernel (common/launch.cuh arrive_last, also telling whether any block gave up): every
+// thread fences, then thread 0 counts the block in, adding kGaveUpBlock when `gave_up` held in any of
+// its threads. Returns, in every thread of the block: 0 when other blocks are still to arrive; in the
+// last block to arrive (which resets the counter) 1, or 2 when some block of the grid gave up.
+__device__ __forceinline__ int arrive_last_verdict(int* counter, bool gave_up) {
+  __shared__ int verdict;
+  __threadfence();
+  const bool block_gave_up = __syncthreads_or(gave_up) != 0;
+  if (threadIdx.x == 0) {
+    const int add = 1 + (block_gave_up ? kGaveUpBlock : 0), old = atomicAdd(counter, add);
+    verdict = 0;
+    if (old % kGaveUpBlock == static_cast<int>(gridDim.x) - 1) {
+      __threadfence();
+      *counter = 0;
+      verdict = old + add >= kGaveUpBlock ? 2 : 1;
+    }
+  }
+  __syncthreads();
+  return verdict;
+}
+
 __global__ void __launch_bounds__(kThreads, 1)
 dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ DispatchArgs a) {
   const Comm& comm = ctx.comm;
@@ -159,6 +214,9 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
   const auto same_local = [&](int node) { return node * L + l; };
   const auto in_my_node = [&](int j) { return n * L + j; };
 
+  // whether the call already failed (notify's count exchange or an earlier kernel's wait gave up): thread
+  // 0 reads the error word now, the result is used only at the end (so the load's latency is hidden)
+  const bool failed_before = tid == 0 && comm_aborted(comm);
   // a cached dispatch has no notify, whose count exchange is otherwise the start barrier
   bool ok = !a.cached || start_barrier(ctx, 1, start_epoch);
   for (int r = 0; ok && r < rounds; ++r) {
@@ -194,6 +252,7 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
       nvshmemx_signal_op(ctx.word(ctx.ws.rdma_sig, ((size_t)set * Nn + n) * kMaxChannels + q), e, NVSHMEM_SIGNAL_SET,
                          same_local(nd));
     }
+    if (a.worst_case) write_padding_part(ctx, a, r, rounds);  // while the round's rows travel
 
     // D2 forward the other nodes' rows
     ok = block_wait<true>(comm, ctx.word(ctx.ws.rdma_sig, (size_t)set * Nn * kMaxChannels + q), Nn, kMaxChannels, e,
@@ -228,7 +287,17 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
     publish_to_node(ctx, ctx.ws.nvl_credit, (size_t)l * kMaxChannels + q, L, e);
   }
 
-  if (arrive_last(ctx.block_counters + 0)) {
+  if (ok && a.worst_case && rounds == 0) write_padding_part(ctx, a, 0, 1);  // no rows anywhere: all padding
+
+  // Give-up: rows cannot be told apart by round on this side (a row's output position travels in its
+  // meta), so once every block has arrived, the last one poisons every output row of a failed call.
+  const int verdict = arrive_last_verdict(ctx.block_counters + 0, !ok || failed_before);
+  if (verdict == 2) {
+    const auto* recv_info = reinterpret_cast<const int*>(a.recv_info);
+    const long long rows = a.worst_case ? (long long)R * ctx.dims.max_tokens : recv_info[2 * R - 1] + recv_info[R - 1];
+    fill_dispatch_rows(a, ctx.dims.num_topk, 0, rows, RowFill::kPoison, tid, kThreads);
+  }
+  if (verdict != 0 && tid == 0) {
     comm.epochs[1] = base + rounds;
     if (a.cached) comm.epochs[4] = start_epoch;
   }

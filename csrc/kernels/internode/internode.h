@@ -217,6 +217,8 @@ struct DispatchArgs {
   uintptr_t forward_mask;       // out [N_n, T] int32: as forwarder, local mask of each (source node, token)
   uintptr_t own_row;            // out [N_n, T] int32: as forwarder, my output row of each token I received
                                 // from source (n_s, my local index) (0 for a cached dispatch)
+  bool worst_case;              // M = R * T, source s at [s * T, s * T + count_s), the rest padding (the kernel
+                                // writes it); optional in Python (false) until InternodeEngine passes it
   bool cached;
   int num_blocks;
 };

@@ -6,7 +6,11 @@
 // B = Tuning::recv_run.
 //  0. Cached dispatch only (no notify ran): block 0's thread r stores ready_epoch into its
 //     kSigDispatchReady flag at peer r; every block waits for all peers' ready flags (start barrier:
-//     a peer raises it only after its stream finished the previous call).
+//     a peer raises it only after its stream finished the previous call). Then, in every dispatch,
+//     thread 0 of each block reads the error word (comm.h ErrorState; one host-mapped load per block):
+//     set, the call already failed (notify's count exchange gave up, or an earlier kernel's wait did)
+//     and the block's start fails as when its barrier gave up (below): it must not store into peers
+//     that may still be in their previous call.
 //  1. Send (warps 0..W-1 of every block). Sending warp w owns tokens w, w + W', ... (W' = W * grid),
 //     prefetching (into L1) the pos entry of its next token. For token n, lane r < R holds pos[n][r];
 //     a ballot gives the destination set. Lanes < K first load the token's topk id and weight, then
@@ -22,17 +26,30 @@
 //     the warp pays one system fence per G flags instead of one per token.
 //  2. Receive (the other warps from the start, the sending warps once their tokens are done). Work
 //     item k (from a grid-wide counter) is the run of positions [jB, jB + B) of source s, with
-//     j = k / R and s = k % R. In worst-case mode the run's padding rows (p >= count_s) get zero x and scales, src = -1,
-//     topk_idx = -1, weights = 0. For peer rows (s != me, p < count_s) lane l waits for
-//     the row flag of position jB + l to reach `epoch` (comm.h wait_geq: relaxed polls, then acquire); after
-//     __syncwarp (which hands every lane's acquire to the whole warp) the warp copies the run's rows,
+//     j = k / R and s = k % R. In worst-case mode the run's padding rows (p >= count_s) get zero x and
+//     scales, src_rank = src_index = -1, topk_idx = -1, weights = 0 (common/routing.cuh
+//     fill_dispatch_rows; on a cached dispatch x and scales only). For peer rows (s != me,
+//     p < count_s) lane l waits for the row flag of position jB + l to reach `epoch` (comm.h
+//     wait_geq: relaxed polls, then acquire); after __syncwarp (which hands every lane's acquire to
+//     the whole warp) the warp copies the run's rows,
 //     which are contiguous in slot s and in the output (output rows first[s] + p), as one span with U
 //     int4 loads per lane in flight, then the run's metadata spans (topk, weights, src_index, scales;
 //     reads through L2: ld.cg) and src_rank = s. This rank's own rows were written by its senders.
 //     Receiving overlaps sending, so peers' rows reach the output while the link is still busy.
 //  3. arrive_last: the last block resets the work counter and advances the device epochs.
-// A timeout in a wait leaves the loops early (every block still arrives, so epochs stay in step);
-// the host raises CommTimeoutError.
+// Give-up (a wait timed out, or saw the error word set by another thread): every output row then
+// holds either what a successful call writes there or poison (fill_dispatch_rows: NaN x, FP8 0x7f
+// bytes, NaN scales and weights, topk_idx / src_rank / src_index -1; on a cached dispatch x and
+// scales only), so a failed call's output holds no row that looks valid:
+//  - a block whose start failed (step 0) sends nothing: its sending warps poison this rank's own
+//    rows of their tokens (first[me] + pos), and all its warps take work items only to poison them;
+//  - a receiving warp whose wait for a run's rows gave up poisons that run and keeps taking work
+//    items only to poison them. Poisoning a run covers its positions p < count_s (all of T in
+//    worst-case mode, padding included) except this rank's own rows, which its senders write.
+// Outside worst-case mode the output holds exactly the received rows (first[s] + p, recv_info), in
+// worst-case mode source s's rows are at [s*T, s*T + count_s). Nothing waits after a give-up, every
+// block still arrives (so epochs stay in step) and block 0 of a cached dispatch raised its ready
+// flags before its wait; the host raises CommTimeoutError.
 #include "kernels/common/launch.cuh"
 #include "kernels/common/routing.cuh"
 #include "kernels/common/warp.cuh"
@@ -94,25 +111,6 @@ __device__ __forceinline__ void send_token(const DeviceContext& ctx, const Dispa
   }
 }
 
-// Worst-case output rows [row, row + count) that no source fills: zero rows and scales, padding metadata.
-__device__ __forceinline__ void write_padding(const DeviceContext& ctx, const DispatchArgs& a, size_t row, int count,
-                                              int lane) {
-  const int K = ctx.dims.num_topk, S = a.num_scales;
-  if (!a.cached) {
-    for (int e = lane; e < count * K; e += 32) {
-      reinterpret_cast<long long*>(a.out_topk_idx)[row * K + e] = -1;
-      reinterpret_cast<float*>(a.out_topk_weights)[row * K + e] = 0.f;
-    }
-    for (int e = lane; e < count; e += 32) {
-      reinterpret_cast<int*>(a.out_src_rank)[row + e] = -1;
-      reinterpret_cast<int*>(a.out_src_index)[row + e] = -1;
-    }
-  }
-  for (int e = lane; e < count * S; e += 32) reinterpret_cast<float*>(a.out_scales)[row * S + e] = 0.f;
-  int4* x = reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out_x) + row * a.row_bytes);
-  for (size_t e = lane; e < (size_t)count * (a.row_bytes / 16); e += 32) x[e] = make_int4(0, 0, 0, 0);
-}
-
 // The run of positions [p0, p0 + B) of source s: padding (worst case), then peer rows and their
 // metadata. Returns false when a wait for a row gave up.
 template <int kU>
@@ -125,7 +123,7 @@ __device__ __forceinline__ bool receive_run(const DeviceContext& ctx, const Disp
   const size_t first = recv_info[R + s];
   if (a.worst_case) {
     const int pad0 = max(p0, count), pad1 = min(p0 + B, T);
-    if (pad1 > pad0) write_padding(ctx, a, first + pad0, pad1 - pad0, lane);
+    if (pad1 > pad0) fill_dispatch_rows(a, K, first + pad0, pad1 - pad0, RowFill::kPadding, lane, 32);
   }
   const int n = min(B, count - p0);
   if (s == me || n <= 0) return true;  // own rows: written by this rank's senders
@@ -156,6 +154,21 @@ __device__ __forceinline__ bool receive_run(const DeviceContext& ctx, const Disp
   return true;
 }
 
+// After a give-up: poison over the positions [p0, p0 + B) of source s that receivers write (rows
+// p < count_s, and in worst-case mode the padding up to T), except this rank's own rows, which its
+// senders write (rows or poison).
+__device__ __forceinline__ void poison_run(const DeviceContext& ctx, const DispatchArgs& a, int s, int p0, int B,
+                                           int lane) {
+  const int R = ctx.comm.nranks;
+  const auto* recv_info = reinterpret_cast<const int*>(a.recv_info);
+  const int count = recv_info[s];
+  const int begin = s == ctx.comm.rank ? max(p0, count) : p0;
+  const int end = min(p0 + B, a.worst_case ? ctx.dims.max_tokens : count);
+  __syncwarp();  // after any padding the warp wrote over the same rows
+  if (end > begin)
+    fill_dispatch_rows(a, ctx.dims.num_topk, (size_t)recv_info[R + s] + begin, end - begin, RowFill::kPoison, lane, 32);
+}
+
 template <int kU>
 __global__ void __launch_bounds__(kThreads, 1)
 dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ DispatchArgs a) {
@@ -165,19 +178,26 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
   const int send_warps = ctx.tuning.send_warps, batch = ctx.tuning.flag_batch, B = ctx.tuning.recv_run;
   const auto* recv_info = reinterpret_cast<const int*>(a.recv_info);
 
-  // 0. start barrier of a cached dispatch
+  // 0. start barrier of a cached dispatch; then whether the call already failed (notify's count
+  //    exchange or an earlier kernel's wait gave up: the error word is set), read once by thread 0
   bool ok = true;
   if (a.cached) {
     const uint64_t ready_epoch = call_epoch(comm, kSigDispatchReady);
     if (blockIdx.x == 0) signal_peers(comm, kSigDispatchReady, ready_epoch);
     ok = wait_peers(comm, kSigDispatchReady, ready_epoch, kPhaseDispatchBarrier);
   }
+  ok = __syncthreads_and(ok && (threadIdx.x != 0 || !comm_aborted(comm))) != 0;
 
-  if (ok) {
-    // 1. send
-    if (warp < send_warps) {
-      const auto* pos = reinterpret_cast<const int*>(a.pos);
-      const int first_mine = recv_info[R + me], stride = gridDim.x * send_warps;
+  // 1. send; a block whose start failed sends nothing and poisons this rank's own rows of its tokens
+  if (warp < send_warps) {
+    const auto* pos = reinterpret_cast<const int*>(a.pos);
+    const int first_mine = recv_info[R + me], stride = gridDim.x * send_warps;
+    if (!ok) {
+      for (int n = blockIdx.x * send_warps + warp; n < a.num_tokens; n += stride) {
+        const int p = __ldg(pos + (size_t)n * R + me);
+        if (p >= 0) fill_dispatch_rows(a, ctx.dims.num_topk, (size_t)first_mine + p, 1, RowFill::kPoison, lane, 32);
+      }
+    } else {
       __shared__ uint64_t* flag_slots[kWarps][32];
       PendingFlags pending{flag_slots[warp]};
       for (int n = blockIdx.x * send_warps + warp; n < a.num_tokens; n += stride) {
@@ -206,16 +226,19 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
       }
       pending.publish(call_epoch(comm, kSigDispatchDone), lane);
     }
+  }
 
-    // 2. receive
-    int rows = 0;  // output positions per source to visit
-    for (int s = 0; s < R; ++s) rows = max(rows, recv_info[s]);
-    if (a.worst_case) rows = T;
-    const int items = (rows + B - 1) / B * R;
-    for (;;) {
-      const int k = take_work_item(ctx.block_counters + 2);
-      if (k >= items || !receive_run<kU>(ctx, a, k % R, k / R * B, B, lane)) break;
-    }
+  // 2. receive; after a give-up (or a failed start) the warp poisons its runs instead
+  int rows = 0;  // output positions per source to visit
+  for (int s = 0; s < R; ++s) rows = max(rows, recv_info[s]);
+  if (a.worst_case) rows = T;
+  const int items = (rows + B - 1) / B * R;
+  for (;;) {
+    const int k = take_work_item(ctx.block_counters + 2);
+    if (k >= items) break;
+    const int s = k % R, p0 = k / R * B;
+    if (ok) ok = receive_run<kU>(ctx, a, s, p0, B, lane);
+    if (!ok) poison_run(ctx, a, s, p0, B, lane);
   }
 
   // 3. bookkeeping for the next call
