@@ -11,7 +11,9 @@ Buffer's symmetric workspace are poisoned, so rows or metadata a call fails to w
 Combines also run with topk_weights (random magnitudes and signs, some -0.0): rows and combined
 weights bitwise equal. Then 1000 calls with changing inputs compared by hashes, a CUDA graph of a
 worst-case dispatch + combine (with and without weights) replayed 20 times with fresh inputs, a
-dispatch timeout that names its phase, and a combine timeout that leaves NaN rows and weights.
+dispatch timeout that names its phase, a combine timeout that leaves NaN rows and weights, and
+dispatch timeouts (at the count exchange, waiting for rows, at a cached dispatch's start) that leave
+only poisoned or correct rows.
 
 Everything runs three times: with the two GPUs as one node (the NVLink kernels); with
 ranks_per_node=1, where the two GPUs are two "nodes" and every byte between them goes through the
@@ -22,6 +24,7 @@ reference Buffer gets the same topology, so its combine follows the same two-lev
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -362,6 +365,95 @@ def _combine_timeout(rank: int, topo: dict) -> None:
         dist.barrier()
 
 
+def _poisoned(res) -> torch.Tensor:
+    """Per output row of a dispatch: whether it holds the poison of a failed call (NaN x, FP8 0x7f bytes;
+    NaN scales; topk_idx -1 and NaN weights, src_rank and src_index -1, except on a cached dispatch,
+    which writes none of these)."""
+    if res.x.dtype == torch.float8_e4m3fn:
+        bad = (res.x.view(torch.uint8) == 0x7F).all(1)
+    else:
+        bad = torch.isnan(res.x.float()).all(1)
+    if res.x_scales is not None:
+        bad &= torch.isnan(res.x_scales).all(1)
+    if res.topk_idx is not None:
+        bad &= (res.topk_idx == -1).all(1) & torch.isnan(res.topk_weights).all(1)
+        bad &= (res.src_rank == -1) & (res.src_index == -1)
+    return bad
+
+
+@contextmanager
+def _no_dispatch_kernel(buf: moe_ep.Buffer):
+    """This rank's dispatches inside run their count exchange but launch no dispatch kernel, so a peer's
+    dispatch kernel waits for rows that never come (test-only: the native engine's launch_dispatch)."""
+    engine = buf._backend._normal
+    engine.launch_dispatch = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del engine.launch_dispatch
+
+
+def _dispatch_timeout(rank: int, topo: dict) -> None:
+    """Dispatches that give up: afterwards (the CommTimeoutError, naming the silent peer, comes from the
+    call's event) no output row looks valid, every one holds poison or what a successful call writes.
+      - worst case, rank 0 alone: its count exchange gives up, so no row was received: all R * T rows
+        are poison;
+      - FP8, rank 1 runs the count exchange but no dispatch kernel: rank 0's wait for rank 1's rows
+        gives up; rank 1's rows are poison, rank 0's own rows are poison or exactly its tokens;
+      - cached, rank 0 alone: the dispatch kernel's own start barrier gives up: every row is NaN."""
+    def new_buffer() -> moe_ep.Buffer:
+        return moe_ep.Buffer(dist.group.WORLD, device=device(), hidden=256, num_experts=8, num_topk=2,
+                             max_tokens_per_rank=16, backend="nvshmem", timeout_s=1.0, **topo)
+
+    g = torch.Generator(device="cuda").manual_seed(31 + rank)
+    idx = torch.tensor([[0, 5]] * 4, device="cuda")  # every token to both ranks
+    w = torch.rand(4, 2, generator=g, device="cuda")
+
+    with new_buffer() as buf:
+        if rank == 0:
+            res = buf.dispatch(_x(4, 256, g), idx, w, worst_case=True, async_op=True)
+            with pytest.raises(moe_ep.CommTimeoutError, match="token counts") as err:
+                res.event.synchronize()
+            assert (err.value.rank, err.value.peer) == (0, 1)
+            assert res.x.shape[0] == WORLD * 16 and _poisoned(res).all(), "a failed worst-case dispatch left rows"
+        torch.cuda.synchronize()
+        dist.barrier()
+
+    xin, scales = _payload(_x(4, 256, g), True)
+    with new_buffer() as buf:
+        if rank == 1:
+            with _no_dispatch_kernel(buf):
+                buf.dispatch(xin, idx, w, x_scales=scales)
+        else:
+            res = buf.dispatch(xin, idx, w, x_scales=scales, async_op=True)
+            with pytest.raises(moe_ep.CommTimeoutError) as err:
+                res.event.synchronize()
+            assert (err.value.rank, err.value.peer) == (0, 1)
+            assert "rows" in err.value.phase and "token counts" not in err.value.phase, err.value.phase
+            assert res.handle.recv_counts == [4, 4]
+            bad = _poisoned(res)
+            assert bad[4:].all(), "rows from the silent peer are not poison"
+            kept = (~bad[:4]).nonzero().flatten()  # own rows a sender wrote: exactly the tokens
+            assert (res.src_rank[kept] == 0).all() and torch.equal(res.src_index[kept].long(), kept)
+            assert torch.equal(_bits(res.x[kept]), _bits(xin[kept])) and torch.equal(res.x_scales[kept], scales[kept])
+        torch.cuda.synchronize()
+        dist.barrier()
+
+    with new_buffer() as buf:
+        x = _x(4, 256, g)
+        res = buf.dispatch(x, idx, w)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:
+            cached = buf.dispatch(x, handle=res.handle, async_op=True)
+            with pytest.raises(moe_ep.CommTimeoutError) as err:
+                cached.event.synchronize()
+            assert (err.value.rank, err.value.peer) == (0, 1)
+            assert cached.x.shape[0] == 8 and _poisoned(cached).all(), "a failed cached dispatch left rows"
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
 def _worker(rank: int, world: int, topo: dict) -> None:
     """Every case, stress, graph and timeout on Buffers with the topology arguments `topo`."""
     assert world == WORLD
@@ -386,7 +478,7 @@ def _worker(rank: int, world: int, topo: dict) -> None:
             moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **common) as ref:
         for case in SHAPES[shape]:
             _run_case(nat, ref, shape, case, rank)
-    for part in (_stress, _graph, _timeout, _combine_timeout):
+    for part in (_stress, _graph, _timeout, _combine_timeout, _dispatch_timeout):
         if rank == 0:
             print(f"{label} {part.__name__.strip('_')}", flush=True)
         part(rank, topo)
