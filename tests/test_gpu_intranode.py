@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep import fp8
+from moe_ep.backends import internode, intranode
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import random_topk
 
@@ -384,13 +385,15 @@ def _poisoned(res) -> torch.Tensor:
 @contextmanager
 def _no_dispatch_kernel(buf: moe_ep.Buffer):
     """This rank's dispatches inside run their count exchange but launch no dispatch kernel, so a peer's
-    dispatch kernel waits for rows that never come (test-only: the native engine's launch_dispatch)."""
-    engine = buf._backend._normal
+    dispatch kernel waits for rows that never come (fault injection: the engine class of buf's path
+    loses its launch, in this process only)."""
+    engine = {"nvlink": intranode.IntranodeEngine, "cross-node": internode.InternodeEngine}[buf.normal_path]
+    launch = engine.launch_dispatch
     engine.launch_dispatch = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        del engine.launch_dispatch
+        engine.launch_dispatch = launch
 
 
 def _dispatch_timeout(rank: int, topo: dict) -> None:

@@ -147,15 +147,6 @@ class InternodeEngine(NormalEngine):
                         cached, worst_case, num_sms, knobs, stream) -> None:
         cfg = self.cfg
         fp8 = x.dtype == torch.float8_e4m3fn
-        if worst_case:  # rows no source fills are padding (zero rows, as the intranode kernel writes them)
-            out.x.zero_()
-            if out.scales is not None:
-                out.scales.zero_()
-            if not cached:
-                out.topk_idx.fill_(-1)
-                out.topk_weights.zero_()
-                out.src_rank.fill_(-1)
-                out.src_index.fill_(-1)
         self._ctx.dispatch(self._native.InternodeDispatchArgs(
             x=x.data_ptr(), x_scales=ptr_or_null(x_scales), topk_idx=ptr_or_null(topk_idx),
             topk_weights=ptr_or_null(topk_weights), pos=state.pos.data_ptr(), in_node=state.in_node.data_ptr(),
@@ -164,7 +155,7 @@ class InternodeEngine(NormalEngine):
             out_scales=ptr_or_null(out.scales), out_topk_idx=ptr_or_null(out.topk_idx),
             out_topk_weights=ptr_or_null(out.topk_weights), out_src_rank=0 if cached else out.src_rank.data_ptr(),
             out_src_index=0 if cached else out.src_index.data_ptr(), forward_mask=state.forward_mask.data_ptr(),
-            own_row=state.own_row.data_ptr(), cached=cached, num_blocks=num_sms,
+            own_row=state.own_row.data_ptr(), worst_case=worst_case, cached=cached, num_blocks=num_sms,
         ), stream.cuda_stream)
 
     def host_counts(self) -> tuple[list[int], list[int]]:
