@@ -1,4 +1,4 @@
-"""Low-latency (decode) dispatch/combine on the native kernels (csrc/kernels/low_latency_*.cu).
+"""Low-latency (decode) dispatch/combine on the native kernels (csrc/kernels/low_latency/).
 
 Fixed-capacity expert-major receive buffers, no host synchronisation (both calls capture into a CUDA
 graph), in-kernel FP8 cast, and an optional receive hook that splits each call into a send half and
@@ -13,7 +13,7 @@ the same kind (the buffer-reuse protocol in the kernels relies on it); the engin
 Issue all calls of one Buffer on one stream; a hook launches on the stream of its call.
 
 Across nodes (cfg.ranks_per_node < R): ranks of this rank's node are reached by NVLink stores, all
-others only by NVSHMEM puts and signals (csrc/kernels/low_latency_dispatch.cu, protocol comment);
+others only by NVSHMEM puts and signals (csrc/kernels/low_latency/dispatch.cu, protocol comment);
 the decision follows ranks_per_node, so ranks_per_node=1 on one machine runs the network code.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def blocks_per_expert(cfg: BufferConfig) -> int:
 @dataclass(frozen=True)
 class SymmetricLayout:
     """Byte offsets of the areas in the one symmetric allocation (staging areas hold both buffer sets);
-    csrc/kernels/low_latency.h region_layout owns them."""
+    csrc/kernels/low_latency/low_latency.h region_layout owns them."""
 
     dispatch_payload: int  # [2][R][T][2H] bytes: bf16 row, or e4m3 row + H/128 float32 scales
     dispatch_meta: int  # [2][R][T][LL_META_BYTES]: int16 global expert ids, epoch tag
