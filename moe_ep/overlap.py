@@ -129,14 +129,15 @@ def chunked(moe: "MoE", tokens: torch.Tensor, routing: RouterOutput,
 
     shared_out = shared() if shared is not None else None  # queued first: it runs while dispatch 0 moves rows
     send(0)
-    for i in range(c):
-        if i + 1 < c:
-            send(i + 1)
-        d = sent[i]
-        streams.wait(arrived[i], d.x, d.topk_idx, d.topk_weights, d.tokens_per_expert, d.src_rank)
-        rows[i] = moe.run_experts(d).to(torch.bfloat16)
-        if i > 0:
-            back(i - 1)
+    with moe.experts.pooled_weight_grads() if c > 1 else contextlib.nullcontext():  # one weight-gradient pass
+        for i in range(c):
+            if i + 1 < c:
+                send(i + 1)
+            d = sent[i]
+            streams.wait(arrived[i], d.x, d.topk_idx, d.topk_weights, d.tokens_per_expert, d.src_rank)
+            rows[i] = moe.run_experts(d).to(torch.bfloat16)
+            if i > 0:
+                back(i - 1)
     back(c - 1)
     streams.wait(streams.mark(comm=True), *outs)
     return (outs[0] if c == 1 else torch.cat(outs)), shared_out
