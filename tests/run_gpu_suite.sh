@@ -38,8 +38,10 @@ echo "torchrun moe_ep.train, 4 ranks | rc=$? | $((SECONDS - began)) s | $(grep d
 if [ -n "${WITH_LAYER_BENCH:-}" ]; then  # alone after the tests, so its compute numbers are valid (one rank)
   began=$SECONDS
   timeout 150 torchrun --nproc-per-node 1 -m moe_ep.bench --cases layer --layer-experts 128 --warmup 5 --iters 20 \
-    --out "$out/bench" >"$out/bench.log" 2>&1
-  echo "moe_ep.bench --cases layer, 1 rank | rc=$? | $((SECONDS - began)) s" >>"$out/summary.txt"
+    --out "$out/bench" 2>&1 | grep -v Warning >"$out/bench.txt"  # table to the summary: 8 files in all
+  echo "moe_ep.bench --cases layer, 1 rank | rc=${PIPESTATUS[0]} | $((SECONDS - began)) s" >>"$out/summary.txt"
+  grep -E "^(#|config|case|-|layer|decode|not shown|no FP8|%hidden)" "$out/bench.txt" >>"$out/summary.txt"
+  rm -f "$out/bench.txt"
 fi
 cat "$out/summary.txt"
 echo "total $((SECONDS - start)) s"
