@@ -2,6 +2,7 @@
 # The GPU tests on whatever GPUs are present (ranks share them when fewer: tests/_dist.py), as three
 # parallel lanes so the suite fits a 10-minute device call; one log per lane and a summary table in
 # ${OUT:-out}/ (at most 8 files, as the device tool returns). Usage: bash tests/run_gpu_suite.sh
+# (WITH_LAYER_BENCH=1: then the one-rank layer benchmark, alone, into $OUT/bench/)
 set -uo pipefail
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NVLS=1 \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -34,5 +35,13 @@ began=$SECONDS
 timeout 60 torchrun --nproc-per-node 4 -m moe_ep.train --ranks-per-gpu 4 --steps 20 --log-every 10 --no-progress \
   >"$out/train.log" 2>&1
 echo "torchrun moe_ep.train, 4 ranks | rc=$? | $((SECONDS - began)) s | $(grep done "$out/train.log")" >>"$out/summary.txt"
+if [ -n "${WITH_LAYER_BENCH:-}" ]; then  # alone after the tests, so its compute numbers are valid (one rank)
+  began=$SECONDS
+  timeout 150 torchrun --nproc-per-node 1 -m moe_ep.bench --cases layer --layer-experts 128 --warmup 5 --iters 20 \
+    --out "$out/bench" 2>&1 | grep -v Warning >"$out/bench.txt"  # table to the summary: 8 files in all
+  echo "moe_ep.bench --cases layer, 1 rank | rc=${PIPESTATUS[0]} | $((SECONDS - began)) s" >>"$out/summary.txt"
+  grep -E "^(#|config|case|-|layer|decode|not shown|no FP8|%hidden)" "$out/bench.txt" >>"$out/summary.txt"
+  rm -f "$out/bench.txt"
+fi
 cat "$out/summary.txt"
 echo "total $((SECONDS - start)) s"
