@@ -41,8 +41,19 @@ def _layer(case: Case, buf: moe_ep.Buffer, template: MoE, chunks: int, worst_cas
     return moe
 
 
+def _poison(buf: moe_ep.Buffer) -> None:
+    """Every rank's normal-mode workspace set to 0x7F bytes between barriers (none on the reference backend),
+    so rows a chunk's call fails to write, or reads too early, cannot pass for results."""
+    if buf.device.type == "cuda":
+        torch.cuda.synchronize(buf.device)
+    dist.barrier()
+    buf.fill_workspace(0x7F)
+    dist.barrier()
+
+
 def _run(moe: MoE, x0: torch.Tensor, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Output, routing and every gradient of sum(out * grad_out) + aux loss."""
+    """Output, routing and every gradient of sum(out * grad_out) + aux loss, on a poisoned workspace."""
+    _poison(moe.buffer)
     moe.zero_grad(set_to_none=True)
     x = x0.clone().requires_grad_(True)
     out = moe(x, mode="normal")
