@@ -1,0 +1,137 @@
+"""The one normal-mode dispatch flow (moe_ep.backends.engine.normal_dispatch) on the CPU, with a recording
+engine in place of the kernels: which steps run in which order, how big the outputs are, when the host
+waits for the counts, and which error checks come before and after the launch (timeouts only before it,
+everything once every kernel of the call is launched), for fresh, exact-size, worst-case and cached calls.
+The GPU tests run the same flow on the real engines."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from moe_ep import Config
+from moe_ep.backends import engine as flow
+from moe_ep.backends.base import BufferConfig, DispatchOutputs
+from moe_ep.types import DispatchLayout
+
+R, T, H, K, E = 2, 6, 16, 2, 4  # ranks, max tokens per rank, hidden, top-k, experts (E_l = 2)
+RECV = [3, 5]  # rows this rank receives from each source
+RAW = [7, 1]  # raw rows per local expert
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    """An engine's handle state: the flow fills in tokens_per_expert once the host has the counts."""
+
+    tokens_per_expert: Optional[list[int]] = None
+
+
+class _Event:
+    """torch.cuda.Event without CUDA: recording and waiting are steps of the log."""
+
+    log: list[str] = []
+
+    def record(self, stream: Any = None) -> None:
+        self.log.append("record counts")
+
+    def synchronize(self) -> None:
+        self.log.append("wait counts")
+
+
+class _Recorder(flow.NormalEngine):
+    path = "test"
+
+    def __init__(self, cfg: BufferConfig, log: list[str]) -> None:
+        self.cfg, self.log, self.out_rows = cfg, log, None
+
+    @staticmethod
+    def heap_bytes(cfg: BufferConfig) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+    def layout(self, topk_idx: torch.Tensor, stream: Any) -> DispatchLayout:
+        raise AssertionError("normal_dispatch does not call layout")
+
+    def notify(self, topk_idx, expert_alignment, worst_case, stream) -> flow.Notified:
+        self.log.append(f"notify worst_case={worst_case}")
+        aligned = torch.tensor([-(-c // expert_alignment) * expert_alignment for c in RAW], dtype=torch.int32)
+        return flow.Notified(torch.ones(topk_idx.shape[0], R, dtype=torch.bool), _State(), aligned)
+
+    def raw_expert_counts(self, state: _State) -> torch.Tensor:
+        return torch.tensor(RAW, dtype=torch.int32)
+
+    def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state, out: DispatchOutputs, *, cached, worst_case,
+                        num_sms, knobs, stream) -> None:
+        self.log.append(f"launch rows={out.x.shape[0]} cached={cached} worst_case={worst_case}")
+        out.x.fill_(1.0)
+
+    def host_counts(self) -> tuple[list[int], list[int]]:
+        self.log.append("host counts")
+        return list(RECV), list(RAW)
+
+    def combine(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("not part of dispatch")
+
+    def fill_workspace(self, value: int) -> None:
+        pass
+
+
+def _cfg() -> BufferConfig:
+    return BufferConfig(group=None, rank=0, world_size=R, hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T,
+                        low_latency=False, num_sms=4, timeout_s=1.0, buffer_id=7, device=torch.device("cpu"),
+                        ranks_per_node=R, config=Config(num_sms=4))
+
+
+def _dispatch(monkeypatch: pytest.MonkeyPatch, knobs: Config, handle=None, worst_case=False):
+    log: list[str] = []
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(_Event, "log", log)
+    eng = _Recorder(_cfg(), log)
+
+    def check(timeouts_only: bool = False) -> None:
+        log.append("check timeouts" if timeouts_only else "check all")
+
+    n = 4
+    x = torch.randn(n, H).to(torch.bfloat16)
+    idx, w = (None, None) if handle is not None else (torch.zeros(n, K, dtype=torch.int64), torch.rand(n, K))
+    res = flow.normal_dispatch(eng, x, None, idx, w, handle=handle, expert_alignment=4, worst_case=worst_case,
+                               num_sms=4, knobs=knobs, stream=None, async_op=False, check=check)
+    return res, log
+
+
+def test_eager_outputs_start_the_kernel_before_the_host_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    res, log = _dispatch(monkeypatch, Config())
+    assert log == ["notify worst_case=False", "record counts", f"launch rows={R * T} cached=False worst_case=False",
+                   "wait counts", "check timeouts", "host counts", "check all"]
+    assert res.x.shape[0] == sum(RECV) and res.handle.recv_counts == RECV
+    assert res.tokens_per_expert == [8, 4] and res.handle.state.tokens_per_expert == RAW
+    assert res.handle.num_recv_rows == sum(RECV) and res.handle.buffer_id == 7
+
+
+def test_exact_outputs_after_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    res, log = _dispatch(monkeypatch, Config(eager_output_bytes=0))
+    assert log == ["notify worst_case=False", "record counts", "wait counts", "check timeouts", "host counts",
+                   f"launch rows={sum(RECV)} cached=False worst_case=False", "check all"]
+    assert res.x.shape[0] == sum(RECV) and res.tokens_per_expert == [8, 4]
+
+
+def test_worst_case_never_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    res, log = _dispatch(monkeypatch, Config(), worst_case=True)
+    assert log == ["notify worst_case=True", f"launch rows={R * T} cached=False worst_case=True", "check all"]
+    assert res.x.shape[0] == R * T and res.tokens_per_expert is None and res.handle.recv_counts is None
+    assert res.tokens_per_expert_tensor.tolist() == [8, 4]
+
+
+@pytest.mark.parametrize("worst_case", [False, True])
+def test_cached_reuses_the_handle(monkeypatch: pytest.MonkeyPatch, worst_case: bool) -> None:
+    first, _ = _dispatch(monkeypatch, Config(), worst_case=worst_case)
+    again, log = _dispatch(monkeypatch, Config(), handle=first.handle)
+    rows = R * T if worst_case else sum(RECV)
+    assert log == [f"launch rows={rows} cached=True worst_case={worst_case}", "check all"]
+    assert again.handle is first.handle and again.topk_idx is None and again.topk_weights is None
+    assert again.x.shape[0] == rows and again.tokens_per_expert_tensor.tolist() == [8, 4]
+    assert again.tokens_per_expert == (None if worst_case else [8, 4])
