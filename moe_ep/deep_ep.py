@@ -574,7 +574,7 @@ class Buffer:
         """Close every moe_ep Buffer this one created (collective); needs explicitly_destroy=True."""
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() needs a Buffer created with explicitly_destroy=True")
-        for buf in [*self._normal.values(), *self._low_latency.values()]:
+        for buf in self.moe_ep_buffers:
             buf.close()
         self._normal.clear()
         self._low_latency.clear()

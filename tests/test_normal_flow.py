@@ -44,14 +44,14 @@ class _Recorder(flow.NormalEngine):
     path = "test"
 
     def __init__(self, cfg: BufferConfig, log: list[str]) -> None:
-        self.cfg, self.log, self.out_rows = cfg, log, None
+        self.cfg, self.log = cfg, log
 
     @staticmethod
     def heap_bytes(cfg: BufferConfig) -> int:
         return 0
 
     def close(self) -> None:
-        pass
+        raise AssertionError("normal_dispatch does not close the engine")
 
     def layout(self, topk_idx: torch.Tensor, stream: Any) -> DispatchLayout:
         raise AssertionError("normal_dispatch does not call layout")
@@ -77,7 +77,7 @@ class _Recorder(flow.NormalEngine):
         raise AssertionError("not part of dispatch")
 
     def fill_workspace(self, value: int) -> None:
-        pass
+        raise AssertionError("not part of dispatch")
 
 
 def _cfg() -> BufferConfig:

@@ -57,6 +57,11 @@ class NormalEngine(Engine):
     """A normal-mode engine (one node or across nodes): the steps `normal_dispatch` runs, and combine."""
 
     path: str  # which kernels: "nvlink" or "cross-node"
+    _ctx: Any  # the native context (moe_ep._C IntranodeContext / InternodeContext): launches, count mailbox
+
+    def close(self) -> None:
+        """Frees the context's host-mapped count mailbox (the symmetric memory goes with the session)."""
+        self._ctx.close()
 
     @abc.abstractmethod
     def layout(self, topk_idx: torch.Tensor, stream: torch.cuda.Stream) -> DispatchLayout:
@@ -77,9 +82,9 @@ class NormalEngine(Engine):
                         worst_case: bool, num_sms: int, knobs: Config, stream: torch.cuda.Stream) -> None:
         """Launch the dispatch kernel into `out` (rows no source fills, in worst-case mode, are zero)."""
 
-    @abc.abstractmethod
     def host_counts(self) -> tuple[list[int], list[int]]:
         """(rows from each source, raw rows per local expert) of the last notify, once it has run."""
+        return self._ctx.host_info()
 
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: DispatchHandle, out: torch.Tensor,

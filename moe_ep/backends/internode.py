@@ -158,9 +158,6 @@ class InternodeEngine(NormalEngine):
             own_row=state.own_row.data_ptr(), worst_case=worst_case, cached=cached, num_blocks=num_sms,
         ), stream.cuda_stream)
 
-    def host_counts(self) -> tuple[list[int], list[int]]:
-        return self._ctx.host_info()
-
     def fill_workspace(self, value: int) -> None:
         """The workspace's data areas (rows, metadata, counts), without its signal words."""
         self._workspace.tensor[self._ctx.data_offset:].fill_(value)
@@ -178,7 +175,3 @@ class InternodeEngine(NormalEngine):
             with_weights=topk_weights is not None, topk_weights=ptr_or_null(topk_weights),
             out_topk_weights=ptr_or_null(out_topk_weights), num_blocks=num_sms,
         ), stream.cuda_stream)
-
-    def close(self) -> None:
-        """Frees the host-mapped mailbox (the workspace goes with the session)."""
-        self._ctx.close()

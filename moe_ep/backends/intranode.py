@@ -135,9 +135,6 @@ class IntranodeEngine(NormalEngine):
             num_blocks=num_sms,
         ), stream.cuda_stream)
 
-    def host_counts(self) -> tuple[list[int], list[int]]:
-        return self._ctx.host_info()
-
     def combine(self, x: torch.Tensor, handle: DispatchHandle, out: torch.Tensor,
                 topk_weights: Optional[torch.Tensor], out_topk_weights: Optional[torch.Tensor], *, num_sms: int,
                 knobs: Config, stream: torch.cuda.Stream) -> None:
@@ -153,7 +150,3 @@ class IntranodeEngine(NormalEngine):
 
     def fill_workspace(self, value: int) -> None:
         self._workspace.tensor.fill_(value)
-
-    def close(self) -> None:
-        """Frees the host-mapped count mailbox."""
-        self._ctx.close()

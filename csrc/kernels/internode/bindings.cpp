@@ -223,7 +223,7 @@ void register_internode(py::module_& m) {
       na::optional("out_topk_idx", &DA::out_topk_idx), na::optional("out_topk_weights", &DA::out_topk_weights),
       na::optional("out_src_rank", &DA::out_src_rank), na::optional("out_src_index", &DA::out_src_index),
       na::required("forward_mask", &DA::forward_mask), na::required("own_row", &DA::own_row),
-      na::optional("worst_case", &DA::worst_case), na::required("cached", &DA::cached),
+      na::required("worst_case", &DA::worst_case), na::required("cached", &DA::cached),
       na::required("num_blocks", &DA::num_blocks));
   na::def_check<D>(dispatch, &inter::check);
   using CA = inter::CombineArgs;

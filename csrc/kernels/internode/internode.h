@@ -218,7 +218,7 @@ struct DispatchArgs {
   uintptr_t own_row;            // out [N_n, T] int32: as forwarder, my output row of each token I received
                                 // from source (n_s, my local index) (0 for a cached dispatch)
   bool worst_case;              // M = R * T, source s at [s * T, s * T + count_s), the rest padding (the kernel
-                                // writes it); optional in Python (false) until InternodeEngine passes it
+                                // writes it)
   bool cached;
   int num_blocks;
 };
