@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import fp8
+from . import fp8, fp8_experts
 from .buffer import Buffer, auto_backend
 from .launch import init_distributed
 from .layer import MoE
@@ -434,6 +434,44 @@ def time_gemms(timer: Timer, cases: dict[str, tuple[Callable[[], object], float]
     return timed
 
 
+def fp8_gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int,
+                   device: torch.device) -> dict[str, tuple[Callable[[], object], float]]:
+    """The FP8 experts' two forward GEMMs alone (moe_ep.fp8_experts.grouped_gemm, block scales), on
+    `pairs` rows in equal groups, the gate/up one gathering its rows: name -> (call, FLOPs)."""
+    e, h, f = local_experts, hidden, ffn
+    group = max(pairs // e, 1)
+    p = group * e
+    counts = torch.full((e,), group, device=device, dtype=torch.int32)
+    xq, xs = fp8.quantize(torch.randn(p, h, device=device))
+    aq, as_ = fp8.quantize(torch.randn(p, f, device=device))
+    rows = torch.randperm(p, device=device)
+    w13, w13s = fp8_experts.quantize_weight_blocks(torch.randn(e, 2 * f, h, device=device) * 0.02)
+    w2, w2s = fp8_experts.quantize_weight_blocks(torch.randn(e, h, f, device=device) * 0.02)
+    gemm = fp8_experts.grouped_gemm
+    return {"fp8 gate/up (rows gathered)": (lambda: gemm(xq, xs, rows, counts, w13, w13s), 4.0 * p * h * f),
+            "fp8 down": (lambda: gemm(aq, as_, None, counts, w2, w2s), 2.0 * p * h * f)}
+
+
+def bench_fp8_layer(timer: Timer, buf: Buffer, shape: LayerShape, x: torch.Tensor, sms: Optional[int]) -> list[Row]:
+    """The forward of MoE(fp8_experts=True) (under no_grad, as it runs) with the weights of the bf16
+    rows, and its error against the bf16 experts' forward on the same input: ||y8 - y16|| / ||y16||."""
+    models = []
+    for fp8_on in (False, True):  # the same seed: the same router and expert weights
+        torch.manual_seed(0)
+        models.append(MoE(buf, shape.ffn, dtype=torch.bfloat16, fp8_experts=fp8_on))
+    with torch.no_grad():
+        want = models[0](x, mode="normal").float()
+        got = models[1](x, mode="normal").float()
+        error = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
+        pairs = expert_pairs(buf, models[1].last_routing.topk_idx)
+        us = timer.call_us(lambda: models[1](x, mode="normal"))
+    del models
+    gc.collect()
+    return [_row(buf, "layer", "forward FP8 C=1", sms, shape.tokens, us,
+                 flop=layer_flop(pairs, shape.hidden, shape.ffn),
+                 extra={"overlap_chunks": 1, "pairs": pairs, "fp8_relative_error": _max_over_ranks(error)})]
+
+
 def dense_ceiling(timer: Timer, device: torch.device, n: int = 8192) -> tuple[float, float]:
     """(us, FLOPs) of a bf16 n^3 matmul on random data: the GPU's practical matrix rate."""
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
@@ -461,6 +499,8 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.dev
                      for (op, k), us in zip(LAYER_PASSES, times)]
             del moe
             gc.collect()
+        if shape.hidden % fp8.BLOCK == 0 and shape.ffn % fp8.BLOCK == 0:
+            rows += bench_fp8_layer(timer, buf, shape, x.detach(), sms)
         if gemms:  # per C: C times the GEMMs of one chunk (pairs / C), what chunking costs the experts alone
             for chunks in OVERLAP_CHUNKS:
                 cases = gemm_cases(pairs // chunks, buf.num_local_experts, shape.hidden, shape.ffn, buf.device)
@@ -468,6 +508,14 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.dev
                 rows += [_row(buf, "layer", f"{name} C={chunks}", None, shape.tokens, chunks * us, backend="torch",
                               flop=chunks * flop, config=None, extra={"overlap_chunks": chunks})
                          for name, (us, flop) in timed.items() if name.startswith("GEMMs")]
+            p = (pairs // buf.num_local_experts) * buf.num_local_experts
+            timed = {name: (timer.call_us(fn), flop)
+                     for name, (fn, flop) in fp8_gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn,
+                                                            buf.device).items()}
+            rows.append(_row(buf, "layer", "FP8 GEMMs forward C=1", None, shape.tokens, sum(v[0] for v in timed.values()),
+                             backend="triton", flop=sum(v[1] for v in timed.values()), config=None,
+                             extra={"pairs": p, "tiles": asdict(fp8_experts.TILES),
+                                    "parts_us": {name: v[0] for name, v in timed.items()}}))
             us, flop = dense_ceiling(timer, buf.device)
             rows.append(_row(buf, "layer", "dense bf16 8192^3", None, shape.tokens, us, backend="torch", flop=flop,
                              config=None))
@@ -693,10 +741,14 @@ def config_line(rows: list[Row]) -> str:
     return f"config ({'every Buffer' if len(configs) == 1 else f'{len(configs)} different, per row in the JSON'}): {text}"
 
 
-def layer_notes(use_gpu: bool, shared_gpu: bool) -> list[str]:
+def layer_notes(use_gpu: bool, shared_gpu: bool, rows: list[Row]) -> list[str]:
     """What the layer case's table leaves out or how to read it, one line each."""
-    notes = ["no FP8 layer rows: FP8 experts (issue 21 item 4) do not exist yet",
-             "%hidden = (2 in sequence - 2 interleaved) / comm only: the share of the decode step's communication "
+    notes = [f"forward FP8 experts ({r.backend}): relative error against the bf16 experts' forward, same weights "
+             f"and input: ||y8 - y16|| / ||y16|| = {r.extra['fp8_relative_error']:.4f}"
+             for r in rows if "fp8_relative_error" in r.extra]
+    if not notes:
+        notes.append(f"no FP8 layer rows: FP8 experts need hidden and ffn to be multiples of {fp8.BLOCK}")
+    notes += ["%hidden = (2 in sequence - 2 interleaved) / comm only: the share of the decode step's communication "
              "that interleaving two micro-batches hides"
              + ("; meaningless for links here (CPU or shared GPU: no link carries the rows)"
                 if not use_gpu or shared_gpu else "")]
@@ -761,7 +813,7 @@ def main() -> None:
             gc.collect()  # the MoE's weights, gradients and autograd state, before the next case allocates
             if use_gpu:
                 torch.cuda.empty_cache()
-        notes += layer_notes(use_gpu, placement.shared_gpu)
+        notes += layer_notes(use_gpu, placement.shared_gpu, rows)
     topologies = [None] + ([args.ranks_per_node] if args.ranks_per_node is not None else [])
     if "n1" in cases or "n1-native" in cases:
         for rpn in topologies:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import autograd, fp8, ops, overlap
+from . import fp8_experts as fp8_experts_module
 from .buffer import Buffer
 from .experts import GroupedExperts
 from .router import RouterOutput, TopKRouter
@@ -77,6 +78,10 @@ class MoE(nn.Module):
     the remaining SMs. With C chunks a forward may hold up to C * max_tokens_per_rank tokens per rank.
     The shared expert, when present, runs while the first dispatch is in flight when C >= 2 (C = 1
     keeps every kernel on the caller's stream, as before overlap existed) and in decode (start()).
+    fp8_experts=True (forward only: prefill and serving, under torch.no_grad()): normal mode dispatches
+    the tokens in FP8 and the experts' grouped GEMMs read those rows and their per-128 scales
+    directly, against FP8 copies of the weights with 128 x 128 block scales (moe_ep.fp8_experts);
+    low-latency mode keeps its bf16 experts.
     """
 
     def __init__(self, buffer: Buffer, ffn_hidden: int, *, score_func: str = "softmax", num_groups: int = 1,
@@ -85,9 +90,13 @@ class MoE(nn.Module):
                  bias_update_rate: float = 1e-3, capacity_factor: Optional[float] = None,
                  shared_ffn_hidden: int = 0, low_latency_max_tokens: int = 128, low_latency_fp8: bool = False,
                  worst_case: bool = False, dtype: Optional[torch.dtype] = None, recompute_swiglu: bool = False,
-                 overlap_chunks: int = 1) -> None:
+                 overlap_chunks: int = 1, fp8_experts: bool = False) -> None:
         super().__init__()
         cfg = buffer.cfg
+        if fp8_experts:
+            fp8_experts_module.check_shapes(cfg.hidden, ffn_hidden)
+            if overlap_chunks != 1:
+                raise ValueError("fp8_experts=True runs one dispatch per forward: overlap_chunks must be 1")
         if not isinstance(overlap_chunks, int) or isinstance(overlap_chunks, bool) or overlap_chunks < 1:
             raise ValueError(f"overlap_chunks must be a positive int, got {overlap_chunks!r}")
         if low_latency_fp8 and cfg.hidden % fp8.BLOCK != 0:
@@ -116,6 +125,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.int64, device=cfg.device)
                              if expert_bias else None, persistent=False)
         self.last_routing: Optional[RouterOutput] = None
+        self.fp8_weights = fp8_experts_module.FP8WeightCache() if fp8_experts else None
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -178,6 +188,18 @@ class MoE(nn.Module):
         y = self.experts.forward_padded(rows).to(torch.bfloat16)
         return ops.low_latency_combine(y, routing.topk_idx, routing.topk_weights, handle, self.buffer_id)
 
+    @torch.compiler.disable
+    def _fp8_normal(self, tokens: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+        """Normal mode with FP8 experts: FP8 dispatch, FP8 grouped GEMMs on the received rows, bf16 combine."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("fp8_experts=True runs forward only: call it under torch.no_grad() "
+                               "or torch.inference_mode()")
+        q, scales = fp8.quantize(tokens.to(torch.bfloat16))
+        d = self.buffer.dispatch(q, routing.topk_idx, routing.topk_weights, x_scales=scales)
+        y = fp8_experts_module.experts_forward(self.fp8_weights.get(self.experts), d.x, d.x_scales, d.topk_idx,
+                                               d.topk_weights, self.buffer.cfg.num_local_experts)
+        return self.buffer.combine(y, d.handle)
+
     def forward(self, x: torch.Tensor, mode: Optional[str] = None) -> torch.Tensor:
         """Route, dispatch, run the local experts, combine; plus the shared expert when present."""
         if mode is not None and mode not in MODES:
@@ -189,6 +211,8 @@ class MoE(nn.Module):
                 self._check_no_grad(tokens, routing)
                 return overlap.start(self, x, tokens, routing).finish()
             out, shared = self._low_latency(tokens, routing), self.shared_forward(tokens)
+        elif self.fp8_weights is not None:
+            out, shared = self._fp8_normal(tokens, routing), self.shared_forward(tokens)
         else:
             self._check_chunks()
             out, shared = overlap.chunked(self, tokens, routing, lambda: self.shared_forward(tokens))

@@ -26,7 +26,7 @@ from moe_ep.config import DEFAULT_NUM_SMS
 from tests._dist import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout under test, whatever folder a rank starts in
-LAYER_OPS = {f"{op} C={c}" for op in ("forward", "backward", "forward_backward") for c in (1, 2, 4)}
+LAYER_OPS = {f"{op} C={c}" for op in ("forward", "backward", "forward_backward") for c in (1, 2, 4)} | {"forward FP8 C=1"}
 DECODE_OPS = {"2 in sequence", "2 interleaved", "comm only (2 x d + c)"}
 GPU_ONLY_COLUMNS = ("SMs", "cold us", "overhead", "kernel us", "%link", "DeepEP", "speedup")
 
@@ -48,7 +48,7 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "moe_ep.bench", "--cases", "cpu,layer", "--iters", "2", "--warmup", "1",
            "--layer-tokens", "32", "--layer-hidden", "128", "--layer-experts", "8", "--layer-topk", "2",
-           "--layer-ffn", "64", "--layer-decode-tokens", "8"]
+           "--layer-ffn", "128", "--layer-decode-tokens", "8"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "XDG_DATA_HOME": str(data_home),
                               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
@@ -65,7 +65,7 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     (config,) = [line for line in lines if line.startswith("config ")]
     assert lines.index(config) < lines.index(head)
     assert all(f"{f.name}=" in config for f in dataclasses.fields(moe_ep.Config)), config
-    for note in ("no grouped-GEMM or dense-ceiling rows:", "no FP8 layer rows:", "%hidden = "):
+    for note in ("no grouped-GEMM or dense-ceiling rows:", "forward FP8 experts (reference): relative error", "%hidden = "):
         assert any(line.startswith(note) for line in lines), note
     assert "meaningless for links" in run.stdout
     (left_out,) = [line for line in run.stdout.splitlines() if line.startswith("not shown: ")]
@@ -103,7 +103,7 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     assert len({r["extra"]["pairs"] for r in layer}) == 1 and 0 < layer[0]["extra"]["pairs"] <= 2 * 32 * 2
     for r in layer:
         passes = {"forward": 1, "backward": 2, "forward_backward": 3}[r["op"].split()[0]]
-        assert r["flop"] == passes * bench.layer_flop(r["extra"]["pairs"], 128, 64)
+        assert r["flop"] == passes * bench.layer_flop(r["extra"]["pairs"], 128, 128)
         assert _positive(r["tflops"])
     decode = {r["op"]: r for r in rows if r["case"] == "decode"}
     assert set(decode) == DECODE_OPS

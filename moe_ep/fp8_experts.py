@@ -1,0 +1,259 @@
+"""FP8 experts: the rows and per-128 scales an FP8 dispatch delivers feed FP8 grouped GEMMs directly.
+
+Scales are DeepSeek-V3's blocks: activations carry one float32 scale per row per 128 channels
+(moe_ep.fp8, what FP8 dispatch sends), weights one per 128 x 128 block. The forward of normal mode,
+per (row, local expert) pair sorted by expert (moe_ep.experts.route):
+  1. gate/up GEMM: the pairs' FP8 rows, gathered inside the GEMM's loads (no gather pass, no
+     dequantization pass), times the FP8 w13 -> h13 [P, 2F] bf16. Each 128-deep K step's product is
+     scaled by (row scale x block scale) and added to a float32 accumulator.
+  2. SwiGLU x router weight, quantized again to FP8 with per-128 scales, in one pass.
+  3. down GEMM, the same kernel without the gather -> [P, H] bf16.
+  4. the fixed-order sum of each row's pairs (moe_ep.expert_kernels.sum_rows).
+Forward only (prefill and serving; no autograd). The weights are quantized once and kept until a
+weight changes (FP8WeightCache). Triton kernels on CUDA; elsewhere a torch version of the same
+formulas (dequantize, float32 matmul) serves, so CPU tests and CPU installs run the layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import fp8
+from .expert_kernels import sum_rows, use_triton
+from .experts import GroupedExperts, route
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch versions serve
+    triton = None
+
+BLOCK = fp8.BLOCK
+
+
+# ---- weights ---------------------------------------------------------------------------------------
+def quantize_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] (N, K multiples of 128) -> (e4m3 [E, N, K], float32 scales [E, N / 128, K / 128]):
+    one scale per 128 x 128 block, amax / 448 with amax floored as moe_ep.fp8 floors it."""
+    e, n, k = w.shape
+    blocks = w.detach().float().view(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=(2, 4)).clamp_min(fp8.AMAX_FLOOR)
+    scale = amax / torch.full_like(amax, fp8.FP8_MAX)
+    q = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, n, k)
+    return q, scale.contiguous()
+
+
+def dequantize_weight_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of quantize_weight_blocks up to rounding -> float32 [E, N, K]."""
+    e, n, k = q.shape
+    blocks = q.float().view(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    return (blocks * scale[:, :, None, :, None]).view(e, n, k)
+
+
+@dataclass
+class FP8ExpertWeights:
+    """The experts' weights in FP8 with their block scales: w13 [E_l, 2F, H] and w2 [E_l, H, F]."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor  # [E_l, 2F / 128, H / 128] float32
+    w2: torch.Tensor
+    w2_scale: torch.Tensor  # [E_l, H / 128, F / 128] float32
+
+
+class FP8WeightCache:
+    """The FP8 copy of one GroupedExperts' weights, quantized again only when a weight changed (its
+    storage or its version counter: optimizer steps and load_state_dict bump it)."""
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple] = None
+        self._weights: Optional[FP8ExpertWeights] = None
+
+    def get(self, experts: GroupedExperts) -> FP8ExpertWeights:
+        params = (experts.w1, experts.w3, experts.w2)
+        key = tuple((p.data_ptr(), p._version, p.device, p.dtype) for p in params)
+        if key != self._key or self._weights is None:
+            w13, w13_scale = quantize_weight_blocks(experts.fused_w13)
+            w2, w2_scale = quantize_weight_blocks(experts.w2)
+            self._weights, self._key = FP8ExpertWeights(w13, w13_scale, w2, w2_scale), key
+        return self._weights
+
+
+# ---- torch versions ------------------------------------------------------------------------------
+def _grouped_gemm_torch(a: torch.Tensor, a_scale: torch.Tensor, rows: Optional[torch.Tensor], counts: torch.Tensor,
+                        b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if rows is not None:
+        a, a_scale = a.index_select(0, rows), a_scale.index_select(0, rows)
+    x = fp8.dequantize(a, a_scale)
+    w = dequantize_weight_blocks(b, b_scale)
+    parts = [rows_e @ w[e].t() for e, rows_e in enumerate(x.split(counts.tolist()))]
+    return torch.cat(parts).to(out_dtype) if parts else x.new_empty(0, b.shape[1], dtype=out_dtype)
+
+
+def _swiglu_quant_torch(h13: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    f = h13.shape[1] // 2
+    g, u = h13[:, :f].float(), h13[:, f:].float()
+    a = (g * torch.sigmoid(g)) * u * scale.unsqueeze(1)
+    return fp8.quantize(a)
+
+
+# ---- Triton kernels ------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _grouped_gemm_kernel(a_ptr, as_ptr, rows_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, N, K, E,
+                             GATHER: tl.constexpr, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """out[p, n] = sum_kb (a[src_p, kb] . b[e_p, n, kb]) * as[src_p, kb] * bs[e_p, n / 128, kb].
+
+        Protocol: one program per (row tile, column tile), column tiles fastest, so the programs
+        running at once share their A tiles and one expert's weights in L2. Row tiles are laid out
+        expert by expert (ceil(count / BM) each, from counts on the device: no host sync); a program
+        finds its expert by a scan of the counts and leaves when its tile is past the last expert's
+        (the grid is sized for the most tiles any routing can need). K steps are 128 deep, one scale
+        block each; rows past the expert's count are masked in loads and stores.
+        """
+        pid = tl.program_id(0)
+        n_tiles = tl.cdiv(N, BN)
+        tile_m = pid // n_tiles
+        tile_n = pid % n_tiles
+        experts = tl.arange(0, E_POW2)
+        counts = tl.load(counts_ptr + experts, mask=experts < E, other=0)
+        tiles = (counts + BM - 1) // BM
+        tiles_end = tl.cumsum(tiles, 0)
+        e = tl.sum((tiles_end <= tile_m).to(tl.int32), 0)
+        if e < E:
+            here = experts == e
+            first_row = tl.sum(tl.where(here, tl.cumsum(counts, 0) - counts, 0), 0)
+            count = tl.sum(tl.where(here, counts, 0), 0)
+            first_tile = tl.sum(tl.where(here, tiles_end - tiles, 0), 0)
+            local = (tile_m - first_tile) * BM + tl.arange(0, BM)
+            row_ok = local < count
+            row = (first_row + local).to(tl.int64)
+            if GATHER:
+                src = tl.load(rows_ptr + row, mask=row_ok, other=0).to(tl.int64)
+            else:
+                src = row
+            col = tile_n * BN + tl.arange(0, BN)
+            col_ok = col < N
+            kb_count = K // 128
+            e64 = e.to(tl.int64)
+            a_rows = a_ptr + src[:, None] * K
+            b_cols = b_ptr + e64 * N * K + col[None, :].to(tl.int64) * K
+            as_rows = as_ptr + src * kb_count
+            bs_cols = bs_ptr + (e64 * tl.cdiv(N, 128) + col // 128) * kb_count
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for kb in range(0, kb_count):
+                k = kb * 128 + tl.arange(0, 128)
+                a = tl.load(a_rows + k[None, :], mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_cols + k[:, None], mask=col_ok[None, :], other=0.0)
+                sa = tl.load(as_rows + kb, mask=row_ok, other=0.0)
+                sb = tl.load(bs_cols + kb, mask=col_ok, other=0.0)
+                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            tl.store(out_ptr + row[:, None] * N + col[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _swiglu_quant_kernel(h_ptr, scale_ptr, q_ptr, qs_ptr, P, F, BR: tl.constexpr):
+        """BR rows x one 128-column block: a = silu(g) * u * w in float32, then e4m3 with one scale per
+        row per block (amax floored at 1e-4, / 448, a true division as moe_ep.fp8 does it)."""
+        row = tl.program_id(0) * BR + tl.arange(0, BR)
+        blk = tl.program_id(1)
+        col = blk * 128 + tl.arange(0, 128)
+        ok = row < P
+        r64 = row.to(tl.int64)
+        g = tl.load(h_ptr + r64[:, None] * 2 * F + col[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + r64[:, None] * 2 * F + F + col[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        w = tl.load(scale_ptr + row, mask=ok, other=0.0)
+        a = (g / (1.0 + tl.exp(-g))) * u * w[:, None]
+        amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-4)
+        s = tl.fdiv(amax, tl.full(amax.shape, 448.0, tl.float32), ieee_rounding=True)
+        q = tl.fdiv(a, s[:, None], ieee_rounding=True)
+        tl.store(q_ptr + r64[:, None] * F + col[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=ok[:, None])
+        tl.store(qs_ptr + r64 * (F // 128) + blk, s, mask=ok)
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """The grouped GEMM's launch shape, picked by bench/fp8_gemm_tiles.py on an H200 at issue 21's shape
+    (bench/results/h200_2026-12-02_fp8_gemm_tiles.txt): the fastest on unequal groups, 7 % behind
+    128 x 128 on equal ones."""
+
+    bm: int = 64
+    bn: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+TILES = GemmTiles()
+
+
+def _grouped_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, rows: Optional[torch.Tensor], counts: torch.Tensor,
+                         b: torch.Tensor, b_scale: torch.Tensor, out: torch.Tensor, tiles: GemmTiles) -> torch.Tensor:
+    p = out.shape[0]
+    e, n, k = b.shape
+    if p == 0:
+        return out
+    max_row_tiles = p // tiles.bm + e  # sum over experts of ceil(count / bm), whatever the counts
+    grid = (max_row_tiles * triton.cdiv(n, tiles.bn),)
+    _grouped_gemm_kernel[grid](a, a_scale, rows if rows is not None else counts, b, b_scale, out,
+                               counts.to(torch.int32), n, k, e, GATHER=rows is not None,
+                               E_POW2=triton.next_power_of_2(e), BM=tiles.bm, BN=tiles.bn,
+                               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+def _swiglu_quant_triton(h13: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    p, f = h13.shape[0], h13.shape[1] // 2
+    q = torch.empty(p, f, dtype=torch.float8_e4m3fn, device=h13.device)
+    qs = torch.empty(p, f // BLOCK, dtype=torch.float32, device=h13.device)
+    if p:
+        rows = 16
+        _swiglu_quant_kernel[(triton.cdiv(p, rows), f // BLOCK)](h13, scale, q, qs, p, f, BR=rows, num_warps=4)
+    return q, qs
+
+
+# ---- entry points ----------------------------------------------------------------------------------
+def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, rows: Optional[torch.Tensor], counts: torch.Tensor,
+                 b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                 tiles: GemmTiles = TILES, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """FP8 grouped GEMM with block scales: a [M, K] e4m3 with a_scale [M, K / 128]; the P pairs'
+    rows of a are rows [P] (None: a itself, P = M), grouped by expert, counts [E] per expert on the
+    device; b [E, N, K] e4m3 with b_scale [E, N / 128, K / 128] -> [P, N] in out_dtype, pair p times
+    b[its expert]^T, accumulated in float32 (into `out` when given: [P, N] in out_dtype)."""
+    if use_triton(a):
+        if out is None:
+            p = a.shape[0] if rows is None else rows.shape[0]
+            out = torch.empty(p, b.shape[1], dtype=out_dtype, device=a.device)
+        return _grouped_gemm_triton(a, a_scale, rows, counts, b, b_scale, out, tiles)
+    result = _grouped_gemm_torch(a, a_scale, rows, counts, b, b_scale, out_dtype)
+    return result if out is None else out.copy_(result)
+
+
+def swiglu_quant(h13: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h13 [P, 2F] (gate | up), scale [P] float32 -> silu(gate) * up * scale as e4m3 [P, F] with
+    float32 scales [P, F / 128] (moe_ep.fp8's rule), computed in float32, in one pass."""
+    if use_triton(h13):
+        return _swiglu_quant_triton(h13.contiguous(), scale.contiguous())
+    return _swiglu_quant_torch(h13, scale)
+
+
+def check_shapes(hidden: int, ffn_hidden: int) -> None:
+    """FP8 experts need whole 128 x 128 weight blocks."""
+    if hidden % BLOCK or ffn_hidden % BLOCK:
+        raise ValueError(f"FP8 experts need hidden and ffn_hidden to be multiples of {BLOCK}, "
+                         f"got {hidden} and {ffn_hidden}")
+
+
+def experts_forward(weights: FP8ExpertWeights, x: torch.Tensor, x_scale: torch.Tensor, topk_idx: torch.Tensor,
+                    topk_weights: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """Normal mode's FP8 experts over received rows: x [M, H] e4m3 with x_scale [M, H / 128],
+    topk_idx [M, K] LOCAL ids (-1: elsewhere), topk_weights [M, K] float32 -> [M, H] bf16,
+    row m = sum_k w[m, k] * expert_{idx[m, k]}(x[m]), its pairs summed from +0.0 in ascending k."""
+    r = route(topk_idx, num_local_experts)
+    scale = topk_weights.reshape(-1)[r.pairs].float().contiguous()
+    h13 = grouped_gemm(x, x_scale, r.rows, r.counts, weights.w13, weights.w13_scale)
+    a, a_scale = swiglu_quant(h13, scale)
+    y = grouped_gemm(a, a_scale, None, r.counts, weights.w2, weights.w2_scale)
+    return sum_rows(y, r.slots, torch.bfloat16)

@@ -1,0 +1,274 @@
+"""FP8 experts (moe_ep.fp8_experts): the block-scaled grouped GEMM and the SwiGLU quantization against
+float64 oracles written here, and MoE(fp8_experts=True) against a dense FP8-emulating MoE over all
+ranks' tokens. On CPU the Triton kernels run in Triton's interpreter (a subprocess with
+TRITON_INTERPRET=1; skipped without Triton), and the layer runs the torch versions; on a GPU, the
+kernels themselves and the layer on the native backend against the reference one, bit for bit."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moe_ep
+from moe_ep import fp8_experts as fe
+from moe_ep.layer import MoE
+from tests._dist import device, requires_gpus, run_workers
+
+ROOT = Path(__file__).resolve().parent.parent
+E4M3_STEP = 2.0 ** -3  # one e4m3 step relative to a normal value (3 mantissa bits), an upper bound
+E4M3_TINY = 2.0 ** -9  # the e4m3 subnormal step, in units of the block scale
+
+
+# ---- oracles ---------------------------------------------------------------------------------------
+def _row_scales_f64(a: torch.Tensor) -> torch.Tensor:
+    """Per row per 128 columns: max(amax, 1e-4) / 448, in float64."""
+    n, k = a.shape
+    return a.double().abs().view(n, k // 128, 128).amax(-1).clamp_min(1e-4) / 448.0
+
+
+def _expand(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Block scales [r, c] -> [rows, cols], each block's scale over its 128 x 128 (or 1 x 128) elements."""
+    r, c = scale.shape
+    if r == 0:
+        return scale.double().new_zeros(rows, cols)
+    return scale.double().repeat_interleave(rows // r, 0).repeat_interleave(cols // c, 1)
+
+
+def _gemm_oracle(aq, a_scale, rows, counts, bq, b_scale) -> torch.Tensor:
+    """float64: pair p's dequantized row times its expert's dequantized weight, transposed."""
+    a = aq.double() * _expand(a_scale, *aq.shape)
+    if rows is not None:
+        a = a[rows]
+    out, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        w = bq[e].double() * _expand(b_scale[e], *bq.shape[1:])
+        out.append(a[start:start + c] @ w.t())
+        start += c
+    return torch.cat(out)
+
+
+def _within_bf16(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """got (bf16, float32 sums inside) against a float64 want: a few bf16 roundings of the largest value."""
+    assert not torch.isnan(got.float()).any(), f"{what}: rows left unwritten (NaN poison)"
+    err = (got.double() - want).abs().max().item()
+    assert err <= 2 ** -7 * want.abs().max().item() + 1e-6, f"{what}: max error {err:.3e}"
+
+
+def _within_one_step(q: torch.Tensor, qs: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Dequantized q (e4m3, per-128 scales qs) within one e4m3 step of float64 want, element by element."""
+    deq = q.double() * _expand(qs, *q.shape)
+    bound = torch.maximum(want.abs() * E4M3_STEP, _expand(qs, *q.shape) * E4M3_TINY) * (1 + 1e-6)
+    assert bool(((deq - want).abs() <= bound).all()), f"{what}: a value off by more than one e4m3 step"
+
+
+def _swiglu_f64(h13: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    f = h13.shape[1] // 2
+    g, u = h13[:, :f].double(), h13[:, f:].double()
+    return g * torch.sigmoid(g) * u * w.double().unsqueeze(1)
+
+
+# ---- the pieces -----------------------------------------------------------------------------------
+def _gemm_case(dev: torch.device, seed: int, e: int, n: int, k: int, counts: list[int], m: int, gather: bool,
+               tiles: fe.GemmTiles) -> None:
+    """grouped_gemm on random FP8 inputs, output poisoned first, against _gemm_oracle."""
+    g = torch.Generator().manual_seed(seed)
+    aq, a_scale = moe_ep.fp8.quantize(torch.randn(m, k, generator=g) * 3)
+    bq, b_scale = fe.quantize_weight_blocks(torch.randn(e, n, k, generator=g) * 0.05)
+    c = torch.tensor(counts)
+    rows = torch.randint(0, m, (sum(counts),), generator=g) if gather else None
+    p = sum(counts) if gather else m
+    want = _gemm_oracle(aq, a_scale, rows, c, bq, b_scale)
+    to = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    out = torch.full((p, n), float("nan"), dtype=torch.bfloat16, device=dev)
+    if dev.type == "cpu":  # the Triton kernel itself, interpreted
+        fe._grouped_gemm_triton(aq, a_scale, rows, c, bq, b_scale, out, tiles)
+    else:
+        fe.grouped_gemm(to(aq), to(a_scale), to(rows), to(c), to(bq), to(b_scale), tiles=tiles, out=out)
+    _within_bf16(out.cpu(), want, f"grouped_gemm {counts} gather={gather}")
+
+
+def _swiglu_case(dev: torch.device, p: int, f: int) -> None:
+    g = torch.Generator().manual_seed(p + f)
+    h13 = (torch.randn(p, 2 * f, generator=g) * 2).to(torch.bfloat16)
+    w = torch.rand(p, generator=g)
+    want = _swiglu_f64(h13, w)
+    if dev.type == "cpu":
+        q, qs = fe._swiglu_quant_triton(h13, w)
+    else:
+        q, qs = fe.swiglu_quant(h13.to(dev), w.to(dev))
+        q, qs = q.cpu(), qs.cpu()
+    scale_want = _row_scales_f64(want)
+    assert torch.allclose(qs.double(), scale_want, rtol=1e-5, atol=0), "swiglu_quant: scales"
+    if dev.type == "cuda":
+        _within_one_step(q, qs, want, "swiglu_quant")
+    else:  # Triton 3.9's interpreter converts float32 to e4m3 loosely (to the binade or the next
+        # step): here only the layout and the sign are checked, the rounding on the GPU
+        deq = q.double() * _expand(qs, *q.shape)
+        tiny = _expand(qs, *q.shape) * E4M3_TINY
+        ok = (deq * want >= 0) & (deq.abs() <= want.abs() * 2 + tiny) & (deq.abs() * 2 + tiny >= want.abs())
+        assert bool(ok.all()), \
+            "swiglu_quant (interpreted): a value off by more than a factor of two"
+
+
+def _kernel_cases(dev: torch.device) -> None:
+    small = fe.GemmTiles(bm=16, bn=64, num_warps=4, num_stages=1)
+    _gemm_case(dev, 1, 3, 256, 256, [5, 0, 37], 50, True, small)  # an empty expert, partial tiles
+    _gemm_case(dev, 2, 2, 128, 384, [16, 33], 49, False, small)  # no gather, tile-sized and not
+    _gemm_case(dev, 3, 4, 256, 128, [0, 0, 9, 0], 12, True, fe.GemmTiles(bm=32, bn=128, num_warps=4, num_stages=1))
+    _swiglu_case(dev, 40, 256)
+    _swiglu_case(dev, 1, 128)
+    if dev.type == "cuda":  # the shipped tiles on shapes where they matter
+        _gemm_case(dev, 4, 8, 1024, 2048, [300, 0, 129, 128, 1, 700, 64, 250], 900, True, fe.TILES)
+        _gemm_case(dev, 5, 8, 512, 1024, [300, 0, 129, 128, 1, 700, 64, 250], 1572, False, fe.TILES)
+        _swiglu_case(dev, 1000, 1024)
+
+
+def interpreted_kernel_cases() -> None:
+    """Entry of the interpreter subprocess (TRITON_INTERPRET=1 must be set before Triton loads)."""
+    _kernel_cases(torch.device("cpu"))
+
+
+def test_kernels_in_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import tests.test_fp8_experts as t; t.interpreted_kernel_cases()"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_weight_blocks_round_trip() -> None:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(3, 256, 384, generator=g) * torch.rand(3, 256, 1, generator=g)
+    q, s = fe.quantize_weight_blocks(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2, 3)
+    want_s = w.double().abs().view(3, 2, 128, 3, 128).amax((2, 4)).clamp_min(1e-4) / 448
+    assert torch.allclose(s.double(), want_s, rtol=1e-6, atol=0)
+    for e in range(3):  # round to nearest: within half a step
+        deq = q[e].double() * _expand(s[e], 256, 384)
+        bound = torch.maximum(w[e].double().abs() * E4M3_STEP / 2, _expand(s[e], 256, 384) * E4M3_TINY / 2)
+        assert bool(((deq - w[e].double()).abs() <= bound * (1 + 1e-6)).all())
+
+
+def test_torch_versions_match_oracles() -> None:
+    """The CPU path of the layer: torch grouped_gemm and swiglu_quant against the same oracles."""
+    g = torch.Generator().manual_seed(11)
+    aq, a_scale = moe_ep.fp8.quantize(torch.randn(40, 256, generator=g))
+    bq, b_scale = fe.quantize_weight_blocks(torch.randn(3, 128, 256, generator=g) * 0.1)
+    rows, counts = torch.randint(0, 40, (30,), generator=g), torch.tensor([10, 0, 20])
+    _within_bf16(fe.grouped_gemm(aq, a_scale, rows, counts, bq, b_scale), _gemm_oracle(aq, a_scale, rows, counts, bq, b_scale),
+                 "torch grouped_gemm")
+    h13, w = (torch.randn(30, 256, generator=g) * 2).to(torch.bfloat16), torch.rand(30, generator=g)
+    q, qs = fe.swiglu_quant(h13, w)
+    _within_one_step(q, qs, _swiglu_f64(h13, w), "torch swiglu_quant")
+
+
+# ---- the layer ------------------------------------------------------------------------------------
+HIDDEN, FFN, EXPERTS, TOPK = 256, 128, 8, 3
+
+
+def _dense_fp8(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, full: dict) -> torch.Tensor:
+    """FP8 MoE emulated in float64: FP8 rows, 128 x 128 FP8 weights, bf16 gate/up output, FP8 activation."""
+    xq, xs = moe_ep.fp8.quantize(x.to(torch.bfloat16))
+    xd = xq.double() * _expand(xs, *xq.shape)
+    out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
+    for e in range(EXPERTS):
+        w13 = torch.cat([full["w1"][e], full["w3"][e]])
+        q13, s13 = fe.quantize_weight_blocks(w13.unsqueeze(0))
+        q2, s2 = fe.quantize_weight_blocks(full["w2"][e].unsqueeze(0))
+        for k in range(TOPK):
+            rows = (idx[:, k] == e).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            h13 = (xd[rows] @ (q13[0].double() * _expand(s13[0], 2 * FFN, HIDDEN)).t()).to(torch.bfloat16)
+            a = _swiglu_f64(h13, weights[rows, k])
+            aq, a_s = moe_ep.fp8.quantize(a.float())
+            ad = aq.double() * _expand(a_s, *aq.shape)
+            out[rows] += ad @ (q2[0].double() * _expand(s2[0], HIDDEN, FFN)).t()
+    return out
+
+
+def _full_weights(dev: torch.device) -> dict[str, torch.Tensor]:
+    """Every expert's weights, rounded to bf16 (what the MoE's bf16 parameters hold)."""
+    g = torch.Generator().manual_seed(5)
+    w = {"w1": torch.randn(EXPERTS, FFN, HIDDEN, generator=g) * HIDDEN ** -0.5,
+         "w3": torch.randn(EXPERTS, FFN, HIDDEN, generator=g) * HIDDEN ** -0.5,
+         "w2": torch.randn(EXPERTS, HIDDEN, FFN, generator=g) * FFN ** -0.5}
+    return {name: t.to(torch.bfloat16).float() for name, t in w.items()}
+
+
+def _fp8_moe(buf: moe_ep.Buffer, full: dict) -> MoE:
+    torch.manual_seed(3)
+    moe = MoE(buf, FFN, dtype=torch.bfloat16, fp8_experts=True)
+    state = moe.state_dict()
+    for e in range(EXPERTS):
+        for name, w in full.items():
+            state[f"experts.{e}.{name}"] = w[e]
+    moe.load_state_dict(state)
+    return moe
+
+
+def _layer_case(rank: int, world: int, backend: str = "reference") -> torch.Tensor:
+    """MoE(fp8_experts=True) on this rank's tokens (rank 2 has none at 4 ranks) against _dense_fp8."""
+    tokens = [37, 21, 0, 15][rank % 4]
+    buf = moe_ep.Buffer(None, device=device(), hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK,
+                        max_tokens_per_rank=64, backend=backend)
+    full = _full_weights(buf.device)
+    moe = _fp8_moe(buf, full)
+    g = torch.Generator().manual_seed(50 + rank)
+    x = (torch.randn(tokens, HIDDEN, generator=g) * 2).to(buf.device)
+    with torch.no_grad():
+        out = moe(x.to(torch.bfloat16), mode="normal")
+        routing = moe.last_routing
+        want = _dense_fp8(x.cpu(), routing.topk_idx.cpu(), routing.topk_weights.cpu(), full)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, HIDDEN)
+    err = (out.cpu().double() - want).abs().max().item() if tokens else 0.0
+    assert err <= 2e-2 * (want.abs().max().item() if tokens else 0.0) + 1e-6, f"rank {rank}: FP8 MoE error {err:.3e}"
+    with torch.no_grad():  # a changed weight is quantized again
+        moe.experts.w2.mul_(0.5)
+        half = moe(x.to(torch.bfloat16), mode="normal")
+    assert torch.allclose(half.float(), out.float() * 0.5, rtol=2 ** -6, atol=1e-3 * max(float(out.abs().max()) if tokens else 0, 1))
+    with pytest.raises(RuntimeError, match="forward only"):
+        moe(x.to(torch.bfloat16), mode="normal")
+    buf.close()
+    return out
+
+
+def _bad_config_case() -> None:
+    buf = moe_ep.Buffer(None, hidden=192, num_experts=4, num_topk=2, max_tokens_per_rank=8)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        MoE(buf, 128, fp8_experts=True)
+    buf.close()
+    buf = moe_ep.Buffer(None, hidden=128, num_experts=4, num_topk=2, max_tokens_per_rank=8)
+    with pytest.raises(ValueError, match="overlap_chunks"):
+        MoE(buf, 128, fp8_experts=True, overlap_chunks=2)
+    buf.close()
+
+
+def _worker(rank: int, world: int) -> None:
+    _layer_case(rank, world)
+    if world == 1:
+        _bad_config_case()
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_fp8_layer(world: int) -> None:
+    run_workers(world, _worker)
+
+
+# ---- GPU -------------------------------------------------------------------------------------------
+def _gpu_worker(rank: int, world: int) -> None:
+    if rank == 0:
+        _kernel_cases(device())
+    native = _layer_case(rank, world, backend="auto")
+    reference = _layer_case(rank, world, backend="reference")
+    assert torch.equal(native, reference), f"rank {rank}: native and reference FP8 MoE outputs differ"
+
+
+@requires_gpus()
+def test_fp8_experts_gpu() -> None:
+    run_workers(2, _gpu_worker, backend="gpu")
