@@ -9,11 +9,13 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import triton
 
 from moe_ep import fp8, fp8_experts
 from moe_ep.bench import Timer, tflops
 
-CANDIDATES = [fp8_experts.GemmTiles(bm, bn, warps, stages)
+CANDIDATES = [fp8_experts.GemmTiles(bm, bn, warps, stages, tma)
+              for tma in (False, True)
               for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4),
                                             (64, 128, 4, 5), (64, 64, 4, 4), (128, 64, 4, 4), (64, 256, 8, 3))]
 
@@ -32,6 +34,7 @@ def main() -> None:
     for name, default in (("pairs", 32768), ("experts", 128), ("hidden", 7168), ("ffn", 2048), ("iters", 20)):
         p.add_argument(f"--{name}", type=int, default=default)
     args = p.parse_args()
+    print(f"triton {triton.__version__}, torch {torch.__version__}")
     dev = torch.device("cuda")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the Timer's barriers
     timer = Timer(dev, warmup=5, iters=args.iters)
@@ -40,7 +43,7 @@ def main() -> None:
     w2, w2s = fp8_experts.quantize_weight_blocks(torch.randn(e, h, f, device=dev) * 0.02)
     w13b, w2b = (torch.randn(e, 2 * f, h, device=dev, dtype=torch.bfloat16),
                  torch.randn(e, h, f, device=dev, dtype=torch.bfloat16))
-    print(f"{'groups':8} {'tiles':28} {'gate/up ms':>10} {'TFLOP/s':>8} {'down ms':>8} {'TFLOP/s':>8} {'both ms':>8}")
+    print(f"{'groups':8} {'tiles (bm, bn, warps, stages, tma)':36} {'gate/up ms':>10} {'TFLOP/s':>8} {'down ms':>8} {'TFLOP/s':>8} {'both ms':>8}")
     for equal in (True, False):
         counts = groups(args.pairs, e, equal, dev)
         n = int(counts.sum())
@@ -53,16 +56,16 @@ def main() -> None:
         xb, ab = torch.randn(n, h, device=dev, dtype=torch.bfloat16), torch.randn(n, f, device=dev, dtype=torch.bfloat16)
         us13 = timer.call_us(lambda: torch._grouped_mm(xb, w13b.transpose(1, 2), offs=offs))
         us2 = timer.call_us(lambda: torch._grouped_mm(ab, w2b.transpose(1, 2), offs=offs))
-        print(f"{label:8} {'bf16 torch._grouped_mm':28} {us13 / 1e3:10.3f} {tflops(flop13, us13):8.0f} "
+        print(f"{label:8} {'bf16 torch._grouped_mm':36} {us13 / 1e3:10.3f} {tflops(flop13, us13):8.0f} "
               f"{us2 / 1e3:8.3f} {tflops(flop2, us2):8.0f} {(us13 + us2) / 1e3:8.3f}")
         for tiles in CANDIDATES:
             try:
                 us13 = timer.call_us(lambda: fp8_experts.grouped_gemm(xq, xs, rows, counts, w13, w13s, tiles=tiles))
                 us2 = timer.call_us(lambda: fp8_experts.grouped_gemm(aq, as_, None, counts, w2, w2s, tiles=tiles))
             except Exception as error:  # a tile that does not fit (shared memory, registers): say so, go on
-                print(f"{label:8} {str(dataclasses.astuple(tiles)):28} failed: {type(error).__name__}: {str(error)[:80]}")
+                print(f"{label:8} {str(dataclasses.astuple(tiles)):36} failed: {type(error).__name__}: {str(error)[:80]}")
                 continue
-            print(f"{label:8} {str(dataclasses.astuple(tiles)):28} {us13 / 1e3:10.3f} {tflops(flop13, us13):8.0f} "
+            print(f"{label:8} {str(dataclasses.astuple(tiles)):36} {us13 / 1e3:10.3f} {tflops(flop13, us13):8.0f} "
                   f"{us2 / 1e3:8.3f} {tflops(flop2, us2):8.0f} {(us13 + us2) / 1e3:8.3f}")
 
 

@@ -27,6 +27,7 @@ from .experts import GroupedExperts, route
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs: the torch versions serve
     triton = None
 
@@ -102,8 +103,9 @@ def _swiglu_quant_torch(h13: torch.Tensor, scale: torch.Tensor) -> tuple[torch.T
 if triton is not None:
 
     @triton.jit
-    def _grouped_gemm_kernel(a_ptr, as_ptr, rows_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, N, K, E,
-                             GATHER: tl.constexpr, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    def _grouped_gemm_kernel(a_ptr, as_ptr, rows_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, a_desc, b_desc, N, K, E,
+                             GATHER: tl.constexpr, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             A_TMA: tl.constexpr, B_TMA: tl.constexpr):
         """out[p, n] = sum_kb (a[src_p, kb] . b[e_p, n, kb]) * as[src_p, kb] * bs[e_p, n / 128, kb].
 
         Protocol: one program per (row tile, column tile), column tiles fastest, so the programs
@@ -111,7 +113,10 @@ if triton is not None:
         expert by expert (ceil(count / BM) each, from counts on the device: no host sync); a program
         finds its expert by a scan of the counts and leaves when its tile is past the last expert's
         (the grid is sized for the most tiles any routing can need). K steps are 128 deep, one scale
-        block each; rows past the expert's count are masked in loads and stores.
+        block each; rows past the expert's count are masked in loads and stores. With B_TMA (A_TMA)
+        the weight (row) tiles come through a TMA descriptor over b viewed as [E * N, K] (a as [M, K]):
+        a tile may then read the next expert's rows or columns, or zeros past the end, which the
+        masked store drops; A_TMA only without GATHER.
         """
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(N, BN)
@@ -145,8 +150,14 @@ if triton is not None:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for kb in range(0, kb_count):
                 k = kb * 128 + tl.arange(0, 128)
-                a = tl.load(a_rows + k[None, :], mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_cols + k[:, None], mask=col_ok[None, :], other=0.0)
+                if A_TMA:
+                    a = a_desc.load([first_row + (tile_m - first_tile) * BM, kb * 128])
+                else:
+                    a = tl.load(a_rows + k[None, :], mask=row_ok[:, None], other=0.0)
+                if B_TMA:
+                    b = tl.trans(b_desc.load([e * N + tile_n * BN, kb * 128]))
+                else:
+                    b = tl.load(b_cols + k[:, None], mask=col_ok[None, :], other=0.0)
                 sa = tl.load(as_rows + kb, mask=row_ok, other=0.0)
                 sb = tl.load(bs_cols + kb, mask=col_ok, other=0.0)
                 acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
@@ -184,6 +195,7 @@ class GemmTiles:
     bn: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    tma: bool = False  # weight tiles (and, without a gather, row tiles) through TMA descriptors
 
 
 TILES = GemmTiles()
@@ -197,10 +209,13 @@ def _grouped_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, rows: Optional[
         return out
     max_row_tiles = p // tiles.bm + e  # sum over experts of ceil(count / bm), whatever the counts
     grid = (max_row_tiles * triton.cdiv(n, tiles.bn),)
+    a_tma = tiles.tma and rows is None
+    a_desc = TensorDescriptor.from_tensor(a, [tiles.bm, BLOCK]) if a_tma else None
+    b_desc = TensorDescriptor.from_tensor(b.view(e * n, k), [tiles.bn, BLOCK]) if tiles.tma else None
     _grouped_gemm_kernel[grid](a, a_scale, rows if rows is not None else counts, b, b_scale, out,
-                               counts.to(torch.int32), n, k, e, GATHER=rows is not None,
-                               E_POW2=triton.next_power_of_2(e), BM=tiles.bm, BN=tiles.bn,
-                               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                               counts.to(torch.int32), a_desc, b_desc, n, k, e, GATHER=rows is not None,
+                               E_POW2=triton.next_power_of_2(e), BM=tiles.bm, BN=tiles.bn, A_TMA=a_tma,
+                               B_TMA=tiles.tma, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
