@@ -23,6 +23,7 @@ import torch
 from . import fp8
 from .expert_kernels import sum_rows, use_triton
 from .experts import GroupedExperts, route
+from .grouped_gemm import launch_grid
 
 try:
     import triton
@@ -101,6 +102,7 @@ def _swiglu_quant_torch(h13: torch.Tensor, scale: torch.Tensor) -> tuple[torch.T
 
 # ---- Triton kernels ------------------------------------------------------------------------------
 if triton is not None:
+    from .grouped_gemm import expert_tile
 
     @triton.jit
     def _grouped_gemm_kernel(a_ptr, as_ptr, rows_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, a_desc, b_desc, N, K, E,
@@ -108,40 +110,20 @@ if triton is not None:
                              A_TMA: tl.constexpr, B_TMA: tl.constexpr):
         """out[p, n] = sum_kb (a[src_p, kb] . b[e_p, n, kb]) * as[src_p, kb] * bs[e_p, n / 128, kb].
 
-        Protocol: one program per (row tile, column tile), column tiles fastest, so the programs
-        running at once share their A tiles and one expert's weights in L2. Row tiles are laid out
-        expert by expert (ceil(count / BM) each, from counts on the device: no host sync); a program
-        finds its expert by a scan of the counts and leaves when its tile is past the last expert's
-        (the grid is sized for the most tiles any routing can need). K steps are 128 deep, one scale
-        block each; rows past the expert's count are masked in loads and stores. With B_TMA (A_TMA)
-        the weight (row) tiles come through a TMA descriptor over b viewed as [E * N, K] (a as [M, K]):
-        a tile may then read the next expert's rows or columns, or zeros past the end, which the
-        masked store drops; A_TMA only without GATHER.
+        Protocol: one program per (row tile, column tile) as moe_ep.grouped_gemm.expert_tile lays them
+        out (no host sync). K steps are 128 deep, one scale block each; rows past the expert's count
+        are masked in loads and stores. With B_TMA (A_TMA) the weight (row) tiles come through a TMA
+        descriptor over b viewed as [E * N, K] (a as [M, K]): a tile may then read the next expert's
+        rows or columns, or zeros past the end, which the masked store drops; A_TMA only without GATHER.
         """
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(N, BN)
-        tile_m = pid // n_tiles
-        tile_n = pid % n_tiles
-        experts = tl.arange(0, E_POW2)
-        counts = tl.load(counts_ptr + experts, mask=experts < E, other=0)
-        tiles = (counts + BM - 1) // BM
-        tiles_end = tl.cumsum(tiles, 0)
-        e = tl.sum((tiles_end <= tile_m).to(tl.int32), 0)
+        e, row, row_ok, tile_row, col, col_ok = expert_tile(tl.program_id(0), counts_ptr, N, E, E_POW2, BM, BN)
         if e < E:
-            here = experts == e
-            first_row = tl.sum(tl.where(here, tl.cumsum(counts, 0) - counts, 0), 0)
-            count = tl.sum(tl.where(here, counts, 0), 0)
-            first_tile = tl.sum(tl.where(here, tiles_end - tiles, 0), 0)
-            local = (tile_m - first_tile) * BM + tl.arange(0, BM)
-            row_ok = local < count
-            row = (first_row + local).to(tl.int64)
             if GATHER:
                 src = tl.load(rows_ptr + row, mask=row_ok, other=0).to(tl.int64)
             else:
                 src = row
-            col = tile_n * BN + tl.arange(0, BN)
-            col_ok = col < N
             kb_count = K // 128
+            col0 = (tl.program_id(0) % tl.cdiv(N, BN)) * BN
             e64 = e.to(tl.int64)
             a_rows = a_ptr + src[:, None] * K
             b_cols = b_ptr + e64 * N * K + col[None, :].to(tl.int64) * K
@@ -151,11 +133,11 @@ if triton is not None:
             for kb in range(0, kb_count):
                 k = kb * 128 + tl.arange(0, 128)
                 if A_TMA:
-                    a = a_desc.load([first_row + (tile_m - first_tile) * BM, kb * 128])
+                    a = a_desc.load([tile_row, kb * 128])
                 else:
                     a = tl.load(a_rows + k[None, :], mask=row_ok[:, None], other=0.0)
                 if B_TMA:
-                    b = tl.trans(b_desc.load([e * N + tile_n * BN, kb * 128]))
+                    b = tl.trans(b_desc.load([e * N + col0, kb * 128]))
                 else:
                     b = tl.load(b_cols + k[:, None], mask=col_ok[None, :], other=0.0)
                 sa = tl.load(as_rows + kb, mask=row_ok, other=0.0)
@@ -187,7 +169,7 @@ if triton is not None:
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """The grouped GEMM's launch shape, picked by bench/fp8_gemm_tiles.py on an H200 at issue 21's shape
+    """The grouped GEMM's launch shape, picked by bench/gemm_tiles.py on an H200 at issue 21's shape
     (bench/results/h200_2026-12-02_fp8_gemm_tiles.txt): the fastest on unequal groups, 7 % behind
     128 x 128 on equal ones."""
 
@@ -207,8 +189,7 @@ def _grouped_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, rows: Optional[
     e, n, k = b.shape
     if p == 0:
         return out
-    max_row_tiles = p // tiles.bm + e  # sum over experts of ceil(count / bm), whatever the counts
-    grid = (max_row_tiles * triton.cdiv(n, tiles.bn),)
+    grid = launch_grid(p, e, n, tiles.bm, tiles.bn)
     a_tma = tiles.tma and rows is None
     a_desc = TensorDescriptor.from_tensor(a, [tiles.bm, BLOCK]) if a_tma else None
     b_desc = TensorDescriptor.from_tensor(b.view(e * n, k), [tiles.bn, BLOCK]) if tiles.tma else None
