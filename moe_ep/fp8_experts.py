@@ -116,12 +116,9 @@ if triton is not None:
         descriptor over b viewed as [E * N, K] (a as [M, K]): a tile may then read the next expert's
         rows or columns, or zeros past the end, which the masked store drops; A_TMA only without GATHER.
         """
-        e, row, row_ok, tile_row, col, col_ok = expert_tile(tl.program_id(0), counts_ptr, N, E, E_POW2, BM, BN)
+        e, row, row_ok, src, tile_row, col, col_ok = expert_tile(tl.program_id(0), counts_ptr, rows_ptr, N, E, GATHER,
+                                                                 E_POW2, BM, BN)
         if e < E:
-            if GATHER:
-                src = tl.load(rows_ptr + row, mask=row_ok, other=0).to(tl.int64)
-            else:
-                src = row
             kb_count = K // 128
             col0 = (tl.program_id(0) % tl.cdiv(N, BN)) * BN
             e64 = e.to(tl.int64)

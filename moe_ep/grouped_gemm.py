@@ -33,9 +33,11 @@ class Tiles:
 if triton is not None:
 
     @triton.jit
-    def expert_tile(pid, counts_ptr, N, E, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    def expert_tile(pid, counts_ptr, rows_ptr, N, E, GATHER: tl.constexpr, E_POW2: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr):
         """Program pid's tile: (expert e, or E past the last expert's tiles; the tile's rows [BM] int64;
-        which of them are the expert's; first row of the tile; its columns [BN]; which are < N).
+        which of them are the expert's; the rows of A they read (rows_ptr[row] with GATHER, else row);
+        first row of the tile; its columns [BN]; which are < N).
 
         Column tiles run fastest, so programs running at once share their row tiles and one expert's
         weights in L2. Row tiles are laid out expert by expert, ceil(count / BM) each, found by a scan
@@ -57,19 +59,22 @@ if triton is not None:
         local = (tile_m - first_tile) * BM + tl.arange(0, BM)
         tile_row = first_row + (tile_m - first_tile) * BM
         col = tile_n * BN + tl.arange(0, BN)
-        return e, (first_row + local).to(tl.int64), local < count, tile_row, col, col < N
+        row = (first_row + local).to(tl.int64)
+        row_ok = local < count
+        if GATHER:
+            src = tl.load(rows_ptr + row, mask=row_ok, other=0).to(tl.int64)
+        else:
+            src = row
+        return e, row, row_ok, src, tile_row, col, col < N
 
     @triton.jit
     def _mm_kernel(a_ptr, rows_ptr, b_ptr, out_ptr, counts_ptr, N, K, E, GATHER: tl.constexpr,
                    B_NK: tl.constexpr, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """out[p] = a[src_p] @ B[e_p], B[e] = b[e]^T (b [E, N, K], B_NK) or b[e] (b [E, K, N]), float32
         accumulation in K order, one program per (row tile, column tile) as expert_tile lays them out."""
-        e, row, row_ok, _tile_row, col, col_ok = expert_tile(tl.program_id(0), counts_ptr, N, E, E_POW2, BM, BN)
+        e, row, row_ok, src, _tile_row, col, col_ok = expert_tile(tl.program_id(0), counts_ptr, rows_ptr, N, E, GATHER,
+                                                                  E_POW2, BM, BN)
         if e < E:
-            if GATHER:
-                src = tl.load(rows_ptr + row, mask=row_ok, other=0).to(tl.int64)
-            else:
-                src = row
             b_base = b_ptr + e.to(tl.int64) * N * K
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(0, K, BK):

@@ -5,10 +5,6 @@ TRITON_INTERPRET=1; skipped without Triton), and the layer runs the torch versio
 kernels themselves and the layer on the native backend against the reference one, bit for bit."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +13,9 @@ import torch.nn.functional as F
 import moe_ep
 from moe_ep import fp8_experts as fe
 from moe_ep.layer import MoE
+from tests._interpret import run_interpreted
 from tests._dist import device, requires_gpus, run_workers
 
-ROOT = Path(__file__).resolve().parent.parent
 E4M3_STEP = 2.0 ** -3  # one e4m3 step relative to a normal value (3 mantissa bits), an upper bound
 E4M3_TINY = 2.0 ** -9  # the e4m3 subnormal step, in units of the block scale
 
@@ -140,11 +136,7 @@ def interpreted_kernel_cases() -> None:
 
 
 def test_kernels_in_triton_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import tests.test_fp8_experts as t; t.interpreted_kernel_cases()"
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_interpreted("tests.test_fp8_experts", "interpreted_kernel_cases")
 
 
 def test_weight_blocks_round_trip() -> None:

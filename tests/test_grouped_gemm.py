@@ -4,18 +4,14 @@ kernel runs in Triton's interpreter (a subprocess with TRITON_INTERPRET=1; skipp
 float32: Triton 3.9's interpreter gets bf16 dot products wrong; on a GPU in bf16."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Optional
 
 import pytest
 import torch
 
 from moe_ep import grouped_gemm as gg
+from tests._interpret import run_interpreted
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _oracle(a: torch.Tensor, rows: Optional[torch.Tensor], counts: list[int], b: torch.Tensor, b_nk: bool) -> torch.Tensor:
@@ -62,11 +58,7 @@ def interpreted_kernel_cases() -> None:
 
 
 def test_kernel_in_triton_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import tests.test_grouped_gemm as t; t.interpreted_kernel_cases()"
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_interpreted("tests.test_grouped_gemm", "interpreted_kernel_cases")
 
 
 @pytest.mark.gpu
