@@ -15,14 +15,11 @@ import triton
 from moe_ep import fp8, fp8_experts, grouped_gemm
 from moe_ep.bench import Timer, tflops
 
-CANDIDATES = [fp8_experts.GemmTiles(bm, bn, warps, stages, tma)
-              for tma in (False, True)
-              for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4),
-                                            (64, 128, 4, 5), (64, 64, 4, 4), (128, 64, 4, 4), (64, 256, 8, 3))]
-
-
+CANDIDATES = [fp8_experts.GemmTiles(*t) for t in ((128, 128, 8, 3, False), (64, 128, 4, 4, False), (128, 128, 8, 3, True),
+                                                  (128, 128, 8, 4, True), (64, 128, 4, 4, True), (64, 128, 4, 5, True),
+                                                  (64, 256, 8, 3, True))]
 BF16_CANDIDATES = [grouped_gemm.Tiles(*t) for t in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4),
-                                                   (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 128, 32, 4, 4))]
+                                                   (128, 256, 64, 8, 3))]
 
 
 def groups(pairs: int, experts: int, equal: bool, device: torch.device) -> torch.Tensor:
