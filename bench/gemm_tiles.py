@@ -1,7 +1,6 @@
-"""Pick the grouped GEMMs' tiles: the FP8 kernel's (moe_ep.fp8_experts.TILES) on the layer's two forward
-GEMMs, and the bf16 kernel's (moe_ep.grouped_gemm.mm) on its four forward and backward row GEMMs, each
-beside torch._grouped_mm on the same groups, at issue 21's shape, in equal groups and in the unequal
-groups of a routing drawn like a fresh router's. One GPU, one process:
+"""Pick the FP8 grouped GEMM's tiles (moe_ep.fp8_experts.TILES): each candidate on the layer's two forward
+GEMMs beside bf16 torch._grouped_mm on the same groups, at issue 21's shape, in equal groups and in the
+unequal groups of a routing drawn like a fresh router's. One GPU, one process:
 `python3 bench/gemm_tiles.py [--pairs 32768 --experts 128 --hidden 7168 --ffn 2048]`."""
 from __future__ import annotations
 
@@ -12,16 +11,12 @@ import torch
 import torch.distributed as dist
 import triton
 
-from moe_ep import fp8, fp8_experts, grouped_gemm
+from moe_ep import fp8, fp8_experts
 from moe_ep.bench import Timer, tflops
 
 CANDIDATES = [fp8_experts.GemmTiles(*t) for t in ((128, 128, 8, 3, False), (64, 128, 4, 4, False), (128, 128, 8, 3, True),
                                                   (128, 128, 8, 4, True), (64, 128, 4, 4, True), (64, 128, 4, 5, True),
                                                   (64, 256, 8, 3, True))]
-BF16_CANDIDATES = [grouped_gemm.Tiles(*t) for t in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4),
-                                                   (128, 256, 64, 8, 3))]
-
-
 def groups(pairs: int, experts: int, equal: bool, device: torch.device) -> torch.Tensor:
     """Rows per expert: equal, or a multinomial draw over softmax(N(0, 0.3)) expert shares (unequal)."""
     if equal:
@@ -45,7 +40,6 @@ def main() -> None:
     w2, w2s = fp8_experts.quantize_weight_blocks(torch.randn(e, h, f, device=dev) * 0.02)
     w13b, w2b = (torch.randn(e, 2 * f, h, device=dev, dtype=torch.bfloat16),
                  torch.randn(e, h, f, device=dev, dtype=torch.bfloat16))
-    bf16_rows(timer, args, dev)
     print(f"{'groups':8} {'tiles (bm, bn, warps, stages, tma)':36} {'gate/up ms':>10} {'TFLOP/s':>8} {'down ms':>8} {'TFLOP/s':>8} {'both ms':>8}")
     for equal in (True, False):
         counts = groups(args.pairs, e, equal, dev)
@@ -70,42 +64,6 @@ def main() -> None:
                 continue
             print(f"{label:8} {str(dataclasses.astuple(tiles)):36} {us13 / 1e3:10.3f} {tflops(flop13, us13):8.0f} "
                   f"{us2 / 1e3:8.3f} {tflops(flop2, us2):8.0f} {(us13 + us2) / 1e3:8.3f}")
-
-
-def bf16_rows(timer: Timer, args: argparse.Namespace, dev: torch.device) -> None:
-    """The bf16 kernel against torch._grouped_mm on the experts' row GEMMs (not the weight gradients)."""
-    e, h, f = args.experts, args.hidden, args.ffn
-    w13 = torch.randn(e, 2 * f, h, device=dev, dtype=torch.bfloat16)
-    w2 = torch.randn(e, h, f, device=dev, dtype=torch.bfloat16)
-    print(f"{'groups':8} {'bf16 tiles (bm, bn, bk, warps, stages)':40} {'gate/up':>8} {'down':>8} {'dA':>8} {'dX':>8} "
-          f"{'sum ms':>8} {'TFLOP/s':>8}")
-    for equal in (True, False):
-        counts = groups(args.pairs, e, equal, dev)
-        n = int(counts.sum())
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        x, dy = (torch.randn(n, h, device=dev, dtype=torch.bfloat16) for _ in range(2))
-        a, dh13 = torch.randn(n, f, device=dev, dtype=torch.bfloat16), torch.randn(n, 2 * f, device=dev, dtype=torch.bfloat16)
-        rows = torch.randperm(n, device=dev)
-        flop = 12.0 * n * h * f  # 4 + 2 + 2 + 4 P H F
-        gmm = torch._grouped_mm
-        label = "equal" if equal else "unequal"
-        torch_calls = (lambda: gmm(x, w13.transpose(1, 2), offs=offs), lambda: gmm(a, w2.transpose(1, 2), offs=offs),
-                       lambda: gmm(dy, w2, offs=offs), lambda: gmm(dh13, w13, offs=offs))
-        us = [timer.call_us(c) for c in torch_calls]
-        print(f"{label:8} {'torch._grouped_mm (gate/up on sorted rows)':40} " + " ".join(f"{u / 1e3:8.3f}" for u in us)
-              + f" {sum(us) / 1e3:8.3f} {tflops(flop, sum(us)):8.0f}")
-        for tiles in BF16_CANDIDATES:
-            calls = (lambda: grouped_gemm.mm(x, rows, counts, w13, True, tiles),
-                     lambda: grouped_gemm.mm(a, None, counts, w2, True, tiles),
-                     lambda: grouped_gemm.mm(dy, None, counts, w2, False, tiles),
-                     lambda: grouped_gemm.mm(dh13, None, counts, w13, False, tiles))
-            try:
-                us = [timer.call_us(c) for c in calls]
-            except Exception as error:  # a tile that does not fit: say so, go on
-                print(f"{label:8} {str(dataclasses.astuple(tiles)):40} failed: {type(error).__name__}: {str(error)[:80]}")
-                continue
-            print(f"{label:8} {str(dataclasses.astuple(tiles)):40} " + " ".join(f"{u / 1e3:8.3f}" for u in us)
-                  + f" {sum(us) / 1e3:8.3f} {tflops(flop, sum(us)):8.0f}")
 
 
 if __name__ == "__main__":

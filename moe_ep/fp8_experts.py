@@ -167,14 +167,14 @@ if triton is not None:
 @dataclass(frozen=True)
 class GemmTiles:
     """The grouped GEMM's launch shape, picked by bench/gemm_tiles.py on an H200 at issue 21's shape
-    (bench/results/h200_2026-12-02_fp8_gemm_tiles.txt): the fastest on unequal groups, 7 % behind
-    128 x 128 on equal ones."""
+    (bench/results/h200_2026-12-02_gemm_tiles_run2.txt): 64 x 256 with TMA weight tiles was the
+    fastest pair of forward GEMMs on unequal groups (a fresh router's), 10 % behind the best on equal ones."""
 
     bm: int = 64
-    bn: int = 128
-    num_warps: int = 4
-    num_stages: int = 4
-    tma: bool = False  # weight tiles (and, without a gather, row tiles) through TMA descriptors
+    bn: int = 256
+    num_warps: int = 8
+    num_stages: int = 3
+    tma: bool = True  # weight tiles (and, without a gather, row tiles) through TMA descriptors
 
 
 TILES = GemmTiles()

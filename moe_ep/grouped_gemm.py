@@ -1,33 +1,15 @@
-"""Grouped GEMMs over rows grouped by expert, as Triton kernels with no host sync: the row tiles of every
-expert from per-expert counts on the device, the rows optionally gathered inside the loads.
-
-`expert_tile` (the tile -> expert map) is shared with the FP8 kernel of moe_ep.fp8_experts; `mm` is the
-bf16 kernel the experts can use in place of torch._grouped_mm where it is faster (uneven groups:
-its row tile can be smaller than the 128 rows torch's kernels round every group up to).
+"""How a Triton grouped GEMM over rows grouped by expert finds its work with no host sync: the row
+tiles of every expert from per-expert counts on the device, the rows optionally gathered (moe_ep.fp8_experts'
+kernel uses it). A bf16 kernel on the same map lost to torch._grouped_mm on every row GEMM of the layer,
+equal groups or not (bench/results/h200_2026-12-02_gemm_tiles_run2.txt), so bf16 stays with torch.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Optional
-
-import torch
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: callers keep their torch paths
     triton = None
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """A grouped GEMM's launch shape: rows x columns per program, K step, warps, pipeline stages."""
-
-    bm: int = 128
-    bn: int = 128
-    bk: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
 
 
 if triton is not None:
@@ -67,48 +49,7 @@ if triton is not None:
             src = row
         return e, row, row_ok, src, tile_row, col, col < N
 
-    @triton.jit
-    def _mm_kernel(a_ptr, rows_ptr, b_ptr, out_ptr, counts_ptr, N, K, E, GATHER: tl.constexpr,
-                   B_NK: tl.constexpr, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """out[p] = a[src_p] @ B[e_p], B[e] = b[e]^T (b [E, N, K], B_NK) or b[e] (b [E, K, N]), float32
-        accumulation in K order, one program per (row tile, column tile) as expert_tile lays them out."""
-        e, row, row_ok, src, _tile_row, col, col_ok = expert_tile(tl.program_id(0), counts_ptr, rows_ptr, N, E, GATHER,
-                                                                  E_POW2, BM, BN)
-        if e < E:
-            b_base = b_ptr + e.to(tl.int64) * N * K
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                k = k0 + tl.arange(0, BK)
-                k_ok = k < K
-                a = tl.load(a_ptr + src[:, None] * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                if B_NK:
-                    b = tl.load(b_base + col[None, :].to(tl.int64) * K + k[:, None],
-                                mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-                else:
-                    b = tl.load(b_base + k[:, None].to(tl.int64) * N + col[None, :],
-                                mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-                acc = tl.dot(a, b, acc)
-            tl.store(out_ptr + row[:, None] * N + col[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & col_ok[None, :])
-
 
 def launch_grid(rows: int, num_experts: int, n: int, bm: int, bn: int) -> tuple[int]:
     """Programs for expert_tile: every row tile any counts can need (rows / bm + E) times the column tiles."""
     return ((rows // bm + num_experts) * triton.cdiv(n, bn),)
-
-
-def mm(a: torch.Tensor, rows: Optional[torch.Tensor], counts: torch.Tensor, b: torch.Tensor, b_nk: bool,
-       tiles: Tiles = Tiles(), out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """a [M, K] (bf16, CUDA), rows [P] (None: a itself) grouped by expert with counts [E] on the device;
-    b [E, N, K] (b_nk: pair p times b[e]^T) or [E, K, N] (times b[e]) -> [P, N] in a's dtype."""
-    p = a.shape[0] if rows is None else rows.shape[0]
-    e = b.shape[0]
-    n, k = (b.shape[1], b.shape[2]) if b_nk else (b.shape[2], b.shape[1])
-    if out is None:
-        out = torch.empty(p, n, dtype=a.dtype, device=a.device)
-    if p:
-        _mm_kernel[launch_grid(p, e, n, tiles.bm, tiles.bn)](
-            a, rows if rows is not None else counts, b, out, counts.to(torch.int32), n, k, e, GATHER=rows is not None,
-            B_NK=b_nk, E_POW2=triton.next_power_of_2(e), BM=tiles.bm, BN=tiles.bn, BK=tiles.bk,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    return out

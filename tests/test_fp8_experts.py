@@ -112,10 +112,10 @@ def _swiglu_case(dev: torch.device, p: int, f: int) -> None:
 
 
 def _kernel_cases(dev: torch.device) -> None:
-    small = fe.GemmTiles(bm=16, bn=64, num_warps=4, num_stages=1)
+    small = fe.GemmTiles(bm=16, bn=64, num_warps=4, num_stages=1, tma=False)
     _gemm_case(dev, 1, 3, 256, 256, [5, 0, 37], 50, True, small)  # an empty expert, partial tiles
     _gemm_case(dev, 2, 2, 128, 384, [16, 33], 49, False, small)  # no gather, tile-sized and not
-    _gemm_case(dev, 3, 4, 256, 128, [0, 0, 9, 0], 12, True, fe.GemmTiles(bm=32, bn=128, num_warps=4, num_stages=1))
+    _gemm_case(dev, 3, 4, 256, 128, [0, 0, 9, 0], 12, True, fe.GemmTiles(bm=32, bn=128, num_warps=4, num_stages=1, tma=False))
     tma = fe.GemmTiles(bm=16, bn=64, num_warps=4, num_stages=1, tma=True)  # tiles may cross experts: masked
     _gemm_case(dev, 6, 3, 256, 256, [5, 0, 37], 50, True, tma)
     _gemm_case(dev, 7, 3, 384, 256, [21, 0, 30], 51, False, fe.GemmTiles(bm=16, bn=256, num_warps=4, num_stages=1, tma=True))
@@ -124,7 +124,7 @@ def _kernel_cases(dev: torch.device) -> None:
     if dev.type == "cuda":  # the shipped tiles on shapes where they matter
         _gemm_case(dev, 4, 8, 1024, 2048, [300, 0, 129, 128, 1, 700, 64, 250], 900, True, fe.TILES)
         _gemm_case(dev, 5, 8, 512, 1024, [300, 0, 129, 128, 1, 700, 64, 250], 1572, False, fe.TILES)
-        for tiles in (fe.GemmTiles(tma=True), fe.GemmTiles(128, 128, 8, 3, tma=True)):
+        for tiles in (fe.GemmTiles(64, 128, 4, 4, tma=False), fe.GemmTiles(128, 128, 8, 3, tma=True)):
             _gemm_case(dev, 8, 8, 1024, 2048, [300, 0, 129, 128, 1, 700, 64, 250], 900, True, tiles)
             _gemm_case(dev, 9, 8, 512, 1024, [300, 0, 129, 128, 1, 700, 64, 250], 1572, False, tiles)
         _swiglu_case(dev, 1000, 1024)
