@@ -14,9 +14,12 @@ import triton
 from moe_ep import fp8, fp8_experts
 from moe_ep.bench import Timer, tflops
 
-CANDIDATES = [fp8_experts.GemmTiles(*t) for t in ((128, 128, 8, 3, False), (64, 128, 4, 4, False), (128, 128, 8, 3, True),
-                                                  (128, 128, 8, 4, True), (64, 128, 4, 4, True), (64, 128, 4, 5, True),
-                                                  (64, 256, 8, 3, True))]
+CANDIDATES = [fp8_experts.GemmTiles(*t) for t in ((64, 128, 4, 4, False), (64, 256, 8, 3, True), (64, 128, 4, 4, True),
+                                                  (128, 128, 8, 3, True), (64, 256, 8, 3, True, True),
+                                                  (64, 128, 4, 4, True, True), (64, 128, 4, 4, False, True),
+                                                  (128, 128, 8, 3, True, True), (128, 256, 8, 3, True, True))]
+
+
 def groups(pairs: int, experts: int, equal: bool, device: torch.device) -> torch.Tensor:
     """Rows per expert: equal, or a multinomial draw over softmax(N(0, 0.3)) expert shares (unequal)."""
     if equal:
@@ -40,7 +43,7 @@ def main() -> None:
     w2, w2s = fp8_experts.quantize_weight_blocks(torch.randn(e, h, f, device=dev) * 0.02)
     w13b, w2b = (torch.randn(e, 2 * f, h, device=dev, dtype=torch.bfloat16),
                  torch.randn(e, h, f, device=dev, dtype=torch.bfloat16))
-    print(f"{'groups':8} {'tiles (bm, bn, warps, stages, tma)':36} {'gate/up ms':>10} {'TFLOP/s':>8} {'down ms':>8} {'TFLOP/s':>8} {'both ms':>8}")
+    print(f"{'groups':8} {'tiles (bm, bn, warps, stages, tma, paired)':44} {'gate/up ms':>10} {'TFLOP/s':>8} {'down ms':>8} {'TFLOP/s':>8} {'both ms':>8}")
     for equal in (True, False):
         counts = groups(args.pairs, e, equal, dev)
         n = int(counts.sum())
@@ -53,16 +56,16 @@ def main() -> None:
         xb, ab = torch.randn(n, h, device=dev, dtype=torch.bfloat16), torch.randn(n, f, device=dev, dtype=torch.bfloat16)
         us13 = timer.call_us(lambda: torch._grouped_mm(xb, w13b.transpose(1, 2), offs=offs))
         us2 = timer.call_us(lambda: torch._grouped_mm(ab, w2b.transpose(1, 2), offs=offs))
-        print(f"{label:8} {'bf16 torch._grouped_mm':36} {us13 / 1e3:10.3f} {tflops(flop13, us13):8.0f} "
+        print(f"{label:8} {'bf16 torch._grouped_mm':44} {us13 / 1e3:10.3f} {tflops(flop13, us13):8.0f} "
               f"{us2 / 1e3:8.3f} {tflops(flop2, us2):8.0f} {(us13 + us2) / 1e3:8.3f}")
         for tiles in CANDIDATES:
             try:
                 us13 = timer.call_us(lambda: fp8_experts.grouped_gemm(xq, xs, rows, counts, w13, w13s, tiles=tiles))
                 us2 = timer.call_us(lambda: fp8_experts.grouped_gemm(aq, as_, None, counts, w2, w2s, tiles=tiles))
             except Exception as error:  # a tile that does not fit (shared memory, registers): say so, go on
-                print(f"{label:8} {str(dataclasses.astuple(tiles)):36} failed: {type(error).__name__}: {str(error)[:80]}")
+                print(f"{label:8} {str(dataclasses.astuple(tiles)):44} failed: {type(error).__name__}: {str(error)[:80]}")
                 continue
-            print(f"{label:8} {str(dataclasses.astuple(tiles)):36} {us13 / 1e3:10.3f} {tflops(flop13, us13):8.0f} "
+            print(f"{label:8} {str(dataclasses.astuple(tiles)):44} {us13 / 1e3:10.3f} {tflops(flop13, us13):8.0f} "
                   f"{us2 / 1e3:8.3f} {tflops(flop2, us2):8.0f} {(us13 + us2) / 1e3:8.3f}")
 
 

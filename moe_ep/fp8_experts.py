@@ -105,9 +105,26 @@ if triton is not None:
     from .grouped_gemm import expert_tile
 
     @triton.jit
+    def _k_step(kb, a_rows, a_desc, b_cols, b_desc, as_rows, bs_cols, row_ok, col_ok, tile_row, b_row,
+                A_TMA: tl.constexpr, B_TMA: tl.constexpr):
+        """K step kb: (the tiles' product a . b, float32 [BM, BN], and its scale as x bs [BM, BN])."""
+        k = kb * 128 + tl.arange(0, 128)
+        if A_TMA:
+            a = a_desc.load([tile_row, kb * 128])
+        else:
+            a = tl.load(a_rows + k[None, :], mask=row_ok[:, None], other=0.0)
+        if B_TMA:
+            b = tl.trans(b_desc.load([b_row, kb * 128]))
+        else:
+            b = tl.load(b_cols + k[:, None], mask=col_ok[None, :], other=0.0)
+        sa = tl.load(as_rows + kb, mask=row_ok, other=0.0)
+        sb = tl.load(bs_cols + kb, mask=col_ok, other=0.0)
+        return tl.dot(a, b), sa[:, None] * sb[None, :]
+
+    @triton.jit
     def _grouped_gemm_kernel(a_ptr, as_ptr, rows_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, a_desc, b_desc, N, K, E,
                              GATHER: tl.constexpr, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                             A_TMA: tl.constexpr, B_TMA: tl.constexpr):
+                             A_TMA: tl.constexpr, B_TMA: tl.constexpr, PAIRED: tl.constexpr):
         """out[p, n] = sum_kb (a[src_p, kb] . b[e_p, n, kb]) * as[src_p, kb] * bs[e_p, n / 128, kb].
 
         Protocol: one program per (row tile, column tile) as moe_ep.grouped_gemm.expert_tile lays them
@@ -115,31 +132,35 @@ if triton is not None:
         are masked in loads and stores. With B_TMA (A_TMA) the weight (row) tiles come through a TMA
         descriptor over b viewed as [E * N, K] (a as [M, K]): a tile may then read the next expert's
         rows or columns, or zeros past the end, which the masked store drops; A_TMA only without GATHER.
+        PAIRED: two K steps per iteration, both products issued before either is scaled, so two MMAs can
+        be in flight (each product must be scaled before it joins the accumulator); the same sums in
+        another order: acc + (p0 s0 + p1 s1) instead of (acc + p0 s0) + p1 s1.
         """
         e, row, row_ok, src, tile_row, col, col_ok = expert_tile(tl.program_id(0), counts_ptr, rows_ptr, N, E, GATHER,
                                                                  E_POW2, BM, BN)
         if e < E:
             kb_count = K // 128
-            col0 = (tl.program_id(0) % tl.cdiv(N, BN)) * BN
             e64 = e.to(tl.int64)
+            b_row = e * N + (tl.program_id(0) % tl.cdiv(N, BN)) * BN
             a_rows = a_ptr + src[:, None] * K
             b_cols = b_ptr + e64 * N * K + col[None, :].to(tl.int64) * K
             as_rows = as_ptr + src * kb_count
             bs_cols = bs_ptr + (e64 * tl.cdiv(N, 128) + col // 128) * kb_count
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for kb in range(0, kb_count):
-                k = kb * 128 + tl.arange(0, 128)
-                if A_TMA:
-                    a = a_desc.load([tile_row, kb * 128])
-                else:
-                    a = tl.load(a_rows + k[None, :], mask=row_ok[:, None], other=0.0)
-                if B_TMA:
-                    b = tl.trans(b_desc.load([e * N + col0, kb * 128]))
-                else:
-                    b = tl.load(b_cols + k[:, None], mask=col_ok[None, :], other=0.0)
-                sa = tl.load(as_rows + kb, mask=row_ok, other=0.0)
-                sb = tl.load(bs_cols + kb, mask=col_ok, other=0.0)
-                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            if PAIRED:
+                for kb in range(0, kb_count - 1, 2):
+                    p0, s0 = _k_step(kb, a_rows, a_desc, b_cols, b_desc, as_rows, bs_cols, row_ok, col_ok, tile_row,
+                                     b_row, A_TMA, B_TMA)
+                    p1, s1 = _k_step(kb + 1, a_rows, a_desc, b_cols, b_desc, as_rows, bs_cols, row_ok, col_ok,
+                                     tile_row, b_row, A_TMA, B_TMA)
+                    acc += p0 * s0 + p1 * s1
+                first_single = kb_count - kb_count % 2
+            else:
+                first_single = 0
+            for kb in range(first_single, kb_count):
+                p0, s0 = _k_step(kb, a_rows, a_desc, b_cols, b_desc, as_rows, bs_cols, row_ok, col_ok, tile_row, b_row,
+                                 A_TMA, B_TMA)
+                acc += p0 * s0
             tl.store(out_ptr + row[:, None] * N + col[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & col_ok[None, :])
 
@@ -175,6 +196,7 @@ class GemmTiles:
     num_warps: int = 8
     num_stages: int = 3
     tma: bool = True  # weight tiles (and, without a gather, row tiles) through TMA descriptors
+    paired: bool = False  # two K steps per loop iteration (the kernel's PAIRED)
 
 
 TILES = GemmTiles()
@@ -193,7 +215,8 @@ def _grouped_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, rows: Optional[
     _grouped_gemm_kernel[grid](a, a_scale, rows if rows is not None else counts, b, b_scale, out,
                                counts.to(torch.int32), a_desc, b_desc, n, k, e, GATHER=rows is not None,
                                E_POW2=triton.next_power_of_2(e), BM=tiles.bm, BN=tiles.bn, A_TMA=a_tma,
-                               B_TMA=tiles.tma, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                               B_TMA=tiles.tma, PAIRED=tiles.paired, num_warps=tiles.num_warps,
+                               num_stages=tiles.num_stages)
     return out
 
 
