@@ -262,9 +262,13 @@ class GroupedExperts(nn.Module):
         ascending k in float32, rounded once.
         """
         r = route(topk_idx, self.num_local_experts)
-        scale = topk_weights.reshape(-1)[r.pairs]
+        return self._apply_experts(x, topk_weights.reshape(-1)[r.pairs], r.rows, r.slots, r.counts)
+
+    def _apply_experts(self, x: torch.Tensor, scale: torch.Tensor, rows: Optional[torch.Tensor],
+                       slots: Optional[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+        """_SwiGLUExperts over this module's weights, in the WeightGradPool when one is open."""
         pool = self._pool if torch.is_grad_enabled() else None
-        return _SwiGLUExperts.apply(x, scale, self.w1, self.w3, self.w2, r.rows, r.slots, r.counts,
+        return _SwiGLUExperts.apply(x, scale, self.w1, self.w3, self.w2, rows, slots, counts,
                                     self.recompute_swiglu, pool, pool.register() if pool is not None else -1)
 
     @contextlib.contextmanager
@@ -281,9 +285,9 @@ class GroupedExperts(nn.Module):
 
     def forward_sorted(self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Rows already grouped by local expert, one pair per row (counts [E_l] rows per expert, in
-        order; weights [P] float32) -> [P, H] weighted outputs in the same order: no gather, no sum."""
-        return _SwiGLUExperts.apply(x, weights, self.w1, self.w3, self.w2, None, None, counts,
-                                    self.recompute_swiglu)
+        order; weights [P] float32) -> [P, H] weighted outputs in the same order, in the weights'
+        dtype: no gather, no sum (an expert-major dispatch's pairs; its combine sums each row's)."""
+        return self._apply_experts(x, weights, None, None, counts)
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """Low-latency mode: x [E_l, C, H] expert-major rows (each expert's valid rows first)
