@@ -11,10 +11,14 @@ pairs, with per-pair weights and with per-pair topk_weights returned to [N, K]; 
 (pairs, and rows with expert_major=False); the differentiable op's gradients; bad input on one
 rank (it raises ValueError/TypeError, the others complete with results as if it sent nothing).
 The layer: forward and every gradient bitwise equal to the old path (row dispatch, experts.forward
-with its route/gather/row sum, row combine), for float32 and bf16 experts, chunked and not.
+with its route/gather/row sum, row combine), for float32 and bf16 experts.
 
-GPU (backend="gpu", 2 ranks on the GPUs present): the native backend against the reference backend
-on the same inputs, every output bitwise, with the caching allocator poisoned before native calls.
+GPU (backend="gpu", 2 ranks on the GPUs present, sharing one if need be): the native backend
+against the reference backend on the same inputs, every output of dispatch, combine and cached
+dispatch bitwise (FP8, alignment padding, repeated experts, a rank without tokens, async events),
+with the caching allocator poisoned before each native call; and the layer on the native backend
+(bf16 experts: grouped GEMMs and Triton row sums on sm90) bitwise equal to the reference backend's
+and to the old formula's, forward and every gradient.
 """
 from __future__ import annotations
 
@@ -23,7 +27,6 @@ from typing import Optional
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import moe_ep
 from moe_ep import autograd, fp8
@@ -35,8 +38,10 @@ from tests.oracle import (
     expected_combine_weights,
     expected_dispatch,
     make_inputs,
+    random_topk,
 )
 from tests.test_layer import GRAD_CASES, _build, _inputs
+from tests.test_layer import Case as LayerCase
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,32 @@ def _payload(inp: Inputs, case: Case) -> tuple[list[torch.Tensor], Optional[list
     return [a for a, _ in q], [b for _, b in q]
 
 
+def _summed(inp: Inputs, index: list[dict], e_l: int, ys: list[torch.Tensor],
+            weights: Optional[list[torch.Tensor]] = None, silent: Optional[int] = None):
+    """row_of(r, s, i) for oracle.expected_combine: the bf16 row rank r sends back for token i of
+    rank s, the float32 sum from +0.0 over the token's slots k ascending whose expert lives on r and
+    is not an earlier slot's, of ys[r][pair] (times weights[r][pair]); zero from the rank `silent`."""
+    def row_of(r: int, s: int, i: int) -> torch.Tensor:
+        row = inp.topk_idx[s][i].tolist()
+        acc = torch.zeros(ys[0].shape[1], dtype=torch.float32)
+        for k, v in enumerate(row):
+            if r != silent and v >= 0 and v // e_l == r and v not in row[:k]:
+                p = index[r][(s, i, v)]
+                term = ys[r][p].float()
+                acc = acc + (weights[r][p] * term if weights is not None else term)
+        return acc.to(torch.bfloat16)
+    return row_of
+
+
+def _slot_values(inp: Inputs, index: list[dict], e_l: int, values: list[torch.Tensor]):
+    """weights_of(r, s, i) for oracle.expected_combine_weights: [K] float32, each slot whose expert
+    lives on r the value of its pair there, 0 elsewhere."""
+    def weights_of(r: int, s: int, i: int) -> torch.Tensor:
+        return torch.tensor([float(values[r][index[r][(s, i, v)]]) if v >= 0 and v // e_l == r else 0.0
+                             for v in inp.topk_idx[s][i].tolist()], dtype=torch.float32)
+    return weights_of
+
+
 # ---- dispatch / combine ---------------------------------------------------------------------------
 def _row_of_token(got: moe_ep.DispatchResult) -> dict[tuple[int, int], int]:
     return {(int(s), int(n)): m for m, (s, n) in enumerate(zip(got.src_rank.tolist(), got.src_index.tolist()))}
@@ -176,20 +207,8 @@ def _check_case(buf: moe_ep.Buffer, case: Case, me: int, world: int) -> None:
         pws = [_vector(case.seed * 10 + seed, r, len(plan[r].src)) for r in range(world)]
         tws = [_vector(case.seed * 10 + seed + 5, r, len(plan[r].src)) for r in range(world)]
 
-        def row_of(r: int, s: int, i: int) -> torch.Tensor:
-            row = inp.topk_idx[s][i].tolist()
-            acc = torch.zeros(h, dtype=torch.float32)
-            for k, v in enumerate(row):
-                if v >= 0 and v // e_l == r and v not in row[:k]:
-                    p = index[r][(s, i, v)]
-                    term = ys[r][p].float()
-                    acc = acc + (pws[r][p] * term if weighted else term)
-            return acc.to(torch.bfloat16)
-
-        def weights_of(r: int, s: int, i: int) -> torch.Tensor:
-            return torch.tensor([float(tws[r][index[r][(s, i, v)]]) if v >= 0 and v // e_l == r else 0.0
-                                 for v in inp.topk_idx[s][i].tolist()], dtype=torch.float32)
-
+        row_of = _summed(inp, index, e_l, ys, pws if weighted else None)
+        weights_of = _slot_values(inp, index, e_l, tws)
         y, pw, tw = _on(dev, ys[me], pws[me] if weighted else None, tws[me])
         out, out_w = buf.combine(y, got.handle, topk_weights=tw, pair_weights=pw)
         label = f"{what}: combine {dtype} weighted={weighted}"
@@ -224,18 +243,7 @@ def _check_autograd(buf: moe_ep.Buffer, me: int, world: int) -> None:
     assert d.x.dtype == torch.float32
     ((d.x * gs[me].to(dev)).sum() + (d.weights * gws[me].to(dev)).sum()).backward()
 
-    def row_of(r: int, s: int, i: int) -> torch.Tensor:
-        row = inp.topk_idx[s][i].tolist()
-        acc = torch.zeros(h, dtype=torch.float32)
-        for k, v in enumerate(row):
-            if v >= 0 and v // e_l == r and v not in row[:k]:
-                acc = acc + gs[r][index[r][(s, i, v)]]
-        return acc.to(torch.bfloat16)
-
-    def weights_of(r: int, s: int, i: int) -> torch.Tensor:
-        return torch.tensor([float(gws[r][index[r][(s, i, v)]]) if v >= 0 and v // e_l == r else 0.0
-                             for v in inp.topk_idx[s][i].tolist()], dtype=torch.float32)
-
+    row_of, weights_of = _summed(inp, index, e_l, gs), _slot_values(inp, index, e_l, gws)
     assert_same_bits(x.grad.cpu(), expected_combine(inp, me, world, e, row_of), f"rank {me}: x.grad")
     assert_same_bits(w.grad.cpu(), expected_combine_weights(inp, me, world, e, weights_of), f"rank {me}: w.grad")
 
@@ -270,14 +278,7 @@ def _check_bad_input(buf: moe_ep.Buffer, me: int, world: int) -> None:
     index = [expected_pairs(inp, r, world, e, 1).index() for r in range(world)]
     ys = [_rows(81, r, len(expected_pairs(inp, r, world, e, 1).src), h) for r in range(world)]
 
-    def row_of(r: int, s: int, i: int) -> torch.Tensor:
-        row = inp.topk_idx[s][i].tolist()
-        acc = torch.zeros(h, dtype=torch.float32)
-        for k, v in enumerate(row):
-            if r != bad and v >= 0 and v // e_l == r and v not in row[:k]:
-                acc = acc + ys[r][index[r][(s, i, v)]].float()
-        return acc.to(torch.bfloat16)
-
+    row_of = _summed(inp, index, e_l, ys, silent=bad)
     want = expected_combine(inp, me, world, e, row_of)
     y = ys[me].to(dev)
     p = len(pairs.src)
@@ -372,3 +373,88 @@ def _worker(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_expert_major(world: int) -> None:
     run_workers(world, _worker)
+
+
+# ---- GPU: the native backend against the reference backend ---------------------------------------
+GPU_SHAPES = {  # (hidden, experts, topk, max_tokens_per_rank) -> (seed, tokens per rank, routing, alignment, fp8)
+    (2048, 32, 8, 256): [(11, (256, 0), "random", 1, False), (12, (77, 200), "skewed", 4, False),
+                         (13, (128, 128), "one_expert", 1, True), (14, (5, 256), "skewed", 3, True)],
+    (128, 16, 4, 256): [(15, (200, 150), "random", 1, False)],
+}
+
+
+def _same_expert_major(got: moe_ep.DispatchResult, want: moe_ep.DispatchResult, what: str) -> None:
+    for name in ("x", "x_scales", "pair_weights", "topk_idx", "topk_weights", "src_rank", "src_index",
+                 "tokens_per_expert_tensor"):
+        assert_same_bits(getattr(got, name), getattr(want, name), f"{what}: {name}")
+    assert got.tokens_per_expert == want.tokens_per_expert, what
+    for name in ("rows", "positions", "slots"):
+        assert_same_bits(getattr(got.handle.expert_major, name), getattr(want.handle.expert_major, name),
+                         f"{what}: layout {name}")
+
+
+def _gpu_case(nat: moe_ep.Buffer, ref: moe_ep.Buffer, shape: tuple, case: tuple, rank: int) -> None:
+    from tests.test_gpu_intranode import _poison_allocator
+
+    hidden, experts, k, _ = shape
+    seed, tokens, routing, alignment, use_fp8 = case
+    what = f"shape {shape} case {seed} rank {rank}"
+    g = torch.Generator(device="cuda").manual_seed(seed * 1009 + rank)
+    n = tokens[rank]
+    x = (torch.randn(n, hidden, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    idx = random_topk(routing, n, experts, k, g)
+    w = torch.rand(n, k, generator=g, device="cuda")
+    scales = None
+    if use_fp8:
+        x, scales = fp8.quantize(x) if n else (x.to(torch.float8_e4m3fn), torch.empty(0, hidden // 128, device="cuda"))
+    kw = dict(x_scales=scales, expert_alignment=alignment, expert_major=True)
+    _poison_allocator()
+    got = nat.dispatch(x, idx, w, **kw)
+    want = ref.dispatch(x, idx, w, **kw)
+    _same_expert_major(got, want, f"{what}: dispatch")
+    p = want.x.shape[0]
+    for dtype in (torch.bfloat16, torch.float32):
+        y = torch.randn(p, hidden, generator=g, device="cuda").to(dtype)
+        pw, tw = torch.randn(p, generator=g, device="cuda"), torch.randn(p, generator=g, device="cuda")
+        _poison_allocator()
+        got_y, got_w = nat.combine(y, got.handle, topk_weights=tw, pair_weights=pw)
+        want_y, want_w = ref.combine(y, want.handle, topk_weights=tw, pair_weights=pw)
+        assert_same_bits(got_y, want_y, f"{what}: combine {dtype}: rows")
+        assert_same_bits(got_w, want_w, f"{what}: combine {dtype}: weights")
+        _poison_allocator()
+        assert_same_bits(nat.combine(y, got.handle), ref.combine(y, want.handle), f"{what}: combine {dtype}")
+    grad = (torch.randn(n, hidden, generator=g, device="cuda")).to(torch.bfloat16)
+    _poison_allocator()
+    _same_expert_major(nat.dispatch(grad, handle=got.handle), ref.dispatch(grad, handle=want.handle),
+                       f"{what}: cached dispatch")
+    got_a = nat.dispatch(x, idx, w, async_op=True, **kw)  # the event covers the gather after the kernel
+    got_a.event.wait()
+    _same_expert_major(got_a, want, f"{what}: async dispatch")
+
+
+def _gpu_worker(rank: int, world: int) -> None:
+    for shape, cases in GPU_SHAPES.items():
+        hidden, experts, k, t = shape
+        common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t)
+        with moe_ep.Buffer(None, device=device(), backend="nvshmem", **common) as nat, \
+                moe_ep.Buffer(None, device=device(), backend="reference", **common) as ref:
+            for case in cases:
+                _gpu_case(nat, ref, shape, case, rank)
+    case = LayerCase(8, [200, 150], 128, 16, 4, 256, dict(aux_loss_coef=0.01))
+    steps = {}
+    for backend in ("nvshmem", "reference"):
+        with moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+                           max_tokens_per_rank=256, backend=backend) as buf:
+            moe, _ = _build(case, buf, torch.bfloat16)
+            x0, grad_out = _inputs(case, rank, buf.device)
+            steps[backend] = _step(moe, x0, grad_out, old=False)
+            if backend == "nvshmem":
+                steps["old"] = _step(moe, x0, grad_out, old=True)
+    for other in ("reference", "old"):
+        for name, t in steps[other].items():
+            assert_same_bits(steps["nvshmem"][name], t, f"rank {rank} layer, native vs {other}: {name}")
+
+
+@requires_gpus()
+def test_expert_major_gpu() -> None:
+    run_workers(2, _gpu_worker, backend="gpu", timeout_s=300)
