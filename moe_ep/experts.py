@@ -6,9 +6,11 @@ out = w2 @ (silu(w1 @ x) * (w3 @ x)). w1 and w3 are two parameters over ONE allo
 per expert under its GLOBAL id (`{e}.w1`, `{e}.w2`, `{e}.w3`), so a checkpoint written at one
 expert-parallel size loads at another: merge the ranks' dicts and every rank picks its own experts.
 
-The forward pass of normal mode, per (row, local expert) pair sorted by expert: gather the rows,
-gate/up GEMM, SwiGLU scaled by the router weight (one pass, moe_ep.expert_kernels), down GEMM,
-and a fixed-order sum of each row's pairs. The backward is written out (dX and dW as grouped GEMMs,
+The forward pass, per (row, local expert) pair sorted by expert: gate/up GEMM, SwiGLU scaled by
+the router weight (one pass, moe_ep.expert_kernels), down GEMM. `forward_sorted` takes the pairs
+already grouped (the layer's normal mode: an expert-major dispatch made them, its combine sums each
+row's); `forward` takes rows and does both ends itself: the sort and gather of the pairs, and a
+fixed-order sum of each row's pairs. The backward is written out (dX and dW as grouped GEMMs,
 the SwiGLU backward in one pass) rather than left to autograd, whose index backward adds with
 atomics (CUDA; CPU threads in float32) and so changes the bits from run to run.
 """
@@ -201,8 +203,9 @@ def _fused_w13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
 class GroupedExperts(nn.Module):
     """SwiGLU experts first_expert .. first_expert + E_l - 1 of num_experts.
 
-    recompute_swiglu=True keeps less for backward (docs/api.md): the activation and the expert-sorted
-    copy of the rows are computed again there (one elementwise pass, one gather) instead of kept.
+    recompute_swiglu=True keeps less for backward (docs/api.md): the activation is computed again
+    there (one elementwise pass) instead of kept, and with `forward`'s rows the expert-sorted copy of
+    them too (one gather).
     """
 
     def __init__(self, num_experts: int, num_local_experts: int, first_expert: int, hidden: int, ffn_hidden: int,

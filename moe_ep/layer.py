@@ -1,4 +1,7 @@
 """MoE: router -> dispatch -> grouped SwiGLU experts (weighted in their epilogue) -> combine.
+Exact-size normal mode dispatches expert-major (moe_ep.expert_major): the experts get their
+(row, local expert) pairs grouped by expert and the combine sums each row's pairs, so the layer
+runs no permutation pass of its own.
 
 Everything crosses ranks through one `moe_ep.Buffer`, so the layer runs on every backend. The
 Buffer fixes hidden size, expert count and top-k; this rank owns experts
@@ -68,8 +71,8 @@ class MoE(nn.Module):
     With expert_bias=True, call update_expert_bias() once per optimizer step (collective).
     worst_case=True: normal mode dispatches R * T rows and runs every local expert on all of them
     (static shapes, no wait for the counts: torch.compile without graph breaks, CUDA graphs).
-    recompute_swiglu=True: normal mode's experts recompute their SwiGLU activation (and their
-    expert-sorted copy of the rows) in backward instead of keeping it (docs/api.md says what is kept).
+    recompute_swiglu=True: normal mode's experts recompute their SwiGLU activation in backward instead
+    of keeping it (docs/api.md says what is kept).
     overlap_chunks=C: normal mode splits a forward's tokens into C chunks; on GPUs the experts of chunk i
     run on the caller's stream while dispatch i+1 and combine i-1 run on the Buffer's communication
     stream, forward and backward (moe_ep.overlap). Every rank must pass the same C: the first
