@@ -93,6 +93,8 @@ def dispatch_expert_major(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tenso
     """Differentiable Buffer.dispatch(..., expert_major=True) (the moe_ep::dispatch_expert_major op):
     pairs in `dtype` (bf16, or float32 for float32 experts, whose gradient then stays float32 until
     the backward's one rounding). Exact-size mode only."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float32 (what an expert-major combine sums), got {dtype}")
     buffer_id = _buffer_id(buffer)
     pairs, weights, per_expert, handle = ops.dispatch_expert_major(x, topk_idx, topk_weights, buffer_id, dtype)
     return ExpertMajorDispatched(pairs, weights, per_expert, DispatchRef(handle, x.shape[0], buffer_id))
