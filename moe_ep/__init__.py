@@ -14,6 +14,7 @@ from .types import (
     DispatchLayout,
     DispatchResult,
     EventHandle,
+    ExpertMajorLayout,
     LowLatencyCombineResult,
     LowLatencyDispatchResult,
     LowLatencyHandle,
@@ -42,6 +43,6 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BadExpertIdError", "Buffer", "CommTimeoutError", "Config", "DispatchHandle", "DispatchLayout", "DispatchResult",
-    "EventHandle", "LowLatencyCombineResult", "LowLatencyDispatchResult", "LowLatencyHandle", "PeersLostError",
+    "EventHandle", "ExpertMajorLayout", "LowLatencyCombineResult", "LowLatencyDispatchResult", "LowLatencyHandle", "PeersLostError",
     "SymmetricHeapUsage", "fp8", "ops", "symmetric_heap_usage", *_LAZY,
 ]

@@ -488,6 +488,27 @@ class Buffer:
             raise bad_ids
         return self.backend.get_dispatch_layout(topk_idx)
 
+    @staticmethod
+    def _check_expert_major(expert_major: object, handle: Optional[DispatchHandle], worst_case: bool,
+                            expert_alignment: object) -> bool:
+        """Whether a dispatch gives pairs: expert_major as given, None meaning no for a fresh dispatch
+        and the handle's kind for a cached one. Expert-major layouts have data-dependent sizes, so
+        they need exact-size mode; a cached one keeps its handle's layout."""
+        if expert_major is not None and not isinstance(expert_major, bool):
+            raise TypeError(f"expert_major must be None, True or False, got {expert_major!r}")
+        layout = handle.expert_major if handle is not None else None
+        if handle is None:
+            if expert_major and worst_case:
+                raise ValueError("expert_major=True needs exact sizes: worst_case=True keeps static shapes, but the "
+                                 "number of (row, local expert) pairs depends on the routing")
+            return bool(expert_major)
+        if expert_major and layout is None:
+            raise ValueError("expert_major=True with a handle needs the handle of an expert-major dispatch")
+        if expert_major is not False and layout is not None and expert_alignment not in (1, layout.alignment):
+            raise ValueError(f"a cached expert-major dispatch keeps its handle's layout (expert_alignment="
+                             f"{layout.alignment}); got expert_alignment={expert_alignment}")
+        return layout is not None if expert_major is None else expert_major
+
     def _check_dispatch(self, x: object, x_scales: object, topk_idx: object, topk_weights: object,
                         handle: Optional[DispatchHandle], expert_alignment: object) -> None:
         """Every tensor argument of a dispatch and expert_alignment (the handle is checked before)."""
@@ -518,10 +539,11 @@ class Buffer:
     def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *, x_scales: Optional[torch.Tensor] = None,
                  expert_alignment: int = 1, handle: Optional[DispatchHandle] = None, worst_case: bool = False,
-                 num_sms: Optional[int] = None, config: Optional[Config] = None,
+                 expert_major: Optional[bool] = None, num_sms: Optional[int] = None, config: Optional[Config] = None,
                  previous_event: Optional[EventHandle] = None, async_op: bool = False) -> DispatchResult:
-        """Send each token once to every rank holding one of its experts (docs/api.md). Rejected tensors:
-        this rank takes part as a rank without tokens (a cached dispatch: with zero rows), then raises."""
+        """Send each token once to every rank holding one of its experts (docs/api.md); expert_major:
+        the received rows as (row, local expert) pairs grouped by expert. Rejected arguments: this
+        rank takes part as a rank without tokens (a cached dispatch: with zero rows), then raises."""
         if handle is not None:
             self._check_handle(handle, DispatchHandle)
         sms, knobs = self._knobs(num_sms, config)
@@ -530,39 +552,58 @@ class Buffer:
                                 async_op=bool(async_op))
         try:
             self._check_dispatch(x, x_scales, topk_idx, topk_weights, handle, expert_alignment)
+            pairs = self._check_expert_major(expert_major, handle, bool(worst_case), expert_alignment)
         except (TypeError, ValueError) as error:
             rows, scales = self._zero_rows((0 if handle is None else handle.num_tokens,), self._fp8_rows(x))
             idx, weights = self._no_routing(0) if handle is None else (None, None)
-            _take_part(error, lambda: run(rows, scales, idx, weights, expert_alignment=1))
+            _take_part(error, lambda: run(rows, scales, idx, weights, expert_alignment=1, expert_major=False))
         bad_ids = None
         if handle is None:
             topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        result = run(x, x_scales, topk_idx, topk_weights, expert_alignment=expert_alignment)
+        result = run(x, x_scales, topk_idx, topk_weights, expert_alignment=expert_alignment, expert_major=pairs)
         if bad_ids is not None:
             raise bad_ids
         return result
 
+    def _check_combine(self, x: object, handle: DispatchHandle, topk_weights: object, pair_weights: object) -> None:
+        """A combine's tensors: rows [M, H] bf16 (16-byte aligned, the kernels read them) and topk_weights
+        [M, K]; for an expert-major handle pairs [P, H] bf16 or float32 (summed into fresh rows first),
+        topk_weights [P] and pair_weights [P] float32."""
+        cfg, layout = self.cfg, handle.expert_major
+        if layout is None:
+            if pair_weights is not None:
+                raise ValueError("pair_weights needs the handle of an expert-major dispatch (expert_major=True)")
+            _check_aligned("x", _check_tensor("x", x, (torch.bfloat16,), (handle.num_recv_rows, cfg.hidden), cfg.device))
+            if topk_weights is not None:
+                self._check_weights(topk_weights, handle.num_recv_rows)
+            return
+        p = layout.num_pairs
+        _check_tensor("x", x, (torch.bfloat16, torch.float32), (p, cfg.hidden), cfg.device)
+        for name, t in (("topk_weights", topk_weights), ("pair_weights", pair_weights)):
+            if t is not None:
+                _check_tensor(name, t, (torch.float32,), (p,), cfg.device)
+
     def combine(self, x: torch.Tensor, handle: DispatchHandle, *, topk_weights: Optional[torch.Tensor] = None,
-                num_sms: Optional[int] = None, config: Optional[Config] = None,
-                previous_event: Optional[EventHandle] = None, async_op: bool = False):
+                pair_weights: Optional[torch.Tensor] = None, num_sms: Optional[int] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventHandle] = None, async_op: bool = False):
         """Sum each token's rows (and topk_weights rows) back on its source rank (docs/api.md); returns out,
-        (out, weights) with topk_weights, and the EventHandle last when async_op. Rejected tensors: this
-        rank sends zero rows (and weights) back, then raises."""
-        cfg = self.cfg
+        (out, weights) with topk_weights, and the EventHandle last when async_op. An expert-major
+        handle's combine takes pairs and sums each row's first (pair_weights: times each pair's weight).
+        Rejected tensors: this rank sends zero rows (and weights) back, then raises."""
         self._check_handle(handle, DispatchHandle)
         sms, knobs = self._knobs(num_sms, config)
         run = functools.partial(self.backend.combine, handle=handle, num_sms=sms, knobs=knobs,
                                 previous_event=self._check_event(previous_event), async_op=bool(async_op))
-        m = handle.num_recv_rows
         try:
-            _check_aligned("x", _check_tensor("x", x, (torch.bfloat16,), (m, cfg.hidden), cfg.device))
-            if topk_weights is not None:
-                self._check_weights(topk_weights, m)
+            self._check_combine(x, handle, topk_weights, pair_weights)
         except (TypeError, ValueError) as error:
+            layout = handle.expert_major
+            m = handle.num_recv_rows if layout is None else layout.num_pairs
             rows, _ = self._zero_rows((m,), False)
-            weights = None if topk_weights is None else self._no_routing(m)[1]
-            _take_part(error, lambda: run(rows, topk_weights=weights))
-        out, weights, event = run(x, topk_weights=topk_weights)
+            shape = (m, self.cfg.num_topk) if layout is None else (m,)
+            weights = None if topk_weights is None else torch.zeros(shape, dtype=torch.float32, device=self.cfg.device)
+            _take_part(error, lambda: run(rows, topk_weights=weights, pair_weights=None))
+        out, weights, event = run(x, topk_weights=topk_weights, pair_weights=pair_weights)
         result = (out,) if topk_weights is None else (out, weights)
         if async_op:
             result += (event,)

@@ -1,5 +1,6 @@
 """The grouped experts' memory-bound passes, each one read and one write of its tensors: the SwiGLU
-activation (forward and backward) and the fixed-order row sum that undoes the expert sort.
+activation (forward and backward) and the fixed-order row sum that undoes the expert sort (the
+experts' backward, and an expert-major combine: moe_ep.expert_major).
 
 Triton kernels on CUDA (Triton ships with torch there); torch code elsewhere. Every sum runs in
 float32 in a fixed order and every result is rounded once, so the bits repeat from run to run
@@ -52,13 +53,17 @@ def _swiglu_backward_torch(h13: torch.Tensor, grad_a: torch.Tensor, scale: torch
     return grad_h13, grad_scale, _swiglu_torch(h13, scale) if want_a else None
 
 
-def _sum_rows_torch(src: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _sum_rows_torch(src: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype,
+                    weights: Optional[torch.Tensor]) -> torch.Tensor:
     acc = _wide(src.new_zeros(slots.shape[0], src.shape[1]))
     if src.shape[0] == 0:
         return acc.to(dtype)
     for j in range(slots.shape[1]):
         slot = slots[:, j]
-        acc = torch.where((slot >= 0).unsqueeze(1), acc + src[slot.clamp_min(0)], acc)
+        term = src[slot.clamp_min(0)]
+        if weights is not None:
+            term = weights[slot.clamp_min(0)].unsqueeze(1) * term
+        acc = torch.where((slot >= 0).unsqueeze(1), acc + term, acc)
     return acc.to(dtype)
 
 
@@ -106,8 +111,10 @@ if triton is not None:
         tl.store(dscale_ptr + row, tl.sum(acc, axis=0))
 
     @triton.jit
-    def _sum_rows_kernel(src_ptr, slots_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr):
-        """out[row] = src[slots[row, 0]] + src[slots[row, 1]] + ... (slots < 0 skipped), float32, left to right."""
+    def _sum_rows_kernel(src_ptr, slots_ptr, w_ptr, out_ptr, H, K: tl.constexpr, WEIGHTED: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        """out[row] = src[slots[row, 0]] + src[slots[row, 1]] + ... (slots < 0 skipped), float32, left to right;
+        WEIGHTED: each term times w[slot] first."""
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < H
@@ -115,7 +122,10 @@ if triton is not None:
         for j in tl.static_range(K):
             slot = tl.load(slots_ptr + row * K + j)
             width = tl.where(slot >= 0, H, 0)  # a missing slot reads nothing
-            acc += tl.load(src_ptr + slot * H + col, mask=col < width, other=0.0).to(tl.float32)
+            term = tl.load(src_ptr + slot * H + col, mask=col < width, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                term = term * tl.load(w_ptr + slot, mask=slot >= 0, other=0.0)
+            acc += term
         tl.store(out_ptr + row * H + col, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -142,13 +152,16 @@ def _swiglu_backward_triton(h13: torch.Tensor, grad_a: torch.Tensor, scale: torc
     return grad_h13, grad_scale, a if want_a else None
 
 
-def _sum_rows_triton(src: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _sum_rows_triton(src: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype,
+                     weights: Optional[torch.Tensor]) -> torch.Tensor:
     m, h = slots.shape[0], src.shape[1]
     if src.shape[0] == 0:
         return src.new_zeros(m, h, dtype=dtype)
     out = src.new_empty(m, h, dtype=dtype)
     if m and h:
-        _sum_rows_kernel[(m, triton.cdiv(h, _BLOCK))](src, slots, out, h, K=slots.shape[1], BLOCK=_BLOCK, num_warps=4)
+        w = weights if weights is not None else slots  # w_ptr is not read without WEIGHTED
+        _sum_rows_kernel[(m, triton.cdiv(h, _BLOCK))](src, slots, w, out, h, K=slots.shape[1],
+                                                      WEIGHTED=weights is not None, BLOCK=_BLOCK, num_warps=4)
     return out
 
 
@@ -168,9 +181,13 @@ def swiglu_backward(h13: torch.Tensor, grad_a: torch.Tensor, scale: torch.Tensor
     return _swiglu_backward_torch(h13, grad_a, scale, want_a)
 
 
-def sum_rows(src: torch.Tensor, slots: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """src [P, H] contiguous, slots [M, K] int64 (each row's source rows, -1 past its last) -> [M, H]:
+def sum_rows(src: torch.Tensor, slots: torch.Tensor, dtype: Optional[torch.dtype] = None,
+             weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """src [P, H] contiguous, slots [M, K] int64 (each row's source rows, -1 where none) -> [M, H]:
     out[m] = src[slots[m, 0]] + src[slots[m, 1]] + ..., from +0.0, left to right in float32, rounded
-    once to `dtype` (default src's)."""
+    once to `dtype` (default src's); with weights [P] float32 each term is weights[slot] * src[slot]
+    (a float32 product, then the add)."""
     dtype = dtype or src.dtype
-    return _sum_rows_triton(src, slots, dtype) if use_triton(src) else _sum_rows_torch(src, slots, dtype)
+    if use_triton(src):
+        return _sum_rows_triton(src, slots, dtype, weights)
+    return _sum_rows_torch(src, slots, dtype, weights)

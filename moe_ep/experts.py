@@ -6,9 +6,11 @@ out = w2 @ (silu(w1 @ x) * (w3 @ x)). w1 and w3 are two parameters over ONE allo
 per expert under its GLOBAL id (`{e}.w1`, `{e}.w2`, `{e}.w3`), so a checkpoint written at one
 expert-parallel size loads at another: merge the ranks' dicts and every rank picks its own experts.
 
-The forward pass of normal mode, per (row, local expert) pair sorted by expert: gather the rows,
-gate/up GEMM, SwiGLU scaled by the router weight (one pass, moe_ep.expert_kernels), down GEMM,
-and a fixed-order sum of each row's pairs. The backward is written out (dX and dW as grouped GEMMs,
+The forward pass, per (row, local expert) pair sorted by expert: gate/up GEMM, SwiGLU scaled by
+the router weight (one pass, moe_ep.expert_kernels), down GEMM. `forward_sorted` takes the pairs
+already grouped (the layer's normal mode: an expert-major dispatch made them, its combine sums each
+row's); `forward` takes rows and does both ends itself: the sort and gather of the pairs, and a
+fixed-order sum of each row's pairs. The backward is written out (dX and dW as grouped GEMMs,
 the SwiGLU backward in one pass) rather than left to autograd, whose index backward adds with
 atomics (CUDA; CPU threads in float32) and so changes the bits from run to run.
 """
@@ -201,8 +203,9 @@ def _fused_w13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
 class GroupedExperts(nn.Module):
     """SwiGLU experts first_expert .. first_expert + E_l - 1 of num_experts.
 
-    recompute_swiglu=True keeps less for backward (docs/api.md): the activation and the expert-sorted
-    copy of the rows are computed again there (one elementwise pass, one gather) instead of kept.
+    recompute_swiglu=True keeps less for backward (docs/api.md): the activation is computed again
+    there (one elementwise pass) instead of kept, and with `forward`'s rows the expert-sorted copy of
+    them too (one gather).
     """
 
     def __init__(self, num_experts: int, num_local_experts: int, first_expert: int, hidden: int, ffn_hidden: int,
@@ -262,9 +265,13 @@ class GroupedExperts(nn.Module):
         ascending k in float32, rounded once.
         """
         r = route(topk_idx, self.num_local_experts)
-        scale = topk_weights.reshape(-1)[r.pairs]
+        return self._apply_experts(x, topk_weights.reshape(-1)[r.pairs], r.rows, r.slots, r.counts)
+
+    def _apply_experts(self, x: torch.Tensor, scale: torch.Tensor, rows: Optional[torch.Tensor],
+                       slots: Optional[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+        """_SwiGLUExperts over this module's weights, in the WeightGradPool when one is open."""
         pool = self._pool if torch.is_grad_enabled() else None
-        return _SwiGLUExperts.apply(x, scale, self.w1, self.w3, self.w2, r.rows, r.slots, r.counts,
+        return _SwiGLUExperts.apply(x, scale, self.w1, self.w3, self.w2, rows, slots, counts,
                                     self.recompute_swiglu, pool, pool.register() if pool is not None else -1)
 
     @contextlib.contextmanager
@@ -281,9 +288,9 @@ class GroupedExperts(nn.Module):
 
     def forward_sorted(self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Rows already grouped by local expert, one pair per row (counts [E_l] rows per expert, in
-        order; weights [P] float32) -> [P, H] weighted outputs in the same order: no gather, no sum."""
-        return _SwiGLUExperts.apply(x, weights, self.w1, self.w3, self.w2, None, None, counts,
-                                    self.recompute_swiglu)
+        order; weights [P] float32) -> [P, H] weighted outputs in the same order, in the weights'
+        dtype: no gather, no sum (an expert-major dispatch's pairs; its combine sums each row's)."""
+        return self._apply_experts(x, weights, None, None, counts)
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """Low-latency mode: x [E_l, C, H] expert-major rows (each expert's valid rows first)

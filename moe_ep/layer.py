@@ -1,4 +1,7 @@
 """MoE: router -> dispatch -> grouped SwiGLU experts (weighted in their epilogue) -> combine.
+Exact-size normal mode dispatches expert-major (moe_ep.expert_major): the experts get their
+(row, local expert) pairs grouped by expert and the combine sums each row's pairs, so the layer
+runs no permutation pass of its own.
 
 Everything crosses ranks through one `moe_ep.Buffer`, so the layer runs on every backend. The
 Buffer fixes hidden size, expert count and top-k; this rank owns experts
@@ -52,10 +55,12 @@ class SwiGLU(nn.Module):
 
 
 @torch.compiler.disable
-def _sparse_experts(experts: GroupedExperts, d: autograd.Dispatched) -> torch.Tensor:
-    """Exact-size mode's experts split their rows by per-expert counts on the host (a sync), so
+def _sparse_experts(experts: GroupedExperts, d: autograd.ExpertMajorDispatched) -> torch.Tensor:
+    """Exact-size mode's experts over an expert-major dispatch's pairs (no sort, gather or row sum
+    here: the dispatch grouped them, its combine sums them). Their GEMMs split the pairs by
+    per-expert counts (a host read, except with torch._grouped_mm) over data-dependent sizes, so
     torch.compile runs them eagerly: that mode's one graph break."""
-    return experts(d.x, d.topk_idx, d.topk_weights)
+    return experts.forward_sorted(d.x, d.tokens_per_expert, d.weights)
 
 
 class MoE(nn.Module):
@@ -67,8 +72,8 @@ class MoE(nn.Module):
     With expert_bias=True, call update_expert_bias() once per optimizer step (collective).
     worst_case=True: normal mode dispatches R * T rows and runs every local expert on all of them
     (static shapes, no wait for the counts: torch.compile without graph breaks, CUDA graphs).
-    recompute_swiglu=True: normal mode's experts recompute their SwiGLU activation (and their
-    expert-sorted copy of the rows) in backward instead of keeping it (docs/api.md says what is kept).
+    recompute_swiglu=True: normal mode's experts recompute their SwiGLU activation in backward instead
+    of keeping it (docs/api.md says what is kept).
     overlap_chunks=C: normal mode splits a forward's tokens into C chunks; on GPUs the experts of chunk i
     run on the caller's stream while dispatch i+1 and combine i-1 run on the Buffer's communication
     stream, forward and backward (moe_ep.overlap). Every rank must pass the same C: the first
@@ -142,9 +147,28 @@ class MoE(nn.Module):
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=cfg.group)
         return "low_latency" if int(most.item()) <= self.low_latency_max_tokens else "normal"
 
-    def run_experts(self, d: autograd.Dispatched) -> torch.Tensor:
-        """Normal mode's local experts over one dispatch's rows -> [M, H] weighted sums, float."""
-        return self._static_experts(d) if self.worst_case else _sparse_experts(self.experts, d)
+    @property
+    def _pair_dtype(self) -> torch.dtype:
+        """What exact-size mode's pairs travel to and from the experts in: the experts' dtype where an
+        expert-major combine sums it (bf16, float32), else float32."""
+        dtype = self.experts.w1.dtype
+        return dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+
+    def dispatch(self, tokens: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor) -> autograd.Dispatched | autograd.ExpertMajorDispatched:
+        """Normal mode's differentiable dispatch of tokens [N, H] bf16: worst-case mode's R * T rows, or
+        exact-size mode's expert-major pairs (moe_ep.expert_major)."""
+        if self.worst_case:
+            return autograd.dispatch(self.buffer, tokens, topk_idx, topk_weights, worst_case=True)
+        return autograd.dispatch_expert_major(self.buffer, tokens, topk_idx, topk_weights, dtype=self._pair_dtype)
+
+    def run_experts(self, d: autograd.Dispatched | autograd.ExpertMajorDispatched) -> torch.Tensor:
+        """Normal mode's local experts over one dispatch -> what its combine takes: worst-case mode's
+        [M, H] bf16 weighted row sums, exact-size mode's [P, H] weighted pair outputs (bf16 or float32,
+        summed per row by the combine in float32 and rounded once)."""
+        if self.worst_case:
+            return self._static_experts(d).to(torch.bfloat16)
+        return _sparse_experts(self.experts, d).to(self._pair_dtype)
 
     def shared_forward(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
         """The shared expert over tokens [N, H] in its weights' dtype, or None without one."""

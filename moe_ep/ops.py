@@ -10,7 +10,8 @@ Custom ops take tensors and plain values only. Two registries bridge the gap:
   tensors), so it stays a Python object; the entry lives as long as that id tensor.
 
 Shapes (docs/api.md): dispatch gives M = R * T rows with worst_case=True, else a data-dependent M
-(an unbacked size while tracing); low-latency outputs are [E_l, R * T, ...].
+(an unbacked size while tracing), and dispatch_expert_major a data-dependent number of pairs P;
+low-latency outputs are [E_l, R * T, ...].
 """
 from __future__ import annotations
 
@@ -85,33 +86,56 @@ def _(x, topk_idx, topk_weights, buffer_id, worst_case):
             x.new_empty(m, dtype=torch.int32), _fake_handle())
 
 
+@torch.library.custom_op("moe_ep::dispatch_expert_major", mutates_args=())
+def dispatch_expert_major(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, buffer_id: int,
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Buffer.dispatch(..., expert_major=True) -> (pairs [P, H] in `dtype` (bf16 or float32: the experts'),
+    pair_weights [P] float32, tokens_per_expert [E_l] int32 (pairs per local expert), handle). Its
+    backward sums each row's pair gradients in float32 before the one rounding to bf16, so `dtype`
+    float32 keeps a float32 gradient unrounded until then."""
+    res = _buffer(buffer_id).dispatch(x, topk_idx, topk_weights, expert_major=True)
+    return res.x.to(dtype), res.pair_weights, res.tokens_per_expert_tensor.clone(), _store(res.handle)
+
+
+@dispatch_expert_major.register_fake
+def _(x, topk_idx, topk_weights, buffer_id, dtype):
+    cfg = _buffer(buffer_id).cfg
+    p = torch.library.get_ctx().new_dynamic_size()
+    return (x.new_empty(p, x.shape[1], dtype=dtype), topk_weights.new_empty(p),
+            x.new_empty(cfg.num_local_experts, dtype=torch.int32), _fake_handle())
+
+
 @torch.library.custom_op("moe_ep::combine", mutates_args=())
 def combine(x: torch.Tensor, handle: torch.Tensor, num_tokens: int, buffer_id: int) -> torch.Tensor:
-    """Buffer.combine of x [M, H] through a dispatch's handle -> [num_tokens, H]."""
+    """Buffer.combine of x through a dispatch's handle -> [num_tokens, H] bf16 (x: rows [M, H] bf16, or an
+    expert-major handle's pairs [P, H] bf16 or float32)."""
     return _buffer(buffer_id).combine(x, _handle(handle))
 
 
 @combine.register_fake
 def _(x, handle, num_tokens, buffer_id):
-    return x.new_empty(num_tokens, x.shape[1])
+    return x.new_empty(num_tokens, x.shape[1], dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("moe_ep::combine_with_weights", mutates_args=())
 def combine_with_weights(x: torch.Tensor, topk_weights: torch.Tensor, handle: torch.Tensor, num_tokens: int,
                          buffer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Buffer.combine(x, handle, topk_weights=...) -> ([num_tokens, H] bf16, [num_tokens, K] float32): the
-    weights travel with the rows. Dispatch's backward; it has no backward of its own."""
+    weights ([M, K], or [P] per pair for an expert-major handle) travel with the rows. Dispatch's
+    backward; it has no backward of its own."""
     return _buffer(buffer_id).combine(x, _handle(handle), topk_weights=topk_weights)
 
 
 @combine_with_weights.register_fake
 def _(x, topk_weights, handle, num_tokens, buffer_id):
-    return x.new_empty(num_tokens, x.shape[1]), topk_weights.new_empty(num_tokens, topk_weights.shape[1])
+    k = _buffer(buffer_id).cfg.num_topk
+    return x.new_empty(num_tokens, x.shape[1], dtype=torch.bfloat16), topk_weights.new_empty(num_tokens, k)
 
 
 @torch.library.custom_op("moe_ep::cached_dispatch", mutates_args=())
 def cached_dispatch(x: torch.Tensor, handle: torch.Tensor, num_rows: int, buffer_id: int) -> torch.Tensor:
-    """Buffer.dispatch(x, handle=...) -> [num_rows, H] (num_rows: the handle's dispatch output rows)."""
+    """Buffer.dispatch(x, handle=...) -> [num_rows, H] (num_rows: the handle's dispatch output rows, or
+    its pairs for an expert-major handle)."""
     return _buffer(buffer_id).dispatch(x, handle=_handle(handle)).x
 
 
@@ -126,30 +150,44 @@ def _dispatch_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(output[-1])
 
 
-def _dispatch_backward(ctx: Any, grad_x: torch.Tensor, _grad_idx: None, grad_w: torch.Tensor, *_rest: None) -> tuple:
-    """One combine of the rows' gradient, carrying the weights' gradient when that is needed
-    (moe_ep.autograd); Buffer.combine always moves rows, so a weights-only backward sends them too."""
+def _send_back(ctx: Any, rows: torch.Tensor, grad_w: torch.Tensor) -> tuple:
+    """A dispatch's backward: one combine of the rows' (or pairs') gradient, carrying the weights'
+    gradient when that is needed (moe_ep.autograd); Buffer.combine always moves rows, so a
+    weights-only backward sends them too."""
     (handle,) = ctx.saved_tensors
-    rows = grad_x.to(torch.bfloat16).contiguous()
     if not ctx.needs_input_grad[2]:
         return combine(rows, handle, ctx.num_tokens, ctx.buffer_id), None, None, None, None
     gx, gw = combine_with_weights(rows, grad_w.contiguous(), handle, ctx.num_tokens, ctx.buffer_id)
     return gx if ctx.needs_input_grad[0] else None, None, gw, None, None
 
 
+def _dispatch_backward(ctx: Any, grad_x: torch.Tensor, _grad_idx: None, grad_w: torch.Tensor, *_rest: None) -> tuple:
+    """Rows cross ranks in bf16: the rows' gradient is rounded once before the combine."""
+    return _send_back(ctx, grad_x.to(torch.bfloat16).contiguous(), grad_w)
+
+
 def _combine_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    ctx.num_rows, ctx.buffer_id = inputs[0].shape[0], inputs[3]
+    ctx.num_rows, ctx.buffer_id, ctx.dtype = inputs[0].shape[0], inputs[3], inputs[0].dtype
     ctx.save_for_backward(inputs[1])
 
 
 def _combine_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """A cached dispatch of the output gradient: every row gets the gradient of the token it fed."""
+    """A cached dispatch of the output gradient: every row (or pair) gets the gradient of the token it fed."""
     (handle,) = ctx.saved_tensors
-    return cached_dispatch(grad.to(torch.bfloat16).contiguous(), handle, ctx.num_rows, ctx.buffer_id), None, None, None
+    rows = cached_dispatch(grad.to(torch.bfloat16).contiguous(), handle, ctx.num_rows, ctx.buffer_id)
+    return rows.to(ctx.dtype), None, None, None
+
+
+def _dispatch_expert_major_backward(ctx: Any, grad_x: torch.Tensor, grad_w: torch.Tensor, *_rest: None) -> tuple:
+    """The expert-major combine of the pairs' gradient, as it comes (bf16 or float32): each row's pairs
+    are summed in float32 and rounded once; the pair weights' gradient goes back to the top-k slots."""
+    return _send_back(ctx, grad_x.contiguous(), grad_w)
 
 
 torch.library.register_autograd("moe_ep::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
 torch.library.register_autograd("moe_ep::combine", _combine_backward, setup_context=_combine_setup)
+torch.library.register_autograd("moe_ep::dispatch_expert_major", _dispatch_expert_major_backward,
+                                setup_context=_dispatch_setup)
 
 
 # ---- low-latency mode -----------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def chunked(moe: "MoE", tokens: torch.Tensor, routing: RouterOutput,
     x = tokens.to(torch.bfloat16).contiguous()
     xs, idx, w = x.tensor_split(c), routing.topk_idx.tensor_split(c), routing.topk_weights.tensor_split(c)
     routed = streams.mark()  # dispatches wait for the router only, not for the shared expert or experts
-    sent: list[Optional[autograd.Dispatched]] = [None] * c
+    sent: list[Optional[autograd.Dispatched | autograd.ExpertMajorDispatched]] = [None] * c
     arrived: list[Optional[torch.cuda.Event]] = [None] * c
     rows: list[Optional[torch.Tensor]] = [None] * c
     outs: list[Optional[torch.Tensor]] = [None] * c
@@ -120,7 +120,7 @@ def chunked(moe: "MoE", tokens: torch.Tensor, routing: RouterOutput,
     def send(i: int) -> None:
         with streams.on_comm(routed, x, routing.topk_idx, routing.topk_weights):
             part = (lambda t: t) if c == 1 else _aligned  # C = 1: the tensors themselves, as before chunking
-            sent[i] = autograd.dispatch(moe.buffer, part(xs[i]), part(idx[i]), part(w[i]), worst_case=moe.worst_case)
+            sent[i] = moe.dispatch(part(xs[i]), part(idx[i]), part(w[i]))
         arrived[i] = streams.mark(comm=True)
 
     def back(i: int) -> None:
@@ -134,8 +134,8 @@ def chunked(moe: "MoE", tokens: torch.Tensor, routing: RouterOutput,
             if i + 1 < c:
                 send(i + 1)
             d = sent[i]
-            streams.wait(arrived[i], d.x, d.topk_idx, d.topk_weights, d.tokens_per_expert, d.src_rank)
-            rows[i] = moe.run_experts(d).to(torch.bfloat16)
+            streams.wait(arrived[i], *d.tensors())
+            rows[i] = moe.run_experts(d)
             if i > 0:
                 back(i - 1)
     back(c - 1)

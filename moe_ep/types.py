@@ -16,6 +16,27 @@ class DispatchLayout:
     is_token_in_rank: torch.Tensor  # [N, R] bool
 
 
+@dataclass(frozen=True)
+class ExpertMajorLayout:
+    """Where an expert-major dispatch put each (received row, local expert) pair (moe_ep.expert_major).
+
+    Pairs are grouped by local expert in ascending order, each expert's block padded up to a multiple
+    of `alignment` with pairs of no row; inside a block, pairs follow the received rows (source rank,
+    then source token). A row that names one local expert in several top-k slots has one pair for it.
+    """
+
+    rows: torch.Tensor  # [P] int64: the received row of each pair, -1 for alignment padding
+    positions: torch.Tensor  # [M, K] int64: the pair of top-k slot (m, k), -1 where topk_idx[m, k] is -1
+    slots: torch.Tensor  # [M, K] int64: positions with each pair at its first slot only (-1 elsewhere)
+    counts: list[int]  # [E_l] pairs per local expert, padding included
+    counts_tensor: torch.Tensor  # [E_l] int32 on the device, the same values
+    alignment: int  # the dispatch's expert_alignment
+
+    @property
+    def num_pairs(self) -> int:
+        return self.rows.shape[0]
+
+
 @dataclass
 class DispatchHandle:
     """What combine (and a cached dispatch) needs to send rows back the way they came.
@@ -33,14 +54,17 @@ class DispatchHandle:
     src_index: torch.Tensor  # [M] int32, -1 for padding rows
     worst_case: bool = False
     state: Any = None  # backend-private
+    expert_major: Optional[ExpertMajorLayout] = None  # set by an expert-major dispatch: combine takes pairs
 
 
 @dataclass
 class DispatchResult:
-    """Rows received by this rank, ordered by source rank then source token index."""
+    """Rows received by this rank, ordered by source rank then source token index; with
+    expert_major=True, x and x_scales hold (row, local expert) pairs grouped by expert instead
+    (handle.expert_major says where each pair came from), and the other fields still describe rows."""
 
-    x: torch.Tensor  # [M, H] bf16, or e4m3 for FP8 dispatch
-    x_scales: Optional[torch.Tensor]  # [M, H / 128] float32 for FP8 dispatch
+    x: torch.Tensor  # [M, H] bf16, or e4m3 for FP8 dispatch; [P, H] pairs when expert-major
+    x_scales: Optional[torch.Tensor]  # [M, H / 128] float32 for FP8 dispatch ([P, H / 128] when expert-major)
     topk_idx: Optional[torch.Tensor]  # [M, K] int64 local expert ids, -1 where the expert is elsewhere
     topk_weights: Optional[torch.Tensor]  # [M, K] float32, 0 where topk_idx is -1
     tokens_per_expert: Optional[list[int]]  # [E_l], aligned up to expert_alignment; None in worst-case mode
@@ -49,6 +73,7 @@ class DispatchResult:
     src_index: torch.Tensor  # [M] int32
     handle: DispatchHandle
     event: Optional["EventHandle"] = None
+    pair_weights: Optional[torch.Tensor] = None  # [P] float32 router weight of each pair (fresh expert-major dispatch)
 
 
 @dataclass

@@ -60,6 +60,15 @@ def _opcheck(buf: moe_ep.Buffer, fp8_buf: moe_ep.Buffer, g: torch.Generator) -> 
                           (y.detach(), _randn(g, dev, src_rank.shape[0], TOPK), handle, 7, bid))
     torch.library.opcheck(torch.ops.moe_ep.cached_dispatch.default,
                           (x.detach(), handle, src_rank.shape[0], bid))
+    for dtype in (torch.bfloat16, torch.float32):  # expert-major: pairs in, pairs' gradients out
+        torch.library.opcheck(torch.ops.moe_ep.dispatch_expert_major.default, (x, idx, w, bid, dtype),
+                              test_utils=FRESH_ID)
+    pairs, _, _, em_handle = ops.dispatch_expert_major(x.detach(), idx, w.detach(), bid, torch.float32)
+    yp = _randn(g, dev, *pairs.shape).requires_grad_()
+    torch.library.opcheck(torch.ops.moe_ep.combine.default, (yp, em_handle, 7, bid))
+    torch.library.opcheck(torch.ops.moe_ep.combine_with_weights.default,
+                          (yp.detach(), _randn(g, dev, pairs.shape[0]), em_handle, 7, bid))
+    torch.library.opcheck(torch.ops.moe_ep.cached_dispatch.default, (x.detach(), em_handle, pairs.shape[0], bid))
     torch.library.opcheck(torch.ops.moe_ep.low_latency_dispatch.default, (x.detach(), idx, bid, False, False),
                           test_utils=FRESH_ID)
     recv, _, _, ll_handle = ops.low_latency_dispatch(x.detach(), idx, bid, False, False)

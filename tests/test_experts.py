@@ -255,11 +255,16 @@ def _triton_check(device: str, seed: int) -> None:
         idx, _ = _routing(g, max(p // k, 1) if p else 0, k, E_L)
         slots = route(idx, E_L).slots.to(device)
         src = torch.randn(int((slots >= 0).sum()), h, generator=g).to(torch.bfloat16).to(device)
-        got, want = ek._sum_rows_triton(src, slots, torch.bfloat16), ek._sum_rows_torch(src, slots, torch.bfloat16)
+        got, want = ek._sum_rows_triton(src, slots, torch.bfloat16, None), ek._sum_rows_torch(src, slots, torch.bfloat16, None)
         if device == "cuda":  # the same float32 sums, rounded to nearest even by both
             assert torch.equal(got, want), f"seed {seed}: sum_rows"
         else:  # Triton's interpreter rounds float32 -> bf16 ties its own way
             torch.testing.assert_close(got, want, rtol=8e-3, atol=0, msg=f"seed {seed}: sum_rows")
+        # weighted (an expert-major combine's pair_weights): Triton may fuse the product into the add
+        weights = torch.randn(src.shape[0], generator=g).to(device)
+        got = ek._sum_rows_triton(src.float(), slots, torch.float32, weights)
+        want = ek._sum_rows_torch(src.float(), slots, torch.float32, weights)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"seed {seed}: weighted sum_rows")
 
 
 def _triton_importable() -> bool:

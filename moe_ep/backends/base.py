@@ -183,13 +183,15 @@ class Backend(abc.ABC):
         handle: Optional[DispatchHandle],
         expert_alignment: int,
         worst_case: bool,
+        expert_major: bool,
         num_sms: int,
         knobs: Config,
         previous_event: Optional[EventHandle],
         async_op: bool,
     ) -> DispatchResult:
         """Normal-mode dispatch. With `handle`, reuse its layout (cached dispatch: topk_* are None
-        and the result's topk_idx/topk_weights are None). `knobs`: the call's kernel knobs (speed only)."""
+        and the result's topk_idx/topk_weights are None). `knobs`: the call's kernel knobs (speed only).
+        expert_major: the received rows as pairs (moe_ep.expert_major.expand, after the exchange)."""
 
     @abc.abstractmethod
     def combine(
@@ -198,12 +200,14 @@ class Backend(abc.ABC):
         handle: DispatchHandle,
         *,
         topk_weights: Optional[torch.Tensor],
+        pair_weights: Optional[torch.Tensor],
         num_sms: int,
         knobs: Config,
         previous_event: Optional[EventHandle],
         async_op: bool,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:
-        """Normal-mode combine: (rows [N, H], the combined topk_weights [N, K] or None without them, event)."""
+        """Normal-mode combine: (rows [N, H], the combined topk_weights [N, K] or None without them, event).
+        An expert-major handle's pairs are first summed per row (moe_ep.expert_major.combine_inputs)."""
 
     @abc.abstractmethod
     def low_latency_dispatch(

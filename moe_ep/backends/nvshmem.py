@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from .. import _native
+from .. import expert_major as pairs
 from ..types import (
     DispatchLayout,
     DispatchResult,
@@ -79,17 +80,21 @@ class NvshmemBackend(Backend):
         self._error.check()  # local call: what earlier calls without a host sync recorded
         return layout
 
-    def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, num_sms, knobs,
-                 previous_event, async_op) -> DispatchResult:
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
+                 num_sms, knobs, previous_event, async_op) -> DispatchResult:
+        """The kernels move rows; an expert-major result is one gather after them (moe_ep.expert_major)."""
         stream = self._stream(previous_event)
-        return normal_dispatch(self._normal, x, x_scales, topk_idx, topk_weights, handle=handle,
-                               expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms, knobs=knobs,
-                               stream=stream, async_op=async_op, check=self._error.check)
+        result = normal_dispatch(self._normal, x, x_scales, topk_idx, topk_weights, handle=handle,
+                                 expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
+                                 knobs=knobs, stream=stream, async_op=async_op, check=self._error.check)
+        return pairs.expand(result, expert_alignment) if expert_major else result
 
-    def combine(self, x, handle, *, topk_weights, num_sms, knobs, previous_event, async_op):
-        """One kernel: the rows, and topk_weights when given, travel back together."""
+    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op):
+        """One kernel: the rows, and topk_weights when given, travel back together (an expert-major
+        handle's pairs summed into rows first, on the current stream)."""
         cfg = self.cfg
         stream = self._stream(previous_event)
+        x, topk_weights = pairs.combine_inputs(x, handle, topk_weights, pair_weights)
         n = handle.num_tokens
         out = torch.empty(n, cfg.hidden, dtype=torch.bfloat16, device=cfg.device)
         out_w = None if topk_weights is None else torch.empty(n, cfg.num_topk, dtype=torch.float32, device=cfg.device)

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import expert_major as pairs
 from .. import fp8
 from ..errors import CommTimeoutError
 from ..types import (
@@ -134,7 +135,7 @@ class ReferenceBackend(Backend):
             is_token_in_rank=is_token_in_rank,
         )
 
-    def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case,
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
                  num_sms, knobs, previous_event, async_op) -> DispatchResult:
         cfg = self.cfg
         if previous_event is not None:
@@ -204,7 +205,7 @@ class ReferenceBackend(Backend):
             worst_case=worst_case,
             state=ReferenceDispatchState(recv_counts, tokens_per_expert_raw),
         )
-        return DispatchResult(
+        result = DispatchResult(
             x=recv_x,
             x_scales=recv_scales,
             topk_idx=recv_topk,
@@ -216,10 +217,12 @@ class ReferenceBackend(Backend):
             handle=new_handle,
             event=record_event(async_op, x.device),
         )
+        return pairs.expand(result, expert_alignment) if expert_major else result
 
-    def combine(self, x, handle, *, topk_weights, num_sms, knobs, previous_event, async_op):
+    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op):
         if previous_event is not None:
             previous_event.wait()
+        x, topk_weights = pairs.combine_inputs(x, handle, topk_weights, pair_weights)
         recv_counts = handle.state.recv_counts
         parts = [x] if topk_weights is None else [x, topk_weights]
         if handle.worst_case:
