@@ -2,7 +2,7 @@
 
 Scales are DeepSeek-V3's blocks: activations carry one float32 scale per row per 128 channels
 (moe_ep.fp8, what FP8 dispatch sends), weights one per 128 x 128 block. The forward of normal mode,
-per (row, local expert) pair sorted by expert (moe_ep.experts.route):
+per (row, local expert) pair grouped by expert (moe_ep.expert_major's layout of the received rows):
   1. gate/up GEMM: the pairs' FP8 rows, gathered inside the GEMM's loads (no gather pass, no
      dequantization pass), times the FP8 w13 -> h13 [P, 2F] bf16. Each 128-deep K step's product is
      scaled by (row scale x block scale) and added to a float32 accumulator.
@@ -20,9 +20,9 @@ from typing import Optional
 
 import torch
 
-from . import fp8
+from . import expert_major, fp8
 from .expert_kernels import sum_rows, use_triton
-from .experts import GroupedExperts, route
+from .experts import GroupedExperts
 from .grouped_gemm import launch_grid
 
 try:
@@ -263,13 +263,16 @@ def check_shapes(hidden: int, ffn_hidden: int) -> None:
 
 
 def experts_forward(weights: FP8ExpertWeights, x: torch.Tensor, x_scale: torch.Tensor, topk_idx: torch.Tensor,
-                    topk_weights: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+                    topk_weights: torch.Tensor, counts: list[int], counts_tensor: torch.Tensor) -> torch.Tensor:
     """Normal mode's FP8 experts over received rows: x [M, H] e4m3 with x_scale [M, H / 128],
-    topk_idx [M, K] LOCAL ids (-1: elsewhere), topk_weights [M, K] float32 -> [M, H] bf16,
-    row m = sum_k w[m, k] * expert_{idx[m, k]}(x[m]), its pairs summed from +0.0 in ascending k."""
-    r = route(topk_idx, num_local_experts)
-    scale = topk_weights.reshape(-1)[r.pairs].float().contiguous()
-    h13 = grouped_gemm(x, x_scale, r.rows, r.counts, weights.w13, weights.w13_scale)
+    topk_idx [M, K] LOCAL ids (-1: elsewhere), topk_weights [M, K] float32, counts pairs per local
+    expert (the dispatch's tokens_per_expert, on the host and the device) -> [M, H] bf16,
+    row m = sum_k w[m, k] * expert_{idx[m, k]}(x[m]), its pairs summed from +0.0 in ascending k.
+    The pairs' order is moe_ep.expert_major's (found on the device, no sort); their rows are read
+    by the gate/up GEMM itself, so no [P, H] copy is made."""
+    layout = expert_major.build_layout(topk_idx, counts, counts_tensor, 1)
+    scale = expert_major.pair_weights(topk_weights, layout)
+    h13 = grouped_gemm(x, x_scale, layout.rows, layout.counts_tensor, weights.w13, weights.w13_scale)
     a, a_scale = swiglu_quant(h13, scale)
-    y = grouped_gemm(a, a_scale, None, r.counts, weights.w2, weights.w2_scale)
-    return sum_rows(y, r.slots, torch.bfloat16)
+    y = grouped_gemm(a, a_scale, None, layout.counts_tensor, weights.w2, weights.w2_scale)
+    return sum_rows(y, layout.slots, torch.bfloat16)

@@ -221,7 +221,7 @@ class MoE(nn.Module):
         q, scales = fp8.quantize(tokens.to(torch.bfloat16))
         d = self.buffer.dispatch(q, routing.topk_idx, routing.topk_weights, x_scales=scales)
         y = fp8_experts_module.experts_forward(self.fp8_weights.get(self.experts), d.x, d.x_scales, d.topk_idx,
-                                               d.topk_weights, self.buffer.cfg.num_local_experts)
+                                               d.topk_weights, d.tokens_per_expert, d.tokens_per_expert_tensor)
         return self.buffer.combine(y, d.handle)
 
     def forward(self, x: torch.Tensor, mode: Optional[str] = None) -> torch.Tensor:
