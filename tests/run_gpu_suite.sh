@@ -24,12 +24,12 @@ lane() {  # lane NAME "test selection@time limit in s" ...
   done
   rm -f "$out/$name.part"
 }
-lane A tests/test_gpu_fuzz.py@420 "tests/test_fp8_experts.py -k gpu@90" &
+lane A tests/test_gpu_fuzz.py@420 "tests/test_fp8_experts.py -k gpu@90" "tests/test_expert_major.py -k gpu@90" &
 lane B tests/test_gpu_intranode.py@220 tests/test_gpu_low_latency.py@80 tests/test_gpu_crossnode.py@150 \
   "tests/test_overlap.py -k gpu@150" &
 lane C tests/test_gpu_faults.py@130 "tests/test_layer.py -k gpu@90" "tests/test_deep_ep.py -k gpu@60" \
   "tests/test_compile.py -k gpu@120" "tests/test_one_rank_bad_input.py -k gpu@60" "tests/test_train.py -k gpu@70" \
-  "tests/test_expert_major.py -k gpu@90" \
+  \
   tests/test_gpu_runtime.py@40 tests/test_gpu_determinism.py@90 tests/test_gpu_config.py@60 &
 wait
 began=$SECONDS
