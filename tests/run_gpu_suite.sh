@@ -29,7 +29,6 @@ lane B tests/test_gpu_intranode.py@220 tests/test_gpu_low_latency.py@80 tests/te
   "tests/test_overlap.py -k gpu@150" &
 lane C tests/test_gpu_faults.py@130 "tests/test_layer.py -k gpu@90" "tests/test_deep_ep.py -k gpu@60" \
   "tests/test_compile.py -k gpu@120" "tests/test_one_rank_bad_input.py -k gpu@60" "tests/test_train.py -k gpu@70" \
-  \
   tests/test_gpu_runtime.py@40 tests/test_gpu_determinism.py@90 tests/test_gpu_config.py@60 &
 wait
 began=$SECONDS
