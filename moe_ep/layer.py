@@ -1,7 +1,7 @@
 """MoE: router -> dispatch -> grouped SwiGLU experts (weighted in their epilogue) -> combine.
-Exact-size normal mode dispatches expert-major (moe_ep.expert_major): the experts get their
-(row, local expert) pairs grouped by expert and the combine sums each row's pairs, so the layer
-runs no permutation pass of its own.
+With expert_major=True exact-size normal mode dispatches expert-major (moe_ep.expert_major): the
+experts get their (row, local expert) pairs grouped by expert and the combine sums each row's
+pairs, so the layer runs no permutation pass of its own.
 
 Everything crosses ranks through one `moe_ep.Buffer`, so the layer runs on every backend. The
 Buffer fixes hidden size, expert count and top-k; this rank owns experts
@@ -55,6 +55,13 @@ class SwiGLU(nn.Module):
 
 
 @torch.compiler.disable
+def _row_experts(experts: GroupedExperts, d: autograd.Dispatched) -> torch.Tensor:
+    """Exact-size mode's experts over dispatched rows: each row's pairs sorted by expert (a host read
+    of the counts), so torch.compile runs them eagerly: that mode's one graph break."""
+    return experts(d.x, d.topk_idx, d.topk_weights)
+
+
+@torch.compiler.disable
 def _sparse_experts(experts: GroupedExperts, d: autograd.ExpertMajorDispatched) -> torch.Tensor:
     """Exact-size mode's experts over an expert-major dispatch's pairs (no sort, gather or row sum
     here: the dispatch grouped them, its combine sums them). Their GEMMs split the pairs by
@@ -83,6 +90,10 @@ class MoE(nn.Module):
     the remaining SMs. With C chunks a forward may hold up to C * max_tokens_per_rank tokens per rank.
     The shared expert, when present, runs while the first dispatch is in flight when C >= 2 (C = 1
     keeps every kernel on the caller's stream, as before overlap existed) and in decode (start()).
+    expert_major=True: exact-size normal mode dispatches (row, local expert) pairs grouped by expert
+    (moe_ep.expert_major) and its combine sums them, so the experts sort, gather and sum nothing; off by
+    default until it is measured faster (docs/benchmarks.md, issue 21: 9.56 against 7.7-8.2 ms per forward
+    at the issue's shape, before its position scan was moved to the fast dimension; not measured since).
     fp8_experts=True (forward only: prefill and serving, under torch.no_grad()): normal mode dispatches
     the tokens in FP8 and the experts' grouped GEMMs read those rows and their per-128 scales
     directly, against FP8 copies of the weights with 128 x 128 block scales (moe_ep.fp8_experts);
@@ -95,7 +106,7 @@ class MoE(nn.Module):
                  bias_update_rate: float = 1e-3, capacity_factor: Optional[float] = None,
                  shared_ffn_hidden: int = 0, low_latency_max_tokens: int = 128, low_latency_fp8: bool = False,
                  worst_case: bool = False, dtype: Optional[torch.dtype] = None, recompute_swiglu: bool = False,
-                 overlap_chunks: int = 1, fp8_experts: bool = False) -> None:
+                 overlap_chunks: int = 1, fp8_experts: bool = False, expert_major: bool = False) -> None:
         super().__init__()
         cfg = buffer.cfg
         if fp8_experts:
@@ -131,6 +142,7 @@ class MoE(nn.Module):
                              if expert_bias else None, persistent=False)
         self.last_routing: Optional[RouterOutput] = None
         self.fp8_weights = fp8_experts_module.FP8WeightCache() if fp8_experts else None
+        self.expert_major = bool(expert_major)
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -157,9 +169,9 @@ class MoE(nn.Module):
     def dispatch(self, tokens: torch.Tensor, topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor) -> autograd.Dispatched | autograd.ExpertMajorDispatched:
         """Normal mode's differentiable dispatch of tokens [N, H] bf16: worst-case mode's R * T rows, or
-        exact-size mode's expert-major pairs (moe_ep.expert_major)."""
-        if self.worst_case:
-            return autograd.dispatch(self.buffer, tokens, topk_idx, topk_weights, worst_case=True)
+        exact-size mode's rows, or its expert-major pairs with expert_major=True (moe_ep.expert_major)."""
+        if self.worst_case or not self.expert_major:
+            return autograd.dispatch(self.buffer, tokens, topk_idx, topk_weights, worst_case=self.worst_case)
         return autograd.dispatch_expert_major(self.buffer, tokens, topk_idx, topk_weights, dtype=self._pair_dtype)
 
     def run_experts(self, d: autograd.Dispatched | autograd.ExpertMajorDispatched) -> torch.Tensor:
@@ -168,6 +180,8 @@ class MoE(nn.Module):
         summed per row by the combine in float32 and rounded once)."""
         if self.worst_case:
             return self._static_experts(d).to(torch.bfloat16)
+        if not self.expert_major:
+            return _row_experts(self.experts, d).to(torch.bfloat16)
         return _sparse_experts(self.experts, d).to(self._pair_dtype)
 
     def shared_forward(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:

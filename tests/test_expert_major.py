@@ -328,6 +328,7 @@ def _step(moe: moe_ep.MoE, x0: torch.Tensor, grad_out: torch.Tensor, old: bool) 
         out, routing = _old_layer(moe, x)
         aux = routing.aux_loss + routing.z_loss
     else:
+        moe.expert_major = True
         out = moe(x, mode="normal")
         aux = moe.aux_loss
     ((out.float() * grad_out).sum() + aux).backward()
