@@ -5,7 +5,6 @@ TRITON_INTERPRET=1; skipped without Triton), and the layer runs the torch versio
 kernels themselves and the layer on the native backend against the reference one, bit for bit."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -120,16 +119,12 @@ def _kernel_cases(dev: torch.device) -> None:
     tma = fe.GemmTiles(bm=16, bn=64, num_warps=4, num_stages=1, tma=True)  # tiles may cross experts: masked
     _gemm_case(dev, 6, 3, 256, 256, [5, 0, 37], 50, True, tma)
     _gemm_case(dev, 7, 3, 384, 256, [21, 0, 30], 51, False, fe.GemmTiles(bm=16, bn=256, num_warps=4, num_stages=1, tma=True))
-    paired = fe.GemmTiles(bm=16, bn=64, num_warps=4, num_stages=1, tma=False, paired=True)
-    _gemm_case(dev, 10, 3, 128, 384, [5, 0, 37], 50, True, paired)  # three K steps: a pair and a single
-    _gemm_case(dev, 11, 2, 128, 512, [16, 33], 49, False, dataclasses.replace(paired, tma=True))
     _swiglu_case(dev, 40, 256)
     _swiglu_case(dev, 1, 128)
     if dev.type == "cuda":  # the shipped tiles on shapes where they matter
         _gemm_case(dev, 4, 8, 1024, 2048, [300, 0, 129, 128, 1, 700, 64, 250], 900, True, fe.TILES)
         _gemm_case(dev, 5, 8, 512, 1024, [300, 0, 129, 128, 1, 700, 64, 250], 1572, False, fe.TILES)
-        for tiles in (fe.GemmTiles(64, 128, 4, 4, tma=False), fe.GemmTiles(128, 128, 8, 3, tma=True),
-                      fe.GemmTiles(64, 256, 8, 3, tma=True, paired=True), fe.GemmTiles(64, 128, 4, 4, tma=False, paired=True)):
+        for tiles in (fe.GemmTiles(64, 128, 4, 4, tma=False), fe.GemmTiles(128, 128, 8, 3, tma=True)):
             _gemm_case(dev, 8, 8, 1024, 2048, [300, 0, 129, 128, 1, 700, 64, 250], 900, True, tiles)
             _gemm_case(dev, 9, 8, 512, 1024, [300, 0, 129, 128, 1, 700, 64, 250], 1572, False, tiles)
         _swiglu_case(dev, 1000, 1024)
