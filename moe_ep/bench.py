@@ -4,8 +4,8 @@ On GPUs (NCCL group): N1 (normal mode, native backend at several SM budgets, the
 on NCCL, and raw NCCL all_to_all_single moving the same bytes), L1 (low-latency) and optionally a
 hidden x tokens sweep. Normal and eager low-latency calls are also timed "cold" (right after a
 device sync and a host barrier, so the host's own time counts). The "layer" case times moe_ep.MoE
-forward, backward and both (ms and TFLOP/s of the routing it ran) at overlap_chunks 1, 2 and 4 on the
-native and the reference backend, beside (GPU only) the layer's grouped GEMMs alone and a dense bf16
+forward, backward and both (ms and TFLOP/s of the routing it ran) at overlap_chunks 1, 2 and 4, with
+expert_major=True at 1, and the FP8 experts' forward, on the native and the reference backend, beside (GPU only) the layer's grouped GEMMs alone and a dense bf16
 matmul ceiling, and a decode step of two micro-batches (MoE.start/compute/finish) interleaved and
 in sequence; it runs with one rank too. With --ranks-per-node K the native
 N1 and L1 rows are measured a second time with the group cut into nodes of K ranks (K=1 on one
@@ -480,7 +480,7 @@ def dense_ceiling(timer: Timer, device: torch.device, n: int = 8192) -> tuple[fl
 
 def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.device, gemms: bool) -> list[Row]:
     """moe_ep.MoE forward, backward and both (normal mode, bf16 experts) on one backend at each of
-    OVERLAP_CHUNKS, with FLOPs from the pairs this rank's experts computed; with `gemms`, the layer's
+    OVERLAP_CHUNKS, and with expert_major=True at C = 1 (rows "... expert-major C=1"), with FLOPs from the pairs this rank's experts computed; with `gemms`, the layer's
     grouped GEMMs alone on as many pairs and the dense bf16 ceiling (rows of backend "torch"). What
     it allocates is garbage once it returns (the caller collects it before the next case)."""
     rows: list[Row] = []
@@ -488,14 +488,14 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.dev
                 max_tokens_per_rank=shape.tokens, backend=backend, device=device) as buf:
         sms = buf.config.num_sms if buf.backend_name == "nvshmem" else None
         x, grad = layer_inputs(shape, buf.device, seed=buf.rank)
-        for chunks in OVERLAP_CHUNKS:
+        for chunks, expert_major in [(c, False) for c in OVERLAP_CHUNKS] + [(1, True)]:
             torch.manual_seed(0)  # the same weights for every C, the router's the same on every rank
-            moe = MoE(buf, shape.ffn, dtype=torch.bfloat16, overlap_chunks=chunks)
+            moe = MoE(buf, shape.ffn, dtype=torch.bfloat16, overlap_chunks=chunks, expert_major=expert_major)
             times = time_layer(timer, moe, x, grad)
             pairs = expert_pairs(buf, moe.last_routing.topk_idx)
-            rows += [_row(buf, "layer", f"{op} C={chunks}", sms, shape.tokens, us,
-                          flop=k * layer_flop(pairs, shape.hidden, shape.ffn),
-                          extra={"overlap_chunks": chunks, "pairs": pairs})
+            rows += [_row(buf, "layer", f"{op}{' expert-major' if expert_major else ''} C={chunks}", sms, shape.tokens,
+                          us, flop=k * layer_flop(pairs, shape.hidden, shape.ffn),
+                          extra={"overlap_chunks": chunks, "pairs": pairs, "expert_major": expert_major})
                      for (op, k), us in zip(LAYER_PASSES, times)]
             del moe
             gc.collect()

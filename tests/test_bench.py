@@ -26,7 +26,8 @@ from moe_ep.config import DEFAULT_NUM_SMS
 from tests._dist import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout under test, whatever folder a rank starts in
-LAYER_OPS = {f"{op} C={c}" for op in ("forward", "backward", "forward_backward") for c in (1, 2, 4)} | {"forward FP8 C=1"}
+LAYER_OPS = ({f"{op} C={c}" for op in ("forward", "backward", "forward_backward") for c in (1, 2, 4)}
+             | {f"{op} expert-major C=1" for op in ("forward", "backward", "forward_backward")} | {"forward FP8 C=1"})
 DECODE_OPS = {"2 in sequence", "2 interleaved", "comm only (2 x d + c)"}
 GPU_ONLY_COLUMNS = ("SMs", "cold us", "overhead", "kernel us", "%link", "DeepEP", "speedup")
 
