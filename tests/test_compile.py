@@ -173,12 +173,14 @@ def _body(rank: int, world: int, seed: int, backend: str, parts: tuple[str, ...]
             _check_inductor([(low_latency, "low_latency"), (worst_case, "normal")], rank, g)
             torch._dynamo.reset()
         if "aot_eager" in parts:
-            exact = MoE(buf, 24)
-            _check_mode(exact, "normal", [10, 4 + rank], rank, g, fullgraph=False)
-            torch._dynamo.reset()
-            x = _randn(g, buf.device, 8, buf.cfg.hidden)
-            breaks = torch._dynamo.explain(exact)(x, mode="normal").break_reasons
-            assert breaks and all("_sparse_experts" in str(b.reason) for b in breaks), [str(b.reason) for b in breaks]
+            # exact-size mode, on rows (default) and on expert-major pairs: one graph break, at the experts
+            for expert_major, experts_fn in ((False, "_row_experts"), (True, "_sparse_experts")):
+                exact = MoE(buf, 24, expert_major=expert_major)
+                _check_mode(exact, "normal", [10, 4 + rank], rank, g, fullgraph=False)
+                torch._dynamo.reset()
+                x = _randn(g, buf.device, 8, buf.cfg.hidden)
+                breaks = torch._dynamo.explain(exact)(x, mode="normal").break_reasons
+                assert breaks and all(experts_fn in str(b.reason) for b in breaks), [str(b.reason) for b in breaks]
             torch._dynamo.reset()
     # Inductor may reuse a dead handle tensor's storage for a scalar output of the same graph (the
     # router's num_dropped), so a handle lives as long as the last RouterOutput a module keeps.
