@@ -35,10 +35,16 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _swiglu_torch(h13: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def swiglu_wide(h13: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The torch versions' activation silu(gate) * up * scale in float32 (float64 for float64 input),
+    not rounded: swiglu rounds it to h13's dtype, the FP8 experts quantize it (moe_ep.fp8_experts)."""
     f = h13.shape[1] // 2
     g, u = _wide(h13[:, :f]), _wide(h13[:, f:])
-    return (g * torch.sigmoid(g) * u * scale.unsqueeze(1)).to(h13.dtype)
+    return g * torch.sigmoid(g) * u * scale.unsqueeze(1)
+
+
+def _swiglu_torch(h13: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return swiglu_wide(h13, scale).to(h13.dtype)
 
 
 def _swiglu_backward_torch(h13: torch.Tensor, grad_a: torch.Tensor, scale: torch.Tensor,
@@ -71,7 +77,7 @@ def _sum_rows_torch(src: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype,
 if triton is not None:
 
     @triton.jit
-    def _act(g, u, scale):
+    def activation(g, u, scale):
         """sigmoid(g), silu(g) and the scaled activation, in one order for forward and recompute."""
         sig = 1.0 / (1.0 + tl.exp(-g))
         silu = g * sig
@@ -84,7 +90,7 @@ if triton is not None:
         mask = col < F
         g = tl.load(h_ptr + row * 2 * F + col, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_ptr + row * 2 * F + F + col, mask=mask, other=0.0).to(tl.float32)
-        _sig, _silu, a = _act(g, u, tl.load(scale_ptr + row))
+        _sig, _silu, a = activation(g, u, tl.load(scale_ptr + row))
         tl.store(a_ptr + row * F + col, a.to(a_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -100,7 +106,7 @@ if triton is not None:
             g = tl.load(h_ptr + row * 2 * F + col, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(h_ptr + row * 2 * F + F + col, mask=mask, other=0.0).to(tl.float32)
             da = tl.load(da_ptr + row * F + col, mask=mask, other=0.0).to(tl.float32)
-            sig, silu, a = _act(g, u, scale)
+            sig, silu, a = activation(g, u, scale)
             acc += da * (silu * u)
             ds = da * scale
             tl.store(dh_ptr + row * 2 * F + col, (ds * u * sig * (1.0 + g * (1.0 - sig))).to(dh_ptr.dtype.element_ty),

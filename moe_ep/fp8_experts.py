@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from . import expert_major, fp8
-from .expert_kernels import sum_rows, use_triton
+from .expert_kernels import sum_rows, swiglu_wide, use_triton
 from .experts import GroupedExperts
 from .grouped_gemm import launch_grid
 
@@ -94,14 +94,12 @@ def _grouped_gemm_torch(a: torch.Tensor, a_scale: torch.Tensor, rows: Optional[t
 
 
 def _swiglu_quant_torch(h13: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    f = h13.shape[1] // 2
-    g, u = h13[:, :f].float(), h13[:, f:].float()
-    a = (g * torch.sigmoid(g)) * u * scale.unsqueeze(1)
-    return fp8.quantize(a)
+    return fp8.quantize(swiglu_wide(h13, scale))
 
 
 # ---- Triton kernels ------------------------------------------------------------------------------
 if triton is not None:
+    from .expert_kernels import activation
     from .grouped_gemm import expert_tile
 
     @triton.jit
@@ -163,7 +161,7 @@ if triton is not None:
         g = tl.load(h_ptr + r64[:, None] * 2 * F + col[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         u = tl.load(h_ptr + r64[:, None] * 2 * F + F + col[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         w = tl.load(scale_ptr + row, mask=ok, other=0.0)
-        a = (g / (1.0 + tl.exp(-g))) * u * w[:, None]
+        _sig, _silu, a = activation(g, u, w[:, None])  # the bf16 experts' activation formula
         amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-4)
         s = tl.fdiv(amax, tl.full(amax.shape, 448.0, tl.float32), ieee_rounding=True)
         q = tl.fdiv(a, s[:, None], ieee_rounding=True)
