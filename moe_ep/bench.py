@@ -508,13 +508,12 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.dev
                 rows += [_row(buf, "layer", f"{name} C={chunks}", None, shape.tokens, chunks * us, backend="torch",
                               flop=chunks * flop, config=None, extra={"overlap_chunks": chunks})
                          for name, (us, flop) in timed.items() if name.startswith("GEMMs")]
-            p = (pairs // buf.num_local_experts) * buf.num_local_experts
             timed = {name: (timer.call_us(fn), flop)
                      for name, (fn, flop) in fp8_gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn,
                                                             buf.device).items()}
             rows.append(_row(buf, "layer", "FP8 GEMMs forward C=1", None, shape.tokens, sum(v[0] for v in timed.values()),
                              backend="triton", flop=sum(v[1] for v in timed.values()), config=None,
-                             extra={"pairs": p, "tiles": asdict(fp8_experts.TILES),
+                             extra={"tiles": asdict(fp8_experts.TILES),
                                     "parts_us": {name: v[0] for name, v in timed.items()}}))
             us, flop = dense_ceiling(timer, buf.device)
             rows.append(_row(buf, "layer", "dense bf16 8192^3", None, shape.tokens, us, backend="torch", flop=flop,
@@ -584,7 +583,7 @@ COLUMNS = [
     Column("op", 22, lambda r: r.op, left=True),
     Column("backend", 9, lambda r: r.backend, left=True),
     Column("nodes", 5, lambda r: r.topology or None),
-    Column("GPU", 10, lambda r: f"shared/{r.ranks_per_gpu}" if r.shared_gpu else None),
+    Column("GPU", 10, lambda r: f"{r.ranks_per_gpu}-way" if r.shared_gpu else None),
     Column("SMs", 4, lambda r: _num(r.sms, "d"), "only the native backend takes an SM budget"),
     Column("tokens", 6, lambda r: str(r.tokens)),
     Column("hidden", 6, lambda r: str(r.hidden)),
@@ -640,7 +639,7 @@ def print_table(rows: list[Row], notes: Optional[list[str]] = None) -> None:
     if left_out:
         lines.append(left_out)
     if any(r.shared_gpu for r in rows):
-        lines.append("GPU shared/N: N ranks time-sliced on one GPU: results are valid, timings say nothing about "
+        lines.append("GPU N-way: N ranks time-sliced on one GPU: results are valid, timings say nothing about "
                      "links (no link limit, no DeepEP comparison)")
     print("\n".join(lines + (notes or []) + kernel_lines(rows)))
 

@@ -177,8 +177,8 @@ def test_shared_gpu_rows_are_labelled_and_never_against_the_link(tmp_path: Path,
     out = capsys.readouterr().out.splitlines()
     head = out[0]
     assert "GPU" in head and "%link" not in head and "DeepEP" not in head, head
-    assert all("shared/2" in line for line in out[2:2 + len(rows)])
-    assert any(line.startswith("GPU shared/N:") for line in out) and "a note" in out
+    assert all("2-way" in line for line in out[2:2 + len(rows)])
+    assert any(line.startswith("GPU N-way:") for line in out) and "a note" in out
 
 
 def test_overhead_is_never_negative() -> None:
