@@ -4,9 +4,10 @@ On GPUs (NCCL group): N1 (normal mode, native backend at several SM budgets, the
 on NCCL, and raw NCCL all_to_all_single moving the same bytes), L1 (low-latency) and optionally a
 hidden x tokens sweep. Normal and eager low-latency calls are also timed "cold" (right after a
 device sync and a host barrier, so the host's own time counts). The "layer" case times moe_ep.MoE
-forward, backward and both (ms and TFLOP/s of the routing it ran) at overlap_chunks 1, 2 and 4, with
-expert_major=True at 1, and the FP8 experts' forward, on the native and the reference backend, beside (GPU only) the layer's grouped GEMMs alone and a dense bf16
-matmul ceiling, and a decode step of two micro-batches (MoE.start/compute/finish) interleaved and
+forward, backward and both (ms and TFLOP/s of the routing it ran) at overlap_chunks 1, 2 and 4, on
+the row path (expert_major=False) at 1, and the FP8 experts' forward, on the native and the reference
+backend, beside (GPU only) the layer's grouped GEMMs alone (equal groups, and the router's) and a
+dense bf16 matmul ceiling, and a decode step of two micro-batches (MoE.start/compute/finish) interleaved and
 in sequence; it runs with one rank too. With --ranks-per-node K the native
 N1 and L1 rows are measured a second time with the group cut into nodes of K ranks (K=1 on one
 machine: every byte between GPUs takes the cross-node kernels' network leg), next to the NVLink
@@ -131,14 +132,15 @@ def layer_flop(pairs: int, hidden: int, ffn: int) -> float:
     return 6.0 * pairs * hidden * ffn
 
 
-def expert_pairs(buf: Buffer, topk_idx: torch.Tensor) -> int:
-    """The (row, local expert) pairs this rank's experts computed for the routing `topk_idx` [N, K]
-    of every rank (collective: one all_reduce of per-expert counts); dropped slots (-1) count nothing."""
+def expert_counts(buf: Buffer, topk_idx: torch.Tensor) -> torch.Tensor:
+    """[E_l] int64: the (row, local expert) pairs each of this rank's experts computed for the routing
+    `topk_idx` [N, K] of every rank (collective: one all_reduce of per-expert counts); dropped slots
+    (-1) count nothing."""
     cfg = buf.cfg
     counts = torch.bincount(topk_idx[topk_idx >= 0].reshape(-1), minlength=cfg.num_experts).to(buf.device)
     dist.all_reduce(counts)
     first = buf.rank * cfg.num_local_experts
-    return int(counts[first:first + cfg.num_local_experts].sum())
+    return counts[first:first + cfg.num_local_experts]
 
 
 class Timer:
@@ -395,15 +397,20 @@ def time_layer(timer: Timer, moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> l
                           setup=zero)
 
 
-def gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int,
-               device: torch.device) -> dict[str, tuple[Callable[[], object], float]]:
+def gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int, device: torch.device,
+               counts: Optional[torch.Tensor] = None) -> dict[str, tuple[Callable[[], object], float]]:
     """Each grouped GEMM of the experts alone (torch._grouped_mm: sm90 GPUs), on `pairs` rows in equal
-    groups: name -> (call, FLOPs). "fwd" names are a forward's GEMMs (gate/up fused, down), "bwd"
-    a backward's (dA, dW2, dX, dW1 + dW3); "cmp" the forward with gate and up unfused, for comparison."""
+    groups, or in groups of `counts` [E_l] rows (the router's): name -> (call, FLOPs). "fwd" names are a
+    forward's GEMMs (gate/up fused, down), "bwd" a backward's (dA, dW2, dX, dW1 + dW3); "cmp" the
+    forward with gate and up unfused, for comparison."""
     e, h, f, bf = local_experts, hidden, ffn, torch.bfloat16
-    group = max(pairs // e, 1)
-    p = group * e
-    offs = torch.arange(1, e + 1, device=device, dtype=torch.int32) * group
+    if counts is None:
+        group = max(pairs // e, 1)
+        p = group * e
+        offs = torch.arange(1, e + 1, device=device, dtype=torch.int32) * group
+    else:
+        p = int(counts.sum())
+        offs = torch.cumsum(counts.to(device), 0).to(torch.int32)
     x, dy = (torch.randn(p, h, device=device, dtype=bf) for _ in range(2))
     h13, a = torch.randn(p, 2 * f, device=device, dtype=bf), torch.randn(p, f, device=device, dtype=bf)
     w13 = torch.randn(e, 2 * f, h, device=device, dtype=bf) * 0.02
@@ -463,7 +470,7 @@ def bench_fp8_layer(timer: Timer, buf: Buffer, shape: LayerShape, x: torch.Tenso
         want = models[0](x, mode="normal").float()
         got = models[1](x, mode="normal").float()
         error = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
-        pairs = expert_pairs(buf, models[1].last_routing.topk_idx)
+        pairs = int(expert_counts(buf, models[1].last_routing.topk_idx).sum())
         us = timer.call_us(lambda: models[1](x, mode="normal"))
     del models
     gc.collect()
@@ -480,20 +487,23 @@ def dense_ceiling(timer: Timer, device: torch.device, n: int = 8192) -> tuple[fl
 
 def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.device, gemms: bool) -> list[Row]:
     """moe_ep.MoE forward, backward and both (normal mode, bf16 experts) on one backend at each of
-    OVERLAP_CHUNKS, and with expert_major=True at C = 1 (rows "... expert-major C=1"), with FLOPs from the pairs this rank's experts computed; with `gemms`, the layer's
-    grouped GEMMs alone on as many pairs and the dense bf16 ceiling (rows of backend "torch"). What
+    OVERLAP_CHUNKS (the layer's default, expert-major dispatch), and on the row path (expert_major=False)
+    at C = 1 (rows "... row path C=1"), with FLOPs from the pairs this rank's experts computed; with
+    `gemms`, the layer's grouped GEMMs alone on as many pairs in equal groups and in the router's
+    groups ("... router's groups C=1"), and the dense bf16 ceiling (rows of backend "torch"). What
     it allocates is garbage once it returns (the caller collects it before the next case)."""
     rows: list[Row] = []
     with Buffer(hidden=shape.hidden, num_experts=shape.experts, num_topk=shape.topk,
                 max_tokens_per_rank=shape.tokens, backend=backend, device=device) as buf:
         sms = buf.config.num_sms if buf.backend_name == "nvshmem" else None
         x, grad = layer_inputs(shape, buf.device, seed=buf.rank)
-        for chunks, expert_major in [(c, False) for c in OVERLAP_CHUNKS] + [(1, True)]:
+        for chunks, expert_major in [(c, True) for c in OVERLAP_CHUNKS] + [(1, False)]:
             torch.manual_seed(0)  # the same weights for every C, the router's the same on every rank
             moe = MoE(buf, shape.ffn, dtype=torch.bfloat16, overlap_chunks=chunks, expert_major=expert_major)
             times = time_layer(timer, moe, x, grad)
-            pairs = expert_pairs(buf, moe.last_routing.topk_idx)
-            rows += [_row(buf, "layer", f"{op}{' expert-major' if expert_major else ''} C={chunks}", sms, shape.tokens,
+            counts = expert_counts(buf, moe.last_routing.topk_idx)
+            pairs = int(counts.sum())
+            rows += [_row(buf, "layer", f"{op}{'' if expert_major else ' row path'} C={chunks}", sms, shape.tokens,
                           us, flop=k * layer_flop(pairs, shape.hidden, shape.ffn),
                           extra={"overlap_chunks": chunks, "pairs": pairs, "expert_major": expert_major})
                      for (op, k), us in zip(LAYER_PASSES, times)]
@@ -508,6 +518,11 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.dev
                 rows += [_row(buf, "layer", f"{name} C={chunks}", None, shape.tokens, chunks * us, backend="torch",
                               flop=chunks * flop, config=None, extra={"overlap_chunks": chunks})
                          for name, (us, flop) in timed.items() if name.startswith("GEMMs")]
+            cases = gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn, buf.device, counts=counts)
+            timed = time_gemms(timer, {name: case for name, case in cases.items() if not name.startswith("cmp")})
+            rows += [_row(buf, "layer", f"{name} router's groups C=1", None, shape.tokens, us, backend="torch",
+                          flop=flop, config=None, extra={"overlap_chunks": 1, "groups": counts.tolist()})
+                     for name, (us, flop) in timed.items() if name.startswith("GEMMs")]
             timed = {name: (timer.call_us(fn), flop)
                      for name, (fn, flop) in fp8_gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn,
                                                             buf.device).items()}

@@ -253,8 +253,7 @@ def experts_forward(weights: FP8ExpertWeights, x: torch.Tensor, x_scale: torch.T
     row m = sum_k w[m, k] * expert_{idx[m, k]}(x[m]), its pairs summed from +0.0 in ascending k.
     The pairs' order is moe_ep.expert_major's (found on the device, no sort); their rows are read
     by the gate/up GEMM itself, so no [P, H] copy is made."""
-    layout = expert_major.build_layout(topk_idx, counts, counts_tensor, 1)
-    scale = expert_major.pair_weights(topk_weights, layout)
+    layout, scale = expert_major.build_layout(topk_idx, topk_weights, counts, counts_tensor, 1)
     h13 = grouped_gemm(x, x_scale, layout.rows, layout.counts_tensor, weights.w13, weights.w13_scale)
     a, a_scale = swiglu_quant(h13, scale)
     y = grouped_gemm(a, a_scale, None, layout.counts_tensor, weights.w2, weights.w2_scale)

@@ -1,7 +1,7 @@
 """MoE: router -> dispatch -> grouped SwiGLU experts (weighted in their epilogue) -> combine.
-With expert_major=True exact-size normal mode dispatches expert-major (moe_ep.expert_major): the
-experts get their (row, local expert) pairs grouped by expert and the combine sums each row's
-pairs, so the layer runs no permutation pass of its own.
+Exact-size normal mode dispatches expert-major by default (moe_ep.expert_major): the experts get
+their (row, local expert) pairs grouped by expert and the combine sums each row's pairs, so the
+layer runs no permutation pass of its own (expert_major=False: rows, sorted by the experts).
 
 Everything crosses ranks through one `moe_ep.Buffer`, so the layer runs on every backend. The
 Buffer fixes hidden size, expert count and top-k; this rank owns experts
@@ -90,10 +90,11 @@ class MoE(nn.Module):
     the remaining SMs. With C chunks a forward may hold up to C * max_tokens_per_rank tokens per rank.
     The shared expert, when present, runs while the first dispatch is in flight when C >= 2 (C = 1
     keeps every kernel on the caller's stream, as before overlap existed) and in decode (start()).
-    expert_major=True: exact-size normal mode dispatches (row, local expert) pairs grouped by expert
-    (moe_ep.expert_major) and its combine sums them, so the experts sort, gather and sum nothing; off by
-    default until it is measured faster (docs/benchmarks.md, issue 21: 9.56 against 7.7-8.2 ms per forward
-    at the issue's shape, before its position scan was moved to the fast dimension; not measured since).
+    expert_major=True (the default): exact-size normal mode dispatches (row, local expert) pairs grouped
+    by expert (moe_ep.expert_major) and its combine sums them, so the experts sort, gather and sum
+    nothing and the forward makes one host sync (the dispatch's counts) instead of two (docs/benchmarks.md,
+    issue 21: 7.61 against 7.91 ms per forward at the issue's shape); expert_major=False keeps rows and
+    sorts them by expert in the experts (experts.route).
     fp8_experts=True (forward only: prefill and serving, under torch.no_grad()): normal mode dispatches
     the tokens in FP8 and the experts' grouped GEMMs read those rows and their per-128 scales
     directly, against FP8 copies of the weights with 128 x 128 block scales (moe_ep.fp8_experts);
@@ -106,7 +107,7 @@ class MoE(nn.Module):
                  bias_update_rate: float = 1e-3, capacity_factor: Optional[float] = None,
                  shared_ffn_hidden: int = 0, low_latency_max_tokens: int = 128, low_latency_fp8: bool = False,
                  worst_case: bool = False, dtype: Optional[torch.dtype] = None, recompute_swiglu: bool = False,
-                 overlap_chunks: int = 1, fp8_experts: bool = False, expert_major: bool = False) -> None:
+                 overlap_chunks: int = 1, fp8_experts: bool = False, expert_major: bool = True) -> None:
         super().__init__()
         cfg = buffer.cfg
         if fp8_experts:

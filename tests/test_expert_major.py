@@ -31,6 +31,7 @@ import torch
 import moe_ep
 from moe_ep import autograd, fp8
 from tests._dist import device, requires_gpus, run_workers
+from tests._interpret import run_interpreted
 from tests.oracle import (
     Inputs,
     assert_same_bits,
@@ -376,6 +377,76 @@ def test_expert_major(world: int) -> None:
     run_workers(world, _worker)
 
 
+# ---- the layout itself: torch and Triton against loops ---------------------------------------------
+LAYOUT_CASES = [  # (seed, rows, local experts, k, routing, alignment): a BLOCK (512) boundary, padding, no rows
+    (1, 700, 16, 8, "random", 1), (2, 600, 8, 6, "skewed", 4), (3, 513, 4, 4, "one_expert", 3),
+    (4, 40, 16, 8, "none", 1), (5, 0, 8, 2, "random", 2), (6, 300, 1, 3, "skewed", 8),
+]
+
+
+def _layout_oracle(idx: list[list[int]], w: list[list[float]], e_l: int, alignment: int):
+    """Plain loops: for local expert e ascending, the rows naming e in order, then padding; each
+    pair's weight its slots' weights added in ascending k from +0.0 (float32)."""
+    rows, weights, counts = [], [], []
+    positions = [[-1] * len(r) for r in idx]
+    slots = [[-1] * len(r) for r in idx]
+    for e in range(e_l):
+        start = len(rows)
+        for m, r in enumerate(idx):
+            if e not in r:
+                continue
+            acc = torch.zeros((), dtype=torch.float32)
+            for j, v in enumerate(r):
+                if v == e:
+                    positions[m][j] = len(rows)
+                    acc = acc + torch.tensor(w[m][j], dtype=torch.float32)
+            slots[m][r.index(e)] = len(rows)
+            rows.append(m)
+            weights.append(acc)
+        while (len(rows) - start) % alignment:
+            rows.append(-1)
+            weights.append(torch.zeros((), dtype=torch.float32))
+        counts.append(len(rows) - start)
+    return rows, positions, slots, torch.stack(weights) if weights else torch.zeros(0), counts
+
+
+def _layout_cases(dev: torch.device, force_torch: bool = False) -> None:
+    """Every LAYOUT_CASES case through moe_ep.expert_major's layout (the Triton kernel on CUDA or when
+    interpreted; `force_torch` the torch version) against _layout_oracle, bitwise."""
+    from moe_ep import expert_major as em
+
+    for seed, m, e_l, k, routing, alignment in LAYOUT_CASES:
+        g = torch.Generator().manual_seed(seed)
+        idx = random_topk(routing, m, e_l, k, g, device="cpu")
+        w = torch.randn(m, k, generator=g)
+        rows, positions, slots, weights, counts = _layout_oracle(idx.tolist(), w.tolist(), e_l, alignment)
+        ct = torch.tensor(counts, dtype=torch.int32, device=dev)
+        p = sum(counts)
+        what = f"layout case {seed} on {dev}{' (torch)' if force_torch else ''}"
+        if force_torch:
+            got_rows, got_pos, got_slots = em._layout_torch(idx.to(dev), ct, p, e_l)
+            got_w = em._pair_weights_torch(w.to(dev), got_pos, p)
+        else:
+            got_rows, got_pos, got_slots, got_w = em._layout_triton(idx.to(dev), w.to(dev), ct, p)
+        assert got_rows.tolist() == rows, f"{what}: rows"
+        assert got_pos.tolist() == positions, f"{what}: positions"
+        assert got_slots.tolist() == slots, f"{what}: slots"
+        assert_same_bits(got_w.cpu(), weights, f"{what}: pair weights")
+
+
+def interpreted_layout_cases() -> None:
+    """Entry of the interpreter subprocess: the Triton layout kernel on CPU tensors."""
+    _layout_cases(torch.device("cpu"))
+
+
+def test_layout_torch() -> None:
+    _layout_cases(torch.device("cpu"), force_torch=True)
+
+
+def test_layout_kernel_in_triton_interpreter() -> None:
+    run_interpreted("tests.test_expert_major", "interpreted_layout_cases")
+
+
 # ---- GPU: the native backend against the reference backend ---------------------------------------
 GPU_SHAPES = {  # (hidden, experts, topk, max_tokens_per_rank) -> (seed, tokens per rank, routing, alignment, fp8)
     (2048, 32, 8, 256): [(11, (256, 0), "random", 1, False), (12, (77, 200), "skewed", 4, False),
@@ -434,6 +505,8 @@ def _gpu_case(nat: moe_ep.Buffer, ref: moe_ep.Buffer, shape: tuple, case: tuple,
 
 
 def _gpu_worker(rank: int, world: int) -> None:
+    if rank == 0:
+        _layout_cases(torch.device("cuda"))
     for shape, cases in GPU_SHAPES.items():
         hidden, experts, k, t = shape
         common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t)
