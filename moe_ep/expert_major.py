@@ -29,13 +29,13 @@ import torch
 
 from .backends.base import record_event
 from .expert_kernels import sum_rows, use_triton
+from .types import DispatchHandle, DispatchResult, ExpertMajorLayout
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch layout serves
     triton = None
-from .types import DispatchHandle, DispatchResult, ExpertMajorLayout
 
 
 def build_layout(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], counts: list[int],
@@ -49,17 +49,17 @@ def build_layout(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], c
     if use_triton(topk_idx):
         rows, positions, slots, weights = _layout_triton(topk_idx, topk_weights, counts_tensor, p)
     else:
-        rows, positions, slots = _layout_torch(topk_idx, counts_tensor, p, len(counts))
+        rows, positions, slots = _layout_torch(topk_idx, counts_tensor, p)
         weights = None if topk_weights is None else _pair_weights_torch(topk_weights, positions, p)
     return ExpertMajorLayout(rows, positions, slots, list(counts), counts_tensor, alignment), weights
 
 
-def _layout_torch(topk_idx: torch.Tensor, counts_tensor: torch.Tensor, p: int,
-                  e_l: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layout_torch(topk_idx: torch.Tensor, counts_tensor: torch.Tensor,
+                  p: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows [P], positions [M, K], slots [M, K]) in torch ops (no boolean indexing: what has no pair
     is written to a spare entry)."""
     m, k = topk_idx.shape
-    dev = topk_idx.device
+    e_l, dev = counts_tensor.shape[0], topk_idx.device
     valid = topk_idx >= 0
     ids = topk_idx.clamp_min(0)
     hit = torch.zeros(m, e_l + 1, dtype=torch.bool, device=dev)

@@ -8,9 +8,9 @@ expert-parallel size loads at another: merge the ranks' dicts and every rank pic
 
 The forward pass, per (row, local expert) pair sorted by expert: gate/up GEMM, SwiGLU scaled by
 the router weight (one pass, moe_ep.expert_kernels), down GEMM. `forward_sorted` takes the pairs
-already grouped (the layer's normal mode with expert_major=True: an expert-major dispatch made
-them, its combine sums each row's); `forward` (the layer's default) takes rows and does both ends itself: the sort and gather of the pairs, and a
-fixed-order sum of each row's pairs. The backward is written out (dX and dW as grouped GEMMs,
+already grouped (the layer's default normal mode: an expert-major dispatch made them, its combine
+sums each row's); `forward` (the layer with expert_major=False) takes rows and does both ends
+itself: the sort and gather of the pairs, and a fixed-order sum of each row's pairs. The backward is written out (dX and dW as grouped GEMMs,
 the SwiGLU backward in one pass) rather than left to autograd, whose index backward adds with
 atomics (CUDA; CPU threads in float32) and so changes the bits from run to run.
 """
@@ -130,10 +130,18 @@ class WeightGradPool:
 
         xs, dh13, dy, a = pooled("xs"), pooled("dh13"), pooled("dy"), pooled("a")
         groups = _groups(xs if xs is not None else dy, counts.sum(0))
-        dw1 = groups.mm_t(dh13[:, :f], xs) if xs is not None else None
-        dw3 = groups.mm_t(dh13[:, f:], xs) if xs is not None else None
-        dw2 = groups.mm_t(dy, a) if dy is not None else None
-        return dw1, dw3, dw2
+        return _weight_grads(groups, f, xs, dh13, dy, a, xs is not None, xs is not None, dy is not None)
+
+
+def _weight_grads(groups: _Groups, f: int, xs: Optional[torch.Tensor], dh13: Optional[torch.Tensor],
+                  dy: Optional[torch.Tensor], a: Optional[torch.Tensor], need_w1: bool, need_w3: bool,
+                  need_w2: bool) -> tuple[Optional[torch.Tensor], ...]:
+    """(dW1, dW3, dW2) as grouped GEMMs over expert-sorted rows: dH^T X for gate and up, dY^T a for down
+    (None where not needed)."""
+    dw1 = groups.mm_t(dh13[:, :f], xs) if need_w1 else None
+    dw3 = groups.mm_t(dh13[:, f:], xs) if need_w3 else None
+    dw2 = groups.mm_t(dy, a) if need_w2 else None
+    return dw1, dw3, dw2
 
 
 class _SwiGLUExperts(torch.autograd.Function):
@@ -183,9 +191,7 @@ class _SwiGLUExperts(torch.autograd.Function):
             dw1, dw3, dw2 = ctx.pool.add(ctx.pool_index, part, f) or (None, None, None)
             dw1, dw3, dw2 = (dw1 if need_w1 else None), (dw3 if need_w3 else None), (dw2 if need_w2 else None)
         else:
-            dw1 = groups.mm_t(dh13[:, :f], xs) if need_w1 else None
-            dw3 = groups.mm_t(dh13[:, f:], xs) if need_w3 else None
-            dw2 = groups.mm_t(dy, a_w2) if need_w2 else None
+            dw1, dw3, dw2 = _weight_grads(groups, f, xs, dh13, dy, a_w2, need_w1, need_w3, need_w2)
         return dx, dscale if need_scale else None, dw1, dw3, dw2, None, None, None, None, None, None
 
 

@@ -424,7 +424,7 @@ def _layout_cases(dev: torch.device, force_torch: bool = False) -> None:
         p = sum(counts)
         what = f"layout case {seed} on {dev}{' (torch)' if force_torch else ''}"
         if force_torch:
-            got_rows, got_pos, got_slots = em._layout_torch(idx.to(dev), ct, p, e_l)
+            got_rows, got_pos, got_slots = em._layout_torch(idx.to(dev), ct, p)
             got_w = em._pair_weights_torch(w.to(dev), got_pos, p)
         else:
             got_rows, got_pos, got_slots, got_w = em._layout_triton(idx.to(dev), w.to(dev), ct, p)
