@@ -5,8 +5,11 @@ runs no permutation of its own (no sort, no gather, no sum of each row's pairs),
 `Buffer.combine` takes the experts' pair outputs and sums each received row's pairs before sending
 it back. Both backends call this module, after their dispatch exchange and before their combine
 exchange, so they give the same bits by construction: the exchange itself is the normal one and
-moves each token once per destination rank; the expansion to pairs is one gather pass after it,
-the reduction one pass before the combine (docs/api.md says what that costs).
+moves each token once per destination rank. The expansion to pairs follows it: on the NVLink
+kernels, the rows stay in the symmetric workspace they landed in and one kernel copies each into its
+pairs (csrc/kernels/intranode/expand.cu), so a row is copied once, into the experts' input; on the
+reference backend and across nodes, one gather of the received rows. The reduction is one pass
+before the combine (docs/api.md says what that costs).
 
 Layout (types.ExpertMajorLayout): local expert e's pairs sit at [offset[e], offset[e] + count[e]),
 offset the exclusive prefix sum of the per-expert counts, which are the dispatch's
@@ -23,7 +26,7 @@ from +0.0); a combine's per-pair topk_weights go back to every slot of their pai
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -169,10 +172,15 @@ def gather(t: Optional[torch.Tensor], layout: ExpertMajorLayout) -> Optional[tor
     return out
 
 
-def expand(result: DispatchResult, alignment: int) -> DispatchResult:
+PairCopy = Callable[[DispatchResult, ExpertMajorLayout], tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def expand(result: DispatchResult, alignment: int, copy: Optional[PairCopy] = None) -> DispatchResult:
     """A backend's dispatch result as its expert-major one: pairs for rows, the layout in the handle
     (made here for a fresh dispatch; a cached one reuses its handle's), per-pair router weights for a
-    fresh dispatch; the event, when async, recorded again after the gather."""
+    fresh dispatch; the event, when async, recorded again after the expansion. The pairs' (x, scales)
+    come from `copy` when given (the NVLink kernels' expand from their workspace: result.x is then
+    None), else from one gather of the received rows."""
     layout = result.handle.expert_major
     handle = result.handle
     weights = None
@@ -180,7 +188,8 @@ def expand(result: DispatchResult, alignment: int) -> DispatchResult:
         layout, weights = build_layout(result.topk_idx, result.topk_weights, result.tokens_per_expert,
                                        result.tokens_per_expert_tensor, alignment)
         handle = dataclasses.replace(handle, expert_major=layout)
-    x, scales = gather(result.x, layout), gather(result.x_scales, layout)
+    x, scales = copy(result, layout) if copy is not None else (gather(result.x, layout),
+                                                               gather(result.x_scales, layout))
     event = result.event
     if event is not None:
         event = record_event(True, x.device, event.check)

@@ -331,6 +331,11 @@ _ARGS_CASES = [
      dict(_ptrs("x", "src_rank", "src_index", "is_token_in_rank", "pos", "recv_info", "out"), num_rows=7,
           num_tokens=5, with_weights=False, num_blocks=20),
      "src_rank", dict(num_rows=_R * _T + 1), f"num_rows = {_R * _T + 1} exceeds nranks * max_tokens = {_R * _T}"),
+    ("IntranodeExpandArgs", _intranode_dims,
+     dict(_ptrs("rows", "src_rank", "recv_info", "scales", "out_x", "out_scales"), num_pairs=9, num_rows=7,
+          row_bytes=_H, num_scales=_H // 128, num_blocks=20),
+     "out_scales", dict(num_pairs=_R * _T * _K + 1),
+     f"num_pairs = {_R * _T * _K + 1} exceeds nranks * max_tokens * num_topk = {_R * _T * _K}"),
     ("InternodeRouteArgs", _internode_dims,
      dict(_ptrs("topk_idx", "in_rank", "pos", "in_node", "tokens_per_rank", "tokens_per_expert"), num_tokens=5),
      "in_node", dict(num_tokens=-1), "num_tokens = -1 is negative"),
@@ -361,6 +366,7 @@ _ARGS_CASES = [
 ]
 _LAUNCHER = {"IntranodeLayoutArgs": "IntranodeContext.layout", "IntranodeNotifyArgs": "IntranodeContext.notify",
              "IntranodeDispatchArgs": "IntranodeContext.dispatch", "IntranodeCombineArgs": "IntranodeContext.combine",
+             "IntranodeExpandArgs": "IntranodeContext.expand",
              "InternodeRouteArgs": "InternodeContext.route", "InternodeNotifyArgs": "InternodeContext.notify",
              "InternodeDispatchArgs": "InternodeContext.dispatch", "InternodeCombineArgs": "InternodeContext.combine",
              "LowLatencyDispatchArgs": "LowLatencyContext.dispatch",
@@ -404,6 +410,7 @@ def _struct_fields(header: str, struct: str) -> list[str]:
     ("IntranodeNotifyArgs", "kernels/intranode/intranode.h", "NotifyArgs", {"host_info"}),
     ("IntranodeDispatchArgs", "kernels/intranode/intranode.h", "DispatchArgs", set()),
     ("IntranodeCombineArgs", "kernels/intranode/intranode.h", "CombineArgs", set()),
+    ("IntranodeExpandArgs", "kernels/intranode/intranode.h", "ExpandArgs", set()),
     ("InternodeRouteArgs", "kernels/internode/internode.h", "RouteArgs", set()),
     ("InternodeNotifyArgs", "kernels/internode/internode.h", "NotifyArgs", {"host_info"}),
     ("InternodeDispatchArgs", "kernels/internode/internode.h", "DispatchArgs", set()),
@@ -441,6 +448,20 @@ def test_launch_args_checks_follow_the_call_sizes() -> None:
         native.IntranodeDispatchArgs(**{**cached, "num_rows": 7}).check(d)
     with pytest.raises(ValueError, match=r"num_scales = 2 with bf16 rows"):
         native.IntranodeDispatchArgs(**{**cached, "row_bytes": 2 * _H}).check(d)
+    # rows that stay in the workspace (expert-major NVLink dispatch): no out_x, and none may be given
+    native.IntranodeDispatchArgs(**{**cached, "out_x": 0, "rows_in_workspace": True}).check(d)
+    with pytest.raises(ValueError, match=r"^IntranodeContext.dispatch: out_x is null$"):
+        native.IntranodeDispatchArgs(**{**cached, "out_x": 0}).check(d)
+    with pytest.raises(ValueError, match=r"out_x must be 0 with rows_in_workspace"):
+        native.IntranodeDispatchArgs(**{**cached, "rows_in_workspace": True}).check(d)
+    # an expand with no pairs reads and writes nothing but recv_info; bf16 pairs need no scales
+    native.IntranodeExpandArgs(rows=0, num_pairs=0, num_rows=0, src_rank=0, recv_info=1, row_bytes=2 * _H,
+                               num_scales=0, out_x=0, num_blocks=1).check(d)
+    native.IntranodeExpandArgs(rows=1, num_pairs=3, num_rows=2, src_rank=2, recv_info=3, row_bytes=2 * _H,
+                               num_scales=0, out_x=4, num_blocks=1).check(d)
+    with pytest.raises(ValueError, match=r"^IntranodeContext.expand: out_scales is null$"):
+        native.IntranodeExpandArgs(rows=1, num_pairs=3, num_rows=2, src_rank=2, recv_info=3, row_bytes=_H,
+                                   num_scales=_H // 128, scales=5, out_x=4, num_blocks=1).check(d)
     combine = dict(x=1, num_rows=3, src_rank=2, src_index=3, is_token_in_rank=4, pos=5, recv_info=6, num_tokens=2,
                    out=7, with_weights=False, num_blocks=1)
     native.IntranodeCombineArgs(**combine).check(d)  # no weights: neither weight pointer is needed

@@ -146,6 +146,8 @@ __device__ __forceinline__ int checked_expert(ErrorState* error, long long v, in
 // Eight bf16 NaNs (0x7fc0) in one int4: written over the output rows of a call whose wait gave up, so
 // nothing downstream mistakes them for results.
 __device__ __forceinline__ int4 bf16_nan_x8() { return make_int4(0x7fc07fc0, 0x7fc07fc0, 0x7fc07fc0, 0x7fc07fc0); }
+// Sixteen e4m3 NaNs (0x7f) in one int4: the same poison over FP8 rows.
+__device__ __forceinline__ int4 e4m3_nan_x16() { return make_int4(0x7f7f7f7f, 0x7f7f7f7f, 0x7f7f7f7f, 0x7f7f7f7f); }
 // The float32 NaN written over the combined weights of such a call.
 __device__ __forceinline__ float f32_nan() { return __int_as_float(0x7fc00000); }
 

@@ -51,9 +51,10 @@ def record_event(async_op: bool, device: torch.device,
 @dataclass(frozen=True)
 class DispatchOutputs:
     """The tensors a native dispatch kernel writes, m rows each. A cached dispatch writes no expert
-    ids or weights (None) and reuses its handle's source rows."""
+    ids or weights (None) and reuses its handle's source rows; one whose rows stay in the workspace
+    (an expert-major NVLink dispatch: its engine's expand_pairs copies them out) writes no x (None)."""
 
-    x: torch.Tensor
+    x: Optional[torch.Tensor]
     scales: Optional[torch.Tensor]
     topk_idx: Optional[torch.Tensor]
     topk_weights: Optional[torch.Tensor]
@@ -61,11 +62,11 @@ class DispatchOutputs:
     src_index: torch.Tensor
 
     @classmethod
-    def allocate(cls, cfg: "BufferConfig", m: int, dtype: torch.dtype,
-                 handle: Optional[DispatchHandle]) -> "DispatchOutputs":
+    def allocate(cls, cfg: "BufferConfig", m: int, dtype: torch.dtype, handle: Optional[DispatchHandle],
+                 rows: bool = True) -> "DispatchOutputs":
         dev, fresh = cfg.device, handle is None
         return cls(
-            x=torch.empty(m, cfg.hidden, dtype=dtype, device=dev),
+            x=torch.empty(m, cfg.hidden, dtype=dtype, device=dev) if rows else None,
             scales=torch.empty(m, cfg.num_scales, dtype=torch.float32, device=dev)
             if dtype == torch.float8_e4m3fn else None,
             topk_idx=torch.empty(m, cfg.num_topk, dtype=torch.int64, device=dev) if fresh else None,
@@ -90,7 +91,7 @@ def native_dispatch_result(cfg: "BufferConfig", handle: Optional[DispatchHandle]
                            async_op: bool, check: Callable[[], None]) -> DispatchResult:
     """A native backend's DispatchResult: the kernel's outputs, and a new handle unless cached."""
     new_handle = handle if handle is not None else DispatchHandle(
-        buffer_id=cfg.buffer_id, num_tokens=num_tokens, num_recv_rows=out.x.shape[0],
+        buffer_id=cfg.buffer_id, num_tokens=num_tokens, num_recv_rows=out.src_rank.shape[0],
         is_token_in_rank=is_token_in_rank, recv_counts=recv_counts, src_rank=out.src_rank, src_index=out.src_index,
         worst_case=worst_case, state=state,
     )

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config import Config
-from ..types import DispatchHandle, DispatchLayout, DispatchResult
+from ..types import DispatchHandle, DispatchLayout, DispatchResult, ExpertMajorLayout
 from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result
 
 class Engine(abc.ABC):
@@ -57,6 +57,7 @@ class NormalEngine(Engine):
     """A normal-mode engine (one node or across nodes): the steps `normal_dispatch` runs, and combine."""
 
     path: str  # which kernels: "nvlink" or "cross-node"
+    rows_stay_in_workspace = False  # an expert-major dispatch may leave its rows for expand_pairs
     _ctx: Any  # the native context (moe_ep._C IntranodeContext / InternodeContext): launches, count mailbox
 
     def close(self) -> None:
@@ -82,6 +83,13 @@ class NormalEngine(Engine):
                         worst_case: bool, num_sms: int, knobs: Config, stream: torch.cuda.Stream) -> None:
         """Launch the dispatch kernel into `out` (rows no source fills, in worst-case mode, are zero)."""
 
+    def expand_pairs(self, result: DispatchResult, layout: ExpertMajorLayout, dtype: torch.dtype,
+                     num_sms: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(x [P, H], scales [P, H / 128] or None): the pairs of `layout` from the rows a dispatch with
+        rows_in_workspace left in the workspace (engines with rows_stay_in_workspace), launched on the
+        current stream, which must be the dispatch's, before any other call of this Buffer."""
+        raise NotImplementedError(f"the {self.path} kernels copy their rows out in the dispatch")
+
     def host_counts(self) -> tuple[list[int], list[int]]:
         """(rows from each source, raw rows per local expert) of the last notify, once it has run."""
         return self._ctx.host_info()
@@ -101,9 +109,10 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
                     topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
                     handle: Optional[DispatchHandle], expert_alignment: int, worst_case: bool, num_sms: int,
                     knobs: Config, stream: torch.cuda.Stream, async_op: bool,
-                    check: Callable[..., None]) -> DispatchResult:
+                    check: Callable[..., None], rows_in_workspace: bool = False) -> DispatchResult:
     """The normal-mode dispatch flow of every normal engine (this module's docstring says the steps).
-    `check` is the Buffer's ErrorWatch.check."""
+    `check` is the Buffer's ErrorWatch.check. rows_in_workspace (engines with rows_stay_in_workspace):
+    the kernel leaves the rows in the workspace and the result's x is None, for expand_pairs."""
     cfg = engine.cfg
     r, t = cfg.world_size, cfg.max_tokens_per_rank
     cached = handle is not None
@@ -134,7 +143,7 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
     if counts_ready is not None and not eager:
         recv_counts = wait_counts()
     m = r * t if worst_case or eager else sum(recv_counts)
-    out = DispatchOutputs.allocate(cfg, m, x.dtype, handle)
+    out = DispatchOutputs.allocate(cfg, m, x.dtype, handle, rows=not rows_in_workspace)
     engine.launch_dispatch(x, x_scales, topk_idx, topk_weights, state, out, cached=cached, worst_case=worst_case,
                            num_sms=num_sms, knobs=knobs, stream=stream)
     if eager:

@@ -15,7 +15,7 @@ import torch
 
 from .. import _native
 from ..config import Config
-from ..types import DispatchHandle, DispatchLayout
+from ..types import DispatchHandle, DispatchLayout, DispatchResult, ExpertMajorLayout
 from .base import BufferConfig, DispatchOutputs, ptr_or_null
 from .engine import NormalEngine, Notified
 from .symmetric import ALLOCATION_SLACK_BYTES
@@ -49,6 +49,7 @@ class IntranodeEngine(NormalEngine):
     """The NVLink normal-mode kernels of one Buffer and their symmetric memory (signals, workspace, row flags)."""
 
     path = "nvlink"
+    rows_stay_in_workspace = True
 
     def __init__(self, cfg: BufferConfig, session: "NvshmemSession", epochs: torch.Tensor,
                  error: "ErrorWatch") -> None:
@@ -128,12 +129,27 @@ class IntranodeEngine(NormalEngine):
             x=x.data_ptr(), x_scales=ptr_or_null(x_scales), topk_idx=ptr_or_null(topk_idx),
             topk_weights=ptr_or_null(topk_weights), pos=state.pos.data_ptr(), recv_info=state.recv_info.data_ptr(),
             num_tokens=x.shape[0], row_bytes=cfg.hidden * x.element_size(), num_scales=cfg.num_scales if fp8 else 0,
-            num_rows=out.x.shape[0], out_x=out.x.data_ptr(), out_scales=ptr_or_null(out.scales),
+            num_rows=out.src_rank.shape[0], out_x=ptr_or_null(out.x), out_scales=ptr_or_null(out.scales),
             out_topk_idx=ptr_or_null(out.topk_idx), out_topk_weights=ptr_or_null(out.topk_weights),
             out_src_rank=0 if cached else out.src_rank.data_ptr(),
             out_src_index=0 if cached else out.src_index.data_ptr(), worst_case=worst_case, cached=cached,
-            num_blocks=num_sms,
+            rows_in_workspace=out.x is None, num_blocks=num_sms,
         ), stream.cuda_stream)
+
+    def expand_pairs(self, result: DispatchResult, layout: ExpertMajorLayout, dtype: torch.dtype,
+                     num_sms: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        cfg = self.cfg
+        p, fp8 = layout.rows.shape[0], dtype == torch.float8_e4m3fn
+        x = torch.empty(p, cfg.hidden, dtype=dtype, device=cfg.device)
+        scales = torch.empty(p, cfg.num_scales, dtype=torch.float32, device=cfg.device) if fp8 else None
+        self._ctx.expand(self._native.IntranodeExpandArgs(
+            rows=layout.rows.data_ptr(), num_pairs=p, num_rows=result.src_rank.shape[0],
+            src_rank=result.src_rank.data_ptr(), recv_info=result.handle.state.recv_info.data_ptr(),
+            row_bytes=cfg.hidden * x.element_size(), num_scales=cfg.num_scales if fp8 else 0,
+            scales=ptr_or_null(result.x_scales), out_x=x.data_ptr(), out_scales=ptr_or_null(scales),
+            num_blocks=num_sms,
+        ), torch.cuda.current_stream(cfg.device).cuda_stream)
+        return x, scales
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, out: torch.Tensor,
                 topk_weights: Optional[torch.Tensor], out_topk_weights: Optional[torch.Tensor], *, num_sms: int,

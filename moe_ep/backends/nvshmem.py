@@ -82,12 +82,20 @@ class NvshmemBackend(Backend):
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
                  num_sms, knobs, previous_event, async_op) -> DispatchResult:
-        """The kernels move rows; an expert-major result is one gather after them (moe_ep.expert_major)."""
+        """The kernels move rows; an expert-major result expands them into pairs after them
+        (moe_ep.expert_major): on NVLink straight from the workspace the rows landed in (the engine's
+        expand_pairs), across nodes by a gather of the received rows."""
         stream = self._stream(previous_event)
-        result = normal_dispatch(self._normal, x, x_scales, topk_idx, topk_weights, handle=handle,
+        engine = self._normal
+        in_workspace = expert_major and engine.rows_stay_in_workspace
+        result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                  expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
-                                 knobs=knobs, stream=stream, async_op=async_op, check=self._error.check)
-        return pairs.expand(result, expert_alignment) if expert_major else result
+                                 knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
+                                 rows_in_workspace=in_workspace)
+        if not expert_major:
+            return result
+        copy = (lambda res, layout: engine.expand_pairs(res, layout, x.dtype, num_sms)) if in_workspace else None
+        return pairs.expand(result, expert_alignment, copy)
 
     def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op):
         """One kernel: the rows, and topk_weights when given, travel back together (an expert-major

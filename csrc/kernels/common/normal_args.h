@@ -61,9 +61,10 @@ inline void check_row_format(const ArgCheck& c, int hidden, int row_bytes, int n
 }
 
 // N tokens in (x, x_scales, topk_idx, topk_weights, pos), M rows out (the out_ pointers), the counts in
-// recv_info. A cached dispatch reads no topk and writes no topk, src_rank or src_index.
+// recv_info. A cached dispatch reads no topk and writes no topk, src_rank or src_index; one with
+// rows_out false writes no x (an NVLink dispatch whose rows stay in the workspace).
 template <class D, class A>
-void check_normal_dispatch(const ArgCheck& c, const D& d, const A& a) {
+void check_normal_dispatch(const ArgCheck& c, const D& d, const A& a, bool rows_out = true) {
   c.count("num_tokens", a.num_tokens, "max_tokens", d.max_tokens);
   c.count("num_rows", a.num_rows, "nranks * max_tokens", static_cast<long long>(d.nranks) * d.max_tokens);
   check_row_format(c, d.hidden, a.row_bytes, a.num_scales);
@@ -75,7 +76,7 @@ void check_normal_dispatch(const ArgCheck& c, const D& d, const A& a) {
   c.pointer("topk_weights", a.topk_weights, in && fresh);
   c.pointer("pos", a.pos, in);
   c.pointer("recv_info", a.recv_info);
-  c.pointer("out_x", a.out_x, out);
+  c.pointer("out_x", a.out_x, out && rows_out);
   c.pointer("out_scales", a.out_scales, out && fp8);
   c.pointer("out_topk_idx", a.out_topk_idx, out && fresh);
   c.pointer("out_topk_weights", a.out_topk_weights, out && fresh);

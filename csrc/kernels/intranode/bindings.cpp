@@ -4,7 +4,7 @@
 // (int).
 //
 // Each launcher takes one argument struct (intranode.h LayoutArgs, NotifyArgs, DispatchArgs,
-// CombineArgs), bound as IntranodeLayoutArgs, ... with keyword-only constructors, and the stream:
+// CombineArgs, ExpandArgs), bound as IntranodeLayoutArgs, ... with keyword-only constructors, and the stream:
 // ctx.dispatch(IntranodeDispatchArgs(x=..., ...), stream). It checks the struct first (check below,
 // also callable as args.check(IntranodeDims(...)) without a GPU): ValueError naming the launcher and
 // the field.
@@ -99,7 +99,8 @@ void check(const Dims& d, const NotifyArgs& a) {
 
 void check(const Dims& d, const DispatchArgs& a) {
   const ArgCheck c("IntranodeContext.dispatch");
-  check_normal_dispatch(c, d, a);
+  check_normal_dispatch(c, d, a, !a.rows_in_workspace);
+  if (a.rows_in_workspace && a.out_x != 0) c.fail("out_x must be 0 with rows_in_workspace (expand copies the rows)");
   const long long rows = static_cast<long long>(d.nranks) * d.max_tokens;
   if (a.worst_case && a.num_rows != rows)
     c.fail("num_rows = " + std::to_string(a.num_rows) + " in worst-case mode, expected nranks * max_tokens = " +
@@ -112,6 +113,22 @@ void check(const Dims& d, const CombineArgs& a) {
   c.pointer("src_rank", a.src_rank, a.num_rows > 0);
   c.pointer("is_token_in_rank", a.is_token_in_rank, a.num_tokens > 0);
   c.pointer("pos", a.pos, a.num_tokens > 0);
+}
+
+void check(const Dims& d, const ExpandArgs& a) {
+  const ArgCheck c("IntranodeContext.expand");
+  const long long max_rows = static_cast<long long>(d.nranks) * d.max_tokens;
+  c.count("num_rows", a.num_rows, "nranks * max_tokens", max_rows);
+  c.count("num_pairs", a.num_pairs, "nranks * max_tokens * num_topk", max_rows * d.num_topk);
+  check_row_format(c, d.hidden, a.row_bytes, a.num_scales);
+  c.at_least("num_blocks", a.num_blocks, 1);
+  const bool out = a.num_pairs > 0, fp8 = a.num_scales > 0;
+  c.pointer("rows", a.rows, out);
+  c.pointer("src_rank", a.src_rank, out && a.num_rows > 0);
+  c.pointer("recv_info", a.recv_info);
+  c.pointer("scales", a.scales, out && fp8 && a.num_rows > 0);
+  c.pointer("out_x", a.out_x, out);
+  c.pointer("out_scales", a.out_scales, out && fp8);
 }
 
 class IntranodeContext {
@@ -173,6 +190,11 @@ class IntranodeContext {
     launch_combine(ctx_, a, stream);
   }
 
+  void expand(const ExpandArgs& a, uintptr_t stream) const {
+    check(ctx_.dims, a);
+    launch_expand(ctx_, a, stream);
+  }
+
  private:
   Context ctx_{};          // first: its checks run before host_info_ allocates
   HostMailbox host_info_;  // [R] rows per source, then [E_l] rows per local expert
@@ -227,11 +249,12 @@ void register_intranode(py::module_& m) {
       na::optional("topk_weights", &DA::topk_weights), na::required("pos", &DA::pos),
       na::required("recv_info", &DA::recv_info), na::required("num_tokens", &DA::num_tokens),
       na::required("row_bytes", &DA::row_bytes), na::required("num_scales", &DA::num_scales),
-      na::required("num_rows", &DA::num_rows), na::required("out_x", &DA::out_x),
+      na::required("num_rows", &DA::num_rows), na::optional("out_x", &DA::out_x),
       na::optional("out_scales", &DA::out_scales), na::optional("out_topk_idx", &DA::out_topk_idx),
       na::optional("out_topk_weights", &DA::out_topk_weights), na::optional("out_src_rank", &DA::out_src_rank),
       na::optional("out_src_index", &DA::out_src_index), na::required("worst_case", &DA::worst_case),
-      na::required("cached", &DA::cached), na::required("num_blocks", &DA::num_blocks));
+      na::required("cached", &DA::cached), na::optional("rows_in_workspace", &DA::rows_in_workspace),
+      na::required("num_blocks", &DA::num_blocks));
   na::def_check<D>(dispatch, &intra::check);
   using CA = intra::CombineArgs;
   auto combine = na::bind_args<CA>(
@@ -243,6 +266,16 @@ void register_intranode(py::module_& m) {
       na::required("with_weights", &CA::with_weights), na::optional("topk_weights", &CA::topk_weights),
       na::optional("out_topk_weights", &CA::out_topk_weights), na::required("num_blocks", &CA::num_blocks));
   na::def_check<D>(combine, &intra::check);
+  using EA = intra::ExpandArgs;
+  auto expand = na::bind_args<EA>(
+      m, "IntranodeExpandArgs", "Arguments of IntranodeContext.expand (intranode.h ExpandArgs).",
+      na::required("rows", &EA::rows), na::required("num_pairs", &EA::num_pairs),
+      na::required("num_rows", &EA::num_rows), na::required("src_rank", &EA::src_rank),
+      na::required("recv_info", &EA::recv_info), na::required("row_bytes", &EA::row_bytes),
+      na::required("num_scales", &EA::num_scales), na::optional("scales", &EA::scales),
+      na::required("out_x", &EA::out_x), na::optional("out_scales", &EA::out_scales),
+      na::required("num_blocks", &EA::num_blocks));
+  na::def_check<D>(expand, &intra::check);
 
   py::class_<IntranodeContext>(m, "IntranodeContext",
                                "Fixed device addresses of one Buffer's normal-mode kernels, and their launchers.")
@@ -268,6 +301,9 @@ void register_intranode(py::module_& m) {
       .def("combine", &IntranodeContext::combine, py::arg("args"), py::arg("stream"),
            "Check an IntranodeCombineArgs and launch the combine kernel (with_weights: topk_weights travel "
            "with the rows, their sums go to out_topk_weights).")
+      .def("expand", &IntranodeContext::expand, py::arg("args"), py::arg("stream"),
+           "Check an IntranodeExpandArgs and launch the expand kernel: the rows a rows_in_workspace dispatch "
+           "left in the workspace, copied out as expert-major pairs (launch it next on the dispatch's stream).")
       .def("set_tuning", &IntranodeContext::set_tuning, py::arg("send_warps"), py::arg("combine_send_warps"),
            py::arg("unroll"), py::arg("flag_batch"), py::arg("recv_run"),
            "Tuning of the next dispatch / combine launches (moe_ep.Config; each field checked).");

@@ -14,7 +14,9 @@
 //   data      [R][T][2H bytes]         dispatch: the rows s sends to d, at the position of each token
 //                                      among s's tokens for d (so slot s is already in final order),
 //                                      packed at the row size (2H bf16, H e4m3); combine: bf16 rows
-//                                      [T][H] that s returns to d, at d's original token index
+//                                      [T][H] that s returns to d, at d's original token index.
+//                                      A dispatch with rows_in_workspace leaves its rows here (d's own
+//                                      rows too, in slot d) for expand.cu to copy out as pairs
 //   topk      [R][T][K] int64          dispatch metadata, same positions as the rows: topk_idx as
 //   weights   [R][T][K] float32        local expert ids of d (-1 elsewhere) and weights (0 there),
 //   src_index [R][T] int32             the source token index,
@@ -153,6 +155,27 @@ struct DispatchArgs {
   uintptr_t out_src_index;      // [M] int32, 0 for a cached dispatch
   bool worst_case;              // M = R * T, source s at [s * T, s * T + count_s), the rest padding
   bool cached;                  // reuse pos / recv_info of an earlier dispatch; no topk in or out
+  bool rows_in_workspace;       // x rows stay in the workspace's data slots (own rows in slot `rank`) and
+                                //   out_x is 0: the next launch on the stream must be expand, before any
+                                //   later call lets peers write the workspace again
+  int num_blocks;
+};
+
+// Expand (expand.cu): the rows a rows_in_workspace dispatch left in the workspace, copied out as
+// (row, local expert) pairs: pair q gets received row rows[q] (output order of the dispatch: source
+// src_rank[row], position row - first row of that source, i.e. recv_info[R + s]); rows[q] = -1 is
+// alignment padding and gets zeros. Scales, for FP8 rows, come from the dispatch's out_scales.
+struct ExpandArgs {
+  uintptr_t rows;               // [P] int64, received row of each pair or -1
+  int num_pairs;                // P
+  int num_rows;                 // M, rows the dispatch received
+  uintptr_t src_rank;           // [M] int32, the dispatch's
+  uintptr_t recv_info;          // the dispatch's
+  int row_bytes;                // 2H (bf16) or H (e4m3)
+  int num_scales;               // H / 128 for FP8, else 0
+  uintptr_t scales;             // [M, num_scales] float32 (the dispatch's out_scales), or 0
+  uintptr_t out_x;              // [P, row_bytes]
+  uintptr_t out_scales;         // [P, num_scales] float32, or 0
   int num_blocks;
 };
 
@@ -178,6 +201,7 @@ void launch_layout(const Context& c, const LayoutArgs& a, uintptr_t stream);
 void launch_notify(const Context& c, const NotifyArgs& a, uintptr_t stream);
 void launch_dispatch(const Context& c, const DispatchArgs& a, uintptr_t stream);
 void launch_combine(const Context& c, const CombineArgs& a, uintptr_t stream);
+void launch_expand(const Context& c, const ExpandArgs& a, uintptr_t stream);
 
 }  // namespace intranode
 }  // namespace moe_ep
