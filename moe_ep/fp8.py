@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch version serves
+    triton = None
+
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 BLOCK = 128
@@ -14,7 +20,15 @@ def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, 
 
     scale = max(amax, 1e-4) / 448, or with round_scale the smallest power of two >= that (exact via
     frexp, so every backend gets the same bits); values are x / scale rounded to nearest e4m3.
+    On CUDA without round_scale one Triton pass (_quantize_kernel), else torch ops; the same bits.
     """
+    if triton is not None and x.is_cuda and not round_scale:
+        return _quantize_triton(x.contiguous())
+    return _quantize_torch(x, round_scale)
+
+
+def _quantize_torch(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize in torch ops (float32 blocks, true divisions)."""
     n, h = x.shape
     blocks = x.float().view(n, h // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
@@ -26,6 +40,44 @@ def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, 
         scale = torch.where(mantissa == 0.5, scale, torch.ldexp(torch.ones_like(scale), exponent))
     q = (blocks / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(n, h)
     return q, scale.contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def quantize_blocks(a):
+        """a [R, 128] float32 -> (a / scale, scale [R]) with quantize's scale: amax floored at 1e-4,
+        / 448; both divisions true (IEEE-rounded) ones, as the torch version's are. Shared by every
+        Triton kernel that writes FP8 rows (this module's, moe_ep.fp8_experts')."""
+        amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-4)
+        s = tl.fdiv(amax, tl.full(amax.shape, 448.0, tl.float32), ieee_rounding=True)
+        return tl.fdiv(a, s[:, None], ieee_rounding=True), s
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, q_ptr, s_ptr, N, H, BR: tl.constexpr):
+        """BR rows x one 128-column block of x: read once, written once as e4m3 (nearest even) and
+        one scale per row."""
+        row = tl.program_id(0) * BR + tl.arange(0, BR)
+        blk = tl.program_id(1)
+        col = blk * 128 + tl.arange(0, 128)
+        ok = row < N
+        r64 = row.to(tl.int64)
+        x = tl.load(x_ptr + r64[:, None] * H + col[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        q, s = quantize_blocks(x)
+        tl.store(q_ptr + r64[:, None] * H + col[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=ok[:, None])
+        tl.store(s_ptr + r64 * (H // 128) + blk, s, mask=ok)
+
+
+def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize (no round_scale) in _quantize_kernel; x contiguous."""
+    n, h = x.shape
+    q = torch.empty(n, h, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(n, h // BLOCK, dtype=torch.float32, device=x.device)
+    if n:
+        rows = 16
+        _quantize_kernel[(triton.cdiv(n, rows), h // BLOCK)](x, q, s, n, h, BR=rows, num_warps=4)
+    return q, s
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -100,6 +100,7 @@ def _swiglu_quant_torch(h13: torch.Tensor, scale: torch.Tensor) -> tuple[torch.T
 # ---- Triton kernels ------------------------------------------------------------------------------
 if triton is not None:
     from .expert_kernels import activation
+    from .fp8 import quantize_blocks
     from .grouped_gemm import expert_tile
 
     @triton.jit
@@ -162,9 +163,7 @@ if triton is not None:
         u = tl.load(h_ptr + r64[:, None] * 2 * F + F + col[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         w = tl.load(scale_ptr + row, mask=ok, other=0.0)
         _sig, _silu, a = activation(g, u, w[:, None])  # the bf16 experts' activation formula
-        amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-4)
-        s = tl.fdiv(amax, tl.full(amax.shape, 448.0, tl.float32), ieee_rounding=True)
-        q = tl.fdiv(a, s[:, None], ieee_rounding=True)
+        q, s = quantize_blocks(a)
         tl.store(q_ptr + r64[:, None] * F + col[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=ok[:, None])
         tl.store(qs_ptr + r64 * (F // 128) + blk, s, mask=ok)

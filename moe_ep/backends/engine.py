@@ -83,8 +83,8 @@ class NormalEngine(Engine):
                         worst_case: bool, num_sms: int, knobs: Config, stream: torch.cuda.Stream) -> None:
         """Launch the dispatch kernel into `out` (rows no source fills, in worst-case mode, are zero)."""
 
-    def expand_pairs(self, result: DispatchResult, layout: ExpertMajorLayout, dtype: torch.dtype,
-                     num_sms: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def expand_pairs(self, result: DispatchResult, layout: ExpertMajorLayout,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(x [P, H], scales [P, H / 128] or None): the pairs of `layout` from the rows a dispatch with
         rows_in_workspace left in the workspace (engines with rows_stay_in_workspace), launched on the
         current stream, which must be the dispatch's, before any other call of this Buffer."""

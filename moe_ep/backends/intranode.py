@@ -77,6 +77,7 @@ class IntranodeEngine(NormalEngine):
             row_flags=list(self._row_flags.peer_ptrs),
         )
         self._tuning: Optional[tuple[int, ...]] = None  # the context's (send_warps, ..., recv_run)
+        self._device_sms = torch.cuda.get_device_properties(dev).multi_processor_count  # the expand kernel's grid
 
     @staticmethod
     def heap_bytes(cfg: BufferConfig) -> int:
@@ -136,8 +137,10 @@ class IntranodeEngine(NormalEngine):
             rows_in_workspace=out.x is None, num_blocks=num_sms,
         ), stream.cuda_stream)
 
-    def expand_pairs(self, result: DispatchResult, layout: ExpertMajorLayout, dtype: torch.dtype,
-                     num_sms: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def expand_pairs(self, result: DispatchResult, layout: ExpertMajorLayout,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The expand kernel over every SM: it runs on the caller's stream between the exchange and
+        the experts, with nothing to overlap, so the Buffer's communication SM budget does not bound it."""
         cfg = self.cfg
         p, fp8 = layout.rows.shape[0], dtype == torch.float8_e4m3fn
         x = torch.empty(p, cfg.hidden, dtype=dtype, device=cfg.device)
@@ -147,7 +150,7 @@ class IntranodeEngine(NormalEngine):
             src_rank=result.src_rank.data_ptr(), recv_info=result.handle.state.recv_info.data_ptr(),
             row_bytes=cfg.hidden * x.element_size(), num_scales=cfg.num_scales if fp8 else 0,
             scales=ptr_or_null(result.x_scales), out_x=x.data_ptr(), out_scales=ptr_or_null(scales),
-            num_blocks=num_sms,
+            num_blocks=self._device_sms,
         ), torch.cuda.current_stream(cfg.device).cuda_stream)
         return x, scales
 

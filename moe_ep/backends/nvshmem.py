@@ -94,7 +94,7 @@ class NvshmemBackend(Backend):
                                  rows_in_workspace=in_workspace)
         if not expert_major:
             return result
-        copy = (lambda res, layout: engine.expand_pairs(res, layout, x.dtype, num_sms)) if in_workspace else None
+        copy = (lambda res, layout: engine.expand_pairs(res, layout, x.dtype)) if in_workspace else None
         return pairs.expand(result, expert_alignment, copy)
 
     def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op):
