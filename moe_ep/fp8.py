@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .expert_kernels import use_triton
+
 try:
     import triton
     import triton.language as tl
@@ -22,7 +24,7 @@ def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, 
     frexp, so every backend gets the same bits); values are x / scale rounded to nearest e4m3.
     On CUDA without round_scale one Triton pass (_quantize_kernel), else torch ops; the same bits.
     """
-    if triton is not None and x.is_cuda and not round_scale:
+    if use_triton(x) and not round_scale:
         return _quantize_triton(x.contiguous())
     return _quantize_torch(x, round_scale)
 

@@ -57,7 +57,11 @@ class NormalEngine(Engine):
     """A normal-mode engine (one node or across nodes): the steps `normal_dispatch` runs, and combine."""
 
     path: str  # which kernels: "nvlink" or "cross-node"
-    rows_stay_in_workspace = False  # an expert-major dispatch may leave its rows for expand_pairs
+    # Set by engines whose dispatch can leave its rows in the workspace (rows_in_workspace): result,
+    # layout -> (x [P, H], scales [P, H / 128] or None), the layout's pairs copied from there, launched
+    # on the current stream, which must be the dispatch's, before any other call of this Buffer.
+    expand_pairs: Optional[Callable[[DispatchResult, ExpertMajorLayout],
+                                    tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
     _ctx: Any  # the native context (moe_ep._C IntranodeContext / InternodeContext): launches, count mailbox
 
     def close(self) -> None:
@@ -83,13 +87,6 @@ class NormalEngine(Engine):
                         worst_case: bool, num_sms: int, knobs: Config, stream: torch.cuda.Stream) -> None:
         """Launch the dispatch kernel into `out` (rows no source fills, in worst-case mode, are zero)."""
 
-    def expand_pairs(self, result: DispatchResult, layout: ExpertMajorLayout,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(x [P, H], scales [P, H / 128] or None): the pairs of `layout` from the rows a dispatch with
-        rows_in_workspace left in the workspace (engines with rows_stay_in_workspace), launched on the
-        current stream, which must be the dispatch's, before any other call of this Buffer."""
-        raise NotImplementedError(f"the {self.path} kernels copy their rows out in the dispatch")
-
     def host_counts(self) -> tuple[list[int], list[int]]:
         """(rows from each source, raw rows per local expert) of the last notify, once it has run."""
         return self._ctx.host_info()
@@ -111,7 +108,7 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
                     knobs: Config, stream: torch.cuda.Stream, async_op: bool,
                     check: Callable[..., None], rows_in_workspace: bool = False) -> DispatchResult:
     """The normal-mode dispatch flow of every normal engine (this module's docstring says the steps).
-    `check` is the Buffer's ErrorWatch.check. rows_in_workspace (engines with rows_stay_in_workspace):
+    `check` is the Buffer's ErrorWatch.check. rows_in_workspace (engines with expand_pairs):
     the kernel leaves the rows in the workspace and the result's x is None, for expand_pairs."""
     cfg = engine.cfg
     r, t = cfg.world_size, cfg.max_tokens_per_rank

@@ -49,7 +49,6 @@ class IntranodeEngine(NormalEngine):
     """The NVLink normal-mode kernels of one Buffer and their symmetric memory (signals, workspace, row flags)."""
 
     path = "nvlink"
-    rows_stay_in_workspace = True
 
     def __init__(self, cfg: BufferConfig, session: "NvshmemSession", epochs: torch.Tensor,
                  error: "ErrorWatch") -> None:
@@ -137,13 +136,14 @@ class IntranodeEngine(NormalEngine):
             rows_in_workspace=out.x is None, num_blocks=num_sms,
         ), stream.cuda_stream)
 
-    def expand_pairs(self, result: DispatchResult, layout: ExpertMajorLayout,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def expand_pairs(self, result: DispatchResult,
+                     layout: ExpertMajorLayout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The expand kernel over every SM: it runs on the caller's stream between the exchange and
-        the experts, with nothing to overlap, so the Buffer's communication SM budget does not bound it."""
+        the experts, with nothing to overlap, so the Buffer's communication SM budget does not bound it.
+        FP8 rows are the ones that came with scales."""
         cfg = self.cfg
-        p, fp8 = layout.rows.shape[0], dtype == torch.float8_e4m3fn
-        x = torch.empty(p, cfg.hidden, dtype=dtype, device=cfg.device)
+        p, fp8 = layout.rows.shape[0], result.x_scales is not None
+        x = torch.empty(p, cfg.hidden, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=cfg.device)
         scales = torch.empty(p, cfg.num_scales, dtype=torch.float32, device=cfg.device) if fp8 else None
         self._ctx.expand(self._native.IntranodeExpandArgs(
             rows=layout.rows.data_ptr(), num_pairs=p, num_rows=result.src_rank.shape[0],

@@ -87,15 +87,14 @@ class NvshmemBackend(Backend):
         expand_pairs), across nodes by a gather of the received rows."""
         stream = self._stream(previous_event)
         engine = self._normal
-        in_workspace = expert_major and engine.rows_stay_in_workspace
+        in_workspace = expert_major and engine.expand_pairs is not None
         result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                  expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
                                  knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
                                  rows_in_workspace=in_workspace)
         if not expert_major:
             return result
-        copy = (lambda res, layout: engine.expand_pairs(res, layout, x.dtype)) if in_workspace else None
-        return pairs.expand(result, expert_alignment, copy)
+        return pairs.expand(result, expert_alignment, engine.expand_pairs if in_workspace else None)
 
     def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op):
         """One kernel: the rows, and topk_weights when given, travel back together (an expert-major
