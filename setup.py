@@ -1,4 +1,4 @@
-"""Builds moe_ep. With nvcc present it compiles moe_ep._C from csrc/ (nvcc + ninja + pybind11 against
+"""Builds moe_ep. With nvcc present it compiles moe_ep.comm._C from csrc/ (nvcc + ninja + pybind11 against
 the NVSHMEM wheel, no libtorch) and pins that exact NVSHMEM wheel as a runtime requirement; without
 nvcc, or with MOE_EP_NATIVE=0 (`--config-settings native=0`), it installs the pure-Python package,
 which then runs on the reference backend."""
@@ -23,7 +23,7 @@ BUILD_INFO = "_build_info.json"
 
 
 class BuildNative(build_ext):
-    """Builds moe_ep._C with ninja (see moe_ep_build.ninja_build) instead of setuptools' compilers.
+    """Builds moe_ep.comm._C with ninja (see moe_ep_build.ninja_build) instead of setuptools' compilers.
 
     Objects, the linked module and stable copies of the build environment's pybind11 and NVSHMEM live
     in build/native-<python tag>/ of the source tree, so rebuilds are incremental. Every
@@ -51,8 +51,8 @@ class BuildNative(build_ext):
     def copy_extensions_to_source(self) -> None:
         """The build info goes next to _C in the source package too."""
         super().copy_extensions_to_source()
-        package_dir = ROOT / self.get_finalized_command("build_py").get_package_dir("moe_ep")
-        shutil.copyfile(Path(self.build_lib) / "moe_ep" / BUILD_INFO, package_dir / BUILD_INFO)
+        package_dir = ROOT / self.get_finalized_command("build_py").get_package_dir("moe_ep.comm")
+        shutil.copyfile(Path(self.build_lib) / "moe_ep" / "comm" / BUILD_INFO, package_dir / BUILD_INFO)
 
 
 # matplotlib: `python -m moe_ep.bench` writes a PNG plot.
@@ -62,6 +62,6 @@ if NVSHMEM is not None:
 
 setup(
     install_requires=install_requires,
-    ext_modules=[Extension("moe_ep._C", sources=[])] if CUDA else [],
+    ext_modules=[Extension("moe_ep.comm._C", sources=[])] if CUDA else [],
     cmdclass={"build_ext": BuildNative},
 )

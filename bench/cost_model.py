@@ -4,7 +4,7 @@ Prints, for EP sizes 16..256 in nodes of 8 GPUs, the expected bytes each GPU mov
 its NIC and over NVLink for N1 (4096 tokens, hidden 7168, top-8 of 256 experts, uniform routing)
 and L1 (128 tokens, FP8 dispatch, BF16 combine), and the time those bytes take at NIC_GBPS per GPU
 and NVLINK_GBPS, plus the round latency of the normal-mode kernels (rounds of C token slots from
-moe_ep._C.internode_plan, the kernel's own layout). A model, not a measurement: it assumes the
+moe_ep.comm._C.internode_plan, the kernel's own layout). A model, not a measurement: it assumes the
 links run at the given rates and that the legs overlap (time = the slower leg + round latency).
 
     python bench/cost_model.py
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from math import comb
 
-from moe_ep import _native
+from moe_ep.comm import _native
 
 NIC_GBPS = 50.0  # one 400 Gb/s NIC per GPU
 NVLINK_GBPS = 350.0  # per direction, measured on our 2xH200 (docs/benchmarks.md)

@@ -1,4 +1,4 @@
-"""Pick the FP8 grouped GEMM's tiles (moe_ep.fp8_experts.TILES): each candidate on the layer's two forward
+"""Pick the FP8 grouped GEMM's tiles (moe_ep.moe.fp8_experts.TILES): each candidate on the layer's two forward
 GEMMs beside bf16 torch._grouped_mm on the same groups, at issue 21's shape, in equal groups and in the
 unequal groups of a routing drawn like a fresh router's. One GPU, one process:
 `python3 bench/gemm_tiles.py [--pairs 32768 --experts 128 --hidden 7168 --ffn 2048]`."""
@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 import triton
 
-from moe_ep import fp8, fp8_experts
+from moe_ep.comm import fp8
+
+from moe_ep.moe import fp8_experts
 from moe_ep.bench import Timer, tflops
 
 CANDIDATES = [fp8_experts.GemmTiles(*t) for t in ((64, 128, 4, 4, False), (64, 256, 8, 3, True), (64, 128, 4, 4, True),

@@ -23,7 +23,7 @@ SPREAD = 4  # groups per expert in the forced-kernel column: the expert's, then 
 
 def router_groups(tokens: int, experts: int, topk: int, hidden: int, device: torch.device) -> torch.Tensor:
     """[E] int64 rows per expert from a fresh router's softmax top-k of random tokens (weights std 0.02,
-    as moe_ep.router initialises them)."""
+    as moe_ep.moe.router initialises them)."""
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, hidden, generator=g, device=device)
     w = torch.randn(experts, hidden, generator=g, device=device) * 0.02

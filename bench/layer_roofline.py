@@ -54,8 +54,9 @@ def experts_breakdown(timer: Timer, experts: torch.nn.Module, x: torch.Tensor, t
                       topk_weights: torch.Tensor) -> list[dict]:
     """Each pass of GroupedExperts' forward and backward alone, on the routing the layer produced
     (unequal groups): where the experts' time goes."""
-    from moe_ep.expert_kernels import sum_rows, swiglu, swiglu_backward
-    from moe_ep.experts import _groups, route
+    from moe_ep.comm.row_sum import sum_rows
+    from moe_ep.moe.expert_kernels import swiglu, swiglu_backward
+    from moe_ep.moe.experts import _groups, route
 
     f, p = experts.ffn_hidden, int((topk_idx >= 0).sum())
     r = route(topk_idx, experts.num_local_experts)
@@ -120,7 +121,7 @@ def layer_case(timer: Timer, shape: LayerShape, backend: str = "reference", reco
     repeat = _repeatable(lambda: moe(x, mode="normal").backward(grad),
                          lambda: [x.grad, *(p.grad for p in moe.parameters() if p.grad is not None)], zero)
     routing = moe.last_routing
-    d = moe_ep.autograd.dispatch(buf, x.detach(), routing.topk_idx, routing.topk_weights.detach())
+    d = moe_ep.moe.autograd.dispatch(buf, x.detach(), routing.topk_idx, routing.topk_weights.detach())
     rx = d.x.detach().requires_grad_()
     rgrad = torch.randn(rx.shape, device="cuda").to(torch.bfloat16)
     rgrads = {torch.bfloat16: rgrad, torch.float32: rgrad.float()}  # the old experts returned float32

@@ -4,12 +4,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import fp8, ops
-from .backends.symmetric import SymmetricHeapUsage, symmetric_heap_usage
-from .buffer import Buffer
-from .config import Config
-from .errors import BadExpertIdError, CommTimeoutError, PeersLostError
-from .types import (
+from .comm import fp8
+from .moe import ops
+from .comm.backends.symmetric import SymmetricHeapUsage, symmetric_heap_usage
+from .comm.buffer import Buffer
+from .comm.config import Config
+from .comm.errors import BadExpertIdError, CommTimeoutError, PeersLostError
+from .comm.types import (
     DispatchHandle,
     DispatchLayout,
     DispatchResult,
@@ -24,9 +25,9 @@ __version__ = "0.1.0"
 
 # Imported on first use: the layer pulls in nn code.
 _LAZY = {
-    "TopKRouter": "moe_ep.router",
-    "RouterOutput": "moe_ep.router",
-    "MoE": "moe_ep.layer",
+    "TopKRouter": "moe_ep.moe.router",
+    "RouterOutput": "moe_ep.moe.router",
+    "MoE": "moe_ep.moe.layer",
 }
 
 

@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import fp8, fp8_experts
-from .buffer import Buffer, auto_backend
+from .comm import fp8
+from .moe import fp8_experts
+from .comm.buffer import Buffer, auto_backend
 from .launch import init_distributed
-from .layer import MoE
+from .moe.layer import MoE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -443,7 +444,7 @@ def time_gemms(timer: Timer, cases: dict[str, tuple[Callable[[], object], float]
 
 def fp8_gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int,
                    device: torch.device) -> dict[str, tuple[Callable[[], object], float]]:
-    """The FP8 experts' two forward GEMMs alone (moe_ep.fp8_experts.grouped_gemm, block scales), on
+    """The FP8 experts' two forward GEMMs alone (moe_ep.moe.fp8_experts.grouped_gemm, block scales), on
     `pairs` rows in equal groups, the gate/up one gathering its rows: name -> (call, FLOPs)."""
     e, h, f = local_experts, hidden, ffn
     group = max(pairs // e, 1)
@@ -882,7 +883,7 @@ def main() -> None:
         print_table(rows, notes)
         print(f"wrote {out / stem}.json and {out / stem}.png")
     if use_gpu:
-        from .backends.symmetric import NvshmemSession
+        from .comm.backends.symmetric import NvshmemSession
 
         NvshmemSession.shutdown()  # collective; every Buffer above is closed
     dist.destroy_process_group()

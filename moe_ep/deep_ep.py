@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from . import _native
-from .backends.base import align_up, record_event
-from .buffer import _device_of, _resolve_topology, auto_backend
-from .fp8 import BLOCK as FP8_BLOCK
+from .comm import _native
+from .comm.backends.base import align_up, record_event
+from .comm.buffer import _device_of, _resolve_topology, auto_backend
+from .comm.fp8 import BLOCK as FP8_BLOCK
 
 topk_idx_t = torch.int64
 
@@ -244,7 +244,7 @@ class Buffer:
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
         """moe_ep's low-latency symmetric region for these shapes at top-k 16 on one node (an upper bound
-        there; its owner: csrc/kernels/low_latency/low_latency.h region_layout), or, without moe_ep._C, its two
+        there; its owner: csrc/kernels/low_latency/low_latency.h region_layout), or, without moe_ep.comm._C, its two
         staging sets: a payload and a meta row per (source, slot), a bf16 row per (slot, top-k)."""
         t = num_max_dispatch_tokens_per_rank
         if _native.available()[0]:

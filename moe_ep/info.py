@@ -1,5 +1,5 @@
 """`python -m moe_ep.info`: what moe_ep runs on here — torch, CUDA, NVSHMEM, GPUs and their links,
-whether moe_ep._C is usable, the node topology, the NVSHMEM transport settings for traffic between
+whether moe_ep.comm._C is usable, the node topology, the NVSHMEM transport settings for traffic between
 nodes, and the backend Buffer(backend="auto") would pick."""
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _native, topology
-from .backends.symmetric import NATIVE_DEFAULTS, TRANSPORT_VARS, nvshmem_defaults
-from .buffer import auto_backend
+from .comm import _native, topology
+from .comm.backends.symmetric import NATIVE_DEFAULTS, TRANSPORT_VARS, nvshmem_defaults
+from .comm.buffer import auto_backend
 
 # NVSHMEM's own defaults for TRANSPORT_VARS (its environment-variable reference).
 _NVSHMEM_DEFAULTS = {
@@ -65,9 +65,9 @@ def _native_lines() -> list[str]:
         runtime = _dotted(_native.load().runtime_version()) if ok else "not loaded"
         lines.append(f"NVSHMEM      wheel {info['nvshmem_dist']} {_version(info['nvshmem_dist']) or 'not installed'}; "
                      f"built against {_dotted(info['nvshmem_version'])}; runtime {runtime}")
-        lines.append(f"moe_ep._C    built with CUDA {_dotted(info['cuda_version'])} for "
+        lines.append(f"moe_ep.comm._C    built with CUDA {_dotted(info['cuda_version'])} for "
                      + ", ".join(f"sm_{a}" for a in info["cuda_archs"]))
-    lines.append("moe_ep._C    " + ("loads" if ok else f"not available: {why}"))
+    lines.append("moe_ep.comm._C    " + ("loads" if ok else f"not available: {why}"))
     return lines
 
 
@@ -144,7 +144,7 @@ def _transport_lines() -> list[str]:
             value = (f"unset: moe_ep sets {across[key]} when the group spans hosts, "
                      f"else NVSHMEM's default {_NVSHMEM_DEFAULTS[key]}")
         elif key in NATIVE_DEFAULTS:
-            value = f"unset: moe_ep._C sets {NATIVE_DEFAULTS[key]}"
+            value = f"unset: moe_ep.comm._C sets {NATIVE_DEFAULTS[key]}"
         else:
             value = f"unset: NVSHMEM's default ({_NVSHMEM_DEFAULTS[key]})"
         lines.append(f"  {key:<30} {value}")

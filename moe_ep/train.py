@@ -5,7 +5,7 @@ else (embeddings, attention, norms, routers) is replicated and trained data-para
 are averaged with an all-reduce. The global batch (--batch sequences) is split evenly over the
 ranks, so runs with the same seed see the same data and follow the same loss curve at any R.
 Runs on CPU (gloo, reference backend) and on GPUs (NCCL, --backend auto picks the native one when
-moe_ep._C is built); with fewer GPUs than ranks, --ranks-per-gpu ranks share each GPU over gloo
+moe_ep.comm._C is built); with fewer GPUs than ranks, --ranks-per-gpu ranks share each GPU over gloo
 (docs/one_gpu.md). Each rank writes its own checkpoint file (expert weights under their global
 ids); --resume continues from the latest complete step with the same number of ranks.
 
@@ -31,11 +31,11 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from .buffer import Buffer
+from .comm.buffer import Buffer
 from .data import CharCorpus
-from .experts import GroupedExperts
+from .moe.experts import GroupedExperts
 from .launch import init_distributed
-from .layer import MoE
+from .moe.layer import MoE
 
 # Fields that fix the model's shape and math: a checkpoint only resumes into the same ones.
 MODEL_FIELDS = ("seq_len", "dim", "layers", "heads", "experts", "top_k", "ffn", "shared_ffn", "score_func",

@@ -123,25 +123,25 @@ def run_workers(world_size: int, fn: Callable, *args: Any, backend: str = "gloo"
 
 def _native_built() -> bool:
     try:
-        from moe_ep import _native
+        from moe_ep.comm import _native
     except ImportError:
         return False
     return _native.available()[0]
 
 
 def requires_gpus(n: int = 1) -> pytest.MarkDecorator:
-    """Skip unless n CUDA devices are present and moe_ep._C is built. Ranks of a backend="gpu" run
+    """Skip unless n CUDA devices are present and moe_ep.comm._C is built. Ranks of a backend="gpu" run
     share the GPUs, so one GPU serves every world size."""
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < n:
         return pytest.mark.skip(reason=f"needs {n} GPU(s), found {have}")
     if not _native_built():
-        return pytest.mark.skip(reason="moe_ep._C is not built")
+        return pytest.mark.skip(reason="moe_ep.comm._C is not built")
     return pytest.mark.gpu
 
 
 def requires_separate_gpus(n: int, why: str) -> pytest.MarkDecorator:
-    """Skip unless n CUDA devices are present (a GPU per rank, NCCL) and moe_ep._C is built; `why`
+    """Skip unless n CUDA devices are present (a GPU per rank, NCCL) and moe_ep.comm._C is built; `why`
     says what needs them."""
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < n:

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from moe_ep import fp8
+from moe_ep.comm import fp8
 
 
 @dataclass

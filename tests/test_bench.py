@@ -21,7 +21,7 @@ import torch
 
 import moe_ep
 from moe_ep import bench
-from moe_ep.config import DEFAULT_NUM_SMS
+from moe_ep.comm.config import DEFAULT_NUM_SMS
 
 from tests._dist import run_workers
 

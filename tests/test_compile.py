@@ -19,7 +19,9 @@ import torch
 import torch._dynamo
 
 import moe_ep
-from moe_ep import MoE, fp8, ops
+from moe_ep import MoE
+from moe_ep.comm import fp8
+from moe_ep.moe import ops
 from tests._dist import device, requires_gpus, run_workers
 
 WORLD = 2
@@ -44,7 +46,7 @@ def _opcheck(buf: moe_ep.Buffer, fp8_buf: moe_ep.Buffer, g: torch.Generator) -> 
     """Every op on fresh inputs; opcheck runs each several times (collectively, alike on all ranks).
 
     The two dispatch ops skip only opcheck's eager-vs-AOT output comparison: their handle output is
-    a fresh id on every call by design (moe_ep.ops), so two calls never agree on it. The compiled
+    a fresh id on every call by design (moe_ep.moe.ops), so two calls never agree on it. The compiled
     MoE tests below compare everything else they return, traced through AOT autograd, bit for bit.
     """
     bid, dev = ops.register(buf), buf.device

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import moe_ep.deep_ep as deep_ep
-from moe_ep import fp8
+from moe_ep.comm import fp8
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import (
     Inputs,

@@ -1,4 +1,4 @@
-"""Expert-major dispatch and combine (moe_ep.expert_major) against brute force over all ranks' inputs,
+"""Expert-major dispatch and combine (moe_ep.comm.expert_major) against brute force over all ranks' inputs,
 and the MoE layer on them against the layer's previous formula, bit for bit.
 
 CPU (reference backend, gloo, R = 1, 2, 4): per case, every rank's rows and routing come from one seed
@@ -29,7 +29,8 @@ import pytest
 import torch
 
 import moe_ep
-from moe_ep import autograd, fp8
+from moe_ep.comm import fp8
+from moe_ep.moe import autograd
 from tests._dist import device, requires_gpus, run_workers
 from tests._interpret import run_interpreted
 from tests.oracle import (
@@ -411,9 +412,9 @@ def _layout_oracle(idx: list[list[int]], w: list[list[float]], e_l: int, alignme
 
 
 def _layout_cases(dev: torch.device, force_torch: bool = False) -> None:
-    """Every LAYOUT_CASES case through moe_ep.expert_major's layout (the Triton kernel on CUDA or when
+    """Every LAYOUT_CASES case through moe_ep.comm.expert_major's layout (the Triton kernel on CUDA or when
     interpreted; `force_torch` the torch version) against _layout_oracle, bitwise."""
-    from moe_ep import expert_major as em
+    from moe_ep.comm import expert_major as em
 
     for seed, m, e_l, k, routing, alignment in LAYOUT_CASES:
         g = torch.Generator().manual_seed(seed)

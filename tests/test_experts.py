@@ -1,7 +1,7 @@
 """GroupedExperts (fused gate/up weights, scaled SwiGLU, written-out backward) against an unfused
 per-expert SwiGLU written here in float64, plus what the fused layout must keep: the per-expert
 state dict, recompute_swiglu giving the same bits, expert-sorted input skipping the permutation,
-run-to-run identical bits. The Triton kernels (moe_ep.expert_kernels) are checked against the torch
+run-to-run identical bits. The Triton kernels (moe_ep.moe.expert_kernels) are checked against the torch
 versions on CUDA, or in Triton's interpreter on the CPU when Triton is installed.
 Inputs are fresh each run; the seed is in every failure message.
 """
@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_ep import expert_kernels as ek
-from moe_ep.experts import GroupedExperts, _Groups, grouped_mm_supported, route
+from moe_ep.comm import row_sum
+from moe_ep.moe import expert_kernels as ek
+from moe_ep.moe.experts import GroupedExperts, _Groups, grouped_mm_supported, route
 
 E, E_L, FIRST, H, FFN = 12, 5, 4, 32, 24
 
@@ -255,15 +256,15 @@ def _triton_check(device: str, seed: int) -> None:
         idx, _ = _routing(g, max(p // k, 1) if p else 0, k, E_L)
         slots = route(idx, E_L).slots.to(device)
         src = torch.randn(int((slots >= 0).sum()), h, generator=g).to(torch.bfloat16).to(device)
-        got, want = ek._sum_rows_triton(src, slots, torch.bfloat16, None), ek._sum_rows_torch(src, slots, torch.bfloat16, None)
+        got, want = row_sum._sum_rows_triton(src, slots, torch.bfloat16, None), row_sum._sum_rows_torch(src, slots, torch.bfloat16, None)
         if device == "cuda":  # the same float32 sums, rounded to nearest even by both
             assert torch.equal(got, want), f"seed {seed}: sum_rows"
         else:  # Triton's interpreter rounds float32 -> bf16 ties its own way
             torch.testing.assert_close(got, want, rtol=8e-3, atol=0, msg=f"seed {seed}: sum_rows")
         # weighted (an expert-major combine's pair_weights): Triton may fuse the product into the add
         weights = torch.randn(src.shape[0], generator=g).to(device)
-        got = ek._sum_rows_triton(src.float(), slots, torch.float32, weights)
-        want = ek._sum_rows_torch(src.float(), slots, torch.float32, weights)
+        got = row_sum._sum_rows_triton(src.float(), slots, torch.float32, weights)
+        want = row_sum._sum_rows_torch(src.float(), slots, torch.float32, weights)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"seed {seed}: weighted sum_rows")
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_ep import fp8
+from moe_ep.comm import fp8
 from tests._interpret import run_interpreted
 
 

@@ -1,4 +1,4 @@
-"""FP8 experts (moe_ep.fp8_experts): the block-scaled grouped GEMM and the SwiGLU quantization against
+"""FP8 experts (moe_ep.moe.fp8_experts): the block-scaled grouped GEMM and the SwiGLU quantization against
 float64 oracles written here, and MoE(fp8_experts=True) against a dense FP8-emulating MoE over all
 ranks' tokens. On CPU the Triton kernels run in Triton's interpreter (a subprocess with
 TRITON_INTERPRET=1; skipped without Triton), and the layer runs the torch versions; on a GPU, the
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import moe_ep
-from moe_ep import fp8_experts as fe
-from moe_ep.layer import MoE
+from moe_ep.moe import fp8_experts as fe
+from moe_ep.moe.layer import MoE
 from tests._interpret import run_interpreted
 from tests._dist import device, requires_gpus, run_workers
 
@@ -73,7 +73,7 @@ def _gemm_case(dev: torch.device, seed: int, e: int, n: int, k: int, counts: lis
                tiles: fe.GemmTiles) -> None:
     """grouped_gemm on random FP8 inputs, output poisoned first, against _gemm_oracle."""
     g = torch.Generator().manual_seed(seed)
-    aq, a_scale = moe_ep.fp8.quantize(torch.randn(m, k, generator=g) * 3)
+    aq, a_scale = moe_ep.comm.fp8.quantize(torch.randn(m, k, generator=g) * 3)
     bq, b_scale = fe.quantize_weight_blocks(torch.randn(e, n, k, generator=g) * 0.05)
     c = torch.tensor(counts)
     rows = torch.randint(0, m, (sum(counts),), generator=g) if gather else None
@@ -155,7 +155,7 @@ def test_weight_blocks_round_trip() -> None:
 def test_torch_versions_match_oracles() -> None:
     """The CPU path of the layer: torch grouped_gemm and swiglu_quant against the same oracles."""
     g = torch.Generator().manual_seed(11)
-    aq, a_scale = moe_ep.fp8.quantize(torch.randn(40, 256, generator=g))
+    aq, a_scale = moe_ep.comm.fp8.quantize(torch.randn(40, 256, generator=g))
     bq, b_scale = fe.quantize_weight_blocks(torch.randn(3, 128, 256, generator=g) * 0.1)
     rows, counts = torch.randint(0, 40, (30,), generator=g), torch.tensor([10, 0, 20])
     _within_bf16(fe.grouped_gemm(aq, a_scale, rows, counts, bq, b_scale), _gemm_oracle(aq, a_scale, rows, counts, bq, b_scale),
@@ -171,7 +171,7 @@ HIDDEN, FFN, EXPERTS, TOPK = 256, 128, 8, 3
 
 def _dense_fp8(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, full: dict) -> torch.Tensor:
     """FP8 MoE emulated in float64: FP8 rows, 128 x 128 FP8 weights, bf16 gate/up output, FP8 activation."""
-    xq, xs = moe_ep.fp8.quantize(x.to(torch.bfloat16))
+    xq, xs = moe_ep.comm.fp8.quantize(x.to(torch.bfloat16))
     xd = xq.double() * _expand(xs, *xq.shape)
     out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
     for e in range(EXPERTS):
@@ -184,7 +184,7 @@ def _dense_fp8(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, full: 
                 continue
             h13 = (xd[rows] @ (q13[0].double() * _expand(s13[0], 2 * FFN, HIDDEN)).t()).to(torch.bfloat16)
             a = _swiglu_f64(h13, weights[rows, k])
-            aq, a_s = moe_ep.fp8.quantize(a.float())
+            aq, a_s = moe_ep.comm.fp8.quantize(a.float())
             ad = aq.double() * _expand(a_s, *aq.shape)
             out[rows] += ad @ (q2[0].double() * _expand(s2[0], HIDDEN, FFN)).t()
     return out

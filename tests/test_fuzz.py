@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from moe_ep import fp8
+from moe_ep.comm import fp8
 from tests._dist import run_workers
 from tests.oracle import (
     ExpectedDispatch,

@@ -17,8 +17,8 @@ import torch
 
 import moe_ep
 from moe_ep import MoE
-from moe_ep.expert_kernels import sum_rows
-from moe_ep.experts import GroupedExperts
+from moe_ep.comm.row_sum import sum_rows
+from moe_ep.moe.experts import GroupedExperts
 from moe_ep.train import TrainConfig, rank_file, step_dir, train
 from tests._dist import device as rank_device, requires_gpus, run_workers
 from tests.oracle import assert_same_bits

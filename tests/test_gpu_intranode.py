@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from moe_ep import fp8
-from moe_ep.backends import internode, intranode
+from moe_ep.comm import fp8
+from moe_ep.comm.backends import internode, intranode
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import random_topk
 

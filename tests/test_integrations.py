@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import moe_ep
 import moe_ep.deep_ep
-from moe_ep import fp8
+from moe_ep.comm import fp8
 from tests._dist import run_workers
 from tests.test_compile import same_bits
 from tests.test_overlap import _one_call as one_call

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ep import topology
+from moe_ep.comm import topology
 from moe_ep.launch import plan
 
 

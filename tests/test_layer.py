@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 import moe_ep
 from moe_ep import MoE, TopKRouter
-from moe_ep.experts import GroupedExperts, grouped_mm_supported
-from moe_ep.layer import SwiGLU
+from moe_ep.moe.experts import GroupedExperts, grouped_mm_supported
+from moe_ep.moe.layer import SwiGLU
 from tests._dist import device, requires_gpus, run_workers
 
 TOL = 2e-2

@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep import _native
-from moe_ep.backends.symmetric import CommTimeoutError, ErrorWatch, NvshmemSession, _ErrorState
+from moe_ep.comm import _native
+from moe_ep.comm.backends.symmetric import CommTimeoutError, ErrorWatch, NvshmemSession, _ErrorState
 
 ROOT = Path(__file__).resolve().parents[1]
 COMM_H = ROOT / "csrc" / "runtime" / "comm.h"
 
-needs_native = pytest.mark.skipif(not _native.available()[0], reason=f"moe_ep._C unavailable: {_native.available()[1]}")
+needs_native = pytest.mark.skipif(not _native.available()[0], reason=f"moe_ep.comm._C unavailable: {_native.available()[1]}")
 
 
 def _comm_h_phases() -> list[tuple[int, str]]:
@@ -89,11 +89,11 @@ def test_message_for_an_unfinished_build(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 def test_message_when_the_built_module_does_not_import(monkeypatch: pytest.MonkeyPatch, fresh_load) -> None:
     if _native.build_info() is None:
-        pytest.skip("moe_ep._C is not built")
+        pytest.skip("moe_ep.comm._C is not built")
     real_import = importlib.import_module
 
     def fail(name: str, *args):
-        if name == "moe_ep._C":
+        if name == "moe_ep.comm._C":
             raise ImportError("undefined symbol: nvshmemx_fake")
         return real_import(name, *args)
 
@@ -114,7 +114,7 @@ def test_nvshmem_versions_agree() -> None:
 def test_wheel_version_mismatch_names_both_versions(monkeypatch: pytest.MonkeyPatch) -> None:
     info = _native.build_info()
     if info is None:
-        pytest.skip("moe_ep._C is not built")
+        pytest.skip("moe_ep.comm._C is not built")
     real_version = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version",
                         lambda dist: "9.9.9" if dist == info["nvshmem_dist"] else real_version(dist))
@@ -145,7 +145,7 @@ def test_error_state_layout_matches_comm_h() -> None:
 
 
 class _FakeNative:
-    """The ErrorState calls of moe_ep._C over ordinary host memory, so ErrorWatch runs without a GPU."""
+    """The ErrorState calls of moe_ep.comm._C over ordinary host memory, so ErrorWatch runs without a GPU."""
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
@@ -265,7 +265,7 @@ def test_constant_from_the_module_else_the_fallback(monkeypatch: pytest.MonkeyPa
     assert _native.constant("MAX_TOPK") == 12
     monkeypatch.setattr(_native, "_load", lambda: object())  # a _C that does not export it
     assert _native.constant("MAX_TOPK") == _native.FALLBACK_CONSTANTS["MAX_TOPK"]
-    monkeypatch.setattr(_native, "_load", lambda: "moe_ep._C is not built")  # no _C at all
+    monkeypatch.setattr(_native, "_load", lambda: "moe_ep.comm._C is not built")  # no _C at all
     assert _native.constant("MAX_TOPK") == _native.FALLBACK_CONSTANTS["MAX_TOPK"]
 
 

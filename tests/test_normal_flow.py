@@ -1,4 +1,4 @@
-"""The one normal-mode dispatch flow (moe_ep.backends.engine.normal_dispatch) on the CPU, with a recording
+"""The one normal-mode dispatch flow (moe_ep.comm.backends.engine.normal_dispatch) on the CPU, with a recording
 engine in place of the kernels: which steps run in which order, how big the outputs are, when the host
 waits for the counts, and which error checks come before and after the launch (timeouts only before it,
 everything once every kernel of the call is launched), for fresh, exact-size, worst-case and cached calls.
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from moe_ep import Config
-from moe_ep.backends import engine as flow
-from moe_ep.backends.base import BufferConfig, DispatchOutputs
-from moe_ep.types import DispatchLayout
+from moe_ep.comm.backends import engine as flow
+from moe_ep.comm.backends.base import BufferConfig, DispatchOutputs
+from moe_ep.comm.types import DispatchLayout
 
 R, T, H, K, E = 2, 6, 16, 2, 4  # ranks, max tokens per rank, hidden, top-k, experts (E_l = 2)
 RECV = [3, 5]  # rows this rank receives from each source

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from moe_ep import fp8
-from moe_ep.errors import CommTimeoutError
+from moe_ep.comm import fp8
+from moe_ep.comm.errors import CommTimeoutError
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import (
     Inputs,

@@ -1,4 +1,4 @@
-"""Overlap inside moe_ep.MoE (moe_ep.overlap): chunked normal mode (overlap_chunks C in 1, 2, 4) and the
+"""Overlap inside moe_ep.MoE (moe_ep.moe.overlap): chunked normal mode (overlap_chunks C in 1, 2, 4) and the
 start / compute / finish decode API, against the independent dense MoE of tests/test_layer.py (same
 tolerances), and the same bits run to run. One spawn per world size (R = 2, 3; on a GPU EP2 and 2 nodes
 x 2), many cases inside; 12 experts, so every group size divides them.
@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from moe_ep import MoE, overlap
+from moe_ep import MoE
+from moe_ep.moe import overlap
 from tests._dist import device, requires_gpus, run_workers
 from tests.test_layer import FP8_TOL, TOL, Case, _build, _close, _dense, _grad, _inputs, _reference_modules
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from moe_ep import _native, topology
-from moe_ep.buffer import auto_backend
+from moe_ep.comm import _native, topology
+from moe_ep.comm.buffer import auto_backend
 from tests._dist import run_workers
 from tests.oracle import (
     expected_combine,
@@ -160,16 +160,16 @@ def test_node_size_is_at_most_8_and_divides_the_host(per_host: int, size: int) -
 
 
 def test_auto_picks_native_whatever_the_group_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No rule on the group size any more: CUDA + moe_ep._C is enough, across nodes too."""
+    """No rule on the group size any more: CUDA + moe_ep.comm._C is enough, across nodes too."""
     monkeypatch.setattr(_native, "available", lambda: (True, ""))
     assert auto_backend(torch.device("cuda", 0))[0] == "nvshmem"
     assert auto_backend(torch.device("cpu"))[0] == "reference"
-    monkeypatch.setattr(_native, "available", lambda: (False, "moe_ep._C is not built"))
-    assert auto_backend(torch.device("cuda", 0)) == ("reference", "moe_ep._C is not built")
+    monkeypatch.setattr(_native, "available", lambda: (False, "moe_ep.comm._C is not built"))
+    assert auto_backend(torch.device("cuda", 0)) == ("reference", "moe_ep.comm._C is not built")
 
 
 def test_nvshmem_defaults_leave_the_users_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    from moe_ep.backends.symmetric import TRANSPORT_VARS, apply_nvshmem_defaults
+    from moe_ep.comm.backends.symmetric import TRANSPORT_VARS, apply_nvshmem_defaults
 
     for key in TRANSPORT_VARS:
         monkeypatch.delenv(key, raising=False)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from moe_ep import _native
+from moe_ep.comm import _native
 from tests._dist import run_workers
 
 H, E, K, T = 256, 8, 4, 16
@@ -129,7 +129,7 @@ def test_hidden_not_multiple_of_8():
 @pytest.mark.parametrize("native", [True, False], ids=["as installed", "without _C"])
 def test_topk_above_16(native, monkeypatch):
     if not native:  # the pure-Python install: the limit comes from the documented fallback
-        monkeypatch.setattr(_native, "_load", lambda: "moe_ep._C is not built")
+        monkeypatch.setattr(_native, "_load", lambda: "moe_ep.comm._C is not built")
     with pytest.raises(ValueError, match="num_topk must be at most 16"):
         moe_ep.Buffer(hidden=H, num_experts=32, num_topk=17, max_tokens_per_rank=T, backend="reference")
     moe_ep.Buffer(hidden=H, num_experts=32, num_topk=16, max_tokens_per_rank=T, backend="reference").close()

@@ -1,4 +1,4 @@
-"""PEP 517 backend: setuptools.build_meta, plus the build requirements of moe_ep._C.
+"""PEP 517 backend: setuptools.build_meta, plus the build requirements of moe_ep.comm._C.
 
 When nvcc is present the build also needs pybind11, ninja and the NVSHMEM wheel matching nvcc's CUDA
 major version. That wheel is pinned to the version the target environment already has (torch pins
@@ -114,7 +114,7 @@ def _say_if_pure_python() -> None:
     """One line on stderr when this install builds no _C, and why."""
     if build_cuda() is None:
         why = f"{NATIVE_ENV}=0" if native_mode() == "off" else "no nvcc ($CUDA_HOME/bin/nvcc or on PATH)"
-        print(f"moe_ep: {why}: installing without moe_ep._C (reference backend only)", file=sys.stderr)
+        print(f"moe_ep: {why}: installing without moe_ep.comm._C (reference backend only)", file=sys.stderr)
 
 
 def build_wheel(wheel_directory: str, config_settings: ConfigSettings = None,

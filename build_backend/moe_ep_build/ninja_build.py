@@ -1,4 +1,4 @@
-"""Compiles moe_ep._C: writes a build.ninja (an nvcc -rdc compile of every csrc/ source, then one nvcc
+"""Compiles moe_ep.comm._C: writes a build.ninja (an nvcc -rdc compile of every csrc/ source, then one nvcc
 link that device-links them with libnvshmem_device.a and host-links against libnvshmem_host.so.3)
 and runs ninja on it.
 
@@ -23,15 +23,15 @@ from pathlib import Path
 from .toolchain import Cuda, Nvshmem
 
 EXTRA_FLAGS_ENV = "MOE_EP_NVCC_FLAGS"
-# Where an installed moe_ep/_C finds the NVSHMEM wheel's library when imported without moe_ep._native
-# (which preloads it): site-packages/moe_ep/../nvidia/nvshmem/lib. Relative, so it never points into
+# Where an installed moe_ep/comm/_C finds the NVSHMEM wheel's library when imported without moe_ep.comm._native
+# (which preloads it): site-packages/moe_ep/comm/../../nvidia/nvshmem/lib. Relative, so it never points into
 # the temporary environment of an isolated build.
-NVSHMEM_RPATH = "$ORIGIN/../nvidia/nvshmem/lib"
+NVSHMEM_RPATH = "$ORIGIN/../../nvidia/nvshmem/lib"
 
 
 @dataclass(frozen=True)
 class NativeBuild:
-    """Everything one build of moe_ep._C needs; every path it puts into build.ninja is under
+    """Everything one build of moe_ep.comm._C needs; every path it puts into build.ninja is under
     build_dir, csrc, the CUDA toolkit or the interpreter, so it is the same from build to build."""
 
     cuda: Cuda
@@ -194,14 +194,14 @@ def run(build: NativeBuild) -> None:
     """Builds build.module incrementally (ninja keeps its state in build_dir) and copies it to build.output."""
     staged = stage_deps(build)
     write_ninja(build)
-    print(f"moe_ep: building moe_ep._C in {build.build_dir} with {jobs()} parallel jobs "
+    print(f"moe_ep: building moe_ep.comm._C in {build.build_dir} with {jobs()} parallel jobs "
           f"({staged} dependency files changed)", file=sys.stderr, flush=True)
     subprocess.run([_ninja_executable(), "-C", str(build.build_dir), "-j", str(jobs())], check=True)
     sync_file(build.module, build.output)  # a new file, never rewritten in place under a process that maps it
 
 
 def write_build_info(build: NativeBuild, path: Path) -> None:
-    """Records what _C was built against; moe_ep._native checks the installed NVSHMEM against it."""
+    """Records what _C was built against; moe_ep.comm._native checks the installed NVSHMEM against it."""
     info = {
         "cuda_version": list(build.cuda.version),
         "cuda_archs": build.archs,

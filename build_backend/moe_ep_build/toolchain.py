@@ -1,4 +1,4 @@
-"""Finds what moe_ep._C is built with: nvcc and its CUDA version, the GPU archs, the NVSHMEM wheel."""
+"""Finds what moe_ep.comm._C is built with: nvcc and its CUDA version, the GPU archs, the NVSHMEM wheel."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -12,7 +12,7 @@ from typing import Optional
 
 ARCH_ENV = "MOE_EP_CUDA_ARCH"
 DEFAULT_ARCHS = ("90",)
-# Whether to build moe_ep._C: "0" never (pure-Python install), "1" always (fail without nvcc), unset or
+# Whether to build moe_ep.comm._C: "0" never (pure-Python install), "1" always (fail without nvcc), unset or
 # "auto" when nvcc is found. `pip install . --config-settings native=0` sets it for one install.
 NATIVE_ENV = "MOE_EP_NATIVE"
 NATIVE_MODES = {"0": "off", "off": "off", "false": "off", "no": "off", "1": "on", "on": "on", "true": "on",
@@ -86,7 +86,7 @@ def native_mode() -> str:
 
 
 def build_cuda() -> Optional[Cuda]:
-    """The CUDA toolkit to build moe_ep._C with, or None when this install builds no _C: $MOE_EP_NATIVE
+    """The CUDA toolkit to build moe_ep.comm._C with, or None when this install builds no _C: $MOE_EP_NATIVE
     is 0, or it is unset/auto and there is no nvcc. With MOE_EP_NATIVE=1 a missing nvcc is an error."""
     mode = native_mode()
     if mode == "off":

@@ -83,7 +83,7 @@ class NvshmemBackend(Backend):
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
                  num_sms, knobs, previous_event, async_op) -> DispatchResult:
         """The kernels move rows; an expert-major result expands them into pairs after them
-        (moe_ep.expert_major): on NVLink straight from the workspace the rows landed in (the engine's
+        (moe_ep.comm.expert_major): on NVLink straight from the workspace the rows landed in (the engine's
         expand_pairs), across nodes by a gather of the received rows."""
         stream = self._stream(previous_event)
         engine = self._normal

@@ -1,4 +1,4 @@
-"""The interface every backend implements; `moe_ep.buffer.Buffer` validates, then calls it."""
+"""The interface every backend implements; `moe_ep.comm.buffer.Buffer` validates, then calls it."""
 from __future__ import annotations
 
 import abc
@@ -192,7 +192,7 @@ class Backend(abc.ABC):
     ) -> DispatchResult:
         """Normal-mode dispatch. With `handle`, reuse its layout (cached dispatch: topk_* are None
         and the result's topk_idx/topk_weights are None). `knobs`: the call's kernel knobs (speed only).
-        expert_major: the received rows as pairs (moe_ep.expert_major.expand, after the exchange)."""
+        expert_major: the received rows as pairs (moe_ep.comm.expert_major.expand, after the exchange)."""
 
     @abc.abstractmethod
     def combine(
@@ -208,7 +208,7 @@ class Backend(abc.ABC):
         async_op: bool,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:
         """Normal-mode combine: (rows [N, H], the combined topk_weights [N, K] or None without them, event).
-        An expert-major handle's pairs are first summed per row (moe_ep.expert_major.combine_inputs)."""
+        An expert-major handle's pairs are first summed per row (moe_ep.comm.expert_major.combine_inputs)."""
 
     @abc.abstractmethod
     def low_latency_dispatch(

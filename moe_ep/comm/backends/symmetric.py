@@ -33,7 +33,7 @@ TRANSPORT_VARS = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA", "NVSHME
                   "NVSHMEM_DISABLE_NVLS")
 
 
-# Set by moe_ep._C just before NVSHMEM's init where the environment has no value (its one owner:
+# Set by moe_ep.comm._C just before NVSHMEM's init where the environment has no value (its one owner:
 # csrc/runtime/bootstrap.cpp): NVLink multicast stays off unless the user asks for it.
 NATIVE_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -71,7 +71,7 @@ class ErrorWatch:
 
     def __init__(self, native: ModuleType, timeout_s: Optional[float] = None, num_experts: Optional[int] = None) -> None:
         if native.error_state_bytes() != ctypes.sizeof(_ErrorState):
-            raise RuntimeError(f"moe_ep._C's ErrorState has {native.error_state_bytes()} bytes, the Python mirror "
+            raise RuntimeError(f"moe_ep.comm._C's ErrorState has {native.error_state_bytes()} bytes, the Python mirror "
                                f"{ctypes.sizeof(_ErrorState)}: reinstall moe_ep so both come from one build")
         self._native = native
         self._host_ptr, self.device_ptr = native.alloc_error_state()
@@ -178,7 +178,7 @@ def _cuda_device(device: torch.device) -> torch.device:
 
 
 def _native_for_session() -> ModuleType:
-    """moe_ep._C, or a RuntimeError naming everything that rules NVSHMEM out on this machine."""
+    """moe_ep.comm._C, or a RuntimeError naming everything that rules NVSHMEM out on this machine."""
     reasons = []
     if not torch.cuda.is_available():
         reasons.append("no CUDA device is available (torch.cuda.is_available() is False)")

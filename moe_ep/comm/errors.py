@@ -5,7 +5,7 @@
   part in the call on stand-in inputs, so its peers' calls complete (an expert id out of range is
   found by the native kernels without a host sync and raised when the call's results reach the host).
 - RuntimeError "lost its peers": NVSHMEM in this process cannot be used again after a peer went
-  silent (moe_ep.backends.symmetric.NvshmemSession.check_usable).
+  silent (moe_ep.comm.backends.symmetric.NvshmemSession.check_usable).
 """
 from __future__ import annotations
 

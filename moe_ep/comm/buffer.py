@@ -79,7 +79,7 @@ def auto_backend(device: torch.device) -> tuple[str, str]:
     if device.type != "cuda":
         return "reference", f"the native backend needs CUDA tensors; this Buffer's device is {device.type}"
     ok, why = _native.available()
-    return ("nvshmem", "moe_ep._C loads and the group runs on CUDA devices") if ok else ("reference", why)
+    return ("nvshmem", "moe_ep.comm._C loads and the group runs on CUDA devices") if ok else ("reference", why)
 
 
 def _pick_backend(name: str, device: torch.device, world: int) -> str:

@@ -1,5 +1,5 @@
 """MoE: router -> dispatch -> grouped SwiGLU experts (weighted in their epilogue) -> combine.
-Exact-size normal mode dispatches expert-major by default (moe_ep.expert_major): the experts get
+Exact-size normal mode dispatches expert-major by default (moe_ep.comm.expert_major): the experts get
 their (row, local expert) pairs grouped by expert and the combine sums each row's pairs, so the
 layer runs no permutation pass of its own (expert_major=False: rows, sorted by the experts).
 
@@ -9,7 +9,7 @@ Buffer fixes hidden size, expert count and top-k; this rank owns experts
 data-parallel); expert weights exist only on their owner.
 
 Two modes, which every rank of the group must pick alike:
-- "normal" (training, prefill): differentiable dispatch/combine (moe_ep.autograd); with
+- "normal" (training, prefill): differentiable dispatch/combine (moe_ep.moe.autograd); with
   worst_case=True the dispatch output has R * T rows (static shapes, no wait for the counts).
 - "low_latency" (decode, no autograd): expert-major buffers; the router weights are applied by
   low_latency_combine instead of the experts' epilogue. Needs a Buffer made with low_latency=True.
@@ -17,9 +17,9 @@ mode=None picks low-latency when the Buffer has it, autograd is off and no rank 
 `low_latency_max_tokens` tokens (one small all-reduce decides it; pass the mode to avoid it, e.g.
 under CUDA-graph capture or torch.compile).
 
-Communication goes through the moe_ep custom ops (moe_ep.ops), so torch.compile traces the layer.
+Communication goes through the moe_ep custom ops (moe_ep.moe.ops), so torch.compile traces the layer.
 Overlap of communication with computation (chunked normal mode, the shared expert behind the first
-dispatch, the start/finish decode API) lives in moe_ep.overlap.
+dispatch, the start/finish decode API) lives in moe_ep.moe.overlap.
 """
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd, fp8, ops, overlap
+from . import autograd, ops, overlap
+from ..comm import fp8
 from . import fp8_experts as fp8_experts_module
-from .buffer import Buffer
+from ..comm.buffer import Buffer
 from .experts import GroupedExperts
 from .router import RouterOutput, TopKRouter
 
@@ -83,7 +84,7 @@ class MoE(nn.Module):
     of keeping it (docs/api.md says what is kept).
     overlap_chunks=C: normal mode splits a forward's tokens into C chunks; on GPUs the experts of chunk i
     run on the caller's stream while dispatch i+1 and combine i-1 run on the Buffer's communication
-    stream, forward and backward (moe_ep.overlap). Every rank must pass the same C: the first
+    stream, forward and backward (moe_ep.moe.overlap). Every rank must pass the same C: the first
     normal-mode forward checks it (one all_gather_object) and raises ValueError on every rank when
     they differ. SM budget: each dispatch and combine gets the Buffer's num_sms (every call of the
     Buffer runs on that one stream, so communication never holds more); the experts' kernels take
@@ -91,13 +92,13 @@ class MoE(nn.Module):
     The shared expert, when present, runs while the first dispatch is in flight when C >= 2 (C = 1
     keeps every kernel on the caller's stream, as before overlap existed) and in decode (start()).
     expert_major=True (the default): exact-size normal mode dispatches (row, local expert) pairs grouped
-    by expert (moe_ep.expert_major) and its combine sums them, so the experts sort, gather and sum
+    by expert (moe_ep.comm.expert_major) and its combine sums them, so the experts sort, gather and sum
     nothing and the forward makes one host sync (the dispatch's counts) instead of two (docs/benchmarks.md,
     issue 21: 7.61 against 7.91 ms per forward at the issue's shape); expert_major=False keeps rows and
     sorts them by expert in the experts (experts.route).
     fp8_experts=True (forward only: prefill and serving, under torch.no_grad()): normal mode dispatches
     the tokens in FP8 and the experts' grouped GEMMs read those rows and their per-128 scales
-    directly, against FP8 copies of the weights with 128 x 128 block scales (moe_ep.fp8_experts);
+    directly, against FP8 copies of the weights with 128 x 128 block scales (moe_ep.moe.fp8_experts);
     low-latency mode keeps its bf16 experts.
     """
 
@@ -170,7 +171,7 @@ class MoE(nn.Module):
     def dispatch(self, tokens: torch.Tensor, topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor) -> autograd.Dispatched | autograd.ExpertMajorDispatched:
         """Normal mode's differentiable dispatch of tokens [N, H] bf16: worst-case mode's R * T rows, or
-        exact-size mode's rows, or its expert-major pairs with expert_major=True (moe_ep.expert_major)."""
+        exact-size mode's rows, or its expert-major pairs with expert_major=True (moe_ep.comm.expert_major)."""
         if self.worst_case or not self.expert_major:
             return autograd.dispatch(self.buffer, tokens, topk_idx, topk_weights, worst_case=self.worst_case)
         return autograd.dispatch_expert_major(self.buffer, tokens, topk_idx, topk_weights, dtype=self._pair_dtype)
@@ -261,7 +262,7 @@ class MoE(nn.Module):
         return out.view(x.shape)
 
     def start(self, x: torch.Tensor) -> overlap.PendingMoE:
-        """Decode, phase one of a low-latency step (moe_ep.overlap.PendingMoE): route x [..., H], send its
+        """Decode, phase one of a low-latency step (moe_ep.moe.overlap.PendingMoE): route x [..., H], send its
         tokens to their experts and run the shared expert; `.compute()` and `.finish()` do the rest, so
         another micro-batch's work can run between the phases. Needs a Buffer with low_latency=True
         and autograd off (or x without grad); every rank calls each phase, in the same order."""

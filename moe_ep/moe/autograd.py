@@ -1,5 +1,5 @@
 """Differentiable dispatch and combine; each one's backward is the other. The formulas below are
-registered on the moe_ep custom ops (moe_ep.ops, torch.library.register_autograd), so they hold
+registered on the moe_ep custom ops (moe_ep.moe.ops, torch.library.register_autograd), so they hold
 under torch.compile too; this module wraps those ops for layers.
 
 - dispatch(x, topk_idx, topk_weights): backward is one combine of the received rows' gradient (a
@@ -9,7 +9,7 @@ under torch.compile too; this module wraps those ops for layers.
 - combine(y, ref): backward is a cached dispatch of the output gradient through the same handle
   (`Buffer.dispatch(grad, handle=handle)`): every row gets the gradient of the token it fed.
 - dispatch_expert_major(x, topk_idx, topk_weights): the received rows as (row, local expert) pairs
-  grouped by expert, with each pair's router weight (moe_ep.expert_major). Its backward is the
+  grouped by expert, with each pair's router weight (moe_ep.comm.expert_major). Its backward is the
   expert-major combine of the pairs' gradient: each row's pair gradients summed in ascending k, in
   float32 from +0.0 (unrounded when the pairs were float32), rounded once to bf16, then combined;
   the pair weights' gradient travels with the rows to every top-k slot of its pair. combine(y, ref)
@@ -30,14 +30,14 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
-from .buffer import Buffer
+from ..comm.buffer import Buffer
 
 
 @dataclass
 class DispatchRef:
     """What combine needs from a dispatch, as tensors and ints (so compiled code can carry it)."""
 
-    handle: torch.Tensor  # 0-d int64 CPU: the registered DispatchHandle (moe_ep.ops)
+    handle: torch.Tensor  # 0-d int64 CPU: the registered DispatchHandle (moe_ep.moe.ops)
     num_tokens: int  # N, the dispatching rank's tokens
     buffer_id: int
 
@@ -74,7 +74,7 @@ class ExpertMajorDispatched:
 
 def _buffer_id(buffer: Buffer) -> int:
     """The Buffer's op id; registering is a side effect a compiled graph cannot hold, so under
-    torch.compile `buffer` must already be registered (moe_ep.ops.register; MoE does it)."""
+    torch.compile `buffer` must already be registered (moe_ep.moe.ops.register; MoE does it)."""
     return buffer.cfg.buffer_id if torch.compiler.is_compiling() else ops.register(buffer)
 
 

@@ -7,7 +7,7 @@ per expert under its GLOBAL id (`{e}.w1`, `{e}.w2`, `{e}.w3`), so a checkpoint w
 expert-parallel size loads at another: merge the ranks' dicts and every rank picks its own experts.
 
 The forward pass, per (row, local expert) pair sorted by expert: gate/up GEMM, SwiGLU scaled by
-the router weight (one pass, moe_ep.expert_kernels), down GEMM. `forward_sorted` takes the pairs
+the router weight (one pass, moe_ep.moe.expert_kernels), down GEMM. `forward_sorted` takes the pairs
 already grouped (the layer's default normal mode: an expert-major dispatch made them, its combine
 sums each row's); `forward` (the layer with expert_major=False) takes rows and does both ends
 itself: the sort and gather of the pairs, and a fixed-order sum of each row's pairs. The backward is written out (dX and dW as grouped GEMMs,
@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .expert_kernels import sum_rows, swiglu, swiglu_backward
+from ..comm.row_sum import sum_rows
+from .expert_kernels import swiglu, swiglu_backward
 
 WEIGHT_NAMES = ("w1", "w2", "w3")
 INIT_STD = 0.02
@@ -99,7 +100,7 @@ class _WeightGradPart:
 @dataclass
 class WeightGradPool:
     """The weight gradients of several expert calls over the same weights (the chunks of one chunked
-    forward, moe_ep.overlap), computed once, in whichever of their backwards comes last, over every
+    forward, moe_ep.moe.overlap), computed once, in whichever of their backwards comes last, over every
     call's rows regrouped by expert (chunk order inside an expert): one gradient write per weight
     instead of one per call plus autograd's adds of them. Until then each backward keeps its part."""
 
@@ -283,7 +284,7 @@ class GroupedExperts(nn.Module):
     @contextlib.contextmanager
     def pooled_weight_grads(self) -> Iterator[WeightGradPool]:
         """Inside, the normal-mode forwards share one WeightGradPool: their weight gradients are computed
-        once, in the last of their backwards, over all their rows (moe_ep.overlap's chunks). The same
+        once, in the last of their backwards, over all their rows (moe_ep.moe.overlap's chunks). The same
         gradients within rounding (another summation order); the parts wait until then (P (2F + 2H + F)
         elements in all, at most)."""
         self._pool = WeightGradPool()

@@ -18,7 +18,7 @@ class DispatchLayout:
 
 @dataclass(frozen=True)
 class ExpertMajorLayout:
-    """Where an expert-major dispatch put each (received row, local expert) pair (moe_ep.expert_major).
+    """Where an expert-major dispatch put each (received row, local expert) pair (moe_ep.comm.expert_major).
 
     Pairs are grouped by local expert in ascending order, each expert's block padded up to a multiple
     of `alignment` with pairs of no row; inside a block, pairs follow the received rows (source rank,

@@ -62,7 +62,7 @@ class NormalEngine(Engine):
     # on the current stream, which must be the dispatch's, before any other call of this Buffer.
     expand_pairs: Optional[Callable[[DispatchResult, ExpertMajorLayout],
                                     tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
-    _ctx: Any  # the native context (moe_ep._C IntranodeContext / InternodeContext): launches, count mailbox
+    _ctx: Any  # the native context (moe_ep.comm._C IntranodeContext / InternodeContext): launches, count mailbox
 
     def close(self) -> None:
         """Frees the context's host-mapped count mailbox (the symmetric memory goes with the session)."""

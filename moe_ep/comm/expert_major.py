@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from .backends.base import record_event
-from .expert_kernels import sum_rows, use_triton
+from .row_sum import sum_rows, use_triton
 from .types import DispatchHandle, DispatchResult, ExpertMajorLayout
 
 try:

@@ -1,5 +1,5 @@
 """How a Triton grouped GEMM over rows grouped by expert finds its work with no host sync: the row
-tiles of every expert from per-expert counts on the device, the rows optionally gathered (moe_ep.fp8_experts'
+tiles of every expert from per-expert counts on the device, the rows optionally gathered (moe_ep.moe.fp8_experts'
 kernel uses it). A bf16 kernel on the same map lost to torch._grouped_mm on every row GEMM of the layer,
 equal groups or not (bench/results/h200_2026-12-02_gemm_tiles_run2.txt), so bf16 stays with torch.
 """

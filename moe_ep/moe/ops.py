@@ -1,6 +1,6 @@
 """moe_ep's communication calls as `torch.library` custom ops (namespace `moe_ep`), so torch.compile
 traces through them: each op has a fake implementation giving its output shapes, and dispatch and
-combine carry their backward formulas (each one's backward is the other, see moe_ep.autograd).
+combine carry their backward formulas (each one's backward is the other, see moe_ep.moe.autograd).
 
 Custom ops take tensors and plain values only. Two registries bridge the gap:
 - Buffers, weakly, by `buffer.cfg.buffer_id` (`register(buffer)` before tracing; the int is an op
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .buffer import Buffer
-from .types import DispatchHandle, LowLatencyHandle
+from ..comm.buffer import Buffer
+from ..comm.types import DispatchHandle, LowLatencyHandle
 
 _buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
 _handles: dict[int, DispatchHandle | LowLatencyHandle] = {}
@@ -38,7 +38,7 @@ def register(buffer: Buffer) -> int:
 def _buffer(buffer_id: int) -> Buffer:
     buffer = _buffers.get(buffer_id)
     if buffer is None:
-        raise RuntimeError(f"no live Buffer with id {buffer_id}: call moe_ep.ops.register(buffer) first")
+        raise RuntimeError(f"no live Buffer with id {buffer_id}: call moe_ep.moe.ops.register(buffer) first")
     return buffer
 
 
@@ -152,7 +152,7 @@ def _dispatch_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _send_back(ctx: Any, rows: torch.Tensor, grad_w: torch.Tensor) -> tuple:
     """A dispatch's backward: one combine of the rows' (or pairs') gradient, carrying the weights'
-    gradient when that is needed (moe_ep.autograd); Buffer.combine always moves rows, so a
+    gradient when that is needed (moe_ep.moe.autograd); Buffer.combine always moves rows, so a
     weights-only backward sends them too."""
     (handle,) = ctx.saved_tensors
     if not ctx.needs_input_grad[2]:

@@ -1,6 +1,6 @@
 """The grouped experts' memory-bound passes, each one read and one write of its tensors: the SwiGLU
-activation (forward and backward) and the fixed-order row sum that undoes the expert sort (the
-experts' backward, and an expert-major combine: moe_ep.expert_major).
+activation, forward and backward (the fixed-order row sum that undoes the expert sort is
+moe_ep.comm.row_sum).
 
 Triton kernels on CUDA (Triton ships with torch there); torch code elsewhere. Every sum runs in
 float32 in a fixed order and every result is rounded once, so the bits repeat from run to run
@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from ..comm.row_sum import use_triton, wide
+
 try:
     import triton
     import triton.language as tl
@@ -24,22 +26,12 @@ except ImportError:  # CPU-only installs: the torch versions below serve
     triton = None
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """The Triton kernels run on CUDA tensors when Triton is importable."""
-    return triton is not None and t.is_cuda
-
-
 # ---- torch versions ----------------------------------------------------------------------------
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """t in float32, or in its own dtype when that is wider (float64 stays float64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
 def swiglu_wide(h13: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The torch versions' activation silu(gate) * up * scale in float32 (float64 for float64 input),
-    not rounded: swiglu rounds it to h13's dtype, the FP8 experts quantize it (moe_ep.fp8_experts)."""
+    not rounded: swiglu rounds it to h13's dtype, the FP8 experts quantize it (moe_ep.moe.fp8_experts)."""
     f = h13.shape[1] // 2
-    g, u = _wide(h13[:, :f]), _wide(h13[:, f:])
+    g, u = wide(h13[:, :f]), wide(h13[:, f:])
     return g * torch.sigmoid(g) * u * scale.unsqueeze(1)
 
 
@@ -50,27 +42,13 @@ def _swiglu_torch(h13: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _swiglu_backward_torch(h13: torch.Tensor, grad_a: torch.Tensor, scale: torch.Tensor,
                            want_a: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     f = h13.shape[1] // 2
-    g, u, da = _wide(h13[:, :f]), _wide(h13[:, f:]), _wide(grad_a)
+    g, u, da = wide(h13[:, :f]), wide(h13[:, f:]), wide(grad_a)
     sig = torch.sigmoid(g)
     silu = g * sig
     ds = da * scale.unsqueeze(1)
     grad_h13 = torch.cat([ds * u * sig * (1 + g * (1 - sig)), ds * silu], dim=1).to(h13.dtype)
     grad_scale = (da * (silu * u)).sum(1).to(scale.dtype)
     return grad_h13, grad_scale, _swiglu_torch(h13, scale) if want_a else None
-
-
-def _sum_rows_torch(src: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype,
-                    weights: Optional[torch.Tensor]) -> torch.Tensor:
-    acc = _wide(src.new_zeros(slots.shape[0], src.shape[1]))
-    if src.shape[0] == 0:
-        return acc.to(dtype)
-    for j in range(slots.shape[1]):
-        slot = slots[:, j]
-        term = src[slot.clamp_min(0)]
-        if weights is not None:
-            term = weights[slot.clamp_min(0)].unsqueeze(1) * term
-        acc = torch.where((slot >= 0).unsqueeze(1), acc + term, acc)
-    return acc.to(dtype)
 
 
 # ---- Triton kernels ------------------------------------------------------------------------------
@@ -116,24 +94,6 @@ if triton is not None:
                 tl.store(a_ptr + row * F + col, a.to(a_ptr.dtype.element_ty), mask=mask)
         tl.store(dscale_ptr + row, tl.sum(acc, axis=0))
 
-    @triton.jit
-    def _sum_rows_kernel(src_ptr, slots_ptr, w_ptr, out_ptr, H, K: tl.constexpr, WEIGHTED: tl.constexpr,
-                         BLOCK: tl.constexpr):
-        """out[row] = src[slots[row, 0]] + src[slots[row, 1]] + ... (slots < 0 skipped), float32, left to right;
-        WEIGHTED: each term times w[slot] first."""
-        row = tl.program_id(0).to(tl.int64)
-        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = col < H
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(K):
-            slot = tl.load(slots_ptr + row * K + j)
-            width = tl.where(slot >= 0, H, 0)  # a missing slot reads nothing
-            term = tl.load(src_ptr + slot * H + col, mask=col < width, other=0.0).to(tl.float32)
-            if WEIGHTED:
-                term = term * tl.load(w_ptr + slot, mask=slot >= 0, other=0.0)
-            acc += term
-        tl.store(out_ptr + row * H + col, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
 
 _BLOCK = 1024
 
@@ -158,19 +118,6 @@ def _swiglu_backward_triton(h13: torch.Tensor, grad_a: torch.Tensor, scale: torc
     return grad_h13, grad_scale, a if want_a else None
 
 
-def _sum_rows_triton(src: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype,
-                     weights: Optional[torch.Tensor]) -> torch.Tensor:
-    m, h = slots.shape[0], src.shape[1]
-    if src.shape[0] == 0:
-        return src.new_zeros(m, h, dtype=dtype)
-    out = src.new_empty(m, h, dtype=dtype)
-    if m and h:
-        w = weights if weights is not None else slots  # w_ptr is not read without WEIGHTED
-        _sum_rows_kernel[(m, triton.cdiv(h, _BLOCK))](src, slots, w, out, h, K=slots.shape[1],
-                                                      WEIGHTED=weights is not None, BLOCK=_BLOCK, num_warps=4)
-    return out
-
-
 # ---- entry points ----------------------------------------------------------------------------------
 def swiglu(h13: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """h13 [P, 2F] contiguous, scale [P] float32 -> a [P, F] in h13's dtype: silu(gate) * up * scale,
@@ -185,15 +132,3 @@ def swiglu_backward(h13: torch.Tensor, grad_a: torch.Tensor, scale: torch.Tensor
     if use_triton(h13):
         return _swiglu_backward_triton(h13, grad_a.contiguous(), scale, want_a)
     return _swiglu_backward_torch(h13, grad_a, scale, want_a)
-
-
-def sum_rows(src: torch.Tensor, slots: torch.Tensor, dtype: Optional[torch.dtype] = None,
-             weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """src [P, H] contiguous, slots [M, K] int64 (each row's source rows, -1 where none) -> [M, H]:
-    out[m] = src[slots[m, 0]] + src[slots[m, 1]] + ..., from +0.0, left to right in float32, rounded
-    once to `dtype` (default src's); with weights [P] float32 each term is weights[slot] * src[slot]
-    (a float32 product, then the add)."""
-    dtype = dtype or src.dtype
-    if use_triton(src):
-        return _sum_rows_triton(src, slots, dtype, weights)
-    return _sum_rows_torch(src, slots, dtype, weights)

@@ -58,7 +58,7 @@ class SymmetricLayout:
 
     @classmethod
     def of(cls, cfg: BufferConfig) -> "SymmetricLayout":
-        """The layout of a Buffer's region, from moe_ep._C."""
+        """The layout of a Buffer's region, from moe_ep.comm._C."""
         scratch_blocks = blocks_per_expert(cfg) * cfg.num_local_experts if cfg.num_nodes > 1 else 0
         return cls(**_native.load().ll_region_layout(cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden,
                                                      cfg.num_topk, scratch_blocks))

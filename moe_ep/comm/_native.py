@@ -1,4 +1,4 @@
-"""Loads moe_ep._C safely: preloads the NVSHMEM host library from its wheel and checks that the
+"""Loads moe_ep.comm._C safely: preloads the NVSHMEM host library from its wheel and checks that the
 installed NVSHMEM is the one _C was built against, so a mismatch is an error naming both versions
 rather than a crash inside NVSHMEM."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUILD_INFO = PACKAGE_DIR / "_build_info.json"
 HOST_LIBRARY = "libnvshmem_host.so.3"
-# Limits compiled into the kernels, for Python to validate against. `constant` reads them from moe_ep._C
+# Limits compiled into the kernels, for Python to validate against. `constant` reads them from moe_ep.comm._C
 # where it loads and exports them; these fallbacks, equal to the C++ values (tests/test_native.py
 # checks), serve the pure-Python install, so that the reference backend accepts what the kernels do.
 FALLBACK_CONSTANTS = {
@@ -32,7 +32,7 @@ REBUILD = ("reinstall with `python -m pip install .` (offline: `python -m pip in
 
 
 class NativeUnavailableError(RuntimeError):
-    """moe_ep._C cannot be used here; the message says why."""
+    """moe_ep.comm._C cannot be used here; the message says why."""
 
 
 def build_info() -> dict[str, Any] | None:
@@ -52,8 +52,8 @@ def find_nvcc() -> Path | None:
 
 
 def extension_file() -> Path | None:
-    """The compiled moe_ep._C file, found without importing it, or None."""
-    spec = importlib.util.find_spec("moe_ep._C")
+    """The compiled moe_ep.comm._C file, found without importing it, or None."""
+    spec = importlib.util.find_spec("moe_ep.comm._C")
     return Path(spec.origin) if spec is not None and spec.origin else None
 
 
@@ -63,13 +63,13 @@ def _not_built() -> str:
     missing = f"{BUILD_INFO.name} is missing in {PACKAGE_DIR}"
     extension = extension_file()
     if extension is not None:
-        return f"moe_ep._C is not built completely ({extension.name} is there but {missing}): {REBUILD}"
+        return f"moe_ep.comm._C is not built completely ({extension.name} is there but {missing}): {REBUILD}"
     nvcc = find_nvcc()
     if nvcc is not None:
-        return (f"moe_ep._C is not built ({missing}) although nvcc is here ({nvcc}): it was installed with "
+        return (f"moe_ep.comm._C is not built ({missing}) although nvcc is here ({nvcc}): it was installed with "
                 f"MOE_EP_NATIVE=0 (or --config-settings native=0), its build failed, or moe_ep was installed before "
                 f"nvcc was; {REBUILD}")
-    return (f"moe_ep._C is not built ({missing}): the install found no CUDA compiler; reinstall with nvcc on PATH "
+    return (f"moe_ep.comm._C is not built ({missing}): the install found no CUDA compiler; reinstall with nvcc on PATH "
             "or CUDA_HOME set")
 
 
@@ -82,7 +82,7 @@ def nvshmem_host_library(dist: str) -> Path:
     try:
         distribution = importlib.metadata.distribution(dist)
     except importlib.metadata.PackageNotFoundError:
-        raise NativeUnavailableError(f"moe_ep._C needs the {dist} wheel, which is not installed") from None
+        raise NativeUnavailableError(f"moe_ep.comm._C needs the {dist} wheel, which is not installed") from None
     path = Path(str(distribution.locate_file("nvidia/nvshmem/lib"))) / HOST_LIBRARY
     if not path.is_file():
         raise NativeUnavailableError(f"{dist} {distribution.version} is installed but {path} is missing")
@@ -95,28 +95,28 @@ def _import_checked() -> ModuleType:
         raise NativeUnavailableError(_not_built())
     if extension_file() is None:
         raise NativeUnavailableError(
-            f"moe_ep._C is missing in {PACKAGE_DIR} although {BUILD_INFO.name} says it was built: the build failed "
+            f"moe_ep.comm._C is missing in {PACKAGE_DIR} although {BUILD_INFO.name} says it was built: the build failed "
             f"or _C was removed; {REBUILD}")
     dist, built = info["nvshmem_dist"], info["nvshmem_dist_version"]
     library = nvshmem_host_library(dist)
     installed = importlib.metadata.version(dist)
     if installed != built:
         raise NativeUnavailableError(
-            f"moe_ep._C was built against {dist} {built} but {installed} is installed: "
+            f"moe_ep.comm._C was built against {dist} {built} but {installed} is installed: "
             f"python -m pip install {dist}=={built}, or rebuild moe_ep")
     try:
         ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
     except OSError as err:
         raise NativeUnavailableError(f"cannot load {library}: {err}") from err
     try:
-        module = importlib.import_module("moe_ep._C")
+        module = importlib.import_module("moe_ep.comm._C")
     except ImportError as err:
-        raise NativeUnavailableError(f"moe_ep._C was built but does not import ({err}): the build is broken or "
+        raise NativeUnavailableError(f"moe_ep.comm._C was built but does not import ({err}): the build is broken or "
                                      f"incomplete; {REBUILD}") from err
     build_version, runtime_version = tuple(module.build_version()), tuple(module.runtime_version())
     if build_version != runtime_version:
         raise NativeUnavailableError(
-            f"moe_ep._C was compiled with NVSHMEM {_version_text(build_version)} but {library} is NVSHMEM "
+            f"moe_ep.comm._C was compiled with NVSHMEM {_version_text(build_version)} but {library} is NVSHMEM "
             f"{_version_text(runtime_version)}")
     return module
 
@@ -131,7 +131,7 @@ def _load() -> ModuleType | str:
 
 
 def load() -> ModuleType:
-    """The moe_ep._C module; raises NativeUnavailableError saying why it cannot be used."""
+    """The moe_ep.comm._C module; raises NativeUnavailableError saying why it cannot be used."""
     result = _load()
     if isinstance(result, str):
         raise NativeUnavailableError(result)
@@ -139,13 +139,13 @@ def load() -> ModuleType:
 
 
 def available() -> tuple[bool, str]:
-    """(True, "") when moe_ep._C loads, else (False, why)."""
+    """(True, "") when moe_ep.comm._C loads, else (False, why)."""
     result = _load()
     return (False, result) if isinstance(result, str) else (True, "")
 
 
 def constant(name: str) -> int:
-    """A limit shared with the kernels (a key of FALLBACK_CONSTANTS): moe_ep._C's value where _C loads
+    """A limit shared with the kernels (a key of FALLBACK_CONSTANTS): moe_ep.comm._C's value where _C loads
     and exports it, else the fallback."""
     fallback = FALLBACK_CONSTANTS[name]
     ok, _ = available()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .expert_kernels import use_triton
+from .row_sum import use_triton
 
 try:
     import triton
@@ -51,7 +51,7 @@ if triton is not None:
         """a [R, 128] float32 -> (a / scale, scale [R]) with quantize's scale: amax floored at 1e-4,
         / 448; both divisions true (IEEE-rounded: div_rn; tl.fdiv measured one ulp off on an H200)
         ones, as the torch version's are. Shared by every Triton kernel that writes FP8 rows (this
-        module's, moe_ep.fp8_experts')."""
+        module's, moe_ep.moe.fp8_experts')."""
         amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-4)
         s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         return tl.math.div_rn(a, s[:, None]), s

@@ -1,14 +1,14 @@
 """FP8 experts: the rows and per-128 scales an FP8 dispatch delivers feed FP8 grouped GEMMs directly.
 
 Scales are DeepSeek-V3's blocks: activations carry one float32 scale per row per 128 channels
-(moe_ep.fp8, what FP8 dispatch sends), weights one per 128 x 128 block. The forward of normal mode,
-per (row, local expert) pair grouped by expert (moe_ep.expert_major's layout of the received rows):
+(moe_ep.comm.fp8, what FP8 dispatch sends), weights one per 128 x 128 block. The forward of normal mode,
+per (row, local expert) pair grouped by expert (moe_ep.comm.expert_major's layout of the received rows):
   1. gate/up GEMM: the pairs' FP8 rows, gathered inside the GEMM's loads (no gather pass, no
      dequantization pass), times the FP8 w13 -> h13 [P, 2F] bf16. Each 128-deep K step's product is
      scaled by (row scale x block scale) and added to a float32 accumulator.
   2. SwiGLU x router weight, quantized again to FP8 with per-128 scales, in one pass.
   3. down GEMM, the same kernel without the gather -> [P, H] bf16.
-  4. the fixed-order sum of each row's pairs (moe_ep.expert_kernels.sum_rows).
+  4. the fixed-order sum of each row's pairs (moe_ep.comm.row_sum.sum_rows).
 Forward only (prefill and serving; no autograd). The weights are quantized once and kept until a
 weight changes (FP8WeightCache). Triton kernels on CUDA; elsewhere a torch version of the same
 formulas (dequantize, float32 matmul) serves, so CPU tests and CPU installs run the layer.
@@ -20,8 +20,9 @@ from typing import Optional
 
 import torch
 
-from . import expert_major, fp8
-from .expert_kernels import sum_rows, swiglu_wide, use_triton
+from ..comm import expert_major, fp8
+from ..comm.row_sum import sum_rows, use_triton
+from .expert_kernels import swiglu_wide
 from .experts import GroupedExperts
 from .grouped_gemm import launch_grid
 
@@ -38,7 +39,7 @@ BLOCK = fp8.BLOCK
 # ---- weights ---------------------------------------------------------------------------------------
 def quantize_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [E, N, K] (N, K multiples of 128) -> (e4m3 [E, N, K], float32 scales [E, N / 128, K / 128]):
-    one scale per 128 x 128 block, amax / 448 with amax floored as moe_ep.fp8 floors it."""
+    one scale per 128 x 128 block, amax / 448 with amax floored as moe_ep.comm.fp8 floors it."""
     e, n, k = w.shape
     blocks = w.detach().float().view(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=(2, 4)).clamp_min(fp8.AMAX_FLOOR)
@@ -100,7 +101,7 @@ def _swiglu_quant_torch(h13: torch.Tensor, scale: torch.Tensor) -> tuple[torch.T
 # ---- Triton kernels ------------------------------------------------------------------------------
 if triton is not None:
     from .expert_kernels import activation
-    from .fp8 import quantize_blocks
+    from ..comm.fp8 import quantize_blocks
     from .grouped_gemm import expert_tile
 
     @triton.jit
@@ -126,7 +127,7 @@ if triton is not None:
                              A_TMA: tl.constexpr, B_TMA: tl.constexpr):
         """out[p, n] = sum_kb (a[src_p, kb] . b[e_p, n, kb]) * as[src_p, kb] * bs[e_p, n / 128, kb].
 
-        Protocol: one program per (row tile, column tile) as moe_ep.grouped_gemm.expert_tile lays them
+        Protocol: one program per (row tile, column tile) as moe_ep.moe.grouped_gemm.expert_tile lays them
         out (no host sync). K steps are 128 deep, one scale block each; rows past the expert's count
         are masked in loads and stores. With B_TMA (A_TMA) the weight (row) tiles come through a TMA
         descriptor over b viewed as [E * N, K] (a as [M, K]): a tile may then read the next expert's
@@ -153,7 +154,7 @@ if triton is not None:
     @triton.jit
     def _swiglu_quant_kernel(h_ptr, scale_ptr, q_ptr, qs_ptr, P, F, BR: tl.constexpr):
         """BR rows x one 128-column block: a = silu(g) * u * w in float32, then e4m3 with one scale per
-        row per block (amax floored at 1e-4, / 448, a true division as moe_ep.fp8 does it)."""
+        row per block (amax floored at 1e-4, / 448, a true division as moe_ep.comm.fp8 does it)."""
         row = tl.program_id(0) * BR + tl.arange(0, BR)
         blk = tl.program_id(1)
         col = blk * 128 + tl.arange(0, 128)
@@ -231,7 +232,7 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, rows: Optional[torch.Te
 
 def swiglu_quant(h13: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """h13 [P, 2F] (gate | up), scale [P] float32 -> silu(gate) * up * scale as e4m3 [P, F] with
-    float32 scales [P, F / 128] (moe_ep.fp8's rule), computed in float32, in one pass."""
+    float32 scales [P, F / 128] (moe_ep.comm.fp8's rule), computed in float32, in one pass."""
     if use_triton(h13):
         return _swiglu_quant_triton(h13.contiguous(), scale.contiguous())
     return _swiglu_quant_torch(h13, scale)
@@ -250,7 +251,7 @@ def experts_forward(weights: FP8ExpertWeights, x: torch.Tensor, x_scale: torch.T
     topk_idx [M, K] LOCAL ids (-1: elsewhere), topk_weights [M, K] float32, counts pairs per local
     expert (the dispatch's tokens_per_expert, on the host and the device) -> [M, H] bf16,
     row m = sum_k w[m, k] * expert_{idx[m, k]}(x[m]), its pairs summed from +0.0 in ascending k.
-    The pairs' order is moe_ep.expert_major's (found on the device, no sort); their rows are read
+    The pairs' order is moe_ep.comm.expert_major's (found on the device, no sort); their rows are read
     by the gate/up GEMM itself, so no [P, H] copy is made."""
     layout, scale = expert_major.build_layout(topk_idx, topk_weights, counts, counts_tensor, 1)
     h13 = grouped_gemm(x, x_scale, layout.rows, layout.counts_tensor, weights.w13, weights.w13_scale)

@@ -21,18 +21,33 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
-from . import autograd, fp8
-from .buffer import Buffer
+from ..comm import fp8
+from ..comm.buffer import Buffer
+from ..comm.types import LowLatencyCombineResult, LowLatencyDispatchResult
+from . import autograd
+from .experts import GroupedExperts
 from .router import RouterOutput
-from .types import LowLatencyCombineResult, LowLatencyDispatchResult
 
-if TYPE_CHECKING:
-    from .layer import MoE
+
+class MoE(Protocol):
+    """The members of moe_ep.moe.layer.MoE that overlap drives (a protocol, so overlap never imports
+    the layer that imports it)."""
+    buffer: Buffer
+    experts: GroupedExperts
+    overlap_chunks: int
+    low_latency_fp8: bool
+
+    def dispatch(self, tokens: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+                 ) -> "autograd.Dispatched | autograd.ExpertMajorDispatched": ...
+
+    def run_experts(self, d: "autograd.Dispatched | autograd.ExpertMajorDispatched") -> torch.Tensor: ...
+
+    def shared_forward(self, tokens: torch.Tensor) -> Optional[torch.Tensor]: ...
 
 _comm_streams: "weakref.WeakKeyDictionary[Buffer, torch.cuda.Stream]" = weakref.WeakKeyDictionary()
 
