@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from .comm import _native
-from .comm.backends.base import align_up, record_event
-from .comm.buffer import _device_of, _resolve_topology, auto_backend
-from .comm.fp8 import BLOCK as FP8_BLOCK
+from ..comm import _native
+from ..comm.backends.base import align_up, record_event
+from ..comm.buffer import _device_of, _resolve_topology, auto_backend
+from ..comm.fp8 import BLOCK as FP8_BLOCK
 
 topk_idx_t = torch.int64
 
@@ -581,4 +581,3 @@ class Buffer:
         self._zero_copy.clear()
 
 
-__all__ = ["Buffer", "Config", "DispatchHandle", "EventHandle", "EventOverlap", "LowLatencyHandle", "topk_idx_t"]
