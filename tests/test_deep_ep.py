@@ -306,7 +306,7 @@ def _check_budget_and_modes(rank: int, world: int) -> None:
     buf.dispatch(torch.zeros(3, hidden, dtype=torch.bfloat16), num_tokens_per_rank=per_rank,
                  is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
                  topk_weights=torch.zeros(3, 2))
-    assert [b.max_tokens_per_rank for b in buf.moe_ep_buffers] == [deep_ep.HINT_TOKENS_PER_RANK]
+    assert [b.max_tokens_per_rank for b in buf.moe_ep_buffers] == [deep_ep.v1.HINT_TOKENS_PER_RANK]
     with pytest.raises(ValueError, match="low_latency_mode"):
         buf.low_latency_dispatch(torch.zeros(3, hidden, dtype=torch.bfloat16), idx, 4, experts)
     with pytest.raises(RuntimeError, match="explicitly_destroy"):
