@@ -32,7 +32,7 @@ def interpreter_exact(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     and not rounded up into the next binade (the interpreter rounds ties up and drops the carry there,
     e.g. 31.97 -> 16, measured on Triton 3.9), and normal (it rounds subnormals loosely); there the
     bits are the definition's."""
-    v = (x.float().view(x.shape[0], -1, 128) / scales.unsqueeze(-1)).view(x.shape).double().abs()
+    v = (x.float().view(x.shape[0], x.shape[1] // 128, 128) / scales.unsqueeze(-1)).view(x.shape).double().abs()
     q = e4m3_bits(v.float()).view(torch.float8_e4m3fn).double()
     carried = (torch.frexp(q).mantissa == 0.5) & (q > v)
     _, exp = torch.frexp(v)
