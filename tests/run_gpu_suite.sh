@@ -27,12 +27,15 @@ collected=$(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider "${@:
 rc=$?
 if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then echo "$collected" | tail -30; echo "collection failed (rc=$rc)"; exit 1; fi
 files=$(echo "$collected" | grep '::' | sed 's/::.*//' | sort -u)
-if [ -z "$files" ]; then  # pytest's rc 5 echo "no test marked gpu collected (no GPU, or moe_ep.comm._C not built?)"; exit 1; fi
+if [ -z "$files" ]; then  # pytest's rc 5
+  echo "no test marked gpu collected (no GPU, or moe_ep.comm._C not built?)"; exit 1
+fi
 echo "$collected" | grep -c '::' | xargs echo "GPU tests collected:"
 
 # Lanes by longest file first, each file to the lane with the least work so far (seconds per file on one
 # H200 with three lanes, docs/one_gpu.md; a file not listed counts 60 s). Prints one line per lane.
-plan=$(python3 - "$lanes" $files <<'EOF'
+plan_file=$(mktemp)
+python3 - "$lanes" $files >"$plan_file" <<'EOF'
 import sys
 secs = {"test_gpu_fuzz.py": 330, "test_gpu_intranode.py": 195, "test_gpu_crossnode.py": 88, "test_gpu_faults.py": 82,
         "test_compile.py": 61, "test_gpu_determinism.py": 50, "test_gpu_low_latency.py": 49, "test_overlap.py": 45,
@@ -47,7 +50,6 @@ for f in sorted(files, key=lambda f: -secs.get(f.split("/")[-1], 60)):
     plan[i].append(f)
 print("\n".join(" ".join(p) for p in plan if p))
 EOF
-)
 deadline=$((SECONDS + budget))
 lane() {  # lane NAME FILE...: each file's GPU tests, until the budget is spent
   local name=$1; shift
@@ -68,13 +70,16 @@ while read -r line; do
   n=$((n + 1))
   # shellcheck disable=SC2086
   lane "lane$n" $line &
-done <<<"$plan"
+done <"$plan_file"
 wait
+rm -f "$plan_file"
 if [ -z "${NO_TRAIN:-}" ]; then
   began=$SECONDS
   timeout 90 torchrun --nproc-per-node 4 -m moe_ep.train --ranks-per-gpu 4 --steps 20 --log-every 10 --no-progress \
     >"$out/train.log" 2>&1
-  echo "torchrun moe_ep.train, 4 ranks | rc=$? | $((SECONDS - began)) s | $(grep done "$out/train.log")" >>"$out/summary.txt"
+  rc=$?
+  [ $rc -eq 0 ] && ! grep -q "(4 ranks per GPU)" "$out/train.log" && rc=1  # --ranks-per-gpu took effect
+  echo "torchrun moe_ep.train, 4 ranks | rc=$rc | $((SECONDS - began)) s | $(grep done "$out/train.log")" >>"$out/summary.txt"
 fi
 if [ -n "${WITH_LAYER_BENCH:-}" ]; then  # alone after the tests, so its compute numbers are valid (one rank)
   began=$SECONDS

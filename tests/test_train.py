@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import moe_ep.train
 from moe_ep import Buffer
 from moe_ep.data import VOCAB, CharCorpus, decode, generate_text
+from moe_ep.launch import plan
 from moe_ep.moe.experts import GroupedExperts
 from moe_ep.train import MoELM, TrainConfig, parse_args, step_dir, sync_gradients, train, train_step
 from tests._dist import requires_gpus, run_workers
@@ -196,6 +198,27 @@ def test_cli_flags() -> None:
     assert parse_args([]) == TrainConfig()
 
 
+class _Stop(Exception):
+    """Ends moe_ep.train.main once it asked for its placement."""
+
+
+def test_ranks_per_gpu_reaches_the_placement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--ranks-per-gpu goes to init_distributed (a recording stand-in here); on CPU the real placement
+    refuses it with a clear error."""
+    asked: list = []
+
+    def placement(device: str, ranks_per_gpu: object) -> None:
+        asked.append((device, ranks_per_gpu))
+        raise _Stop
+
+    monkeypatch.setattr(moe_ep.train, "init_distributed", placement)
+    with pytest.raises(_Stop):
+        moe_ep.train.main(["--ranks-per-gpu", "3", "--device", "cuda"])
+    assert asked == [("cuda", 3)]
+    with pytest.raises(ValueError, match="ranks_per_gpu needs CUDA devices"):
+        plan(0, 2, 0, "cpu", 2)
+
+
 def _torchrun(tmp_path: Path, *flags: str) -> str:
     """Run `torchrun --nproc-per-node 2 -m moe_ep.train FLAGS`; returns its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -211,6 +234,14 @@ def test_torchrun_command(tmp_path: Path) -> None:
                     "--ffn", "16", "--layers", "1", "--log-every", "2")
     assert "backend reference" in out and "step     4 | loss" in out and "done: 4 steps" in out
     assert sorted(os.listdir(tmp_path / "ckpt" / "step000004")) == ["rank00000-of-00002.pt", "rank00001-of-00002.pt"]
+
+
+@requires_gpus()
+def test_torchrun_ranks_per_gpu(tmp_path: Path) -> None:
+    """--ranks-per-gpu 2: both ranks on the first GPU over gloo, whatever the GPU count."""
+    out = _torchrun(tmp_path, "--ranks-per-gpu", "2", "--steps", "4", "--batch", "4", "--seq-len", "16", "--dim", "16",
+                    "--ffn", "16", "--layers", "1", "--log-every", "2", "--no-progress")
+    assert "(2 ranks per GPU)" in out and "done: 4 steps" in out, out[-2000:]
 
 
 @requires_gpus()
