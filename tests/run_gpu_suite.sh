@@ -41,7 +41,7 @@ secs = {"test_gpu_fuzz.py": 330, "test_gpu_intranode.py": 195, "test_gpu_crossno
         "test_compile.py": 61, "test_gpu_determinism.py": 50, "test_gpu_low_latency.py": 49, "test_overlap.py": 45,
         "test_fp8_experts.py": 37, "test_deep_ep.py": 32, "test_train.py": 31, "test_layer.py": 29,
         "test_expert_major.py": 26, "test_gpu_config.py": 45, "test_one_rank_bad_input.py": 14,
-        "test_gpu_runtime.py": 11, "test_fp8.py": 5, "test_experts.py": 10}
+        "test_gpu_runtime.py": 11, "test_fp8.py": 5, "test_experts.py": 10, "test_bench.py": 45}
 lanes, files = int(sys.argv[1]), sys.argv[2:]
 work, plan = [0] * lanes, [[] for _ in range(lanes)]
 for f in sorted(files, key=lambda f: -secs.get(f.split("/")[-1], 60)):
