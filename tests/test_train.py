@@ -239,8 +239,8 @@ def test_torchrun_command(tmp_path: Path) -> None:
 @requires_gpus()
 def test_torchrun_ranks_per_gpu(tmp_path: Path) -> None:
     """--ranks-per-gpu 2: both ranks on the first GPU over gloo, whatever the GPU count."""
-    out = _torchrun(tmp_path, "--ranks-per-gpu", "2", "--steps", "4", "--batch", "4", "--seq-len", "16", "--dim", "16",
-                    "--ffn", "16", "--layers", "1", "--log-every", "2", "--no-progress")
+    out = _torchrun(tmp_path, "--ranks-per-gpu", "2", "--steps", "4", "--batch", "4", "--seq-len", "16", "--dim", "64",
+                    "--ffn", "64", "--layers", "1", "--log-every", "2", "--no-progress")
     assert "(2 ranks per GPU)" in out and "done: 4 steps" in out, out[-2000:]
 
 
