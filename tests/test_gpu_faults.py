@@ -20,7 +20,6 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
