@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from typing import Any, Callable, NoReturn, Optional, TypeVar
 
 import torch
@@ -25,6 +26,9 @@ from .types import (
 )
 
 _buffer_ids = itertools.count(1)
+# The Buffers not yet closed, by buffer_id (creation order, the same on every rank of a group), for
+# moe_ep.launch's exit, which closes them in that order before the group goes.
+_open_buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
 _LowLatencyResult = TypeVar("_LowLatencyResult", LowLatencyDispatchResult, LowLatencyCombineResult)
 
 
@@ -303,6 +307,7 @@ class Buffer:
             fault_tolerant=bool(fault_tolerant), ranks_per_gpu=topo.ranks_per_gpu, config=settings["config"],
         )
         self._backend: Optional[Backend] = self._make_backend()
+        _open_buffers[self.cfg.buffer_id] = self
 
     def _make_backend(self) -> Backend:
         if self.backend_name == "reference":
@@ -665,6 +670,7 @@ class Buffer:
         if self._backend is not None:
             self._backend.close()
             self._backend = None
+        _open_buffers.pop(self.cfg.buffer_id, None)
 
     def abort(self) -> None:
         """Give this Buffer up without its peers (not collective), after a CommTimeoutError or with
@@ -673,9 +679,15 @@ class Buffer:
         if self._backend is not None:
             self._backend.abort()
             self._backend = None
+        _open_buffers.pop(self.cfg.buffer_id, None)
 
     def __enter__(self) -> "Buffer":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def open_buffers() -> list[Buffer]:
+    """This process's Buffers that are still referenced and not closed, in creation order."""
+    return [_open_buffers[i] for i in sorted(_open_buffers.keys())]
