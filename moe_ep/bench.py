@@ -38,7 +38,7 @@ import torch.distributed as dist
 from .comm import fp8
 from .moe import fp8_experts
 from .comm.buffer import Buffer, auto_backend
-from .launch import init_distributed
+from .launch import init_distributed, shutdown
 from .moe.layer import MoE
 
 if TYPE_CHECKING:
@@ -882,11 +882,7 @@ def main() -> None:
         print(config_line(rows))
         print_table(rows, notes)
         print(f"wrote {out / stem}.json and {out / stem}.png")
-    if use_gpu:
-        from .comm.backends.symmetric import NvshmemSession
-
-        NvshmemSession.shutdown()  # collective; every Buffer above is closed
-    dist.destroy_process_group()
+    shutdown()  # every rank done: finalize NVSHMEM and destroy the group in a safe order (moe_ep.launch)
 
 
 if __name__ == "__main__":

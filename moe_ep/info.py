@@ -190,15 +190,13 @@ def main() -> None:
     if "RANK" not in os.environ:
         print(report())
         return
-    from .launch import init_distributed
+    from .launch import init_distributed, shutdown
 
     init_distributed()
-    try:
-        text = report()
-        if dist.get_rank() == 0:
-            print(text)
-    finally:
-        dist.destroy_process_group()
+    text = report()
+    if dist.get_rank() == 0:
+        print(text)
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ docs/one_gpu.md). Tests build their Buffers with device=device(), which is right
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import sys
@@ -44,6 +45,16 @@ def device() -> torch.device:
     return torch.device(os.environ.get("MOE_EP_TEST_DEVICE", "cpu"))
 
 
+def _sleeping_host_waits(index: int) -> None:
+    """Host waits for GPU `index` sleep instead of spinning (CU_CTX_SCHED_BLOCKING_SYNC on its primary
+    context, before torch makes it): with more ranks than CPUs on one GPU, spinning ranks would take
+    the CPUs from the ranks whose host work (gloo, launches) everyone waits for."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev = ctypes.c_int()
+    if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), index) == 0:
+        cuda.cuDevicePrimaryCtxSetFlags_v2(dev, 4)
+
+
 def setup_gpu_rank(rank: int, world_size: int, backend: str = "gpu") -> tuple[torch.device, str]:
     """In a fresh rank process: the GPU environment, this rank's GPU as the current device (what
     device() returns) and the process-group backend to use; backend "gpu" or "nccl" as in run_workers."""
@@ -52,6 +63,8 @@ def setup_gpu_rank(rank: int, world_size: int, backend: str = "gpu") -> tuple[to
     # moe_ep.launch.plan places the ranks as torchrun's would be: R / G per GPU, or one each for "nccl"
     placement = plan(rank, world_size, torch.cuda.device_count(), "cuda", 1 if backend == "nccl" else None)
     dev, backend = placement.device, placement.backend
+    if placement.ranks_per_gpu > (os.cpu_count() or 1):
+        _sleeping_host_waits(dev.index)
     torch.cuda.set_device(dev)
     os.environ["MOE_EP_TEST_DEVICE"] = str(dev)
     return dev, backend

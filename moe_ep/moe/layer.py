@@ -5,8 +5,10 @@ layer runs no permutation pass of its own (expert_major=False: rows, sorted by t
 
 Everything crosses ranks through one `moe_ep.Buffer`, so the layer runs on every backend. The
 Buffer fixes hidden size, expert count and top-k; this rank owns experts
-[rank * E_l, (rank + 1) * E_l). The router and the optional shared expert are replicated (train them
-data-parallel); expert weights exist only on their owner.
+[rank * E_l, (rank + 1) * E_l). The router (with its expert bias) and the optional shared expert are
+replicated: construction copies the group's first rank's values to every rank (as DDP does), so a
+rank seeded differently cannot silently compute with another router; train them data-parallel and
+call sync_replicated() after loading rank-specific values. Expert weights exist only on their owner.
 
 Two modes, which every rank of the group must pick alike:
 - "normal" (training, prefill): differentiable dispatch/combine (moe_ep.moe.autograd); with
@@ -145,6 +147,25 @@ class MoE(nn.Module):
         self.last_routing: Optional[RouterOutput] = None
         self.fp8_weights = fp8_experts_module.FP8WeightCache() if fp8_experts else None
         self.expert_major = bool(expert_major)
+        self.sync_replicated()
+
+    def replicated_tensors(self) -> dict[str, torch.Tensor]:
+        """The state every rank of the group holds alike, by state-dict key: the router's weight and
+        expert bias and the shared expert's weights."""
+        parts = {"router": self.router, "shared": self.shared}
+        return {f"{prefix}.{name}": t for prefix, module in parts.items() if module is not None
+                for name, t in [*module.named_parameters(), *module.named_buffers()]}
+
+    @torch.no_grad()
+    def sync_replicated(self) -> None:
+        """Collective: copies the group's first rank's replicated_tensors() to every rank (one broadcast
+        each). Construction runs it; run it again after loading a state that may differ per rank."""
+        cfg = self.buffer.cfg
+        if cfg.world_size == 1:
+            return
+        first = dist.get_global_rank(cfg.group, 0)
+        for t in self.replicated_tensors().values():
+            dist.broadcast(t, src=first, group=cfg.group)
 
     @property
     def aux_loss(self) -> torch.Tensor:

@@ -1,0 +1,28 @@
+"""A program as a user writes it on moe_ep.launch (run it under torchrun, or with torchrun's environment
+variables): each rank dispatches random tokens, combines them back unchanged and checks the result
+against a brute-force computation, then ends without closing its Buffer or destroying the group, which
+moe_ep.launch's exit does. Argument: a rank that raises at the end (-1: none). tests/test_launch.py and
+tests/run_gpu_scale.sh check that every rank exits 0."""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+import moe_ep
+from moe_ep.launch import init_distributed
+
+placement = init_distributed()
+rank, world = dist.get_rank(), dist.get_world_size()
+buf = moe_ep.Buffer(hidden=64, num_experts=2 * world, num_topk=2, max_tokens_per_rank=16, device=placement.device)
+g = torch.Generator().manual_seed(rank)
+x = torch.randn(16, 64, generator=g).to(torch.bfloat16)
+idx = torch.randn(16, 2 * world, generator=g).topk(2).indices
+recv = buf.dispatch(x.to(placement.device), idx.to(placement.device), torch.rand(16, 2, generator=g).to(placement.device))
+out = buf.combine(recv.x, recv.handle).cpu()
+ranks = 1 + (idx[:, 0] // 2 != idx[:, 1] // 2).unsqueeze(1)  # a token comes back once per rank it went to
+assert torch.equal(out, (x.float() * ranks).to(torch.bfloat16)), f"rank {rank}: combine differs"
+print(f"rank {rank} of {world} ({buf.backend_name} on {placement.device}): combine matches", flush=True)
+if rank == int(sys.argv[1]):
+    raise RuntimeError("this rank fails on purpose")
