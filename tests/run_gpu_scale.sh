@@ -1,14 +1,15 @@
 #!/bin/bash
 # Many ranks on one GPU, one part per device call (each fits 10 minutes); logs and a summary in ${OUT:-out}/.
-#   bash tests/run_gpu_scale.sh exits   programs on moe_ep.launch exit 0 with 8 ranks sharing the GPU:
-#                                       tests/launch_program.py 10 times, the README quick start 3 times,
-#                                       moe_ep.train 3 times, moe_ep.bench once (2 ranks, one low-latency case)
+#   bash tests/run_gpu_scale.sh exits   a program on moe_ep.launch with the contract cases exits 0 with 8 ranks
+#                                       sharing the GPU: tests/launch_program.py --contract, 10 runs
+#   bash tests/run_gpu_scale.sh tools   the same for the README quick start (8 ranks, 3 runs), moe_ep.train
+#                                       (8 ranks, 3 runs) and moe_ep.bench (2 ranks, one low-latency case)
 #   bash tests/run_gpu_scale.sh 32      the contract checks with 32 ranks (4 nodes x 8): tests/test_gpu_scale.py
 #   bash tests/run_gpu_scale.sh 64      the same with 64 ranks (8 nodes x 8)
 set -uo pipefail
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NVLS=1 \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-part=${1:?usage: bash tests/run_gpu_scale.sh exits|32|64}
+part=${1:?usage: bash tests/run_gpu_scale.sh exits|tools|32|64}
 out=${OUT:-out}; mkdir -p "$out"
 start=$SECONDS
 MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 \
@@ -30,9 +31,12 @@ runs() {  # runs NAME COUNT LIMIT_S COMMAND...: COUNT runs, each rc and time to 
 
 case $part in
   exits)
+    runs launch_program 10 55 torchrun --standalone --nproc-per-node 8 tests/launch_program.py --contract
+    grep -c "terminate called" "$out/launch_program.log" | sed 's/^/"terminate called" lines: /' >>"$out/summary.txt"
+    ;;
+  tools)
     python3 -c "import pathlib; from tests.test_readme import README, quick_start_code; \
 pathlib.Path('$out/quickstart.py').write_text(quick_start_code(README.read_text()))"
-    runs launch_program 10 90 torchrun --standalone --nproc-per-node 8 tests/launch_program.py -1
     runs quickstart 3 90 torchrun --standalone --nproc-per-node 8 "$out/quickstart.py"
     runs train 3 90 torchrun --standalone --nproc-per-node 8 -m moe_ep.train --ranks-per-gpu 8 --steps 4 \
       --log-every 2 --no-progress
@@ -49,7 +53,7 @@ pathlib.Path('$out/quickstart.py').write_text(quick_start_code(README.read_text(
     echo "EP$part on one GPU | rc=$rc | $((SECONDS - began)) s | $(grep -E '[0-9]+ (passed|failed|error)' \
       "$out/scale_$part.log" | tail -1)" >>"$out/summary.txt"
     ;;
-  *) echo "unknown part $part: exits, 32 or 64"; exit 2 ;;
+  *) echo "unknown part $part: exits, tools, 32 or 64"; exit 2 ;;
 esac
 cat "$out/summary.txt"
 echo "total $((SECONDS - start)) s"

@@ -65,7 +65,7 @@ def _run_ranks(failing_rank: int) -> list[subprocess.CompletedProcess]:
     base = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port), "WORLD_SIZE": str(EXIT_WORLD), "LOCAL_WORLD_SIZE": str(EXIT_WORLD),
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(script), str(failing_rank)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(script), *(["--fail-rank", str(failing_rank)] if failing_rank >= 0 else [])], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(EXIT_WORLD)]
     done = []

@@ -12,17 +12,25 @@ from __future__ import annotations
 from typing import Optional
 
 
-class CommTimeoutError(RuntimeError):
-    """A wait for a peer gave up; names this rank, the peer (-1: not known), the phase and the timeout."""
+def seconds(t: float) -> str:
+    """A duration as written in messages: one decimal where that is exact (100.0, 2.5), else three
+    significant digits, so that 0.05 s does not print as 0.1 s."""
+    return f"{t:.1f}" if round(t, 1) == t else f"{t:.3g}"
 
-    def __init__(self, rank: int, peer: int, phase: str, timeout_s: Optional[float]) -> None:
-        self.rank, self.peer, self.phase, self.timeout_s = rank, peer, phase, timeout_s
-        after = f" after {timeout_s:.1f} s" if timeout_s is not None else ""
+
+class CommTimeoutError(RuntimeError):
+    """A wait for a peer gave up; names this rank, the peer (-1: not known), the phase and the timeout,
+    and `detail`: what the transport said (e.g. gloo's first line), where it said something."""
+
+    def __init__(self, rank: int, peer: int, phase: str, timeout_s: Optional[float], detail: str = "") -> None:
+        self.rank, self.peer, self.phase, self.timeout_s, self.detail = rank, peer, phase, timeout_s, detail
+        after = f" after {seconds(timeout_s)} s" if timeout_s is not None else ""
         whom = f"rank {peer}" if peer >= 0 else "a peer"
-        super().__init__(f"moe_ep rank {rank}: timed out{after} in phase '{phase}' waiting for {whom}")
+        said = f" ({detail})" if detail else ""
+        super().__init__(f"moe_ep rank {rank}: timed out{after} in phase '{phase}' waiting for {whom}{said}")
 
     def __reduce__(self):
-        return CommTimeoutError, (self.rank, self.peer, self.phase, self.timeout_s)
+        return CommTimeoutError, (self.rank, self.peer, self.phase, self.timeout_s, self.detail)
 
 
 class BadExpertIdError(ValueError):

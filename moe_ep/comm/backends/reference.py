@@ -97,7 +97,9 @@ class ReferenceBackend(Backend):
         except RuntimeError as error:
             self._failed = phase
             if "timeout" in str(error).lower() or "timed out" in str(error).lower():
-                raise CommTimeoutError(cfg.rank, -1, phase, cfg.timeout_s) from error
+                said = (str(error).strip().splitlines() or [""])[0]  # gloo's first line, not its C++ frames
+                raise CommTimeoutError(cfg.rank, -1, phase, cfg.timeout_s, f"{dist.get_backend(cfg.group)}: {said}") \
+                    from None
             raise
         return out.copy_(host) if self._staged else out
 
