@@ -50,9 +50,10 @@ def _sleeping_host_waits(index: int) -> None:
     context, before torch makes it): with more ranks than CPUs on one GPU, spinning ranks would take
     the CPUs from the ranks whose host work (gloo, launches) everyone waits for."""
     cuda = ctypes.CDLL("libcuda.so.1")
+    set_flags = getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or cuda.cuDevicePrimaryCtxSetFlags
     dev = ctypes.c_int()
     if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), index) == 0:
-        cuda.cuDevicePrimaryCtxSetFlags_v2(dev, 4)
+        set_flags(dev, 4)
 
 
 def setup_gpu_rank(rank: int, world_size: int, backend: str = "gpu") -> tuple[torch.device, str]:

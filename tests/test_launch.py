@@ -52,7 +52,7 @@ def test_ranks_per_gpu_counts_same_host_and_uuid() -> None:
     assert topology.ranks_per_gpu([("a", None), ("a", None)]) == 0
 
 
-EXIT_RUNS = 3
+EXIT_RUNS = 2
 EXIT_WORLD = 2
 
 
