@@ -75,7 +75,8 @@ class Row:
     topk: int = 0
     ranks_per_gpu: int = 1  # ranks sharing the GPU (Buffer.ranks_per_gpu): 0 on CPU, above 1 a shared GPU
     flop: Optional[float] = None  # floating-point operations of the call (layer case), for TFLOP/s
-    config: Optional[dict] = None  # dataclasses.asdict of the Buffer's moe_ep.Config (None: no Buffer)
+    spread_us: Optional[tuple[float, float]] = None  # 10th and 90th percentile of the timed calls, max over ranks
+    config: Optional[dict] = None  # dataclasses.asdict of the Buffer's moe_ep.Config (None: not the native backend)
 
     @property
     def tflops(self) -> Optional[float]:
@@ -149,6 +150,7 @@ class Timer:
 
     def __init__(self, device: torch.device, warmup: int, iters: int) -> None:
         self.device, self.warmup, self.iters = device, warmup, iters
+        self.last_spread: list[tuple[float, float]] = []  # parts_us's percentiles, per column
         self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
 
     def _align(self) -> None:
@@ -199,9 +201,12 @@ class Timer:
     def parts_us(self, calls: list[Callable[[], object]], cold: bool = False,
                  setup: Optional[Callable[[], None]] = None) -> list[float]:
         """Median time of each of `calls` (made in turn every iteration, after `setup`), then of their
-        per-iteration sum; each the maximum over ranks."""
+        per-iteration sum; each the maximum over ranks. Their 10th and 90th percentiles (also the
+        maximum over ranks) go to `last_spread`, in the same order."""
         samples = self._run(calls, cold, setup)
-        return [_max_over_ranks(statistics.median(col)) for col in [*zip(*samples), [sum(t) for t in samples]]]
+        columns = [*zip(*samples), [sum(t) for t in samples]]
+        self.last_spread = [(_max_over_ranks(lo), _max_over_ranks(hi)) for lo, hi in map(_deciles, columns)]
+        return [_max_over_ranks(statistics.median(col)) for col in columns]
 
     def call_us(self, fn: Callable[[], object]) -> float:
         return self.parts_us([fn])[0]
@@ -254,7 +259,8 @@ def _row(buf: Buffer, case: str, op: str, sms: Optional[int], tokens: int, call_
     """A Row with the Buffer's sizes, backend, placement and Config; `values` sets the other fields."""
     cfg = buf.cfg
     values.setdefault("backend", buf.backend_name)
-    values.setdefault("config", dataclasses.asdict(buf.config))
+    # the kernel knobs exist only for the native kernels: none for the reference backend or raw NCCL
+    values.setdefault("config", dataclasses.asdict(buf.config) if values["backend"] == "nvshmem" else None)
     values.setdefault("kernel_us", None)
     values.setdefault("recv_bytes", 0)
     values.setdefault("remote_bytes", 0)
@@ -266,6 +272,14 @@ def _row(buf: Buffer, case: str, op: str, sms: Optional[int], tokens: int, call_
 def _short_name(kernel: str) -> str:
     """A readable kernel name: mangled names keep their tail (the function), others their head."""
     return kernel[-48:] if kernel.startswith("__nv_static") or kernel.startswith("_Z") else kernel[:48]
+
+
+def _deciles(values: list[float]) -> tuple[float, float]:
+    """The 10th and 90th percentile of values (inclusive: within their range; one value is both)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    cuts = statistics.quantiles(values, n=10, method="inclusive")
+    return cuts[0], cuts[-1]
 
 
 def _max_over_ranks(value: float) -> float:
@@ -310,9 +324,11 @@ def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: li
                         ref[0] if ref else None))
         ops.append(("combine_bf16", lambda: buf.combine(y, probe.handle, num_sms=sms), row_bf16, ref[2] if ref else None))
         for op, fn, row_bytes, ref_us in ops:
-            rows.append(_row(buf, case, op, sms, tokens, timer.call_us(fn), kernel_us=timer.kernel_us(fn),
+            call_us = timer.call_us(fn)
+            spread = timer.last_spread[0]
+            rows.append(_row(buf, case, op, sms, tokens, call_us, kernel_us=timer.kernel_us(fn),
                              recv_bytes=recv * row_bytes, remote_bytes=remote * row_bytes, deepep_us=ref_us,
-                             cold_us=timer.cold_us(fn), extra={"kernels": timer.last_kernels}))
+                             cold_us=timer.cold_us(fn), spread_us=spread, extra={"kernels": timer.last_kernels}))
     return rows
 
 
@@ -501,13 +517,13 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.dev
         for chunks, expert_major in [(c, True) for c in OVERLAP_CHUNKS] + [(1, False)]:
             torch.manual_seed(0)  # the same weights for every C, the router's the same on every rank
             moe = MoE(buf, shape.ffn, dtype=torch.bfloat16, overlap_chunks=chunks, expert_major=expert_major)
-            times = time_layer(timer, moe, x, grad)
+            times, spreads = time_layer(timer, moe, x, grad), timer.last_spread
             counts = expert_counts(buf, moe.last_routing.topk_idx)
             pairs = int(counts.sum())
             rows += [_row(buf, "layer", f"{op}{'' if expert_major else ' row path'} C={chunks}", sms, shape.tokens,
-                          us, flop=k * layer_flop(pairs, shape.hidden, shape.ffn),
+                          us, flop=k * layer_flop(pairs, shape.hidden, shape.ffn), spread_us=spread,
                           extra={"overlap_chunks": chunks, "pairs": pairs, "expert_major": expert_major})
-                     for (op, k), us in zip(LAYER_PASSES, times)]
+                     for (op, k), us, spread in zip(LAYER_PASSES, times, spreads)]
             del moe
             gc.collect()
         if shape.hidden % fp8.BLOCK == 0 and shape.ffn % fp8.BLOCK == 0:
@@ -568,11 +584,12 @@ def bench_decode(timer: Timer, shape: LayerShape, backend: str, device: torch.de
                 d = buf.low_latency_dispatch(x, r.topk_idx)
                 buf.low_latency_combine(y, r.topk_idx, r.topk_weights, d.handle)
 
-        seq_us, inter_us, comm_us = (timer.call_us(fn) for fn in (sequential, interleaved, communication))
-        return [_row(buf, "decode", "2 in sequence", None, t, seq_us),
-                _row(buf, "decode", "2 interleaved", None, t, inter_us,
+        (seq_us, seq), (inter_us, inter), (comm_us, comm) = (
+            (timer.call_us(fn), timer.last_spread[0]) for fn in (sequential, interleaved, communication))
+        return [_row(buf, "decode", "2 in sequence", None, t, seq_us, spread_us=seq),
+                _row(buf, "decode", "2 interleaved", None, t, inter_us, spread_us=inter,
                      extra={"comm_hidden": (seq_us - inter_us) / comm_us}),
-                _row(buf, "decode", "comm only (2 x d + c)", None, t, comm_us)]
+                _row(buf, "decode", "comm only (2 x d + c)", None, t, comm_us, spread_us=comm)]
 
 
 @dataclass(frozen=True)
@@ -688,11 +705,23 @@ def _bar_label(r: Row, rows: list[Row]) -> str:
     return label + ")"
 
 
+def bar_axis_label(rows: list[Row]) -> str:
+    """What a bar panel's times are: medians (max over ranks), the whiskers' percentiles, and how they
+    were taken (the host's clock on CPU; CUDA events on a GPU)."""
+    label = "us per call: median, max over ranks"
+    if all(r.spread_us is not None for r in rows):
+        label += "; whiskers 10th-90th percentile of the calls"
+    if all(r.ranks_per_gpu == 0 for r in rows):
+        label += "\nhost-timed (CPU): perf_counter around each call, after a barrier"
+    return label
+
+
 def plot(rows: list[Row], path: Path) -> "Figure":
     """Writes the PNG and returns its matplotlib Figure: one panel per thing that ran. N1 on the native
     backend as times per SM budget against DeepEP and the link limit (the remote bytes at
     NVLINK_LIMIT_GBPS for that SM budget; neither on a shared GPU), for the first topology measured;
-    the sweep's bandwidth per token count; every other case as bars of its call times."""
+    the sweep's bandwidth per token count; every other case as bars of its call times, with whiskers
+    from the 10th to the 90th percentile of the calls where they were recorded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -732,26 +761,29 @@ def plot(rows: list[Row], path: Path) -> "Figure":
             ax.legend(fontsize=7)
         else:
             group = others[panel]
-            ax.barh(range(len(group)), [r.call_us for r in group], color="C0")
+            spread = all(r.spread_us is not None for r in group)
+            whiskers = [[max(r.call_us - r.spread_us[0], 0.0) for r in group],
+                        [max(r.spread_us[1] - r.call_us, 0.0) for r in group]] if spread else None
+            ax.barh(range(len(group)), [r.call_us for r in group], color="C0", xerr=whiskers, capsize=3)
             ax.set_yticks(range(len(group)), [_bar_label(r, group) for r in group], fontsize=7)
             ax.invert_yaxis()
-            ax.set(xlabel="us per call (median, max over ranks)", title=_ep_title(panel, group))
+            ax.set(xlabel=bar_axis_label(group), title=_ep_title(panel, group))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return fig
 
 
 def shared_config(rows: list[Row]) -> Optional[dict]:
-    """The Config every Buffer-made row ran with, or None when they differ (or no row had a Buffer)."""
+    """The Config every native row ran with, or None when they differ (or no row ran the native kernels)."""
     configs = [r.config for r in rows if r.config is not None]
     return configs[0] if configs and all(c == configs[0] for c in configs) else None
 
 
 def config_line(rows: list[Row]) -> str:
-    """One line naming the moe_ep.Config the Buffers ran with (per-call SM budgets are in the SMs column)."""
+    """One line naming the moe_ep.Config the native Buffers ran with (per-call SM budgets are in the SMs column)."""
     configs = list({json.dumps(r.config, sort_keys=True): r.config for r in rows if r.config is not None}.values())
     if not configs:
-        return "config: no Buffer ran"
+        return "config: none (moe_ep.Config holds the native kernels' knobs; no row ran them)"
     text = " | ".join(" ".join(f"{k}={v}" for k, v in c.items()) for c in configs)
     return f"config ({'every Buffer' if len(configs) == 1 else f'{len(configs)} different, per row in the JSON'}): {text}"
 
@@ -785,23 +817,30 @@ def default_out_dir(stamp: str) -> Path:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node R -m moe_ep.bench",
+                                description=__doc__.split("\n", 1)[1].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="auto",
-                   help="comma list of n1,n1-native (N1 without the NCCL baselines),l1,sweep,cpu,layer "
-                        "(moe_ep.MoE forward/backward, sizes from --layer-*) (auto: n1,l1 on GPU, cpu otherwise)")
-    p.add_argument("--sms", default="8,16,24,32", help="SM budgets for the native backend")
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--iters", type=int, default=50)
+                   help=f"comma list of {', '.join(CASES)}: n1 normal mode (n1-native: without the NCCL baselines), "
+                        "l1 low latency, sweep hidden x tokens, cpu the reference backend's small case, layer "
+                        "moe_ep.MoE forward/backward at the --layer-* sizes (default %(default)s: n1,l1 on GPU, cpu "
+                        "otherwise)")
+    p.add_argument("--sms", default="8,16,24,32",
+                   help="comma list of SM budgets for the native backend's normal-mode calls (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed calls before each measurement (default %(default)s)")
+    p.add_argument("--iters", type=int, default=50,
+                   help="timed calls per measurement; the median is reported (default %(default)s)")
     p.add_argument("--out", default=None,
                    help="folder for the JSON and PNG (default: ~/.local/share/moe_ep/bench/<date-time>/)")
     p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="also measure native N1/L1 with nodes of this many ranks (1: network leg between GPUs)")
+                   help="also measure native N1/L1 with nodes of this many ranks (1: network leg between GPUs; "
+                        "default: only the detected nodes)")
     p.add_argument("--ranks-per-gpu", type=int, default=None,
                    help="ranks sharing each GPU over gloo (docs/one_gpu.md): valid results, timings that say "
                         "nothing about links (default: 1 when there are enough GPUs, else the ranks spread evenly)")
     for f in fields(LayerShape):
         p.add_argument(f"--layer-{f.name.replace('_', '-')}", type=int, default=f.default,
-                       help=f"layer case: {f.name} (default %(default)s)")
+                       help=f"layer case: {f.name.replace('_', ' ')} (default %(default)s)")
     args = p.parse_args()
     cases = None if args.cases == "auto" else args.cases.split(",")
     if cases is not None and not set(cases) <= set(CASES):
@@ -867,13 +906,13 @@ def main() -> None:
             "torch": torch.__version__,
             "timing": f"median of {args.iters} calls after {args.warmup} warm-up"
                       + (", L2 flushed (256 MB) between calls" if use_gpu else ", host clock"),
-            # The Buffers' moe_ep.Config, once when every Buffer had the same (else None and one per row).
+            # The native Buffers' moe_ep.Config, once when all had the same (else None and one per row).
             "config": shared_config(rows),
             "notes": notes,
         }
         stem = "bench_" + "_".join(cases)
         (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [
-            {**{k: v for k, v in asdict(r).items() if k != "config" or meta["config"] is None},
+            {**{k: v for k, v in asdict(r).items() if k != "config" or (meta["config"] is None and v is not None)},
              "gbps": r.gbps, "remote_gbps": r.remote_gbps, "overhead_us": r.overhead_us, "link_us": r.link_us,
              "shared_gpu": r.shared_gpu, "tflops": r.tflops} for r in rows]}, indent=1))
         plot(rows, out / f"{stem}.png")

@@ -3,6 +3,7 @@ whether moe_ep.comm._C is usable, the node topology, the NVSHMEM transport setti
 nodes, and the backend Buffer(backend="auto") would pick."""
 from __future__ import annotations
 
+import argparse
 import ctypes
 import importlib.metadata
 import os
@@ -184,9 +185,16 @@ def report() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+HELP = ("Prints what moe_ep runs on here: torch, CUDA, NVSHMEM, the GPUs and their links, whether "
+        "moe_ep.comm._C is usable, the node topology, the NVSHMEM transport settings for traffic between nodes "
+        "and the backend Buffer(backend=\"auto\") would pick. Under `torchrun --nproc-per-node R -m moe_ep.info` "
+        "rank 0 prints it with the group's nodes and how many ranks share each GPU. No options.")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
     """Prints the report; under torchrun (the ranks placed as moe_ep.launch does) rank 0 prints it
     with the group's nodes and how many ranks share each GPU."""
+    argparse.ArgumentParser(prog="python -m moe_ep.info", description=HELP).parse_args(argv)
     if "RANK" not in os.environ:
         print(report())
         return
