@@ -491,7 +491,7 @@ def bench_fp8_layer(timer: Timer, buf: Buffer, shape: LayerShape, x: torch.Tenso
         us = timer.call_us(lambda: models[1](x, mode="normal"))
     del models
     gc.collect()
-    return [_row(buf, "layer", "forward FP8 C=1", sms, shape.tokens, us,
+    return [_row(buf, "layer", "forward FP8 C=1", sms, shape.tokens, us, spread_us=timer.last_spread[0],
                  flop=layer_flop(pairs, shape.hidden, shape.ffn),
                  extra={"overlap_chunks": 1, "pairs": pairs, "fp8_relative_error": _max_over_ranks(error)})]
 
@@ -709,7 +709,7 @@ def bar_axis_label(rows: list[Row]) -> str:
     """What a bar panel's times are: medians (max over ranks), the whiskers' percentiles, and how they
     were taken (the host's clock on CPU; CUDA events on a GPU)."""
     label = "us per call: median, max over ranks"
-    if all(r.spread_us is not None for r in rows):
+    if any(r.spread_us is not None for r in rows):
         label += "; whiskers 10th-90th percentile of the calls"
     if all(r.ranks_per_gpu == 0 for r in rows):
         label += "\nhost-timed (CPU): perf_counter around each call, after a barrier"
@@ -761,9 +761,10 @@ def plot(rows: list[Row], path: Path) -> "Figure":
             ax.legend(fontsize=7)
         else:
             group = others[panel]
-            spread = all(r.spread_us is not None for r in group)
-            whiskers = [[max(r.call_us - r.spread_us[0], 0.0) for r in group],
-                        [max(r.spread_us[1] - r.call_us, 0.0) for r in group]] if spread else None
+            lo_hi = [r.spread_us or (r.call_us, r.call_us) for r in group]  # no whisker where none was recorded
+            whiskers = ([[max(r.call_us - lo, 0.0) for r, (lo, _) in zip(group, lo_hi)],
+                         [max(hi - r.call_us, 0.0) for r, (_, hi) in zip(group, lo_hi)]]
+                        if any(r.spread_us for r in group) else None)
             ax.barh(range(len(group)), [r.call_us for r in group], color="C0", xerr=whiskers, capsize=3)
             ax.set_yticks(range(len(group)), [_bar_label(r, group) for r in group], fontsize=7)
             ax.invert_yaxis()
@@ -833,8 +834,8 @@ def main() -> None:
     p.add_argument("--out", default=None,
                    help="folder for the JSON and PNG (default: ~/.local/share/moe_ep/bench/<date-time>/)")
     p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="also measure native N1/L1 with nodes of this many ranks (1: network leg between GPUs; "
-                        "default: only the detected nodes)")
+                   help="also measure native N1/L1 with nodes of this many ranks, 1: the network leg between GPUs "
+                        "(default: only the detected nodes)")
     p.add_argument("--ranks-per-gpu", type=int, default=None,
                    help="ranks sharing each GPU over gloo (docs/one_gpu.md): valid results, timings that say "
                         "nothing about links (default: 1 when there are enough GPUs, else the ranks spread evenly)")
