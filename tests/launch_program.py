@@ -22,6 +22,11 @@ args = parser.parse_args()
 
 placement = init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
+if args.contract:  # first: their Buffers size the NVSHMEM heap, which the one left open below then shares
+    os.environ["MOE_EP_TEST_DEVICE"] = str(placement.device)  # tests._dist.device()
+    from tests.test_gpu_crossnode import _cases
+
+    _cases(rank, world, {"ranks_per_node": max(world // 2, 1)})
 buf = moe_ep.Buffer(hidden=64, num_experts=2 * world, num_topk=2, max_tokens_per_rank=16, device=placement.device)
 g = torch.Generator().manual_seed(rank)
 x = torch.randn(16, 64, generator=g).to(torch.bfloat16)
@@ -30,11 +35,6 @@ recv = buf.dispatch(x.to(placement.device), idx.to(placement.device), torch.rand
 out = buf.combine(recv.x, recv.handle).cpu()
 ranks = 1 + (idx[:, 0] // 2 != idx[:, 1] // 2).unsqueeze(1)  # a token comes back once per rank it went to
 assert torch.equal(out, (x.float() * ranks).to(torch.bfloat16)), f"rank {rank}: combine differs"
-if args.contract:
-    os.environ["MOE_EP_TEST_DEVICE"] = str(placement.device)  # tests._dist.device()
-    from tests.test_gpu_crossnode import _cases
-
-    _cases(rank, world, {"ranks_per_node": max(world // 2, 1)})
 print(f"rank {rank} of {world} ({buf.backend_name} on {placement.device}): combine matches", flush=True)
 if rank == args.fail_rank:
     raise RuntimeError("this rank fails on purpose")
