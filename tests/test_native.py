@@ -243,7 +243,7 @@ def test_session_without_gpu_raises_a_clear_error() -> None:
 def test_info_reports_build_and_backend() -> None:
     out = subprocess.run([sys.executable, "-m", "moe_ep.info"], capture_output=True, text=True, check=True).stdout
     assert re.search(r"^torch\s+" + re.escape(torch.__version__), out, re.M)
-    assert re.search(r"^moe_ep\._C\s+(loads|not available: .+)$", out, re.M)
+    assert re.search(r"^native _C\s+(loads|not available: .+)$", out, re.M)
     assert re.search(r'^Buffer\(backend="auto"\) -> (nvshmem|reference) \(.+\)$', out, re.M)
 
 
@@ -449,11 +449,11 @@ def test_launch_args_checks_follow_the_call_sizes() -> None:
     with pytest.raises(ValueError, match=r"num_scales = 2 with bf16 rows"):
         native.IntranodeDispatchArgs(**{**cached, "row_bytes": 2 * _H}).check(d)
     # rows that stay in the workspace (expert-major NVLink dispatch): no out_x, and none may be given
-    native.IntranodeDispatchArgs(**{**cached, "out_x": 0, "rows_in_workspace": True}).check(d)
+    native.IntranodeDispatchArgs(**{**cached, "out_x": 0, "expert_major": True}).check(d)
     with pytest.raises(ValueError, match=r"^IntranodeContext.dispatch: out_x is null$"):
         native.IntranodeDispatchArgs(**{**cached, "out_x": 0}).check(d)
-    with pytest.raises(ValueError, match=r"out_x must be 0 with rows_in_workspace"):
-        native.IntranodeDispatchArgs(**{**cached, "rows_in_workspace": True}).check(d)
+    with pytest.raises(ValueError, match=r"out_x must be 0 with expert_major"):
+        native.IntranodeDispatchArgs(**{**cached, "expert_major": True}).check(d)
     # an expand with no pairs reads and writes nothing but recv_info; bf16 pairs need no scales
     native.IntranodeExpandArgs(rows=0, num_pairs=0, num_rows=0, src_rank=0, recv_info=1, row_bytes=2 * _H,
                                num_scales=0, out_x=0, num_blocks=1).check(d)

@@ -552,7 +552,7 @@ class Buffer:
                                 async_op=bool(async_op))
         try:
             self._check_dispatch(x, x_scales, topk_idx, topk_weights, handle, expert_alignment)
-            pairs = self._check_expert_major(expert_major, handle, bool(worst_case), expert_alignment)
+            expert_major = self._check_expert_major(expert_major, handle, bool(worst_case), expert_alignment)
         except (TypeError, ValueError) as error:
             rows, scales = self._zero_rows((0 if handle is None else handle.num_tokens,), self._fp8_rows(x))
             idx, weights = self._no_routing(0) if handle is None else (None, None)
@@ -560,7 +560,7 @@ class Buffer:
         bad_ids = None
         if handle is None:
             topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        result = run(x, x_scales, topk_idx, topk_weights, expert_alignment=expert_alignment, expert_major=pairs)
+        result = run(x, x_scales, topk_idx, topk_weights, expert_alignment=expert_alignment, expert_major=expert_major)
         if bad_ids is not None:
             raise bad_ids
         return result

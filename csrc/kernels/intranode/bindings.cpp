@@ -99,8 +99,8 @@ void check(const Dims& d, const NotifyArgs& a) {
 
 void check(const Dims& d, const DispatchArgs& a) {
   const ArgCheck c("IntranodeContext.dispatch");
-  check_normal_dispatch(c, d, a, !a.rows_in_workspace);
-  if (a.rows_in_workspace && a.out_x != 0) c.fail("out_x must be 0 with rows_in_workspace (expand copies the rows)");
+  check_normal_dispatch(c, d, a, !a.expert_major);
+  if (a.expert_major && a.out_x != 0) c.fail("out_x must be 0 with expert_major (expand copies the rows)");
   const long long rows = static_cast<long long>(d.nranks) * d.max_tokens;
   if (a.worst_case && a.num_rows != rows)
     c.fail("num_rows = " + std::to_string(a.num_rows) + " in worst-case mode, expected nranks * max_tokens = " +
@@ -253,7 +253,7 @@ void register_intranode(py::module_& m) {
       na::optional("out_scales", &DA::out_scales), na::optional("out_topk_idx", &DA::out_topk_idx),
       na::optional("out_topk_weights", &DA::out_topk_weights), na::optional("out_src_rank", &DA::out_src_rank),
       na::optional("out_src_index", &DA::out_src_index), na::required("worst_case", &DA::worst_case),
-      na::required("cached", &DA::cached), na::optional("rows_in_workspace", &DA::rows_in_workspace),
+      na::required("cached", &DA::cached), na::optional("expert_major", &DA::expert_major),
       na::required("num_blocks", &DA::num_blocks));
   na::def_check<D>(dispatch, &intra::check);
   using CA = intra::CombineArgs;
@@ -302,7 +302,7 @@ void register_intranode(py::module_& m) {
            "Check an IntranodeCombineArgs and launch the combine kernel (with_weights: topk_weights travel "
            "with the rows, their sums go to out_topk_weights).")
       .def("expand", &IntranodeContext::expand, py::arg("args"), py::arg("stream"),
-           "Check an IntranodeExpandArgs and launch the expand kernel: the rows a rows_in_workspace dispatch "
+           "Check an IntranodeExpandArgs and launch the expand kernel: the rows an expert_major dispatch "
            "left in the workspace, copied out as expert-major pairs (launch it next on the dispatch's stream).")
       .def("set_tuning", &IntranodeContext::set_tuning, py::arg("send_warps"), py::arg("combine_send_warps"),
            py::arg("unroll"), py::arg("flag_batch"), py::arg("recv_run"),

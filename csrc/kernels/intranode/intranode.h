@@ -15,7 +15,7 @@
 //                                      among s's tokens for d (so slot s is already in final order),
 //                                      packed at the row size (2H bf16, H e4m3); combine: bf16 rows
 //                                      [T][H] that s returns to d, at d's original token index.
-//                                      A dispatch with rows_in_workspace leaves its rows here (d's own
+//                                      A dispatch with expert_major leaves its rows here (d's own
 //                                      rows too, in slot d) for expand.cu to copy out as pairs
 //   topk      [R][T][K] int64          dispatch metadata, same positions as the rows: topk_idx as
 //   weights   [R][T][K] float32        local expert ids of d (-1 elsewhere) and weights (0 there),
@@ -155,13 +155,13 @@ struct DispatchArgs {
   uintptr_t out_src_index;      // [M] int32, 0 for a cached dispatch
   bool worst_case;              // M = R * T, source s at [s * T, s * T + count_s), the rest padding
   bool cached;                  // reuse pos / recv_info of an earlier dispatch; no topk in or out
-  bool rows_in_workspace;       // x rows stay in the workspace's data slots (own rows in slot `rank`) and
+  bool expert_major;            // x rows stay in the workspace's data slots (own rows in slot `rank`) and
                                 //   out_x is 0: the next launch on the stream must be expand, before any
                                 //   later call lets peers write the workspace again
   int num_blocks;
 };
 
-// Expand (expand.cu): the rows a rows_in_workspace dispatch left in the workspace, copied out as
+// Expand (expand.cu): the rows an expert_major dispatch left in the workspace, copied out as
 // (row, local expert) pairs: pair q gets received row rows[q] (output order of the dispatch: source
 // src_rank[row], position row - first row of that source, i.e. recv_info[R + s]); rows[q] = -1 is
 // alignment padding and gets zeros. Scales, for FP8 rows, come from the dispatch's out_scales.

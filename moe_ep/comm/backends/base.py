@@ -52,7 +52,7 @@ def record_event(async_op: bool, device: torch.device,
 class DispatchOutputs:
     """The tensors a native dispatch kernel writes, m rows each. A cached dispatch writes no expert
     ids or weights (None) and reuses its handle's source rows; one whose rows stay in the workspace
-    (an expert-major NVLink dispatch: its engine's expand_pairs copies them out) writes no x (None)."""
+    (an expert-major NVLink dispatch: its engine's pair_rows copies them out) writes no x (None)."""
 
     x: Optional[torch.Tensor]
     scales: Optional[torch.Tensor]

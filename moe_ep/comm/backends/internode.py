@@ -144,7 +144,8 @@ class InternodeEngine(NormalEngine):
         return state.recv_info[2 * r:2 * r + self.cfg.num_local_experts]
 
     def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state: NodeDispatchState, out: DispatchOutputs, *,
-                        cached, worst_case, num_sms, knobs, stream) -> None:
+                        cached, worst_case, expert_major, num_sms, knobs, stream) -> None:
+        """expert_major changes nothing here: the rows land in the output as usual and pair_rows gathers them."""
         cfg = self.cfg
         fp8 = x.dtype == torch.float8_e4m3fn
         self._ctx.dispatch(self._native.InternodeDispatchArgs(

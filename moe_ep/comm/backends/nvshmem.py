@@ -82,19 +82,12 @@ class NvshmemBackend(Backend):
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
                  num_sms, knobs, previous_event, async_op) -> DispatchResult:
-        """The kernels move rows; an expert-major result expands them into pairs after them
-        (moe_ep.comm.expert_major): on NVLink straight from the workspace the rows landed in (the engine's
-        expand_pairs), across nodes by a gather of the received rows."""
-        stream = self._stream(previous_event)
-        engine = self._normal
-        in_workspace = expert_major and engine.expand_pairs is not None
-        result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
-                                 expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
-                                 knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
-                                 rows_in_workspace=in_workspace)
-        if not expert_major:
-            return result
-        return pairs.expand(result, expert_alignment, engine.expand_pairs if in_workspace else None)
+        """The engine's normal dispatch flow; an expert-major result is the engine's own expansion of the
+        rows into pairs (NormalEngine.expand)."""
+        return normal_dispatch(self._normal, x, x_scales, topk_idx, topk_weights, handle=handle,
+                               expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
+                               knobs=knobs, stream=self._stream(previous_event), async_op=async_op,
+                               check=self._error.check, expert_major=expert_major)
 
     def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op):
         """One kernel: the rows, and topk_weights when given, travel back together (an expert-major
