@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from moe_ep.comm import _native
-from moe_ep.comm.backends.symmetric import CommTimeoutError, ErrorWatch, NvshmemSession, _ErrorState
+from moe_ep.comm.backends.symmetric import NvshmemSession
+from moe_ep.comm.errors import CommTimeoutError, ErrorWatch, _ErrorState
 
 ROOT = Path(__file__).resolve().parents[1]
 COMM_H = ROOT / "csrc" / "runtime" / "comm.h"

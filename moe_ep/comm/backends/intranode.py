@@ -21,7 +21,8 @@ from .engine import NormalEngine, Notified
 from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
-    from .symmetric import ErrorWatch, NvshmemSession
+    from ..errors import ErrorWatch
+    from .symmetric import NvshmemSession
 
 NUM_ALLOCATIONS = 3  # signals, workspace, row flags
 

@@ -30,7 +30,8 @@ from .engine import Engine
 from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
-    from .symmetric import ErrorWatch, NvshmemSession, SymmetricTensor
+    from ..errors import ErrorWatch
+    from .symmetric import NvshmemSession, SymmetricTensor
 
 # Per-expert kernels: P = clamp(PER_EXPERT_GRID // E_l, 1, MAX_BLOCKS_PER_EXPERT) blocks per expert, about
 # two blocks per SM on an H200 (one wave). From the Buffer's dimensions only, never the local GPU: every
