@@ -18,7 +18,7 @@ def test_defaults_and_checks() -> None:
     assert c.replace(unroll=4).unroll == 4 and c.unroll == 6
     for field, bad in (("send_warps", 0), ("send_warps", 33), ("combine_send_warps", -1), ("unroll", 5),
                        ("flag_batch", 33), ("recv_run", 0), ("num_sms", 0), ("internode_workspace_bytes", 1),
-                       ("send_warps", True), ("flag_batch", 2.0)):
+                       ("send_warps", True), ("flag_batch", 2.0), ("low_latency_num_sms", 0)):
         with pytest.raises(ValueError, match=rf"Config\.{field}"):
             Config(**{field: bad})
 
@@ -55,6 +55,11 @@ def _worker(rank: int, world: int) -> None:
             buf.combine(want.x, want.handle, config={"unroll": 4})
     with moe_ep.Buffer(**common, num_sms=7, config=knobs) as buf:
         assert buf.config.num_sms == 7  # num_sms= wins over the config's
+    with pytest.raises(ValueError, match="low_latency_num_sms needs low_latency=True"):  # honoured or refused
+        moe_ep.Buffer(**common, config=Config(low_latency_num_sms=4))
+    with moe_ep.Buffer(**common, low_latency=True, config=Config(low_latency_num_sms=4)) as buf:
+        with pytest.raises(ValueError, match="low_latency_num_sms is fixed when the Buffer is made"):
+            buf.dispatch(x, idx, w, config=Config(low_latency_num_sms=8))
     # every rank must pass the same knobs: all raise, naming each rank's Config
     with pytest.raises(ValueError, match="same config; got Config"):
         moe_ep.Buffer(**common, config=Config(send_warps=8 + rank))

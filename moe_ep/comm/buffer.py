@@ -173,6 +173,10 @@ def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_ex
         knobs = knobs.replace(num_sms=num_sms)
     sms = _check_num_sms(knobs.num_sms if knobs.num_sms is not None else DEFAULT_NUM_SMS, device,
                          default=knobs.num_sms is None)
+    if knobs.low_latency_num_sms is not None:
+        if not low_latency:
+            raise ValueError("Config.low_latency_num_sms needs low_latency=True (it sizes the low-latency kernels' grid)")
+        _check_num_sms(knobs.low_latency_num_sms, device)
     return {
         "backend": name, "device type": device.type, "hidden": hidden, "num_experts": num_experts,
         "num_topk": num_topk, "max_tokens_per_rank": max_tokens_per_rank, "low_latency": bool(low_latency),
@@ -302,6 +306,7 @@ class Buffer:
             ranks_per_node=topo.ranks_per_node, hierarchical=bool(hierarchical) or topo.num_nodes > 1,
             fault_tolerant=bool(fault_tolerant), ranks_per_gpu=topo.ranks_per_gpu, config=settings["config"],
         )
+        self._check_path_sms(self.cfg.num_sms)
         self._backend: Optional[Backend] = self._make_backend()
 
     def _make_backend(self) -> Backend:
@@ -452,7 +457,16 @@ class Buffer:
         else:
             sms = knobs.num_sms
         # the SM budget travels on its own: no Config is built per call
-        return _check_num_sms(num_sms if num_sms is not None else sms, self.cfg.device), knobs
+        return self._check_path_sms(_check_num_sms(num_sms if num_sms is not None else sms, self.cfg.device)), knobs
+
+    def _check_path_sms(self, sms: int) -> int:
+        """The SM budget within what the normal path's kernels take: the cross-node kernels run one block
+        per channel, at most INTERNODE_MAX_CHANNELS (a larger budget is an error, not a silent cap)."""
+        most = _native.constant("INTERNODE_MAX_CHANNELS")
+        if self.cfg.hierarchical and self.backend_name == "nvshmem" and sms > most:
+            raise ValueError(f"num_sms ({sms}) exceeds the {most} channels (SMs) the cross-node kernels run; "
+                             f"pass num_sms <= {most}")
+        return sms
 
     @staticmethod
     def _check_event(previous_event: object) -> Optional[EventHandle]:

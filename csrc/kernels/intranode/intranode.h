@@ -32,12 +32,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "runtime/limits.h"
+
 namespace moe_ep {
 namespace intranode {
 
-constexpr int kMaxPeers = 8;  // == comm.h kMaxRanks (checked in the .cu files)
-constexpr int kMaxTopk = 16;
-constexpr int kSignalWords = 16 * kMaxPeers;  // uint64 flags per rank: comm.h kNumSignalSlots * kMaxRanks
+constexpr int kSignalWords = 16 * kMaxNodeRanks;  // uint64 flags per rank: comm.h kNumSignalSlots * kMaxNodeRanks
 constexpr int kHostNumEpochs = 16;           // comm.h kNumEpochs
 
 // The fixed dimensions of one Buffer.
@@ -101,9 +101,9 @@ struct Context {
   unsigned long long timeout_ns;
   uintptr_t error;                   // ErrorState*, device address of host-mapped memory
   uintptr_t epochs;                  // unsigned long long[kNumEpochs], device (slots 0..4 are ours)
-  uintptr_t signals[kMaxPeers];      // every rank's signal array
-  uintptr_t workspace[kMaxPeers];    // every rank's workspace
-  uintptr_t row_flags[kMaxPeers];    // every rank's row flags
+  uintptr_t signals[kMaxNodeRanks];      // every rank's signal array
+  uintptr_t workspace[kMaxNodeRanks];    // every rank's workspace
+  uintptr_t row_flags[kMaxNodeRanks];    // every rank's row flags
   uintptr_t block_counters;          // int32[4], zero between kernels: blocks done ([0] dispatch,
                                      // [1] combine), next receive work item ([2] dispatch, [3] combine)
   uintptr_t layout_scratch;          // int32[R + E]: tokens per rank, then per expert (notify)
@@ -216,8 +216,7 @@ void launch_expand(const Context& c, const ExpandArgs& a, uintptr_t stream);
 namespace moe_ep {
 namespace intranode {
 
-static_assert(kMaxPeers == kMaxRanks, "intranode.h kMaxPeers must equal comm.h kMaxRanks");
-static_assert(kSignalWords == kNumSignalSlots * kMaxRanks, "intranode.h kSignalWords must match comm.h");
+static_assert(kSignalWords == kNumSignalSlots * kMaxNodeRanks, "intranode.h kSignalWords must match comm.h");
 static_assert(kHostNumEpochs == kNumEpochs, "intranode.h kHostNumEpochs must equal comm.h kNumEpochs");
 
 constexpr int kThreads = 1024;  // dispatch / combine block size: enough loads in flight per SM
@@ -232,8 +231,8 @@ struct DeviceContext {
   Dims dims;
   WorkspaceLayout ws;
   Tuning tuning;
-  char* workspace[kMaxRanks];
-  uint64_t* row_flags[kMaxRanks];
+  char* workspace[kMaxNodeRanks];
+  uint64_t* row_flags[kMaxNodeRanks];
   int* block_counters;
   int* layout_scratch;
 
@@ -252,7 +251,7 @@ inline DeviceContext make_device_context(const Context& c) {
   d.comm.timeout_ns = c.timeout_ns;
   d.comm.error = reinterpret_cast<ErrorState*>(c.error);
   d.comm.epochs = reinterpret_cast<unsigned long long*>(c.epochs);
-  for (int r = 0; r < kMaxRanks; ++r) {
+  for (int r = 0; r < kMaxNodeRanks; ++r) {
     d.comm.signals[r] = reinterpret_cast<uint64_t*>(c.signals[r]);
     d.workspace[r] = reinterpret_cast<char*>(c.workspace[r]);
     d.row_flags[r] = reinterpret_cast<uint64_t*>(c.row_flags[r]);

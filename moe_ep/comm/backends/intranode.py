@@ -21,7 +21,6 @@ from .engine import NormalEngine, Notified
 from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
-    from ..errors import ErrorWatch
     from .symmetric import NvshmemSession
 
 NUM_ALLOCATIONS = 3  # signals, workspace, row flags
@@ -52,7 +51,7 @@ class IntranodeEngine(NormalEngine):
     path = "nvlink"
 
     def __init__(self, cfg: BufferConfig, session: "NvshmemSession", epochs: torch.Tensor,
-                 error: "ErrorWatch") -> None:
+                 runtime: Any) -> None:
         native = _native.load()
         self._native: Any = native  # the launch argument structs (IntranodeDispatchArgs, ...)
         self.cfg = cfg
@@ -70,8 +69,8 @@ class IntranodeEngine(NormalEngine):
                                "(nvshmem_ptr is 0); give Buffer the node size (ranks_per_node) so the cross-node "
                                "path serves them")
         self._ctx: Any = native.IntranodeContext(
-            rank=cfg.rank, nranks=r, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, num_topk=cfg.num_topk,
-            num_experts=e, timeout_s=cfg.timeout_s, error=error.device_ptr, epochs=epochs.data_ptr(),
+            runtime=runtime, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, num_topk=cfg.num_topk,
+            num_experts=e, epochs=epochs.data_ptr(),
             block_counters=self._block_counters.data_ptr(), layout_scratch=self._layout_scratch.data_ptr(),
             signals=list(self._signals.peer_ptrs), workspace=list(self._workspace.peer_ptrs),
             row_flags=list(self._row_flags.peer_ptrs),

@@ -53,15 +53,18 @@ class NvshmemBackend(Backend):
         torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
         self._session: Optional[NvshmemSession] = NvshmemSession.acquire(cfg.group, cfg.device, heap_bytes)
         self._error = self._session.error_state(cfg.timeout_s, cfg.num_experts)
+        # what every engine's context shares (csrc/runtime/context.h), checked and built once
+        runtime = native.RuntimeContext(rank=cfg.rank, nranks=cfg.world_size, timeout_s=cfg.timeout_s,
+                                        error=self._error.device_ptr)
         self._normal: Optional[NormalEngine] = None
         self._low_latency: Optional[LowLatencyEngine] = None
         try:
             if cfg.hierarchical:
-                self._normal = InternodeEngine(cfg, self._session, self._error)
+                self._normal = InternodeEngine(cfg, self._session, runtime)
             else:
-                self._normal = IntranodeEngine(cfg, self._session, self._epochs, self._error)
+                self._normal = IntranodeEngine(cfg, self._session, self._epochs, runtime)
             if cfg.low_latency:
-                self._low_latency = LowLatencyEngine(cfg, self._session, self._epochs, self._error)
+                self._low_latency = LowLatencyEngine(cfg, self._session, self._epochs, self._error, runtime)
         except BaseException:
             self._session.release()
             raise
