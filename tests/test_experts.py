@@ -289,6 +289,7 @@ def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the grouped-GEMM path needs CUDA sm90")
 def test_cuda_grouped_path_matches_cpu_loop() -> None:
     """bf16 on sm90 (grouped GEMMs, Triton) against the same experts in float64 on the CPU; repeatable bits."""
