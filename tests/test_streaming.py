@@ -185,6 +185,38 @@ def check_patterns(buf: moe_ep.Buffer, seed: int, tokens: int) -> None:
     assert_same_bits((out1 + shared1).cpu(), want[1].cpu(), "two micro-batches: 1")
 
 
+def check_drop_in_hint_budget(backend: str, tokens: int = 16384) -> None:
+    """moe_ep.deep_ep.Buffer sized by Config.get_nvl_buffer_size_hint (Megatron's and SGLang's budget:
+    rounds of HINT_TOKENS_PER_RANK tokens) takes `tokens` tokens per rank: its dispatch and combine
+    equal a one-round reference Buffer's bit for bit."""
+    import moe_ep.deep_ep as deep_ep
+
+    dev, me, world = device(), dist.get_rank(), dist.get_world_size()
+    hidden, experts, k = 256, 4 * world, 4
+    buf = deep_ep.Buffer(dist.group.WORLD, deep_ep.Config().get_nvl_buffer_size_hint(2 * hidden, world),
+                         backend=backend, explicitly_destroy=True)
+    g = torch.Generator().manual_seed(31 + me)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.rand(tokens, experts, generator=g).topk(k, dim=1).indices.to(dev)
+    w = torch.rand(tokens, k, generator=g).to(dev)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    recv, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+        topk_weights=w)
+    assert [b.max_tokens_per_rank for b in buf.moe_ep_buffers] == [deep_ep.v1.HINT_TOKENS_PER_RANK]
+    out, out_w, _ = buf.combine(recv, handle, topk_weights=recv_w)
+    with moe_ep.Buffer(dist.group.WORLD, hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=tokens,
+                       backend="reference", device=dev) as ref:
+        want = ref.dispatch(x, idx, w)
+        assert_same_bits(recv.cpu(), want.x.cpu(), "drop-in at the hint budget: rows")
+        assert_same_bits(recv_idx.cpu(), want.topk_idx.cpu(), "drop-in at the hint budget: topk_idx")
+        assert counts == want.tokens_per_expert, "drop-in at the hint budget: tokens per expert"
+        want_out, want_w = ref.combine(want.x, want.handle, topk_weights=want.topk_weights)
+        assert_same_bits(out.cpu(), want_out.cpu(), "drop-in at the hint budget: combine")
+        assert_same_bits(out_w.cpu(), want_w.cpu(), "drop-in at the hint budget: combined weights")
+    buf.destroy()
+
+
 # ---- CPU: the reference backend ---------------------------------------------------------------
 def _cpu_worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
     with moe_ep.Buffer(dist.group.WORLD, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=T,
@@ -195,6 +227,7 @@ def _cpu_worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
         check_patterns(buf, 11, 5 * T // 2)
         layout = buf.get_dispatch_layout(torch.zeros(3, TOPK, dtype=torch.int64), async_op=True)
         layout.event.synchronize()  # an empty event on CPU
+    check_drop_in_hint_budget("reference")
 
 
 @pytest.mark.parametrize("world,ranks_per_node", [(2, None), (4, 2)])
@@ -244,6 +277,8 @@ def test_native_streams_two_by_four() -> None:
 def _each_topology(rank: int, world: int, topos: list[dict]) -> None:
     for topo in topos:
         _gpu_cases(rank, world, topo)
+    if world == 2:
+        check_drop_in_hint_budget("nvshmem")
 
 
 def _gated_call(rank: int, world: int) -> None:

@@ -32,7 +32,7 @@ NORMAL_TOPK = 16
 # Normal mode: about this many bytes per received row and source rank (bf16 row, FP8 scales, top-k
 # ids and weights padded to NORMAL_TOPK, source index, flag) turn num_nvl_bytes into max_tokens_per_rank.
 _ROW_META_BYTES = 12 * NORMAL_TOPK + 16
-# Config.get_nvl_buffer_size_hint reserves room for this many tokens per rank.
+# Config.get_nvl_buffer_size_hint reserves one round of this many tokens per rank (larger calls stream).
 HINT_TOKENS_PER_RANK = 4096
 
 XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -63,7 +63,8 @@ class Config:
     num_max_rdma_chunked_recv_tokens: int = 256
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """num_nvl_bytes that give moe_ep room for HINT_TOKENS_PER_RANK tokens per rank (bf16 rows)."""
+        """A default num_nvl_bytes: rounds of HINT_TOKENS_PER_RANK tokens per rank (bf16 rows); calls
+        with more tokens stream through it (not a token limit)."""
         return num_ranks * HINT_TOKENS_PER_RANK * _row_bytes(hidden_bytes // 2)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
@@ -221,7 +222,8 @@ class Buffer:
     """DeepEP's `deep_ep.Buffer` (V1) served by moe_ep. Creating it is collective over `group`.
 
     Keyword-only extensions (not in DeepEP): `backend` (moe_ep's), `max_tokens_per_rank` (normal
-    mode's token limit per rank; default: what fits in num_nvl_bytes) and `ranks_per_node`."""
+    mode's round of tokens per rank, streamed for larger calls; default: what fits in num_nvl_bytes)
+    and `ranks_per_node`."""
 
     num_sms: int = 20
 
@@ -356,6 +358,10 @@ class Buffer:
         """The call's event: recorded after all of its work on the current stream (the communication
         stream, under _on_comm_stream) when async_finish."""
         return EventOverlap(EventHandle() if async_finish else None)
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """The communication stream async calls run on (on the current CUDA device)."""
+        return self._comm_stream(torch.device("cuda", torch.cuda.current_device())).stream
 
     def _comm_stream(self, device: torch.device) -> CommStream:
         """This Buffer's communication stream on `device` (DeepEP has one per Buffer; a CPU one runs in order)."""
