@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
+from moe_ep.comm.backends import intranode
+from moe_ep.comm.backends.engine import NormalEngine, Notified, streamed_combine, streamed_dispatch
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import (
     assert_same_bits,
@@ -215,6 +217,159 @@ def check_drop_in_hint_budget(backend: str, tokens: int = 16384) -> None:
         assert_same_bits(out.cpu(), want_out.cpu(), "drop-in at the hint budget: combine")
         assert_same_bits(out_w.cpu(), want_w.cpu(), "drop-in at the hint budget: combined weights")
     buf.destroy()
+
+
+# ---- CPU: the streamed flow over an engine that plays the NVLink kernels' contract ---------------
+class _PlayedKernels(NormalEngine):
+    """The NVLink kernels' contract (csrc/kernels/intranode/intranode.h) played with object collectives
+    on CPU, so the streamed flow (engine.streamed_dispatch / streamed_combine: round slices, patched
+    first rows, in-round source indices, src_rank masks) runs here: notify gives pos and recv_info
+    (rows per source, first output row per source, rows per local expert); dispatch puts row n for rank
+    d at d's output row recv_info[R + me] + pos[n][d]; combine returns every row whose src_rank is a
+    peer to its src_index and reads its own rows at recv_info[R + me] + pos, summing in rank order."""
+
+    path = "played"
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.max_tokens_seen = 0
+
+    @staticmethod
+    def heap_bytes(cfg) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+    def _everyone(self, mine: object) -> list:
+        got: list = [None] * self.cfg.world_size
+        dist.all_gather_object(got, mine, group=self.cfg.group)
+        return got
+
+    def layout(self, topk_idx, stream):
+        raise NotImplementedError
+
+    def notify(self, topk_idx, expert_alignment, worst_case, stream) -> Notified:
+        cfg, r = self.cfg, self.cfg.world_size
+        self.max_tokens_seen = max(self.max_tokens_seen, topk_idx.shape[0])
+        assert topk_idx.shape[0] <= cfg.max_tokens_per_rank, "a round carries more than T tokens"
+        owner = torch.where(topk_idx >= 0, topk_idx // cfg.num_local_experts, -1)
+        in_rank = torch.stack([(owner == d).any(1) for d in range(r)], 1) if topk_idx.shape[0] else \
+            torch.zeros(0, r, dtype=torch.bool)
+        pos = torch.where(in_rank, in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1, -1).to(torch.int32)
+        per_expert = [[int(((topk_idx == d * cfg.num_local_experts + e).any(1)).sum()) for e in
+                       range(cfg.num_local_experts)] for d in range(r)]
+        sent = self._everyone(([int(in_rank[:, d].sum()) for d in range(r)], per_expert))
+        counts = [sent[s][0][cfg.rank] for s in range(r)]
+        raw = [sum(sent[s][1][cfg.rank][e] for s in range(r)) for e in range(cfg.num_local_experts)]
+        first = [sum(counts[:s]) for s in range(r)]
+        recv_info = torch.tensor(counts + first + raw, dtype=torch.int32)
+        aligned = torch.tensor([-(-c // expert_alignment) * expert_alignment for c in raw], dtype=torch.int32)
+        return Notified(in_rank, intranode.DispatchState(pos, recv_info, None), aligned)
+
+    def raw_expert_counts(self, state):
+        return state.recv_info[2 * self.cfg.world_size:]
+
+    def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state, out, *, cached, worst_case, num_sms,
+                        knobs, stream) -> None:
+        cfg, me, r = self.cfg, self.cfg.rank, self.cfg.world_size
+        e_l = cfg.num_local_experts
+        sends = []
+        for d in range(r):
+            rows = []
+            for n in range(x.shape[0]):
+                p = int(state.pos[n, d])
+                if p < 0:
+                    continue
+                meta = None
+                if not cached:
+                    ids = topk_idx[n]
+                    local = torch.where((ids >= 0) & (ids // e_l == d), ids - d * e_l, -1)
+                    meta = (local, torch.where(local >= 0, topk_weights[n], 0.0))
+                rows.append((p, n, x[n].clone(), meta))
+            sends.append(rows)
+        everyone = self._everyone(sends)
+        first = state.recv_info[r:2 * r]
+        for s in range(r):
+            for p, n, row, meta in everyone[s][me]:
+                at = int(first[s]) + p
+                out.x[at] = row
+                if not cached:
+                    out.topk_idx[at], out.topk_weights[at] = meta
+                    out.src_rank[at], out.src_index[at] = s, n
+
+    def combine(self, x, handle, out, topk_weights, out_topk_weights, *, num_sms, knobs, stream) -> None:
+        cfg, me, r = self.cfg, self.cfg.rank, self.cfg.world_size
+        state = handle.state
+        sends = [[] for _ in range(r)]
+        for j in range(x.shape[0]):
+            s = int(handle.src_rank[j])
+            if s >= 0 and s != me:
+                i = int(handle.src_index[j])
+                assert 0 <= i < cfg.max_tokens_per_rank, "a combine row's index is not inside its round"
+                sends[s].append((i, x[j].clone(), None if topk_weights is None else topk_weights[j].clone()))
+        everyone = self._everyone(sends)
+        acc = torch.zeros(handle.num_tokens, cfg.hidden)
+        acc_w = torch.zeros(handle.num_tokens, cfg.num_topk)
+        own_first = int(state.recv_info[r + me])
+        for s in range(r):
+            if s == me:
+                for i in range(handle.num_tokens):
+                    if handle.is_token_in_rank[i, me]:
+                        at = own_first + int(state.pos[i, me])
+                        acc[i] += x[at].float()
+                        if topk_weights is not None:
+                            acc_w[i] += topk_weights[at]
+                continue
+            for i, row, w in everyone[s][me]:
+                acc[i] += row.float()
+                if w is not None:
+                    acc_w[i] += w
+        out.copy_(acc.to(torch.bfloat16))
+        if out_topk_weights is not None:
+            out_topk_weights.copy_(acc_w)
+
+    def fill_workspace(self, value: int) -> None:
+        pass
+
+
+def _played_worker(rank: int, world: int) -> None:
+    """streamed_dispatch / streamed_combine over _PlayedKernels against the reference backend, bitwise:
+    fresh, cached and combine (with weights), 0.5x to 7x a round, a rank without tokens."""
+    with moe_ep.Buffer(dist.group.WORLD, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=T,
+                       backend="reference") as ref:
+        engine = _PlayedKernels(ref.cfg)
+        for seed, (case, routing) in enumerate(CASES[:4]):
+            tokens = _tokens(case, world)
+            inp = make_inputs(100 + seed, tokens, HIDDEN, EXPERTS, TOPK, routing)
+            x, idx, w = inp.x[rank], inp.topk_idx[rank], inp.topk_weights[rank]
+            rounds = max(1, -(-max(tokens) // T))
+            run = dict(rounds=rounds, expert_alignment=3, num_sms=1, knobs=ref.config, stream=None, async_op=False,
+                       check=lambda **_: None)
+            got = streamed_dispatch(engine, x, None, idx, w, handle=None, **run)
+            want = ref.dispatch(x, idx, w, expert_alignment=3)
+            what = f"played {case} {routing}"
+            for field in ("x", "topk_idx", "topk_weights", "src_rank", "src_index", "tokens_per_expert_tensor"):
+                assert_same_bits(getattr(got, field), getattr(want, field), f"{what}: {field}")
+            assert got.tokens_per_expert == want.tokens_per_expert, f"{what}: tokens_per_expert"
+            assert got.handle.recv_counts == want.handle.recv_counts, f"{what}: recv_counts"
+            assert_same_bits(got.handle.is_token_in_rank, want.handle.is_token_in_rank, f"{what}: is_token_in_rank")
+            y = (want.x.float() * (rank + 1.5)).to(torch.bfloat16)
+            wy = want.topk_weights * (rank + 2)
+            out, out_w = ref.combine(y, want.handle, topk_weights=wy)
+            got_out = torch.empty_like(out)
+            got_w = torch.empty_like(out_w)
+            streamed_combine(engine, y, got.handle, got_out, wy, got_w, num_sms=1, knobs=ref.config, stream=None)
+            assert_same_bits(got_out, out, f"{what}: combine")
+            assert_same_bits(got_w, out_w, f"{what}: combined weights")
+            x2 = (x.float() * -2).to(torch.bfloat16)
+            cached = streamed_dispatch(engine, x2, None, None, None, handle=got.handle, **run)
+            assert_same_bits(cached.x, ref.dispatch(x2, handle=want.handle).x, f"{what}: cached dispatch")
+        assert engine.max_tokens_seen == T
+
+
+def test_streamed_flow_over_played_kernels() -> None:
+    run_workers(2, _played_worker)
 
 
 # ---- CPU: the reference backend ---------------------------------------------------------------
