@@ -478,5 +478,5 @@ def _gated_call(rank: int, world: int) -> None:
 
 
 @requires_gpus()
-def test_async_calls_run_on_the_communication_stream() -> None:
+def test_native_async_calls_run_on_the_communication_stream() -> None:
     run_workers(2, _gated_call, backend="gpu", timeout_s=600)
