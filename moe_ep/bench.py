@@ -316,6 +316,31 @@ def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: li
     return rows
 
 
+def bench_async_pattern(buf: Buffer, timer: Timer, case: str, tokens: int) -> list[Row]:
+    """Megatron's pattern, a dispatch, a shared-expert GEMM [tokens, H] x [H, 2H] and a combine, timed
+    as one step: serial (every call on the caller's stream) and overlapped (async calls on the
+    Buffer's communication stream, the GEMM on the caller's meanwhile). Valid only with one GPU per rank."""
+    cfg = buf.cfg
+    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, buf.device, seed=buf.rank)
+    shared_w = torch.randn(cfg.hidden, 2 * cfg.hidden, device=buf.device).to(torch.bfloat16) / 64
+
+    def serial() -> object:
+        d = buf.dispatch(x, idx, w)
+        shared = x @ shared_w
+        return buf.combine(d.x, d.handle), shared
+
+    def overlapped() -> object:
+        d = buf.dispatch(x, idx, w, async_op=True)
+        shared = x @ shared_w
+        d.event.wait()
+        out, event = buf.combine(d.x, d.handle, async_op=True)
+        event.wait()
+        return out, shared
+
+    return [_row(buf, case, op, None, tokens, timer.call_us(fn)) for op, fn in
+            (("dispatch+shared+combine serial", serial), ("dispatch+shared+combine async", overlapped))]
+
+
 def bench_nccl_a2a(buf: Buffer, timer: Timer, case: str, tokens: int) -> Row:
     """Raw all_to_all_single moving the rows a BF16 dispatch moves (own rows included)."""
     cfg = buf.cfg
@@ -773,7 +798,7 @@ def layer_notes(use_gpu: bool, shared_gpu: bool, rows: list[Row]) -> list[str]:
     return notes
 
 
-CASES = ("n1", "n1-native", "l1", "sweep", "cpu", "layer")
+CASES = ("n1", "n1-native", "l1", "sweep", "stream", "cpu", "layer")
 
 
 def default_out_dir(stamp: str) -> Path:
@@ -787,7 +812,8 @@ def default_out_dir(stamp: str) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="auto",
-                   help="comma list of n1,n1-native (N1 without the NCCL baselines),l1,sweep,cpu,layer "
+                   help="comma list of n1,n1-native (N1 without the NCCL baselines),l1,sweep,stream (16384 tokens "
+                        "per rank in one round and in rounds of 4096, and the async Megatron pattern),cpu,layer "
                         "(moe_ep.MoE forward/backward, sizes from --layer-*) (auto: n1,l1 on GPU, cpu otherwise)")
     p.add_argument("--sms", default="8,16,24,32", help="SM budgets for the native backend")
     p.add_argument("--warmup", type=int, default=20)
@@ -849,6 +875,14 @@ def main() -> None:
                 with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=tokens, low_latency=True,
                             ranks_per_node=rpn, device=device) as buf:
                     rows += bench_low_latency(buf, timer, tokens)
+    if "stream" in cases:  # 16384 tokens per rank in one round, and in rounds of the default budget's 4096
+        for round_tokens in (16384, 4096):
+            with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=round_tokens,
+                        device=device) as buf:
+                rows += bench_normal(buf, timer, f"stream T={round_tokens}", 16384, [None], with_fp8=True,
+                                     deepep=False)
+                if round_tokens == 4096:
+                    rows += bench_async_pattern(buf, timer, "async", 4096)
     if "sweep" in cases:
         for hidden in (2048, 4096, 7168):
             with Buffer(hidden=hidden, num_experts=256, num_topk=8, max_tokens_per_rank=16384, device=device) as buf:

@@ -27,7 +27,9 @@ collected=$(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider "${@:
 rc=$?
 if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then echo "$collected" | tail -30; echo "collection failed (rc=$rc)"; exit 1; fi
 files=$(echo "$collected" | grep '::' | sed 's/::.*//' | sort -u)
-if [ -z "$files" ]; then  # pytest's rc 5 echo "no test marked gpu collected (no GPU, or moe_ep.comm._C not built?)"; exit 1; fi
+if [ -z "$files" ]; then  # pytest's rc 5
+  echo "no test marked gpu collected (no GPU, or moe_ep.comm._C not built?)"; exit 1
+fi
 echo "$collected" | grep -c '::' | xargs echo "GPU tests collected:"
 
 # Lanes by longest file first, each file to the lane with the least work so far (seconds per file on one

@@ -19,7 +19,6 @@ finish so that another micro-batch's work runs while this one's rows travel, wit
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol
 
@@ -49,8 +48,6 @@ class MoE(Protocol):
 
     def shared_forward(self, tokens: torch.Tensor) -> Optional[torch.Tensor]: ...
 
-_comm_streams: "weakref.WeakKeyDictionary[Buffer, torch.cuda.Stream]" = weakref.WeakKeyDictionary()
-
 
 def check_chunks(buffer: Buffer, chunks: int) -> None:
     """Collective (one all_gather_object over the Buffer's group): ValueError on every rank, naming
@@ -72,9 +69,7 @@ class _Streams:
         self.comm: Optional[torch.cuda.Stream] = None
         if enabled and buffer.device.type == "cuda" and not torch.compiler.is_compiling():
             self.compute = torch.cuda.current_stream(buffer.device)
-            if buffer not in _comm_streams:
-                _comm_streams[buffer] = torch.cuda.Stream(buffer.device)
-            self.comm = _comm_streams[buffer]
+            self.comm = buffer.comm_stream.stream  # the one async Buffer calls use
 
     def mark(self, comm: bool = False) -> Optional[torch.cuda.Event]:
         """An event after the work so far of the compute stream (or of the communication stream)."""

@@ -27,7 +27,10 @@
 // once every rank it exchanges data with finished its previous call (notify, or start_sig), so the
 // sets are free at a call's start whatever grid the previous call had. Slots are indexed by the
 // token's slot, not packed: a slot holds a row of round e when its RowMeta::tag == e, so no counts
-// travel with the rows.
+// travel with the rows. A call carries at most T tokens per rank (forward_mask and own_row have T
+// columns); a larger exact-size call is streamed above the kernels (moe_ep/comm/backends/engine.py) as
+// a sequence of such calls, each after its own notify, with recv_info's first row per source placing
+// its rows inside the whole output.
 //
 // Symmetric workspace of one rank (WorkspaceLayout; uint64 signal words first, all zero at start):
 //   rdma_sig        [2][N_n][Q]   network: source node n_s's rows of round e (set e&1) landed (SET e)

@@ -27,7 +27,9 @@
 // the call's epoch (epoch counters kSigDispatchDone / kSigCombineDone), so flags only grow and are
 // never reset. Dispatch and combine share `data` and `weights`: every call starts with a barrier
 // whose signal a rank sends only after its stream finished the previous call, so the uses never
-// overlap.
+// overlap. A call streamed in rounds of at most T tokens (moe_ep/comm/backends/engine.py) is, to
+// these kernels, a sequence of such calls: every round's dispatch follows a notify (its barrier),
+// and recv_info's first row per source places the round's rows inside the whole output.
 #pragma once
 #include <cstddef>
 #include <cstdint>
