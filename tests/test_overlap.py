@@ -83,12 +83,9 @@ def _want(case: Case, moe: MoE, full: dict, x0: torch.Tensor, grad_out: torch.Te
     return want
 
 
-def _normal_case(rank: int, world: int, case: Case, layer_opts: dict, dtype: torch.dtype, opts: dict) -> None:
+def _normal_case(buf: moe_ep.Buffer, rank: int, case: Case, layer_opts: dict, dtype: torch.dtype) -> None:
     """overlap=True against overlap=False bitwise (each run twice: the same bits again), and both against the
     dense MoE (float32 experts)."""
-    max_tokens = max(case.n(r) for r in range(world)) or 1
-    buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
-                        max_tokens_per_rank=max_tokens, **opts)
     template, full = _build(case, buf, dtype)
     x0, grad_out = _inputs(case, rank, buf.device)
     want = _want(case, template, full, x0, grad_out) if dtype == torch.float32 else None
@@ -106,7 +103,6 @@ def _normal_case(rank: int, world: int, case: Case, layer_opts: dict, dtype: tor
     assert runs[False].keys() == runs[True].keys()
     for name, t in runs[False].items():
         assert torch.equal(runs[True][name], t), f"{layer_opts} {dtype} seed={case.seed}: {name} differs with overlap"
-    buf.close()
 
 
 def _setting_must_agree(rank: int, world: int, opts: dict) -> None:
@@ -181,9 +177,13 @@ def _worker(rank: int, world: int, opts: Optional[dict] = None) -> None:
     """opts: the Buffer arguments every case adds (backend, ranks_per_node)."""
     opts = opts or {"backend": "reference"}
     dtypes = (torch.float32, torch.bfloat16) if device().type == "cuda" else (torch.float32,)
-    for dtype in dtypes:
-        for index, layer_opts in VARIANTS:
-            _normal_case(rank, world, CASES[index], layer_opts, dtype, opts)
+    for index, case in enumerate(CASES):  # one Buffer per case, every variant of it inside
+        buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+                            max_tokens_per_rank=max(case.n(r) for r in range(world)) or 1, **opts)
+        for dtype in dtypes:
+            for layer_opts in (o for i, o in VARIANTS if i == index):
+                _normal_case(buf, rank, case, layer_opts, dtype)
+        buf.close()
     _setting_must_agree(rank, world, opts)
     _decode_case(rank, world, use_fp8=False, opts=opts)
     _decode_case(rank, world, use_fp8=True, opts=opts)
@@ -260,4 +260,4 @@ def _gpu_worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
 @pytest.mark.parametrize("world,ranks_per_node", [(2, None), (4, None), (4, 2)], ids=["ep2", "ep4", "2x2"])
 def test_overlap_gpu(world: int, ranks_per_node: Optional[int]) -> None:
     """EP2 and EP4 on one node; 2 nodes x 2 ranks, so the cross-node kernels carry the rows. Ranks share the GPU."""
-    run_workers(world, _gpu_worker, ranks_per_node, backend="gpu")
+    run_workers(world, _gpu_worker, ranks_per_node, backend="gpu", timeout_s=900)

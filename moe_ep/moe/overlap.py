@@ -10,7 +10,7 @@ events order the two. What runs beside the communication:
   cached dispatch) and the dispatch's backward (a combine) land on the communication stream and the
   engine adds the events. The experts' weight gradients are a node of their own after the input
   gradient's (moe_ep.moe.experts), so the backward's combine waits only for the input-gradient GEMM and
-  runs beside the weight-gradient GEMMs (about a third of the backward's GEMMs), then beside the
+  runs beside the weight-gradient GEMMs (half the backward's GEMM FLOPs), then beside the
   shared expert's backward.
 Where nothing runs beside it (one rank, no shared expert) the mode costs a few events. On the CPU,
 while torch.compile traces, and with overlap=False everything runs on the caller's stream.
