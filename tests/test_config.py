@@ -5,6 +5,7 @@ call asked for; that the native kernels give the same bits under every knob is t
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 import os
 from typing import Any
 
@@ -41,10 +42,14 @@ def test_environment_gives_defaults_only() -> None:
 
 
 def test_gpu_test_covers_every_knob() -> None:
-    """tests/test_gpu_config.py changes every knob of Config (a new knob must be added there)."""
+    """tests/test_gpu_config.py changes every normal-mode knob of Config (a new knob must be added there);
+    the low-latency grid knob, per low-latency Buffer, is changed by tests/test_gpu_low_latency.py."""
     fields = {f.name for f in dataclasses.fields(Config)}
-    assert {name for change in PER_CALL for name in change} == fields - {"internode_workspace_bytes"}
-    assert {name for change in PER_BUFFER for name in change} == fields
+    per_buffer_only = {"internode_workspace_bytes", "low_latency_num_sms"}
+    assert {name for change in PER_CALL for name in change} == fields - per_buffer_only
+    assert {name for change in PER_BUFFER for name in change} == fields - {"low_latency_num_sms"}
+    low_latency_test = (Path(__file__).parent / "test_gpu_low_latency.py").read_text()
+    assert "Config(low_latency_num_sms=" in low_latency_test
 
 
 class _Recording:
