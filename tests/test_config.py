@@ -5,8 +5,8 @@ call asked for; that the native kernels give the same bits under every knob is t
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
