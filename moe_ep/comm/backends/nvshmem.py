@@ -84,10 +84,11 @@ class NvshmemBackend(Backend):
                  num_sms, knobs, previous_event, async_op) -> DispatchResult:
         """The kernels move rows; an expert-major result expands them into pairs after them
         (moe_ep.comm.expert_major): on NVLink straight from the workspace the rows landed in (the engine's
-        expand_pairs), across nodes by a gather of the received rows."""
+        expand_pairs), across nodes and in worst-case mode by a gather of the received rows."""
         stream = self._stream(previous_event)
         engine = self._normal
-        in_workspace = expert_major and engine.expand_pairs is not None
+        static = handle.worst_case if handle is not None else worst_case
+        in_workspace = expert_major and engine.expand_pairs is not None and not static
         result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                  expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
                                  knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
