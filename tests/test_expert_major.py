@@ -462,11 +462,15 @@ def _layout_cases(dev: torch.device, force_torch: bool = False) -> None:
             got_rows, got_pos, got_slots = em._layout_torch(idx.to(dev), ct, p)
             got_w = em._pair_weights_torch(w.to(dev), got_pos, p)
         else:
-            got_rows, got_pos, got_slots, got_w = em._layout_triton(idx.to(dev), w.to(dev), ct, p)
+            got_rows, got_pos, got_slots, got_w = em._layout_triton(idx.to(dev), w.to(dev), ct, p, False)
         assert got_rows.tolist() == rows, f"{what}: rows"
         assert got_pos.tolist() == positions, f"{what}: positions"
         assert got_slots.tolist() == slots, f"{what}: slots"
         assert_same_bits(got_w.cpu(), weights, f"{what}: pair weights")
+        if not force_torch:  # worst-case mode: a static P beyond the blocks, the tail padding
+            t_rows, t_pos, _, t_w = em._layout_triton(idx.to(dev), w.to(dev), ct, p + 5, True)
+            assert t_rows.tolist() == rows + [-1] * 5 and t_pos.tolist() == positions, f"{what}: tail"
+            assert_same_bits(t_w.cpu(), torch.cat([weights, torch.zeros(5)]), f"{what}: tail weights")
 
 
 def interpreted_layout_cases() -> None:
