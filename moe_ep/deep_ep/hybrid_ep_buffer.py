@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import moe_ep
 from ..comm import _native
-from ..comm.buffer import _resolve_topology
+from ..comm.buffer import _device_of, _resolve_topology
 from .v1 import _unsupported
 
 # What HybridEP's dispatch_with_permute returns: (hidden, probs, scaling_factor, tokens_per_expert, handle).
@@ -173,27 +173,40 @@ class HybridEPBuffer:
         self.enable_custom_allgather = enable_custom_allgather
         self._backend = backend
         self._buffers: dict[tuple[int, int], moe_ep.Buffer] = {}
+        self._retired: list[moe_ep.Buffer] = []  # outgrown Buffers, kept for their handles
 
     @property
     def moe_ep_buffers(self) -> list[moe_ep.Buffer]:
-        """The moe_ep Buffers made so far, one per (hidden, num_experts) (moe_ep's own API)."""
-        return list(self._buffers.values())
+        """The moe_ep Buffers made so far: one per (hidden, num_experts), and those outgrown (moe_ep's own API)."""
+        return [*self._buffers.values(), *self._retired]
 
     def empty_jit_cache(self) -> None:
         """Nothing to empty: moe_ep compiles no kernel per shape."""
 
-    def _buffer(self, x: torch.Tensor, num_experts: int) -> moe_ep.Buffer:
-        """The moe_ep Buffer for x's hidden size and num_experts, made on first use (collective)."""
+    def _buffer(self, x: torch.Tensor, num_experts: int, blocking: bool) -> moe_ep.Buffer:
+        """The moe_ep Buffer for x's hidden size and num_experts (collective). Its token limit is the
+        largest of every rank's max_num_of_tokens_per_rank and token count; a blocking call whose
+        token count exceeds it on some rank (one all_reduce of the counts) makes a larger one, as
+        HybridEP grows its buffer (the old one stays open for the handles that use it). A
+        non-blocking call communicates nothing here: past the limit, moe_ep raises."""
         key = (x.shape[1], num_experts)
-        if key not in self._buffers:
-            nccl = dist.get_backend(self.group) == "nccl"
-            device = x.device if x.is_cuda and not nccl else None  # ranks over gloo with CUDA tensors
-            cfg = self.configurer.buffer_config
-            self._buffers[key] = moe_ep.Buffer(
-                self.group, hidden=x.shape[1], num_experts=num_experts,
-                num_topk=min(num_experts, _native.constant("MAX_TOPK")),
-                max_tokens_per_rank=cfg.max_num_of_tokens_per_rank, backend=self._backend,
-                ranks_per_node=self._ranks_per_node, device=device)
+        buf = self._buffers.get(key)
+        if buf is not None and not blocking:
+            return buf
+        cfg = self.configurer.buffer_config
+        most = torch.tensor([max(cfg.max_num_of_tokens_per_rank, x.shape[0])], device=_device_of(self.group))
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        if buf is not None and int(most.item()) <= buf.max_tokens_per_rank:
+            return buf
+        if buf is not None:
+            self._retired.append(buf)
+        cfg.max_num_of_tokens_per_rank = int(most.item())
+        nccl = dist.get_backend(self.group) == "nccl"
+        self._buffers[key] = moe_ep.Buffer(
+            self.group, hidden=x.shape[1], num_experts=num_experts,
+            num_topk=min(num_experts, _native.constant("MAX_TOPK")), max_tokens_per_rank=cfg.max_num_of_tokens_per_rank,
+            backend=self._backend, ranks_per_node=self._ranks_per_node,
+            device=x.device if x.is_cuda and not nccl else None)  # ranks over gloo with CUDA tensors
         return self._buffers[key]
 
     def _routing(self, buf: moe_ep.Buffer, routing_map: torch.Tensor, probs: Optional[torch.Tensor],
@@ -273,7 +286,7 @@ class HybridEPBuffer:
         if non_blocking and rows is None:
             raise ValueError("non_blocking=True needs num_permuted_tokens (the output's rows: no host sync)")
 
-        buf = self._buffer(x, e)
+        buf = self._buffer(x, e, blocking=not non_blocking)
         idx, weights = self._routing(buf, routing_map.bool(), probs, blocking=not non_blocking)
         got = buf.dispatch(x, idx, weights, x_scales=sf, expert_alignment=align, expert_major=True,
                            worst_case=non_blocking, num_sms=sms)
