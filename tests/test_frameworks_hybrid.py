@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Optional
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 
 import moe_ep.deep_ep
@@ -56,7 +57,7 @@ def _use_frameworks() -> None:
     from torch._library import opaque_object
 
     if not hasattr(opaque_object, "CustomClassBase"):  # shim: the torch name torchtitan imports
-        opaque_object.CustomClassBase = opaque_object.OpaqueBase
+        opaque_object.CustomClassBase = getattr(opaque_object, "OpaqueBase", object)
     torch._dynamo.config.disable = True  # shim: Megatron's jit_fuser (torch.compile)
 
 
@@ -64,7 +65,18 @@ def _have(package: str) -> bool:
     return (FRAMEWORKS / package).is_dir()
 
 
-needs_torchtitan = pytest.mark.skipif(not _have("torchtitan"), reason=f"torchtitan 0.3.0 is not unpacked in {FRAMEWORKS}")
+def _torchtitan_missing() -> Optional[str]:
+    """Why torchtitan's HybridEP module cannot run here, or None."""
+    if not _have("torchtitan"):
+        return f"torchtitan 0.3.0 is not unpacked in {FRAMEWORKS}"
+    from torch._library import opaque_object
+
+    if not hasattr(opaque_object, "register_opaque_type"):
+        return f"torchtitan 0.3.0's hybridep.py needs torch's opaque objects (register_opaque_type); torch {torch.__version__}"
+    return None
+
+
+needs_torchtitan = pytest.mark.skipif(_torchtitan_missing() is not None, reason=str(_torchtitan_missing()))
 needs_megatron = pytest.mark.skipif(not _have("megatron"), reason=f"megatron-core 0.19.2 is not unpacked in {FRAMEWORKS}")
 
 

@@ -251,7 +251,7 @@ class HybridEPBuffer:
         align = pad_multiple or 1
         if rows is not None and rows % align:
             raise ValueError(f"num_permuted_tokens ({rows}) must be a multiple of pad_multiple ({align})")
-        x, sf = hidden, scaling_factor
+        x, sf = hidden.contiguous(), None if scaling_factor is None else scaling_factor.contiguous()
         if use_fp8 and x.dtype != torch.float8_e4m3fn:
             raise _unsupported("use_fp8=True with bf16 hidden",
                                "moe_ep's HybridEP does not quantize: pass float8_e4m3fn hidden and scaling_factor")
@@ -324,7 +324,7 @@ class HybridEPBuffer:
         if hidden.shape[0] != handle.num_permuted_tokens:
             raise ValueError(f"hidden has {hidden.shape[0]} rows, the dispatch gave {handle.num_permuted_tokens}")
         pairs = handle.inner.expert_major.num_pairs
-        x = _fit(hidden, pairs)
+        x = _fit(hidden.contiguous(), pairs)
         if probs is None:
             return handle.buffer.combine(x, handle.inner, num_sms=self.num_sms_combine_api), None
         if probs.shape != (handle.num_permuted_tokens,):
