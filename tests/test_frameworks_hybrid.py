@@ -5,10 +5,9 @@ backend) and 2 ranks sharing one GPU (native kernels).
 
 The frameworks are not installed: the tests read their unpacked wheels from $MOE_EP_FRAMEWORKS, else
 <repo>/.frameworks (git-ignored), torchtitan's pure-Python dependencies from its deps/ folder; a test skips
-when its framework is not there. To fill it (any Python; the packages are pure Python where imported):
-    pip download --no-deps -d wheels megatron-core==0.19.2 torchtitan==0.3.0 spmd_types==0.2.3 tyro \
-        docstring-parser shtab typeguard
-    python tests/test_frameworks_hybrid.py wheels   # megatron and torchtitan to .frameworks/, the rest to deps/
+when its framework is not there. .ci/run fills it when the package index answers (pip download of the
+cp312 wheels, unpacked: megatron-core and torchtitan at the top, spmd_types, tyro, docstring-parser,
+shtab and typeguard in deps/; the parts imported are pure Python, so any Python 3.11+ reads them).
 
 `deep_ep` (and `deep_ep.utils`, `deep_ep.hybrid_ep_buffer`) are aliased to moe_ep.deep_ep before the
 frameworks' modules are imported. Shims, none about communication:
@@ -26,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -340,14 +338,3 @@ def test_torchtitan_hybridep_gpu() -> None:
 @requires_gpus()
 def test_megatron_flex_gpu() -> None:
     run_workers(WORLD, _worker, "megatron", backend="gpu", timeout_s=300)
-
-
-def _unpack(wheels: Path) -> None:
-    """Every wheel in `wheels` unpacked: megatron-core and torchtitan into FRAMEWORKS, the rest into its deps/."""
-    for wheel in sorted(wheels.glob("*.whl")):
-        framework = wheel.name.startswith(("megatron_core-", "torchtitan-"))
-        zipfile.ZipFile(wheel).extractall(FRAMEWORKS if framework else FRAMEWORKS / "deps")
-
-
-if __name__ == "__main__":
-    _unpack(Path(sys.argv[1]))
