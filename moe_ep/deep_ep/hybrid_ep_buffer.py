@@ -210,15 +210,18 @@ class HybridEPBuffer:
         return self._buffers[key]
 
     def _routing(self, buf: moe_ep.Buffer, routing_map: torch.Tensor, probs: Optional[torch.Tensor],
-                 blocking: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 blocking: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[ValueError]]:
         """moe_ep's topk_idx [N, K] (the selected experts ascending, then -1) and topk_weights [N, K]
-        (their probs, 0 without probs) from a routing map; a row selecting more than K experts is a
-        ValueError (host check when blocking, else a device assert)."""
+        (their probs, 0 without probs) from a routing map, and the error of a row selecting more than
+        K experts: checked on the host when blocking (the rank then dispatches no tokens and raises
+        after the call, so its peers are not left waiting), else by a device assert."""
         k, e = buf.cfg.num_topk, routing_map.shape[1]
+        error = None
         if k < e:
             most = routing_map.sum(1).max() if routing_map.shape[0] else torch.zeros((), dtype=torch.int64)
             if blocking and int(most) > k:
-                raise ValueError(f"routing_map selects up to {int(most)} experts for a token; moe_ep serves at most {k}")
+                error = ValueError(f"routing_map selects up to {int(most)} experts for a token; moe_ep serves at most {k}")
+                routing_map = torch.zeros_like(routing_map)
             if not blocking:
                 torch._assert_async(most <= k, f"routing_map selects more than {k} experts for a token")
         key = routing_map.to(torch.int32) * (e - torch.arange(e, dtype=torch.int32, device=routing_map.device))
@@ -228,7 +231,7 @@ class HybridEPBuffer:
         weights = torch.zeros(idx.shape, dtype=torch.float32, device=idx.device)
         if probs is not None:
             weights = torch.where(valid, probs.float().gather(1, idx.clamp_min(0)), weights).contiguous()
-        return idx, weights
+        return idx, weights, error
 
     def dispatch_with_permute(self, *, hidden: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
                               topk_weights: Optional[torch.Tensor] = None,
@@ -287,9 +290,11 @@ class HybridEPBuffer:
             raise ValueError("non_blocking=True needs num_permuted_tokens (the output's rows: no host sync)")
 
         buf = self._buffer(x, e, blocking=not non_blocking)
-        idx, weights = self._routing(buf, routing_map.bool(), probs, blocking=not non_blocking)
+        idx, weights, error = self._routing(buf, routing_map.bool(), probs, blocking=not non_blocking)
         got = buf.dispatch(x, idx, weights, x_scales=sf, expert_alignment=align, expert_major=True,
                            worst_case=non_blocking, num_sms=sms)
+        if error is not None:
+            raise error
         pairs = got.x.shape[0]
         out_rows = pairs if rows is None else rows
         counts = got.tokens_per_expert_tensor
