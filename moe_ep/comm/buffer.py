@@ -525,18 +525,14 @@ class Buffer:
         return self._comm.run(work, previous_event=previous_event, async_op=bool(async_op), inputs=(topk_idx,))
 
     @staticmethod
-    def _check_expert_major(expert_major: object, handle: Optional[DispatchHandle], worst_case: bool,
-                            expert_alignment: object) -> bool:
+    def _check_expert_major(expert_major: object, handle: Optional[DispatchHandle], expert_alignment: object) -> bool:
         """Whether a dispatch gives pairs: expert_major as given, None meaning no for a fresh dispatch
-        and the handle's kind for a cached one. Expert-major layouts have data-dependent sizes, so
-        they need exact-size mode; a cached one keeps its handle's layout."""
+        and the handle's kind for a cached one. With worst_case the pairs are a static bound
+        (expert_major.worst_case_pairs); a cached dispatch keeps its handle's layout."""
         if expert_major is not None and not isinstance(expert_major, bool):
             raise TypeError(f"expert_major must be None, True or False, got {expert_major!r}")
         layout = handle.expert_major if handle is not None else None
         if handle is None:
-            if expert_major and worst_case:
-                raise ValueError("expert_major=True needs exact sizes: worst_case=True keeps static shapes, but the "
-                                 "number of (row, local expert) pairs depends on the routing")
             return bool(expert_major)
         if expert_major and layout is None:
             raise ValueError("expert_major=True with a handle needs the handle of an expert-major dispatch")
@@ -594,7 +590,7 @@ class Buffer:
         try:
             self._check_dispatch(x, x_scales, topk_idx, topk_weights, handle, expert_alignment,
                                  bool(worst_case) and handle is None)
-            expert_major = self._check_expert_major(expert_major, handle, bool(worst_case), expert_alignment)
+            expert_major = self._check_expert_major(expert_major, handle, expert_alignment)
         except (TypeError, ValueError) as error:
             rows, scales = self._zero_rows((0 if handle is None else handle.num_tokens,), self._fp8_rows(x))
             idx, weights = self._no_routing(0) if handle is None else (None, None)

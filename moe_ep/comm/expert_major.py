@@ -20,6 +20,10 @@ rank, then source token), which is the order a stable sort of the pairs by exper
 position is offset[e] plus the number of earlier rows that hit e: a prefix sum over the rows of the
 [M, E_l] hit mask, on the device, with no sort and no host sync.
 
+Worst-case mode (no host sync): the per-expert counts exist on the device only, so the layout
+holds the static bound worst_case_pairs (every received row slot hitting min(K, E_l) experts, plus
+each expert's alignment gap); the pairs after the last expert's block are padding (row -1, zero).
+
 A row that names one local expert in several top-k slots has ONE pair for it (rows per expert are
 counted that way), whose router weight is the sum of those slots' weights (float32, ascending k,
 from +0.0); a combine's per-pair topk_weights go back to every slot of their pair.
@@ -42,20 +46,29 @@ except ImportError:  # CPU-only installs: the torch layout serves
     triton = None
 
 
-def build_layout(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], counts: list[int],
+def worst_case_pairs(num_rows: int, num_topk: int, num_local_experts: int, alignment: int) -> int:
+    """The most pairs num_rows received rows can give: each hits min(K, E_l) local experts, and each
+    expert's block may end in alignment - 1 padding pairs."""
+    return num_rows * min(num_topk, num_local_experts) + (alignment - 1) * num_local_experts
+
+
+def build_layout(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], counts: Optional[list[int]],
                  counts_tensor: torch.Tensor, alignment: int) -> tuple[ExpertMajorLayout, Optional[torch.Tensor]]:
     """The layout of received rows with local expert ids topk_idx [M, K] (-1: elsewhere) and
-    `counts` pairs per local expert (aligned; counts_tensor the same on the device), and with
-    topk_weights [M, K] each pair's router weight [P] float32 (the sum of its slots' weights in
-    ascending k from +0.0; 0 for padding). On the device, without a host sync: one Triton kernel on
-    CUDA (one program per local expert scans the rows), torch elsewhere; the same integers and bits."""
-    p = sum(counts)
+    `counts` pairs per local expert (aligned; counts_tensor the same on the device; counts None in
+    worst-case mode: worst_case_pairs pairs, the tail padding), and with topk_weights [M, K] each
+    pair's router weight [P] float32 (the sum of its slots' weights in ascending k from +0.0; 0 for
+    padding). On the device, without a host sync: one Triton kernel on CUDA (one program per local
+    expert scans the rows), torch elsewhere; the same integers and bits."""
+    m, k = topk_idx.shape
+    tail = counts is None
+    p = worst_case_pairs(m, k, counts_tensor.shape[0], alignment) if tail else sum(counts)
     if use_triton(topk_idx):
-        rows, positions, slots, weights = _layout_triton(topk_idx, topk_weights, counts_tensor, p)
+        rows, positions, slots, weights = _layout_triton(topk_idx, topk_weights, counts_tensor, p, tail)
     else:
         rows, positions, slots = _layout_torch(topk_idx, counts_tensor, p)
         weights = None if topk_weights is None else _pair_weights_torch(topk_weights, positions, p)
-    return ExpertMajorLayout(rows, positions, slots, list(counts), counts_tensor, alignment), weights
+    return ExpertMajorLayout(rows, positions, slots, None if tail else list(counts), counts_tensor, alignment), weights
 
 
 def _layout_torch(topk_idx: torch.Tensor, counts_tensor: torch.Tensor,
@@ -142,13 +155,17 @@ if triton is not None:
 
 
 def _layout_triton(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], counts_tensor: torch.Tensor,
-                   p: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """_layout_kernel: (rows [P], positions [M, K], slots [M, K], pair weights [P] or None)."""
+                   p: int, tail: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """_layout_kernel: (rows [P], positions [M, K], slots [M, K], pair weights [P] or None); with
+    `tail` (worst-case mode) the pairs after the last block, which no program writes, are padding."""
     m, k = topk_idx.shape
     e_l = counts_tensor.shape[0]
-    rows = torch.empty(p, dtype=torch.int64, device=topk_idx.device)
+    dev = topk_idx.device
+    rows = torch.full((p,), -1, dtype=torch.int64, device=dev) if tail else torch.empty(p, dtype=torch.int64, device=dev)
     positions, slots = torch.empty_like(topk_idx), torch.empty_like(topk_idx)
-    weights = None if topk_weights is None else torch.empty(p, dtype=torch.float32, device=topk_idx.device)
+    weights = None
+    if topk_weights is not None:
+        weights = (torch.zeros if tail else torch.empty)(p, dtype=torch.float32, device=dev)
     if e_l and (m or p):
         _layout_kernel[(e_l,)](topk_idx, topk_weights if weights is not None else rows, counts_tensor, rows,
                                positions, slots, weights if weights is not None else rows, m, e_l, K=k,
@@ -163,11 +180,12 @@ def _or_spare(at: torch.Tensor, p: int) -> torch.Tensor:
 
 
 def gather(t: Optional[torch.Tensor], layout: ExpertMajorLayout) -> Optional[torch.Tensor]:
-    """Rows t [M, ...] as pairs [P, ...] (one pass; one more zeroes alignment padding pairs)."""
+    """Rows t [M, ...] as pairs [P, ...] (one pass; one more zeroes padding pairs: alignment gaps,
+    and the tail in worst-case mode)."""
     if t is None:
         return None
     out = t.index_select(0, layout.rows.clamp_min(0))
-    if layout.alignment > 1:
+    if layout.alignment > 1 or layout.counts is None:
         bits = out.view(torch.uint8) if out.element_size() == 1 else out  # no masked_fill for e4m3
         bits.masked_fill_((layout.rows < 0).view(-1, *[1] * (t.dim() - 1)), 0)
     return out

@@ -103,22 +103,28 @@ class NvshmemBackend(Backend):
                  num_sms, knobs, async_op) -> DispatchResult:
         """The engine's normal dispatch flow, or its rounds when a call carries more than T tokens on some
         rank (engine.streamed_dispatch). An expert-major result is the engine's own expansion of the rows
-        into pairs (NormalEngine.expand); a streamed one lands its rows and gathers them (each round
-        reuses the workspace, so no row can stay there)."""
+        into pairs (NormalEngine.expand); a streamed or worst-case one lands its rows and gathers them
+        (each round reuses the workspace; worst-case pairs have static shapes)."""
         stream = self._stream()
         engine = self._normal
+        static = handle.worst_case if handle is not None else worst_case
         if handle is not None:
             rounds = len(handle.state.rounds) if isinstance(handle.state, StreamedState) else 1
         else:  # a static-shape (worst-case) call fits one round: Buffer checked it
             rounds = 1 if worst_case else agree_rounds(self._host_group, x.shape[0], self.cfg.max_tokens_per_rank)
-        if rounds == 1:
+        if rounds == 1 and not static:
             return normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                    expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
                                    knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
                                    expert_major=expert_major)
-        result = streamed_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle, rounds=rounds,
-                                   expert_alignment=expert_alignment, num_sms=num_sms, knobs=knobs, stream=stream,
-                                   async_op=async_op, check=self._error.check)
+        if rounds == 1:
+            result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
+                                     expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
+                                     knobs=knobs, stream=stream, async_op=async_op, check=self._error.check)
+        else:
+            result = streamed_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle, rounds=rounds,
+                                       expert_alignment=expert_alignment, num_sms=num_sms, knobs=knobs,
+                                       stream=stream, async_op=async_op, check=self._error.check)
         return pairs.expand(result, expert_alignment) if expert_major else result
 
     def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, async_op):
