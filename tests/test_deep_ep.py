@@ -239,7 +239,7 @@ def _check_low_latency(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, ex
         recv_x, recv_s = recv if use_fp8 else (recv, None)
         if ue8m0:  # exponent bytes, four per int32, read back as DeepEP's tests do
             assert recv_s.dtype == torch.int32 and recv_s.shape[2] == hidden // 512
-            recv_s = (recv_s.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+            recv_s = (recv_s.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
         assert recv_x.shape == (num_local, world * t, hidden) and _same(stats, count)
         assert tuple(handle[2:]) == (t, hidden, experts) and handle[1].dtype == torch.int64
         for e in range(num_local):

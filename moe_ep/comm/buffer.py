@@ -615,9 +615,12 @@ class Buffer:
             raise ValueError("low-latency calls need a Buffer created with low_latency=True")
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool = False,
-                             round_scale: bool = False, return_recv_hook: bool = False) -> LowLatencyDispatchResult:
-        """Expert-major dispatch with fixed capacity and no host sync (docs/api.md). Rejected tensors: this
-        rank takes part as a rank without tokens, then raises (with a receive hook: the hook does)."""
+                             round_scale: bool = False, use_ue8m0: bool = False,
+                             return_recv_hook: bool = False) -> LowLatencyDispatchResult:
+        """Expert-major dispatch with fixed capacity and no host sync (docs/api.md); FP8 scales in DeepEP's
+        token-major layout per expert, with use_ue8m0 packed as DeepEP's UE8M0 int32. Rejected tensors
+        or flags: this rank takes part as a rank without tokens, then raises (with a receive hook: the
+        hook does)."""
         self._check_low_latency()
         if use_fp8:
             self._check_fp8_hidden()
@@ -628,12 +631,15 @@ class Buffer:
             self._check_topk_idx(topk_idx, x.shape[0])
             if round_scale and not use_fp8:
                 raise ValueError("round_scale applies only with use_fp8=True")
+            if use_ue8m0 and not (use_fp8 and round_scale and self.cfg.hidden % 512 == 0):
+                raise ValueError("use_ue8m0=True needs use_fp8=True, round_scale=True (power-of-two scales) and "
+                                 f"hidden % 512 == 0 (four exponents per int32), got hidden {self.cfg.hidden}")
         except (TypeError, ValueError) as error:
             rows, _ = self._zero_rows((0,), False)
             idx, _ = self._no_routing(0)
-            return _raise_after_receive(error, _keep_routing(run(rows, idx, round_scale=False), idx))
+            return _raise_after_receive(error, _keep_routing(run(rows, idx, round_scale=False, use_ue8m0=False), idx))
         topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        result = _keep_routing(run(x, topk_idx, round_scale=bool(round_scale)), topk_idx)
+        result = _keep_routing(run(x, topk_idx, round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0)), topk_idx)
         return result if bad_ids is None else _raise_after_receive(bad_ids, result)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

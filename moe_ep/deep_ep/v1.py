@@ -159,12 +159,6 @@ def _chain(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], 
     return hook
 
 
-def _ue8m0(scales: torch.Tensor) -> torch.Tensor:
-    """Power-of-two float32 scales [..., H/128] in DeepEP's UE8M0 form: each one's exponent byte,
-    four to an int32 [..., H/512] (exact: round_scale leaves no mantissa bits)."""
-    return (scales.view(torch.int32) >> 23).to(torch.uint8).view(torch.int32)
-
-
 def _layout_range(src_rank: torch.Tensor, count: torch.Tensor, world: int) -> torch.Tensor:
     """[E_l, R] int64, (first row << 32) | rows, per local expert and source rank (rows are
     ordered by source rank). Device ops only: no host sync."""
@@ -493,24 +487,20 @@ class Buffer:
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False):
-        """(recv_x or (e4m3, scales), recv_count, handle, event, hook), expert-major [E_l, R * T, ...]."""
+        """(recv_x or (e4m3, scales), recv_count, handle, event, hook), expert-major [E_l, R * T, ...]; the
+        scales in DeepEP's token-major layout per expert (float32, or UE8M0 int32 with use_ue8m0)."""
         if use_ue8m0 and not (use_fp8 and round_scale and x.shape[1] % (4 * FP8_BLOCK) == 0):
             raise ValueError("use_ue8m0=True needs use_fp8=True, round_scale=True and hidden % 512 == 0")
         if dispatch_wait_recv_cost_stats is not None:
             raise _unsupported("dispatch_wait_recv_cost_stats", "moe_ep records no per-peer wait times")
         t = num_max_dispatch_tokens_per_rank
         buf = self._low_latency_buffer(x, num_experts, topk_idx.shape[1], t)
-        got = buf.low_latency_dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+        got = buf.low_latency_dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                        return_recv_hook=return_recv_hook)
         layout_range = torch.empty(buf.num_local_experts, self.group_size, dtype=torch.int64, device=x.device)
-        scales = got.x_scales
-        if use_ue8m0:
-            scales = torch.empty(*scales.shape[:2], scales.shape[2] // 4, dtype=torch.int32, device=x.device)
 
         def received() -> None:
             layout_range.copy_(_layout_range(got.handle.src_rank, got.count, self.group_size))
-            if use_ue8m0:
-                scales.copy_(_ue8m0(got.x_scales))
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(got.count)
 
@@ -518,7 +508,7 @@ class Buffer:
         if not return_recv_hook:
             received()
         handle = LowLatencyHandle((got.handle.src_index, layout_range, t, x.shape[1], num_experts), buf, got.handle)
-        recv = (got.x, scales) if use_fp8 else got.x
+        recv = (got.x, got.x_scales) if use_fp8 else got.x
         return recv, got.count, handle, self._finish(async_finish), hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -218,8 +218,12 @@ class Backend(abc.ABC):
         *,
         use_fp8: bool,
         round_scale: bool,
+        use_ue8m0: bool,
         return_recv_hook: bool,
-    ) -> LowLatencyDispatchResult: ...
+    ) -> LowLatencyDispatchResult:
+        """Expert-major rows [E_l, R*T, H]; FP8 scales [E_l, R*T, H/128] float32 (or with use_ue8m0
+        [E_l, R*T, H/512] int32, moe_ep.comm.fp8.pack_ue8m0), both stored token-major per expert
+        (moe_ep.comm.fp8.expert_major_scales: DeepEP's layout)."""
 
     @abc.abstractmethod
     def low_latency_combine(

@@ -115,9 +115,9 @@ class NvshmemBackend(Backend):
             raise RuntimeError("this Buffer was created without low_latency=True")
         return self._low_latency
 
-    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale,
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0,
                              return_recv_hook) -> LowLatencyDispatchResult:
-        return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+        return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                        return_recv_hook=return_recv_hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *,

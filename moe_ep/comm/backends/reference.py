@@ -257,12 +257,15 @@ class ReferenceBackend(Backend):
         return acc
 
     # ---- low-latency mode -----------------------------------------------------------------
-    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, return_recv_hook):
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, return_recv_hook):
         cfg = self.cfg
         e_l, slots = cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank
         out_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
         out_x = torch.zeros(e_l, slots, cfg.hidden, dtype=out_dtype, device=x.device)
-        out_scales = torch.zeros(e_l, slots, cfg.num_scales, dtype=torch.float32, device=x.device) if use_fp8 else None
+        out_scales = None
+        if use_fp8:  # DeepEP's token-major layout per expert, zeroed
+            num, dtype = (cfg.num_scales // 4, torch.int32) if use_ue8m0 else (cfg.num_scales, torch.float32)
+            out_scales = fp8.expert_major_scales(e_l, slots, num, dtype, x.device).zero_()
         count = torch.zeros(e_l, dtype=torch.int32, device=x.device)
         src_rank = torch.full((e_l, slots), -1, dtype=torch.int32, device=x.device)
         src_index = torch.full((e_l, slots), -1, dtype=torch.int32, device=x.device)
@@ -271,6 +274,8 @@ class ReferenceBackend(Backend):
 
         def receive() -> None:
             payload = list(fp8.quantize(x_in, round_scale)) if use_fp8 else [x_in]
+            if use_ue8m0:
+                payload[1] = fp8.pack_ue8m0(payload[1])
             mask = self._rank_mask(topk_in)
             token_ids = torch.arange(x_in.shape[0], device=x.device, dtype=torch.int32)
             send_idx = torch.cat([token_ids[mask[:, r]] for r in range(cfg.world_size)]).long()
