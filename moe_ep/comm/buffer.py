@@ -160,9 +160,8 @@ def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_ex
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
     device = _device_of(group, device)
     name = _pick_backend(backend, device, world)
-    if fault_tolerant and not (low_latency and name == "nvshmem"):
-        raise ValueError("fault_tolerant=True needs low_latency=True and the native backend (backend='nvshmem'): "
-                         "only the low-latency kernels can mask a rank that went silent")
+    if fault_tolerant and not low_latency:
+        raise ValueError("fault_tolerant=True needs low_latency=True: only the low-latency calls skip masked ranks")
     _check_ranks_per_node(ranks_per_node, world)
     if hierarchical is not None and not isinstance(hierarchical, bool):
         raise TypeError(f"hierarchical must be None, True or False, got {hierarchical!r}")
@@ -390,9 +389,40 @@ class Buffer:
 
     @property
     def masked_ranks(self) -> list[int]:
-        """Ranks a fault-tolerant low-latency Buffer stopped waiting for (they missed the timeout);
-        later calls treat their experts as dropped. Always empty without fault_tolerant=True."""
-        return self.backend.masked_ranks() if self.cfg.fault_tolerant else []
+        """Ranks a fault-tolerant low-latency Buffer skips: set with set_rank_masked, or (native backend)
+        masked when they missed the timeout; their experts count as dropped. Always empty without
+        fault_tolerant=True. Reads the device mask after the current stream's work."""
+        if not self.cfg.fault_tolerant:
+            return []
+        return torch.nonzero(self.backend.rank_mask()).flatten().tolist()
+
+    @property
+    def rank_mask(self) -> torch.Tensor:
+        """The fault-tolerant mask itself: int32 [R] on the Buffer's device, 1 per masked rank (read it
+        without a host sync, as DeepEP's low_latency_query_mask_buffer does). Do not write it: use
+        set_rank_masked / clear_rank_masks."""
+        self._check_fault_tolerant("rank_mask")
+        return self.backend.rank_mask()
+
+    def set_rank_masked(self, rank: int, masked: bool = True) -> None:
+        """Local: this rank's later low-latency calls skip `rank` (masked=True: send it nothing, wait for
+        nothing from it, its experts dropped) or include it again (False). Stream-ordered, no host sync.
+        Ranks that stay in the group must agree on the mask, as with DeepEP's mask buffer."""
+        self._check_fault_tolerant("set_rank_masked")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.cfg.world_size:
+            raise ValueError(f"rank must be an int in [0, {self.cfg.world_size}), got {rank!r}")
+        if rank == self.cfg.rank:
+            raise ValueError(f"rank {rank} cannot mask itself")
+        self.backend.rank_mask()[rank] = int(bool(masked))
+
+    def clear_rank_masks(self) -> None:
+        """Local: unmask every rank (stream-ordered)."""
+        self._check_fault_tolerant("clear_rank_masks")
+        self.backend.rank_mask().zero_()
+
+    def _check_fault_tolerant(self, what: str) -> None:
+        if not self.cfg.fault_tolerant:
+            raise ValueError(f"{what} needs a Buffer created with low_latency=True, fault_tolerant=True")
 
     def _check_topk_idx(self, topk_idx: object, n: Optional[int]) -> torch.Tensor:
         """Shape, dtype, device, contiguity, alignment and token count; the values: _in_range_ids."""

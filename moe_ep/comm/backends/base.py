@@ -170,6 +170,12 @@ class Backend(abc.ABC):
     def abort(self) -> None:
         """Local: gives the Buffer up after a peer went silent, releasing nothing that waits for peers."""
 
+    def rank_mask(self) -> torch.Tensor:
+        """Fault-tolerant low-latency mode only: this rank's mask, int32 [R] on the Buffer's device, 1 per
+        rank its low-latency calls skip (neither send to nor wait for). Live: writes to it take effect
+        from the next call on the stream (Buffer.set_rank_masked); native kernels also set it on a timeout."""
+        raise NotImplementedError(f"the {self.name} backend keeps no rank mask")
+
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout: ...
 

@@ -157,6 +157,14 @@ class LowLatencyEngine(Engine):
         self._dispatches = 0
         self._pending: dict[str, Optional[_Hook]] = {"dispatch": None, "combine": None}
 
+    @property
+    def rank_mask(self) -> torch.Tensor:
+        """int32 [R], 1 per masked rank (comm.h Comm::masked; fault-tolerant mode only): the kernels read it
+        and set a rank that misses the timeout; the host may set or clear entries between calls."""
+        if self._masked is None:
+            raise RuntimeError("this low-latency engine is not fault-tolerant")
+        return self._masked
+
     def masked_ranks(self) -> list[int]:
         """The ranks masked so far (fault-tolerant mode); reads the device mask after the current stream's work."""
         if self._masked is None:

@@ -131,8 +131,8 @@ class NvshmemBackend(Backend):
     def fill_workspace(self, value: int) -> None:
         self._normal.fill_workspace(value)
 
-    def masked_ranks(self) -> list[int]:
-        return self._engine().masked_ranks()
+    def rank_mask(self) -> torch.Tensor:
+        return self._engine().rank_mask
 
     def abort(self) -> None:
         """Local: waits for this rank's kernels (each gives up within the timeout), frees host memory
