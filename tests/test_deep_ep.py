@@ -239,7 +239,8 @@ def _check_low_latency(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, ex
         recv_x, recv_s = recv if use_fp8 else (recv, None)
         if ue8m0:  # exponent bytes, four per int32, read back as DeepEP's tests do
             assert recv_s.dtype == torch.int32 and recv_s.shape[2] == hidden // 512
-            recv_s = (recv_s.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+            bytes_ = recv_s.clone(memory_format=torch.contiguous_format).view(torch.uint8)  # H/512 may be 1
+            recv_s = (bytes_.to(torch.int32) << 23).view(torch.float32)
         assert recv_x.shape == (num_local, world * t, hidden) and _same(stats, count)
         assert tuple(handle[2:]) == (t, hidden, experts) and handle[1].dtype == torch.int64
         for e in range(num_local):
@@ -285,6 +286,10 @@ def _check_unsupported(buf: deep_ep.Buffer) -> None:
         buf.low_latency_dispatch(x, idx, 4, 8, use_ue8m0=True)
     with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
         buf.low_latency_dispatch(x, idx, 4, 8, dispatch_wait_recv_cost_stats=torch.zeros(1, 1, dtype=torch.int64))
+    with pytest.raises(NotImplementedError, match="use_nvfp4"):
+        buf.low_latency_dispatch(x, idx, 4, 8, use_nvfp4=True, x_global_scale=torch.ones(1))
+    with pytest.raises(NotImplementedError, match="overlap=True.*cooperative grid"):
+        buf.low_latency_combine(x, idx, torch.zeros(2, 2), None, overlap=True, comp_signal=torch.zeros(4, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="use_logfmt"):
         buf.low_latency_combine(x, idx, torch.zeros(2, 2), None, use_logfmt=True)
     with pytest.raises(NotImplementedError, match="combine_wait_recv_cost_stats"):

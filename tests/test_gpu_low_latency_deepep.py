@@ -144,8 +144,6 @@ def _stalled(rank: int, report: Callable[[str, Any], None]) -> None:
     x, idx, w, out = _round(buf, rank, 1)
     torch.cuda.synchronize()
     report("stalled", (_status(buf), torch.equal(out.cpu(), _expected_ll_combine(x, idx, w, {rank}))))
-    for b in buf.moe_ep_buffers:
-        b.abort()
 
 
 def test_stalled_rank_masked_by_timeout_and_queried() -> None:

@@ -491,9 +491,13 @@ class Buffer:
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
+                             return_recv_hook: bool = False, *, use_nvfp4: bool = False,
+                             x_global_scale: Optional[torch.Tensor] = None):
         """(recv_x or (e4m3, scales), recv_count, handle, event, hook), expert-major [E_l, R * T, ...]; the
         scales in DeepEP's token-major layout per expert (float32, or UE8M0 int32 with use_ue8m0)."""
+        if use_nvfp4 or x_global_scale is not None:
+            raise _unsupported("use_nvfp4 / x_global_scale (NVFP4 dispatch)",
+                               "the low-latency kernels cast to FP8 (e4m3) only")
         if use_ue8m0 and not (use_fp8 and round_scale and x.shape[1] % (4 * FP8_BLOCK) == 0):
             raise ValueError("use_ue8m0=True needs use_fp8=True, round_scale=True and hidden % 512 == 0")
         if dispatch_wait_recv_cost_stats is not None:
@@ -520,10 +524,19 @@ class Buffer:
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None, *, overlap: bool = False,
+                            packed_recv_count: Optional[torch.Tensor] = None,
+                            comp_signal: Optional[torch.Tensor] = None, block_m: int = 64, threshold: int = 0,
+                            num_sms: int = 0, src_signals: Optional[torch.Tensor] = None,
+                            src_signal_expect_value: int = 0
                             ) -> tuple[torch.Tensor, EventOverlap, Optional[Callable[[], None]]]:
         """(combined_x, event, hook): moe_ep's weighted sum over k ascending, one rounding (docs/api.md).
-        zero_copy=True combines what get_next_low_latency_combine_buffer's tensor holds instead of x."""
+        zero_copy=True combines what get_next_low_latency_combine_buffer's tensor holds instead of x.
+        The single-batch-overlap arguments (SGLang's) are accepted with overlap=False and ignored."""
+        if overlap:
+            raise _unsupported("overlap=True (single-batch overlap: a combine that waits on comp_signal per expert)",
+                               "moe_ep's combine send half is one cooperative grid over every SM, so it cannot "
+                               "wait on the device for a GEMM running beside it; use return_recv_hook=True")
         if use_logfmt:
             raise _unsupported("use_logfmt=True", "moe_ep has no LogFMT combine; it sends bf16 rows")
         if combine_wait_recv_cost_stats is not None:
