@@ -110,6 +110,8 @@ def _worker(rank: int, world: int) -> None:
         plain.set_rank_masked(DEAD)
     with pytest.raises(ValueError, match="rank_to_mask"):
         drop.low_latency_update_mask_buffer(-1, True)
+    with pytest.raises(ValueError, match="cannot mask itself"):
+        drop.low_latency_update_mask_buffer(rank, True)
     with pytest.raises(ValueError, match="mask_status"):
         drop.low_latency_query_mask_buffer(torch.zeros(WORLD, dtype=torch.int64))
     for call in (lambda: no_shrink.low_latency_update_mask_buffer(0, True), no_shrink.low_latency_clean_mask_buffer,

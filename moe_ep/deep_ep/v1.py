@@ -578,6 +578,8 @@ class Buffer:
         self._check_shrink("low_latency_update_mask_buffer")
         if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
             raise ValueError(f"rank_to_mask must be an int in [0, {self.group_size}), got {rank_to_mask!r}")
+        if rank_to_mask == self.rank:
+            raise ValueError(f"rank {self.rank} cannot mask itself")
         (self._masked.add if mask else self._masked.discard)(rank_to_mask)
         for buf in self._low_latency.values():
             buf.set_rank_masked(rank_to_mask, mask)

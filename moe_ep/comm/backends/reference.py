@@ -82,21 +82,25 @@ class ReferenceBackend(Backend):
 
     # ---- helpers -------------------------------------------------------------------------
     def _all_to_all(self, phase: str, out: torch.Tensor, inp: torch.Tensor, out_split: Optional[list[int]] = None,
-                    in_split: Optional[list[int]] = None) -> torch.Tensor:
+                    in_split: Optional[list[int]] = None, dead: Sequence[int] = ()) -> torch.Tensor:
         """all_to_all_single into `out` (returned), through host memory when the group cannot move `inp`;
-        gives up after timeout_s with CommTimeoutError (peer unknown: -1) naming `phase`."""
+        with `dead` ranks (masked: their splits are 0 both ways; splits given) by point-to-point messages
+        among the others. Gives up after timeout_s with CommTimeoutError (peer unknown: -1) naming `phase`."""
         cfg = self.cfg
         if self._failed is not None:
             raise RuntimeError(f"moe_ep rank {cfg.rank}: this Buffer's exchange '{self._failed}' failed, so the "
                                "Buffer and its process group are unusable (docs/api.md, Errors)")
+        src = inp.cpu() if self._staged else inp
         host = torch.empty(out.shape, dtype=out.dtype) if self._staged else out
-        opts = dist.AllToAllOptions()
-        opts.timeout = timedelta(seconds=cfg.timeout_s)  # the op itself gives up, so nothing is left waiting
-        opts.asyncOp = True
         try:
-            work = cfg.group.alltoall_base(host, inp.cpu() if self._staged else inp, out_split or [],  # torch 2.11+
-                                           in_split or [], opts)
-            work.wait(timedelta(seconds=cfg.timeout_s + 1))  # a bound for groups that do not honour opts.timeout
+            if dead:
+                self._point_to_point(host, src, out_split, in_split, dead)
+            else:
+                opts = dist.AllToAllOptions()
+                opts.timeout = timedelta(seconds=cfg.timeout_s)  # the op itself gives up: nothing is left waiting
+                opts.asyncOp = True
+                work = cfg.group.alltoall_base(host, src, out_split or [], in_split or [], opts)  # torch 2.11+
+                work.wait(timedelta(seconds=cfg.timeout_s + 1))  # a bound for groups that do not honour opts.timeout
         except RuntimeError as error:
             self._failed = phase
             if "timeout" in str(error).lower() or "timed out" in str(error).lower():
@@ -104,36 +108,24 @@ class ReferenceBackend(Backend):
             raise
         return out.copy_(host) if self._staged else out
 
-    def _exchange_among(self, phase: str, out: torch.Tensor, inp: torch.Tensor, out_split: list[int],
-                        in_split: list[int], dead: list[int]) -> torch.Tensor:
-        """_all_to_all's exchange by point-to-point messages among the ranks not in `dead` (whose splits
-        are 0 both ways): masked ranks take no part. Same staging, timeout and failure rules."""
+    def _point_to_point(self, out: torch.Tensor, inp: torch.Tensor, out_split: list[int], in_split: list[int],
+                        dead: Sequence[int]) -> None:
+        """_all_to_all's exchange as isend/irecv pairs with every live peer (no message is empty), then
+        waits for all of them (timeout_s each)."""
         cfg = self.cfg
-        if self._failed is not None:
-            raise RuntimeError(f"moe_ep rank {cfg.rank}: this Buffer's exchange '{self._failed}' failed, so the "
-                               "Buffer and its process group are unusable (docs/api.md, Errors)")
-        src = inp.cpu() if self._staged else inp
-        host = torch.empty(out.shape, dtype=out.dtype) if self._staged else out
         in_at, out_at = [0, *itertools.accumulate(in_split)], [0, *itertools.accumulate(out_split)]
-        host[out_at[cfg.rank]:out_at[cfg.rank + 1]] = src[in_at[cfg.rank]:in_at[cfg.rank + 1]]
+        out[out_at[cfg.rank]:out_at[cfg.rank + 1]] = inp[in_at[cfg.rank]:in_at[cfg.rank + 1]]
         works = []
-        try:
-            for peer in range(cfg.world_size):
-                if peer == cfg.rank or peer in dead:
-                    continue
-                peer_global = dist.get_global_rank(cfg.group, peer)
-                if in_split[peer]:
-                    works.append(dist.isend(src[in_at[peer]:in_at[peer + 1]].contiguous(), peer_global, cfg.group))
-                if out_split[peer]:
-                    works.append(dist.irecv(host[out_at[peer]:out_at[peer + 1]], peer_global, cfg.group))
-            for work in works:
-                work.wait(timedelta(seconds=cfg.timeout_s))
-        except RuntimeError as error:
-            self._failed = phase
-            if "timeout" in str(error).lower() or "timed out" in str(error).lower():
-                raise CommTimeoutError(cfg.rank, -1, phase, cfg.timeout_s) from error
-            raise
-        return out.copy_(host) if self._staged else out
+        for peer in range(cfg.world_size):
+            if peer == cfg.rank or peer in dead:
+                continue
+            peer_global = dist.get_global_rank(cfg.group, peer)
+            if in_split[peer]:
+                works.append(dist.isend(inp[in_at[peer]:in_at[peer + 1]].contiguous(), peer_global, cfg.group))
+            if out_split[peer]:
+                works.append(dist.irecv(out[out_at[peer]:out_at[peer + 1]], peer_global, cfg.group))
+        for work in works:
+            work.wait(timedelta(seconds=cfg.timeout_s))
 
     def rank_mask(self) -> torch.Tensor:
         if self._mask is None:
@@ -145,18 +137,15 @@ class ReferenceBackend(Backend):
         return [] if self._mask is None else torch.nonzero(self._mask.cpu()).flatten().tolist()
 
     def _exchange_counts(self, phase: str, send_counts: torch.Tensor, dead: Sequence[int] = ()) -> list[int]:
-        out = torch.zeros_like(send_counts)
-        if not dead:
-            return self._all_to_all(f"{phase} counts", out, send_counts).tolist()
+        """One count per rank each way (0 to and from dead ranks)."""
         ones = [0 if r in dead else 1 for r in range(self.cfg.world_size)]
-        return self._exchange_among(f"{phase} counts", out, send_counts, ones, ones, list(dead)).tolist()
+        return self._all_to_all(f"{phase} counts", torch.zeros_like(send_counts), send_counts, ones, ones,
+                                dead).tolist()
 
     def _all_to_all_rows(self, phase: str, rows: torch.Tensor, send_counts: list[int],
                          recv_counts: list[int], dead: Sequence[int] = ()) -> torch.Tensor:
-        out = rows.new_empty((sum(recv_counts), rows.shape[1]))
-        if dead:
-            return self._exchange_among(f"{phase} rows", out, rows, recv_counts, send_counts, list(dead))
-        return self._all_to_all(f"{phase} rows", out, rows, recv_counts, send_counts)
+        return self._all_to_all(f"{phase} rows", rows.new_empty((sum(recv_counts), rows.shape[1])), rows,
+                                recv_counts, send_counts, dead)
 
     def _rank_mask(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """[N, R] bool: token n has at least one expert on rank r."""
