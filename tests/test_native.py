@@ -478,6 +478,8 @@ def test_launch_args_checks_follow_the_call_sizes() -> None:
         native.LowLatencyDispatchArgs(**{**recv, "round_scale": True}).check(ll)
     with pytest.raises(ValueError, match=r"send and receive are both false"):
         native.LowLatencyDispatchArgs(**{**recv, "receive": False}).check(ll)
+    with pytest.raises(ValueError, match=r"^LowLatencyContext.dispatch: ue8m0 needs use_fp8, round_scale"):
+        native.LowLatencyDispatchArgs(**{**recv, "use_fp8": True, "recv_scales": 6, "ue8m0": True}).check(ll)
 
 
 @needs_native

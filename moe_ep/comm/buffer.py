@@ -162,9 +162,8 @@ def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_ex
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
     device = _device_of(group, device)
     name = _pick_backend(backend, device, world)
-    if fault_tolerant and not (low_latency and name == "nvshmem"):
-        raise ValueError("fault_tolerant=True needs low_latency=True and the native backend (backend='nvshmem'): "
-                         "only the low-latency kernels can mask a rank that went silent")
+    if fault_tolerant and not low_latency:
+        raise ValueError("fault_tolerant=True needs low_latency=True: only the low-latency calls skip masked ranks")
     _check_ranks_per_node(ranks_per_node, world)
     if hierarchical is not None and not isinstance(hierarchical, bool):
         raise TypeError(f"hierarchical must be None, True or False, got {hierarchical!r}")
@@ -409,9 +408,40 @@ class Buffer:
 
     @property
     def masked_ranks(self) -> list[int]:
-        """Ranks a fault-tolerant low-latency Buffer stopped waiting for (they missed the timeout);
-        later calls treat their experts as dropped. Always empty without fault_tolerant=True."""
-        return self.backend.masked_ranks() if self.cfg.fault_tolerant else []
+        """Ranks a fault-tolerant low-latency Buffer skips: set with set_rank_masked, or (native backend)
+        masked when they missed the timeout; their experts count as dropped. Always empty without
+        fault_tolerant=True. Reads the device mask after the current stream's work."""
+        if not self.cfg.fault_tolerant:
+            return []
+        return torch.nonzero(self.backend.rank_mask()).flatten().tolist()
+
+    @property
+    def rank_mask(self) -> torch.Tensor:
+        """The fault-tolerant mask itself: int32 [R] on the Buffer's device, 1 per masked rank (read it
+        without a host sync, as DeepEP's low_latency_query_mask_buffer does). Do not write it: use
+        set_rank_masked / clear_rank_masks."""
+        self._check_fault_tolerant("rank_mask")
+        return self.backend.rank_mask()
+
+    def set_rank_masked(self, rank: int, masked: bool = True) -> None:
+        """Local: this rank's later low-latency calls skip `rank` (masked=True: send it nothing, wait for
+        nothing from it, its experts dropped) or include it again (False). Stream-ordered, no host sync.
+        Ranks that stay in the group must agree on the mask, as with DeepEP's mask buffer."""
+        self._check_fault_tolerant("set_rank_masked")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.cfg.world_size:
+            raise ValueError(f"rank must be an int in [0, {self.cfg.world_size}), got {rank!r}")
+        if rank == self.cfg.rank:
+            raise ValueError(f"rank {rank} cannot mask itself")
+        self.backend.rank_mask()[rank] = int(bool(masked))
+
+    def clear_rank_masks(self) -> None:
+        """Local: unmask every rank (stream-ordered)."""
+        self._check_fault_tolerant("clear_rank_masks")
+        self.backend.rank_mask().zero_()
+
+    def _check_fault_tolerant(self, what: str) -> None:
+        if not self.cfg.fault_tolerant:
+            raise ValueError(f"{what} needs a Buffer created with low_latency=True, fault_tolerant=True")
 
     def _check_topk_idx(self, topk_idx: object, n: Optional[int], capped: bool = True) -> torch.Tensor:
         """Shape, dtype, device, contiguity, alignment and token count (capped: _check_tokens); the
@@ -680,10 +710,12 @@ class Buffer:
         return run
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool = False,
-                             round_scale: bool = False, return_recv_hook: bool = False,
-                             async_op: bool = False) -> LowLatencyDispatchResult:
-        """Expert-major dispatch with fixed capacity and no host sync (docs/api.md). Rejected tensors: this
-        rank takes part as a rank without tokens, then raises (with a receive hook: the hook does)."""
+                             round_scale: bool = False, use_ue8m0: bool = False,
+                             return_recv_hook: bool = False, async_op: bool = False) -> LowLatencyDispatchResult:
+        """Expert-major dispatch with fixed capacity and no host sync (docs/api.md); FP8 scales in DeepEP's
+        token-major layout per expert, with use_ue8m0 packed as DeepEP's UE8M0 int32. Rejected tensors
+        or flags: this rank takes part as a rank without tokens, then raises (with a receive hook: the
+        hook does)."""
         self._check_low_latency()
         if use_fp8:
             self._check_fp8_hidden()
@@ -694,12 +726,15 @@ class Buffer:
             self._check_topk_idx(topk_idx, x.shape[0])
             if round_scale and not use_fp8:
                 raise ValueError("round_scale applies only with use_fp8=True")
+            if use_ue8m0 and not (use_fp8 and round_scale and self.cfg.hidden % 512 == 0):
+                raise ValueError("use_ue8m0=True needs use_fp8=True, round_scale=True (power-of-two scales) and "
+                                 f"hidden % 512 == 0 (four exponents per int32), got hidden {self.cfg.hidden}")
         except (TypeError, ValueError) as error:
             rows, _ = self._zero_rows((0,), False)
             idx, _ = self._no_routing(0)
-            return _raise_after_receive(error, _keep_routing(run(rows, idx, round_scale=False), idx))
+            return _raise_after_receive(error, _keep_routing(run(rows, idx, round_scale=False, use_ue8m0=False), idx))
         topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        result = _keep_routing(run(x, topk_idx, round_scale=bool(round_scale)), topk_idx)
+        result = _keep_routing(run(x, topk_idx, round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0)), topk_idx)
         return result if bad_ids is None else _raise_after_receive(bad_ids, result)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -86,6 +86,8 @@ void check(const Dims& d, const DispatchLaunchArgs& a) {
   if (!a.send && !a.receive) c.fail("send and receive are both false: the launch would run neither half");
   c.count("num_tokens", a.num_tokens, "max_tokens", d.max_tokens);
   if (a.round_scale && !a.use_fp8) c.fail("round_scale needs use_fp8");
+  if (a.ue8m0 && !(a.round_scale && d.hidden % 512 == 0))
+    c.fail("ue8m0 needs use_fp8, round_scale and hidden a multiple of 512, got " + std::to_string(d.hidden));
   if (a.use_fp8 && d.hidden % 128 != 0)
     c.fail("use_fp8 needs hidden to be a multiple of 128, got " + std::to_string(d.hidden));
   const bool in = a.send && a.num_tokens > 0;
@@ -158,7 +160,8 @@ void register_low_latency(py::module_& m) {
       na::required("recv_x", &DA::recv_x), na::optional("recv_scales", &DA::recv_scales),
       na::required("src_rank", &DA::src_rank), na::required("src_index", &DA::src_index),
       na::required("src_k", &DA::src_k), na::required("count", &DA::count), na::required("use_fp8", &DA::use_fp8),
-      na::required("round_scale", &DA::round_scale), na::required("send", &DA::send),
+      na::required("round_scale", &DA::round_scale), na::optional("ue8m0", &DA::ue8m0),
+      na::required("send", &DA::send),
       na::required("receive", &DA::receive));
   na::def_check<D>(dispatch, &ll::check);
   using CA = ll::CombineLaunchArgs;

@@ -63,7 +63,11 @@
 //   3. After a barrier, the block's rows are cut into 4 KB chunks (plus, with FP8, one item for the
 //      row's scales), and the (row, chunk) items are spread over all warps: a warp loads its chunk
 //      from the local staging (8 int4 per lane, all in flight) and stores it into recv_x[e][m], so
-//      each item costs about one round trip whatever the rows per block.
+//      each item costs about one round trip whatever the rows per block. Scales are stored in
+//      DeepEP's layout, token-major per expert: float32 scale i of row m at recv_scales[e][i][m]
+//      (the [E_l, R*T, H/128] result is that [E_l, H/128, R*T] array transposed); with ue8m0 the
+//      exponent byte (bits 23..30) of scale i is byte i % 4 of int32 [e][i / 4][m] of a
+//      [E_l, H/512, R*T] array (round_scale made every scale a power of two: exact).
 //
 // Why the staging of a set is never overwritten while a receiver still reads it: rank s writes set
 // (e & 1) at rank d during its send of epoch e. d last read that set in its receive of epoch e - 2.
@@ -126,6 +130,7 @@ struct DispatchArgs {
   int hidden;
   int max_tokens;
   int blocks_per_expert;  // P
+  bool ue8m0;             // scales as UE8M0 exponent bytes, four per int32 (file comment, receive step 3)
   bool send;              // run the send half
   bool receive;           // run the receive half
 };
@@ -347,8 +352,17 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& a, unsigned l
     } else {
       const int scales = a.hidden / 128;
       const float* staged_scales = reinterpret_cast<const float*>(staged + a.hidden);
-      float* out_scales = a.recv_scales + row * scales;
-      for (int i = lane; i < scales; i += 32) out_scales[i] = staged_scales[i];
+      const size_t m = p + static_cast<size_t>(parts) * r;  // the row inside expert e
+      const size_t expert0 = static_cast<size_t>(e) * scales * capacity;  // elements (float) or bytes (ue8m0)
+      if (a.ue8m0) {
+        uint8_t* out = reinterpret_cast<uint8_t*>(a.recv_scales) + expert0;
+        for (int i = lane; i < scales; i += 32)
+          out[(static_cast<size_t>(i >> 2) * capacity + m) * 4 + (i & 3)] =
+              static_cast<uint8_t>(__float_as_uint(staged_scales[i]) >> 23);
+      } else {
+        float* out = a.recv_scales + expert0 + m;
+        for (int i = lane; i < scales; i += 32) out[static_cast<size_t>(i) * capacity] = staged_scales[i];
+      }
     }
   }
   __syncthreads();  // staged_j and warp_sums are free for the block's next item
@@ -398,6 +412,7 @@ void launch_dispatch(const LowLatencyParams& p, const DispatchLaunchArgs& call, 
   a.hidden = p.hidden;
   a.max_tokens = p.max_tokens;
   a.blocks_per_expert = p.blocks_per_expert;
+  a.ue8m0 = call.ue8m0;
   a.send = call.send;
   a.receive = call.receive;
   if (!call.use_fp8)

@@ -150,9 +150,9 @@ class NvshmemBackend(Backend):
             raise RuntimeError("this Buffer was created without low_latency=True")
         return self._low_latency
 
-    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale,
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0,
                              return_recv_hook) -> LowLatencyDispatchResult:
-        return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+        return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                        return_recv_hook=return_recv_hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *,
@@ -166,8 +166,8 @@ class NvshmemBackend(Backend):
     def fill_workspace(self, value: int) -> None:
         self._normal.fill_workspace(value)
 
-    def masked_ranks(self) -> list[int]:
-        return self._engine().masked_ranks()
+    def rank_mask(self) -> torch.Tensor:
+        return self._engine().rank_mask
 
     def abort(self) -> None:
         """Local: waits for this rank's kernels (each gives up within the timeout), frees host memory
