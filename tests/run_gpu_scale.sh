@@ -33,6 +33,8 @@ case $part in
   exits)
     runs launch_program 10 55 torchrun --standalone --nproc-per-node 8 tests/launch_program.py --contract
     grep -c "terminate called" "$out/launch_program.log" | sed 's/^/"terminate called" lines: /' >>"$out/summary.txt"
+    grep -c "at exit: group destroyed, NVSHMEM down" "$out/launch_program.log" \
+      | sed 's/^/ranks that left with the group destroyed and NVSHMEM finalized (of 80): /' >>"$out/summary.txt"
     ;;
   tools)
     python3 -c "import pathlib; from tests.test_readme import README, quick_start_code; \

@@ -83,6 +83,7 @@ def test_ranks_that_succeed_exit_zero() -> None:
         for rank, done in enumerate(_run_ranks(failing_rank=-1)):
             assert done.returncode == 0, f"run {run} rank {rank}: exit status {done.returncode}\n{done.stderr[-3000:]}"
             assert "combine matches" in done.stdout, done.stdout
+            assert done.stdout.rstrip().endswith("at exit: group destroyed, NVSHMEM down"), done.stdout
 
 
 def test_a_failing_rank_fails_and_its_peers_do_not_hang() -> None:
