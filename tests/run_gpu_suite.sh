@@ -7,7 +7,8 @@
 # files, as the device tool returns).
 # Usage: bash tests/run_gpu_suite.sh [PATH...]   (PATHs: where to collect, default tests/; e.g.
 #   `bash tests/run_gpu_suite.sh tests/test_fp8.py tests/test_my_failing.py` for a quick check)
-# Environment: LANES (default 3), BUDGET_S (seconds for the lanes, default 480), SKIP_BUILD=1,
+# Environment: LANES (default 3), BUDGET_S (seconds for all lanes, default 480; each file also has
+#   its own limit, below), SKIP_BUILD=1,
 #   NO_TRAIN=1 (skip the torchrun), WITH_LAYER_BENCH=1 (then the one-rank layer bench, alone, into $OUT/bench/).
 set -uo pipefail
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NVLS=1 \
@@ -33,7 +34,8 @@ fi
 echo "$collected" | grep -c '::' | xargs echo "GPU tests collected:"
 
 # Lanes by longest file first, each file to the lane with the least work so far (seconds per file on one
-# H200 with three lanes, docs/one_gpu.md; a file not listed counts 60 s). Prints one line per lane.
+# H200 with three lanes, docs/one_gpu.md; a file not listed counts 60 s). Prints one line per lane of
+# FILE@LIMIT: each file may take 2.5 x its seconds (at least 60 s), so a hang cannot starve its lane.
 plan_file=$(mktemp)
 python3 - "$lanes" $files >"$plan_file" <<'EOF'
 import sys
@@ -47,20 +49,21 @@ work, plan = [0] * lanes, [[] for _ in range(lanes)]
 for f in sorted(files, key=lambda f: -secs.get(f.split("/")[-1], 60)):
     i = work.index(min(work))
     work[i] += secs.get(f.split("/")[-1], 60)
-    plan[i].append(f)
+    plan[i].append(f"{f}@{max(60, int(2.5 * secs.get(f.split('/')[-1], 60)))}")
 print("\n".join(" ".join(p) for p in plan if p))
 EOF
 deadline=$((SECONDS + budget))
-lane() {  # lane NAME FILE...: each file's GPU tests, until the budget is spent
+lane() {  # lane NAME FILE@LIMIT...: each file's GPU tests, within its limit and the budget
   local name=$1; shift
-  for file in "$@"; do
-    local began=$SECONDS left=$((deadline - SECONDS))
+  for spec in "$@"; do
+    local file=${spec%@*} limit=${spec##*@} began=$SECONDS left=$((deadline - SECONDS))
     [ $left -lt 10 ] && left=10
-    timeout "$left" python3 -m pytest -q -rs -p no:cacheprovider -m gpu "$file" >"$out/$name.part" 2>&1
+    [ $limit -gt $left ] && limit=$left
+    timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider -m gpu "$file" >"$out/$name.part" 2>&1
     local rc=$?
     cat "$out/$name.part" >>"$out/$name.log"
     local result; result=$(grep -E '[0-9]+ (passed|failed|error|skipped)' "$out/$name.part" | tail -1)
-    [ $rc -eq 124 ] && result="TIMED OUT after $((SECONDS - began)) s (budget ${budget} s)"
+    [ $rc -eq 124 ] && result="TIMED OUT after $((SECONDS - began)) s (limit ${limit} s)"
     echo "$file | rc=$rc | $((SECONDS - began)) s | $result" >>"$out/summary.txt"
   done
   rm -f "$out/$name.part"

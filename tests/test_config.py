@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +26,7 @@ def test_defaults_and_checks() -> None:
     assert c.replace(unroll=4).unroll == 4 and c.unroll == 6
     for field, bad in (("send_warps", 0), ("send_warps", 33), ("combine_send_warps", -1), ("unroll", 5),
                        ("flag_batch", 33), ("recv_run", 0), ("num_sms", 0), ("internode_workspace_bytes", 1),
-                       ("send_warps", True), ("flag_batch", 2.0)):
+                       ("send_warps", True), ("flag_batch", 2.0), ("low_latency_num_sms", 0)):
         with pytest.raises(ValueError, match=rf"Config\.{field}"):
             Config(**{field: bad})
 
@@ -41,10 +42,14 @@ def test_environment_gives_defaults_only() -> None:
 
 
 def test_gpu_test_covers_every_knob() -> None:
-    """tests/test_gpu_config.py changes every knob of Config (a new knob must be added there)."""
+    """tests/test_gpu_config.py changes every normal-mode knob of Config (a new knob must be added there);
+    the low-latency grid knob, per low-latency Buffer, is changed by tests/test_gpu_low_latency.py."""
     fields = {f.name for f in dataclasses.fields(Config)}
-    assert {name for change in PER_CALL for name in change} == fields - {"internode_workspace_bytes"}
-    assert {name for change in PER_BUFFER for name in change} == fields
+    per_buffer_only = {"internode_workspace_bytes", "low_latency_num_sms"}
+    assert {name for change in PER_CALL for name in change} == fields - per_buffer_only
+    assert {name for change in PER_BUFFER for name in change} == fields - {"low_latency_num_sms"}
+    low_latency_test = (Path(__file__).parent / "test_gpu_low_latency.py").read_text()
+    assert "Config(low_latency_num_sms=" in low_latency_test
 
 
 class _Recording:
@@ -119,6 +124,11 @@ def _worker(rank: int, world: int) -> None:
             buf.combine(want.x, want.handle, config={"unroll": 4})
     with moe_ep.Buffer(**common, num_sms=7, config=knobs) as buf:
         assert buf.config.num_sms == 7  # num_sms= wins over the config's
+    with pytest.raises(ValueError, match="low_latency_num_sms needs low_latency=True"):  # honoured or refused
+        moe_ep.Buffer(**common, config=Config(low_latency_num_sms=4))
+    with moe_ep.Buffer(**common, low_latency=True, config=Config(low_latency_num_sms=4)) as buf:
+        with pytest.raises(ValueError, match="low_latency_num_sms is fixed when the Buffer is made"):
+            buf.dispatch(x, idx, w, config=Config(low_latency_num_sms=8))
     # every rank must pass the same knobs: all raise, naming each rank's Config
     with pytest.raises(ValueError, match="same config; got Config"):
         moe_ep.Buffer(**common, config=Config(send_warps=8 + rank))

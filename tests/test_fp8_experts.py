@@ -239,8 +239,8 @@ def _bad_config_case() -> None:
         MoE(buf, 128, fp8_experts=True)
     buf.close()
     buf = moe_ep.Buffer(None, hidden=128, num_experts=4, num_topk=2, max_tokens_per_rank=8)
-    with pytest.raises(ValueError, match="overlap_chunks"):
-        MoE(buf, 128, fp8_experts=True, overlap_chunks=2)
+    with pytest.raises(ValueError, match="no overlap mode"):
+        MoE(buf, 128, fp8_experts=True, overlap=True)
     buf.close()
 
 
