@@ -26,7 +26,13 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.comm.backends import intranode
-from moe_ep.comm.backends.engine import NormalEngine, Notified, streamed_combine, streamed_dispatch
+from moe_ep.comm.backends.engine import (
+    NormalEngine,
+    Notified,
+    first_notify,
+    streamed_combine,
+    streamed_dispatch,
+)
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import (
     assert_same_bits,
@@ -346,7 +352,8 @@ def _played_worker(rank: int, world: int) -> None:
             rounds = max(1, -(-max(tokens) // T))
             run = dict(rounds=rounds, expert_alignment=3, num_sms=1, knobs=ref.config, stream=None, async_op=False,
                        check=lambda **_: None)
-            got = streamed_dispatch(engine, x, None, idx, w, handle=None, **run)
+            got = streamed_dispatch(engine, x, None, idx, w, handle=None, first=first_notify(engine, idx, 3, None),
+                                    **run)
             want = ref.dispatch(x, idx, w, expert_alignment=3)
             what = f"played {case} {routing}"
             for field in ("x", "topk_idx", "topk_weights", "src_rank", "src_index", "tokens_per_expert_tensor"):
@@ -363,7 +370,7 @@ def _played_worker(rank: int, world: int) -> None:
             assert_same_bits(got_out, out, f"{what}: combine")
             assert_same_bits(got_w, out_w, f"{what}: combined weights")
             x2 = (x.float() * -2).to(torch.bfloat16)
-            cached = streamed_dispatch(engine, x2, None, None, None, handle=got.handle, **run)
+            cached = streamed_dispatch(engine, x2, None, None, None, handle=got.handle, first=None, **run)
             assert_same_bits(cached.x, ref.dispatch(x2, handle=want.handle).x, f"{what}: cached dispatch")
         assert engine.max_tokens_seen == T
 

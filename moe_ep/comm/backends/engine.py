@@ -20,7 +20,8 @@ A normal dispatch, on either engine (`normal_dispatch`):
 Streaming (`streamed_dispatch`, `streamed_combine`): outside worst-case mode a call may carry any
 number of tokens. The group agrees on the number of rounds J = ceil(max N / T) (T =
 max_tokens_per_rank: the workspace holds one round) with one host all-reduce (`agree_rounds`); J = 1
-is the flow above, unchanged. With J > 1 round j carries tokens [jT, jT + T) of every rank (none
+is the flow above, unchanged (its notify, the first round's, is launched before the all-reduce, which
+overlaps it). With J > 1 round j carries tokens [jT, jT + T) of every rank (none
 where a rank has fewer): the notify of every round runs first (J count exchanges, back to back:
 the kernels' two count sets allow that, csrc/kernels/*/notify.cu), the host waits once for all the
 counts and allocates the exact output, then each round's first output row per source is patched on
@@ -125,10 +126,12 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
                     topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
                     handle: Optional[DispatchHandle], expert_alignment: int, worst_case: bool, num_sms: int,
                     knobs: Config, stream: torch.cuda.Stream, async_op: bool,
-                    check: Callable[..., None], rows_in_workspace: bool = False) -> DispatchResult:
+                    check: Callable[..., None], rows_in_workspace: bool = False,
+                    notified: Optional[Notified] = None) -> DispatchResult:
     """The normal-mode dispatch flow of every normal engine (this module's docstring says the steps).
     `check` is the Buffer's ErrorWatch.check. rows_in_workspace (engines with expand_pairs):
-    the kernel leaves the rows in the workspace and the result's x is None, for expand_pairs."""
+    the kernel leaves the rows in the workspace and the result's x is None, for expand_pairs.
+    `notified`: the call's notify, already launched (first_notify)."""
     cfg = engine.cfg
     r, t = cfg.world_size, cfg.max_tokens_per_rank
     cached = handle is not None
@@ -139,7 +142,8 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
         in_rank = handle.is_token_in_rank
         tokens_per_expert = align_up_device(engine.raw_expert_counts(state), expert_alignment)
     else:
-        notified = engine.notify(topk_idx, expert_alignment, worst_case, stream)
+        if notified is None:
+            notified = engine.notify(topk_idx, expert_alignment, worst_case, stream)
         in_rank, state, tokens_per_expert = notified.is_token_in_rank, notified.state, notified.tokens_per_expert
         if not worst_case:
             counts_ready = torch.cuda.Event()
@@ -184,6 +188,13 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     return _host_groups[ranks]
 
 
+def first_notify(engine: NormalEngine, topk_idx: torch.Tensor, expert_alignment: int,
+                 stream: torch.cuda.Stream) -> Notified:
+    """The count exchange of an exact-size call's first round (its first T tokens), launched before the
+    host agrees on the rounds, so that the host collective overlaps it."""
+    return engine.notify(topk_idx[:engine.cfg.max_tokens_per_rank], expert_alignment, False, stream)
+
+
 def agree_rounds(group: dist.ProcessGroup, num_tokens: int, round_tokens: int) -> int:
     """Collective (one host all-reduce over `group`, a host_group): the rounds of at most round_tokens
     tokens that the group's largest call of this step needs, at least 1."""
@@ -219,9 +230,10 @@ def streamed_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[
                       topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
                       handle: Optional[DispatchHandle], rounds: int, expert_alignment: int, num_sms: int,
                       knobs: Config, stream: torch.cuda.Stream, async_op: bool,
-                      check: Callable[..., None]) -> DispatchResult:
+                      check: Callable[..., None], first: Optional[Notified]) -> DispatchResult:
     """An exact-size dispatch in `rounds` rounds of at most T tokens (this module's docstring): the
-    same rows, bits and order as one round would give. A cached one reuses its handle's rounds."""
+    same rows, bits and order as one round would give. A cached one reuses its handle's rounds;
+    a fresh one gets round 0's notify, already launched (`first`: first_notify)."""
     cfg = engine.cfg
     r, t, dev = cfg.world_size, cfg.max_tokens_per_rank, cfg.device
     cached = handle is not None
@@ -235,7 +247,8 @@ def streamed_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[
         out = DispatchOutputs.allocate(cfg, handle.num_recv_rows, x.dtype, handle)
     else:
         bounds = round_bounds(x.shape[0], rounds, t)
-        notified = [engine.notify(cut(topk_idx, j), expert_alignment, False, stream) for j in range(rounds)]
+        notified = [first] + [engine.notify(cut(topk_idx, j), expert_alignment, False, stream)
+                              for j in range(1, rounds)]
         e_l = cfg.num_local_experts
         info = torch.stack([n.state.recv_info[:2 * r + e_l] for n in notified]).cpu()  # the call's one host sync
         check(timeouts_only=True)

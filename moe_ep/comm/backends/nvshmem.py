@@ -33,6 +33,7 @@ from .engine import (
     NormalEngine,
     StreamedState,
     agree_rounds,
+    first_notify,
     host_group,
     normal_dispatch,
     round_bounds,
@@ -103,20 +104,24 @@ class NvshmemBackend(Backend):
         expand_pairs), across nodes by a gather of the received rows."""
         stream = self._stream()
         engine = self._normal
+        first = None
         if handle is not None:
             rounds = len(handle.state.rounds) if isinstance(handle.state, StreamedState) else 1
-        else:  # a static-shape (worst-case) call fits one round: Buffer checked it
-            rounds = 1 if worst_case else agree_rounds(self._host_group, x.shape[0], self.cfg.max_tokens_per_rank)
+        elif worst_case:  # a static-shape call fits one round: Buffer checked it
+            rounds = 1
+        else:
+            first = first_notify(engine, topk_idx, expert_alignment, stream)
+            rounds = agree_rounds(self._host_group, x.shape[0], self.cfg.max_tokens_per_rank)
         in_workspace = expert_major and engine.expand_pairs is not None and rounds == 1
         if rounds > 1:
             result = streamed_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle, rounds=rounds,
                                        expert_alignment=expert_alignment, num_sms=num_sms, knobs=knobs, stream=stream,
-                                       async_op=async_op, check=self._error.check)
+                                       async_op=async_op, check=self._error.check, first=first)
         else:
             result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                      expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
                                      knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
-                                     rows_in_workspace=in_workspace)
+                                     rows_in_workspace=in_workspace, notified=first)
         if not expert_major:
             return result
         return pairs.expand(result, expert_alignment, engine.expand_pairs if in_workspace else None)
