@@ -88,7 +88,7 @@ class MoE(nn.Module):
     normal-mode forward checks it (one all_gather_object) and raises ValueError on every rank when
     they differ. SM budget: each dispatch and combine gets the Buffer's num_sms (every call of the
     Buffer runs on that one stream, so communication never holds more); the experts' kernels take
-    the remaining SMs. With C chunks a forward may hold up to C * max_tokens_per_rank tokens per rank.
+    the remaining SMs. Any token count: exact-size calls stream through the workspace in rounds.
     The shared expert, when present, runs while the first dispatch is in flight when C >= 2 (C = 1
     keeps every kernel on the caller's stream, as before overlap existed) and in decode (start()).
     expert_major=True (the default): exact-size normal mode dispatches (row, local expert) pairs grouped
