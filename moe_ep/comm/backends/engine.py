@@ -19,7 +19,9 @@ A normal dispatch, on either engine (`normal_dispatch`):
 
 Streaming (`streamed_dispatch`, `streamed_combine`): outside worst-case mode a call may carry any
 number of tokens. The group agrees on the number of rounds J = ceil(max N / T) (T =
-max_tokens_per_rank: the workspace holds one round) with one host all-reduce (`agree_rounds`); J = 1
+max_tokens_per_rank: the workspace holds one round) with one host all-reduce on the Buffer's own
+gloo group (`rounds_group`, `agree_rounds`: bounded by timeout_s, so a silent peer is still reported
+by the kernels, as CommTimeoutError); J = 1
 is the flow above, unchanged (its notify, the first round's, is launched before the all-reduce, which
 overlaps it). With J > 1 round j carries tokens [jT, jT + T) of every rank (none
 where a rank has fewer): the notify of every round runs first (J count exchanges, back to back:
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
@@ -46,8 +49,6 @@ from ..config import Config
 from ..types import DispatchHandle, DispatchLayout, DispatchResult, ExpertMajorLayout
 from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result
 
-# Host groups for agree_rounds, by the ranks of an NCCL group (a gloo group serves itself).
-_host_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 class Engine(abc.ABC):
     """One kernel family of a native Buffer: its context, symmetric memory and lifetime."""
@@ -176,16 +177,12 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
         expert_alignment=expert_alignment, tokens_per_expert_tensor=tokens_per_expert, async_op=async_op, check=check)
 
 
-def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A group of `group`'s ranks whose collectives run on the host, for agree_rounds (no device sync):
-    `group` itself when it takes CPU tensors, else a gloo group of its ranks, made (collectively, as
-    Buffer creation is) the first time."""
-    if "gloo" in str(dist.get_backend(group)):
-        return group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _host_groups:
-        _host_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-    return _host_groups[ranks]
+def rounds_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
+    """Collective (at Buffer creation): a gloo group of `group`'s ranks that is the Buffer's own, for
+    agree_rounds. Its own, so that an all-reduce a silent peer leaves waiting can give up without
+    touching any group the caller uses; gloo, so that agreeing needs no device sync."""
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", timeout=timedelta(seconds=timeout_s),
+                          use_local_synchronization=True)
 
 
 def first_notify(engine: NormalEngine, topk_idx: torch.Tensor, expert_alignment: int,
@@ -195,12 +192,22 @@ def first_notify(engine: NormalEngine, topk_idx: torch.Tensor, expert_alignment:
     return engine.notify(topk_idx[:engine.cfg.max_tokens_per_rank], expert_alignment, False, stream)
 
 
-def agree_rounds(group: dist.ProcessGroup, num_tokens: int, round_tokens: int) -> int:
-    """Collective (one host all-reduce over `group`, a host_group): the rounds of at most round_tokens
-    tokens that the group's largest call of this step needs, at least 1."""
+def agree_rounds(group: dist.ProcessGroup, num_tokens: int, round_tokens: int, timeout_s: float) -> int:
+    """Collective (one host all-reduce over `group`, a rounds_group): the rounds of at most round_tokens
+    tokens that the group's largest call needs, at least 1. A peer that skipped the call, stalled or
+    died makes the all-reduce give up after timeout_s (or fail at once: gloo closes a group whose
+    operation timed out); this rank then goes on with its own rounds, and the call's kernels, which
+    wait for that peer too, report it as they always did (CommTimeoutError naming peer and phase)."""
     most = torch.tensor([num_tokens], dtype=torch.int64)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-    return max(1, -(-int(most.item()) // round_tokens))
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    opts.timeout = timedelta(seconds=timeout_s)
+    try:
+        group.allreduce([most], opts).wait(timedelta(seconds=timeout_s + 1))
+        most_tokens = int(most.item())
+    except RuntimeError:
+        most_tokens = num_tokens
+    return max(1, -(-most_tokens // round_tokens))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,9 +34,9 @@ from .engine import (
     StreamedState,
     agree_rounds,
     first_notify,
-    host_group,
     normal_dispatch,
     round_bounds,
+    rounds_group,
     streamed_combine,
     streamed_dispatch,
 )
@@ -55,6 +55,7 @@ class NvshmemBackend(Backend):
     def __init__(self, cfg: BufferConfig) -> None:
         super().__init__(cfg)
         native = _native.load()
+        self._rounds_group = rounds_group(cfg.group, cfg.timeout_s)  # agrees on a call's rounds (engine.agree_rounds)
         normal_cls: type[NormalEngine] = InternodeEngine if cfg.hierarchical else IntranodeEngine
         heap_bytes = normal_cls.heap_bytes(cfg)
         if cfg.low_latency:
@@ -65,7 +66,6 @@ class NvshmemBackend(Backend):
         self._error = self._session.error_state(cfg.timeout_s, cfg.num_experts)
         self._normal: Optional[NormalEngine] = None
         self._low_latency: Optional[LowLatencyEngine] = None
-        self._host_group = host_group(cfg.group)  # agrees on a call's rounds (engine.agree_rounds)
         try:
             if cfg.hierarchical:
                 self._normal = InternodeEngine(cfg, self._session, self._error)
@@ -111,7 +111,7 @@ class NvshmemBackend(Backend):
             rounds = 1
         else:
             first = first_notify(engine, topk_idx, expert_alignment, stream)
-            rounds = agree_rounds(self._host_group, x.shape[0], self.cfg.max_tokens_per_rank)
+            rounds = agree_rounds(self._rounds_group, x.shape[0], self.cfg.max_tokens_per_rank, self.cfg.timeout_s)
         in_workspace = expert_major and engine.expand_pairs is not None and rounds == 1
         if rounds > 1:
             result = streamed_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle, rounds=rounds,
