@@ -396,10 +396,37 @@ def test_rounds_agreement_survives_a_silent_peer() -> None:
     run_workers(2, _agree_worker, timeout_s=120)
 
 
+def check_low_latency_async(buf: moe_ep.Buffer) -> None:
+    """Low-latency dispatch and combine with async_op equal the synchronous calls (received rows below
+    each expert's count, combined rows) bit for bit; async_op with a receive hook is a ValueError."""
+    me = buf.rank
+    g = torch.Generator().manual_seed(77 + me)
+    x = torch.randn(T, HIDDEN, generator=g).to(torch.bfloat16).to(buf.device)
+    idx = torch.randint(-1, EXPERTS, (T, TOPK), generator=g).to(buf.device)
+    w = torch.rand(T, TOPK, generator=g).to(buf.device)
+
+    def received(d: moe_ep.LowLatencyDispatchResult) -> list[torch.Tensor]:
+        return [d.x[e, :int(c)].cpu() for e, c in enumerate(d.count.tolist())]
+
+    sync = buf.low_latency_dispatch(x, idx)
+    want_rows = received(sync)
+    want_out = buf.low_latency_combine(sync.x, idx, w, sync.handle).x.cpu()
+    lazy = buf.low_latency_dispatch(x, idx, async_op=True)
+    lazy.event.wait()
+    for e, (got, want) in enumerate(zip(received(lazy), want_rows)):
+        assert_same_bits(got, want, f"async low-latency dispatch: expert {e}")
+    out = buf.low_latency_combine(lazy.x, idx, w, lazy.handle, async_op=True)
+    out.event.wait()
+    assert_same_bits(out.x.cpu(), want_out, "async low-latency combine")
+    with pytest.raises(ValueError, match="exclude each other"):
+        buf.low_latency_dispatch(x, idx, async_op=True, return_recv_hook=True)
+
+
 # ---- CPU: the reference backend ---------------------------------------------------------------
 def _cpu_worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
     with moe_ep.Buffer(dist.group.WORLD, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=T,
-                       backend="reference", ranks_per_node=ranks_per_node) as buf:
+                       backend="reference", ranks_per_node=ranks_per_node, low_latency=True) as buf:
+        check_low_latency_async(buf)
         for seed, (case, routing) in enumerate(CASES):
             check_against_brute_force(buf, seed, _tokens(case, world), routing, f"reference {case} {routing}")
         _worst_case_cap(buf)
@@ -464,7 +491,8 @@ def _gated_call(rank: int, world: int) -> None:
     """The call's kernels run on the communication stream: gated behind previous_event (a long sleep on
     a third stream), the call has not finished when a kernel the caller queued after it has."""
     with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", hidden=HIDDEN, num_experts=EXPERTS,
-                       num_topk=TOPK, max_tokens_per_rank=T) as buf:
+                       num_topk=TOPK, max_tokens_per_rank=T, low_latency=True) as buf:
+        check_low_latency_async(buf)
         g = torch.Generator(device="cuda").manual_seed(rank)
         x = torch.randn(T, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
         idx = torch.randint(0, EXPERTS, (T, TOPK), generator=g, device="cuda")
