@@ -488,10 +488,12 @@ def _each_topology(rank: int, world: int, topos: list[dict]) -> None:
 
 
 def _gated_call(rank: int, world: int) -> None:
-    """The call's kernels run on the communication stream: gated behind previous_event (a long sleep on
-    a third stream), the call has not finished when a kernel the caller queued after it has."""
+    """The call's kernels run on the communication stream: rank 0's async dispatch cannot finish before
+    rank 1 joins it, and rank 1 joins only after rank 0 saw a kernel it queued on its own stream after
+    the call complete (were the call on that stream, the kernel would wait for it, and the call would
+    give up after timeout_s, failing the check)."""
     with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", hidden=HIDDEN, num_experts=EXPERTS,
-                       num_topk=TOPK, max_tokens_per_rank=T, low_latency=True) as buf:
+                       num_topk=TOPK, max_tokens_per_rank=T, low_latency=True, timeout_s=20.0) as buf:
         check_low_latency_async(buf)
         g = torch.Generator(device="cuda").manual_seed(rank)
         x = torch.randn(T, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
@@ -499,17 +501,19 @@ def _gated_call(rank: int, world: int) -> None:
         w = torch.rand(T, TOPK, generator=g, device="cuda")
         want = buf.dispatch(x, idx, w, worst_case=True)
         torch.cuda.synchronize()
-        gate_stream = torch.cuda.Stream()
-        with torch.cuda.stream(gate_stream):
-            torch.cuda._sleep(4_000_000_000)  # seconds of GPU cycles: the gate opens long after the checks
-            gate = torch.cuda.Event()
-            gate.record()
-        got = buf.dispatch(x, idx, w, worst_case=True, previous_event=moe_ep.EventHandle(gate), async_op=True)
-        mine = x * 2  # queued on the caller's stream after the call
-        after = torch.cuda.Event()
-        after.record()
-        after.synchronize()
-        assert not got.event.event.query(), "the call finished before its previous_event: it did not wait for it"
+        dist.barrier()
+        if rank == 0:
+            got = buf.dispatch(x, idx, w, worst_case=True, previous_event=_capture(), async_op=True)
+            mine = x * 2  # queued on the caller's stream after the call
+            after = torch.cuda.Event()
+            after.record()
+            after.synchronize()
+            assert not got.event.event.query(), "the call finished without its peer: it did not run on its own stream"
+            dist.barrier()  # now rank 1 joins the dispatch
+        else:
+            dist.barrier()
+            got = buf.dispatch(x, idx, w, worst_case=True, async_op=True)
+            mine = x * 2
         got.event.wait()
         for field in ("x", "topk_idx", "topk_weights", "src_rank", "src_index"):
             assert_same_bits(getattr(got, field).cpu(), getattr(want, field).cpu(), f"gated async dispatch {field}")
