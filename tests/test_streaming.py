@@ -278,8 +278,8 @@ class _PlayedKernels(NormalEngine):
     def raw_expert_counts(self, state):
         return state.recv_info[2 * self.cfg.world_size:]
 
-    def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state, out, *, cached, worst_case, num_sms,
-                        knobs, stream) -> None:
+    def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state, out, *, cached, worst_case, expert_major,
+                        num_sms, knobs, stream) -> None:
         cfg, me, r = self.cfg, self.cfg.rank, self.cfg.world_size
         e_l = cfg.num_local_experts
         sends = []

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "runtime/context.h"
 #include "runtime/named_args.h"
 
 namespace moe_ep {
@@ -23,19 +24,18 @@ inline void check_normal_dims(const ArgCheck& c, int rank, int nranks, int max_r
   c.positive_multiple("num_experts", num_experts, nranks, "nranks");
 }
 
-// A context's fields that both folders' Context structs have, its addresses checked (none may be 0);
-// the caller sets and checks the rest.
+// A context's fields that both folders' Context structs have: the runtime's (checked when it was made),
+// then its own addresses checked (none may be 0); the caller sets and checks the rest.
 template <class Context, class D>
-Context normal_context(const ArgCheck& c, const D& dims, double timeout_s, uintptr_t error, uintptr_t epochs,
+Context normal_context(const ArgCheck& c, const D& dims, const RuntimeContext& rt, uintptr_t epochs,
                        uintptr_t block_counters) {
-  c.pointer("error", error);
   c.pointer("epochs", epochs);
   c.pointer("block_counters", block_counters);
   Context ctx{};
   ctx.dims = dims;
   ctx.ws = workspace_layout(dims);
-  ctx.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
-  ctx.error = error;
+  ctx.timeout_ns = rt.timeout_ns;
+  ctx.error = rt.error;
   ctx.epochs = epochs;
   ctx.block_counters = block_counters;
   return ctx;

@@ -53,7 +53,7 @@ def record_event(async_op: bool, device: torch.device,
 class DispatchOutputs:
     """The tensors a native dispatch kernel writes, m rows each. A cached dispatch writes no expert
     ids or weights (None) and reuses its handle's source rows; one whose rows stay in the workspace
-    (an expert-major NVLink dispatch: its engine's expand_pairs copies them out) writes no x (None)."""
+    (an expert-major NVLink dispatch: its engine's pair_rows copies them out) writes no x (None)."""
 
     x: Optional[torch.Tensor]
     scales: Optional[torch.Tensor]
@@ -172,6 +172,12 @@ class Backend(abc.ABC):
     def abort(self) -> None:
         """Local: gives the Buffer up after a peer went silent, releasing nothing that waits for peers."""
 
+    def rank_mask(self) -> torch.Tensor:
+        """Fault-tolerant low-latency mode only: this rank's mask, int32 [R] on the Buffer's device, 1 per
+        rank its low-latency calls skip (neither send to nor wait for). Live: writes to it take effect
+        from the next call on the stream (Buffer.set_rank_masked); native kernels also set it on a timeout."""
+        raise NotImplementedError(f"the {self.name} backend keeps no rank mask")
+
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout: ...
 
@@ -218,8 +224,12 @@ class Backend(abc.ABC):
         *,
         use_fp8: bool,
         round_scale: bool,
+        use_ue8m0: bool,
         return_recv_hook: bool,
-    ) -> LowLatencyDispatchResult: ...
+    ) -> LowLatencyDispatchResult:
+        """Expert-major rows [E_l, R*T, H]; FP8 scales [E_l, R*T, H/128] float32 (or with use_ue8m0
+        [E_l, R*T, H/512] int32, moe_ep.comm.fp8.pack_ue8m0), both stored token-major per expert
+        (moe_ep.comm.fp8.expert_major_scales: DeepEP's layout)."""
 
     @abc.abstractmethod
     def low_latency_combine(

@@ -15,15 +15,16 @@ A normal dispatch, on either engine (`normal_dispatch`):
   3. the dispatch kernel (it reads the counts on the device);
   4. outside worst-case mode, the host waits for the counts (if it has not yet) and trims;
   5. the call's error check, once every kernel of the call is launched, so a rank that raises made
-     the same launches as its peers.
+     the same launches as its peers;
+  6. an expert-major dispatch (expert_major): the engine's expansion of the rows into pairs
+     (NormalEngine.expand; the NVLink engine copies them from the workspace its kernel left them in).
 
 Streaming (`streamed_dispatch`, `streamed_combine`): outside worst-case mode a call may carry any
 number of tokens. The group agrees on the number of rounds J = ceil(max N / T) (T =
 max_tokens_per_rank: the workspace holds one round) with one host all-reduce on the Buffer's own
 gloo group (`rounds_group`, `agree_rounds`: bounded by timeout_s, so a silent peer is still reported
-by the kernels, as CommTimeoutError); J = 1
-is the flow above, unchanged (its notify, the first round's, is launched before the all-reduce, which
-overlaps it). With J > 1 round j carries tokens [jT, jT + T) of every rank (none
+by the kernels, as CommTimeoutError); J = 1 is the flow above, unchanged (its notify, the first
+round's, is launched before the all-reduce, which overlaps it). With J > 1 round j carries tokens [jT, jT + T) of every rank (none
 where a rank has fewer): the notify of every round runs first (J count exchanges, back to back:
 the kernels' two count sets allow that, csrc/kernels/*/notify.cu), the host waits once for all the
 counts and allocates the exact output, then each round's first output row per source is patched on
@@ -45,6 +46,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import expert_major as pairs
 from ..config import Config
 from ..types import DispatchHandle, DispatchLayout, DispatchResult, ExpertMajorLayout
 from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result
@@ -78,11 +80,6 @@ class NormalEngine(Engine):
     """A normal-mode engine (one node or across nodes): the steps `normal_dispatch` runs, and combine."""
 
     path: str  # which kernels: "nvlink" or "cross-node"
-    # Set by engines whose dispatch can leave its rows in the workspace (rows_in_workspace): result,
-    # layout -> (x [P, H], scales [P, H / 128] or None), the layout's pairs copied from there, launched
-    # on the current stream, which must be the dispatch's, before any other call of this Buffer.
-    expand_pairs: Optional[Callable[[DispatchResult, ExpertMajorLayout],
-                                    tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
     _ctx: Any  # the native context (moe_ep.comm._C IntranodeContext / InternodeContext): launches, count mailbox
 
     def close(self) -> None:
@@ -102,11 +99,30 @@ class NormalEngine(Engine):
     def raw_expert_counts(self, state: Any) -> torch.Tensor:
         """A handle state's received rows per local expert on the device ([E_l] int32, not aligned)."""
 
+    def dispatch_outputs(self, m: int, dtype: torch.dtype, handle: Optional[DispatchHandle],
+                         expert_major: bool) -> DispatchOutputs:
+        """The tensors the dispatch kernel writes, m rows each (the received rows too: an engine whose
+        expert-major dispatch leaves them in its workspace overrides this)."""
+        return DispatchOutputs.allocate(self.cfg, m, dtype, handle)
+
     @abc.abstractmethod
     def launch_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                         topk_weights: Optional[torch.Tensor], state: Any, out: DispatchOutputs, *, cached: bool,
-                        worst_case: bool, num_sms: int, knobs: Config, stream: torch.cuda.Stream) -> None:
+                        worst_case: bool, expert_major: bool, num_sms: int, knobs: Config,
+                        stream: torch.cuda.Stream) -> None:
         """Launch the dispatch kernel into `out` (rows no source fills, in worst-case mode, are zero)."""
+
+    def pair_rows(self, result: DispatchResult, layout: ExpertMajorLayout
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """An expert-major dispatch's pairs (x [P, H], scales [P, H / 128] or None), on the current
+        stream (the dispatch's): one gather of the received rows, unless the engine copies them from
+        where its kernel left them."""
+        return pairs.gather_rows(result, layout)
+
+    def expand(self, result: DispatchResult, alignment: int) -> DispatchResult:
+        """A dispatch's result as (row, local expert) pairs grouped by expert (moe_ep.comm.expert_major)."""
+        layout, handle, weights = pairs.layout_of(result, alignment)
+        return pairs.as_pairs(result, layout, handle, weights, *self.pair_rows(result, layout))
 
     def host_counts(self) -> tuple[list[int], list[int]]:
         """(rows from each source, raw rows per local expert) of the last notify, once it has run."""
@@ -127,11 +143,10 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
                     topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
                     handle: Optional[DispatchHandle], expert_alignment: int, worst_case: bool, num_sms: int,
                     knobs: Config, stream: torch.cuda.Stream, async_op: bool,
-                    check: Callable[..., None], rows_in_workspace: bool = False,
+                    check: Callable[..., None], expert_major: bool = False,
                     notified: Optional[Notified] = None) -> DispatchResult:
     """The normal-mode dispatch flow of every normal engine (this module's docstring says the steps).
-    `check` is the Buffer's ErrorWatch.check. rows_in_workspace (engines with expand_pairs):
-    the kernel leaves the rows in the workspace and the result's x is None, for expand_pairs.
+    `check` is the Buffer's ErrorWatch.check. expert_major: the result is the engine's pairs (step 6).
     `notified`: the call's notify, already launched (first_notify)."""
     cfg = engine.cfg
     r, t = cfg.world_size, cfg.max_tokens_per_rank
@@ -164,17 +179,18 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
     if counts_ready is not None and not eager:
         recv_counts = wait_counts()
     m = r * t if worst_case or eager else sum(recv_counts)
-    out = DispatchOutputs.allocate(cfg, m, x.dtype, handle, rows=not rows_in_workspace)
+    out = engine.dispatch_outputs(m, x.dtype, handle, expert_major)
     engine.launch_dispatch(x, x_scales, topk_idx, topk_weights, state, out, cached=cached, worst_case=worst_case,
-                           num_sms=num_sms, knobs=knobs, stream=stream)
+                           expert_major=expert_major, num_sms=num_sms, knobs=knobs, stream=stream)
     if eager:
         recv_counts = wait_counts()
         out = out.head(sum(recv_counts))
     check()  # every kernel of the call is launched: raising keeps the ranks in step
-    return native_dispatch_result(
+    result = native_dispatch_result(
         cfg, handle, out, num_tokens=x.shape[0], is_token_in_rank=in_rank, recv_counts=recv_counts,
         worst_case=worst_case, state=state, tokens_per_expert_raw=state.tokens_per_expert,
         expert_alignment=expert_alignment, tokens_per_expert_tensor=tokens_per_expert, async_op=async_op, check=check)
+    return engine.expand(result, expert_alignment) if expert_major else result
 
 
 def rounds_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
@@ -273,7 +289,8 @@ def streamed_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[
         if not cached and j > 0:  # the round's start barrier: peers finished reading round j - 1
             engine.notify(cut(topk_idx, j), expert_alignment, False, stream)
         engine.launch_dispatch(cut(x, j), cut(x_scales, j), cut(topk_idx, j), cut(topk_weights, j), state.rounds[j],
-                               out, cached=cached, worst_case=False, num_sms=num_sms, knobs=knobs, stream=stream)
+                               out, cached=cached, worst_case=False, expert_major=False, num_sms=num_sms, knobs=knobs,
+                               stream=stream)
     if not cached:  # the kernels wrote each row's index inside its round
         out.src_index.add_(row_round.to(dev) * t)
     check()

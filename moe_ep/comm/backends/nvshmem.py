@@ -64,15 +64,18 @@ class NvshmemBackend(Backend):
         torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
         self._session: Optional[NvshmemSession] = NvshmemSession.acquire(cfg.group, cfg.device, heap_bytes)
         self._error = self._session.error_state(cfg.timeout_s, cfg.num_experts)
+        # what every engine's context shares (csrc/runtime/context.h), checked and built once
+        runtime = native.RuntimeContext(rank=cfg.rank, nranks=cfg.world_size, timeout_s=cfg.timeout_s,
+                                        error=self._error.device_ptr)
         self._normal: Optional[NormalEngine] = None
         self._low_latency: Optional[LowLatencyEngine] = None
         try:
             if cfg.hierarchical:
-                self._normal = InternodeEngine(cfg, self._session, self._error)
+                self._normal = InternodeEngine(cfg, self._session, runtime)
             else:
-                self._normal = IntranodeEngine(cfg, self._session, self._epochs, self._error)
+                self._normal = IntranodeEngine(cfg, self._session, self._epochs, runtime)
             if cfg.low_latency:
-                self._low_latency = LowLatencyEngine(cfg, self._session, self._epochs, self._error)
+                self._low_latency = LowLatencyEngine(cfg, self._session, self._epochs, self._error, runtime)
         except BaseException:
             self._session.release()
             raise
@@ -99,32 +102,35 @@ class NvshmemBackend(Backend):
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
                  num_sms, knobs, async_op) -> DispatchResult:
-        """The kernels move rows; an expert-major result expands them into pairs after them
-        (moe_ep.comm.expert_major): on NVLink straight from the workspace the rows landed in (the engine's
-        expand_pairs), across nodes by a gather of the received rows."""
+        """The engine's normal dispatch flow, or its rounds when a call carries more than T tokens on some
+        rank (engine.streamed_dispatch). An expert-major result is the engine's own expansion of the rows
+        into pairs (NormalEngine.expand); a streamed or worst-case one lands its rows and gathers them
+        (each round reuses the workspace; worst-case pairs have static shapes)."""
         stream = self._stream()
         engine = self._normal
+        static = handle.worst_case if handle is not None else worst_case
         first = None
         if handle is not None:
             rounds = len(handle.state.rounds) if isinstance(handle.state, StreamedState) else 1
         elif worst_case:  # a static-shape call fits one round: Buffer checked it
             rounds = 1
-        else:
+        else:  # round 0's count exchange runs on the GPU while the host agrees on the rounds
             first = first_notify(engine, topk_idx, expert_alignment, stream)
             rounds = agree_rounds(self._rounds_group, x.shape[0], self.cfg.max_tokens_per_rank, self.cfg.timeout_s)
-        in_workspace = expert_major and engine.expand_pairs is not None and rounds == 1
-        if rounds > 1:
-            result = streamed_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle, rounds=rounds,
-                                       expert_alignment=expert_alignment, num_sms=num_sms, knobs=knobs, stream=stream,
-                                       async_op=async_op, check=self._error.check, first=first)
-        else:
+        if rounds == 1 and not static:
+            return normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
+                                   expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
+                                   knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
+                                   expert_major=expert_major, notified=first)
+        if rounds == 1:
             result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                      expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
-                                     knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
-                                     rows_in_workspace=in_workspace, notified=first)
-        if not expert_major:
-            return result
-        return pairs.expand(result, expert_alignment, engine.expand_pairs if in_workspace else None)
+                                     knobs=knobs, stream=stream, async_op=async_op, check=self._error.check)
+        else:
+            result = streamed_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle, rounds=rounds,
+                                       expert_alignment=expert_alignment, num_sms=num_sms, knobs=knobs,
+                                       stream=stream, async_op=async_op, check=self._error.check, first=first)
+        return pairs.expand(result, expert_alignment) if expert_major else result
 
     def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, async_op):
         """One kernel: the rows, and topk_weights when given, travel back together (an expert-major
@@ -149,9 +155,9 @@ class NvshmemBackend(Backend):
             raise RuntimeError("this Buffer was created without low_latency=True")
         return self._low_latency
 
-    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale,
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0,
                              return_recv_hook) -> LowLatencyDispatchResult:
-        return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+        return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                        return_recv_hook=return_recv_hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *,
@@ -165,8 +171,8 @@ class NvshmemBackend(Backend):
     def fill_workspace(self, value: int) -> None:
         self._normal.fill_workspace(value)
 
-    def masked_ranks(self) -> list[int]:
-        return self._engine().masked_ranks()
+    def rank_mask(self) -> torch.Tensor:
+        return self._engine().rank_mask
 
     def abort(self) -> None:
         """Local: waits for this rank's kernels (each gives up within the timeout), frees host memory
