@@ -42,13 +42,16 @@ except ImportError:  # CPU-only installs: the torch layout serves
 
 
 def build_layout(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], counts: list[int],
-                 counts_tensor: torch.Tensor, alignment: int) -> tuple[ExpertMajorLayout, Optional[torch.Tensor]]:
+                 counts_tensor: torch.Tensor, alignment: int,
+                 num_pairs: Optional[int] = None) -> tuple[ExpertMajorLayout, Optional[torch.Tensor]]:
     """The layout of received rows with local expert ids topk_idx [M, K] (-1: elsewhere) and
     `counts` pairs per local expert (aligned; counts_tensor the same on the device), and with
     topk_weights [M, K] each pair's router weight [P] float32 (the sum of its slots' weights in
     ascending k from +0.0; 0 for padding). On the device, without a host sync: one Triton kernel on
-    CUDA (one program per local expert scans the rows), torch elsewhere; the same integers and bits."""
-    p = sum(counts)
+    CUDA (one program per local expert scans the rows), torch elsewhere; the same integers and bits.
+    num_pairs: P when the counts are known on the device only (counts then []): a bound on their
+    sum, the pairs after the last expert's block are padding (row -1, weight 0)."""
+    p = sum(counts) if num_pairs is None else num_pairs
     if use_triton(topk_idx):
         rows, positions, slots, weights = _layout_triton(topk_idx, topk_weights, counts_tensor, p)
     else:
@@ -145,9 +148,9 @@ def _layout_triton(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
     """_layout_kernel: (rows [P], positions [M, K], slots [M, K], pair weights [P] or None)."""
     m, k = topk_idx.shape
     e_l = counts_tensor.shape[0]
-    rows = torch.empty(p, dtype=torch.int64, device=topk_idx.device)
+    rows = torch.full((p,), -1, dtype=torch.int64, device=topk_idx.device)  # -1 stays after the last block
     positions, slots = torch.empty_like(topk_idx), torch.empty_like(topk_idx)
-    weights = None if topk_weights is None else torch.empty(p, dtype=torch.float32, device=topk_idx.device)
+    weights = None if topk_weights is None else torch.zeros(p, dtype=torch.float32, device=topk_idx.device)
     if e_l and (m or p):
         _layout_kernel[(e_l,)](topk_idx, topk_weights if weights is not None else rows, counts_tensor, rows,
                                positions, slots, weights if weights is not None else rows, m, e_l, K=k,
@@ -166,7 +169,7 @@ def gather(t: Optional[torch.Tensor], layout: ExpertMajorLayout) -> Optional[tor
     if t is None:
         return None
     out = t.index_select(0, layout.rows.clamp_min(0))
-    if layout.alignment > 1:
+    if layout.alignment > 1 or layout.num_pairs != sum(layout.counts):  # padding pairs exist
         bits = out.view(torch.uint8) if out.element_size() == 1 else out  # no masked_fill for e4m3
         bits.masked_fill_((layout.rows < 0).view(-1, *[1] * (t.dim() - 1)), 0)
     return out

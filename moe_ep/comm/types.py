@@ -28,7 +28,7 @@ class ExpertMajorLayout:
     rows: torch.Tensor  # [P] int64: the received row of each pair, -1 for alignment padding
     positions: torch.Tensor  # [M, K] int64: the pair of top-k slot (m, k), -1 where topk_idx[m, k] is -1
     slots: torch.Tensor  # [M, K] int64: positions with each pair at its first slot only (-1 elsewhere)
-    counts: list[int]  # [E_l] pairs per local expert, padding included
+    counts: list[int]  # [E_l] pairs per local expert, padding included ([] when known on the device only)
     counts_tensor: torch.Tensor  # [E_l] int32 on the device, the same values
     alignment: int  # the dispatch's expert_alignment
 
