@@ -4,9 +4,10 @@ imported. Each is checked against brute force over every rank's inputs (the expe
 functions, so each token's output is a sum over its experts wherever they live), 2 ranks on CPU
 (gloo, reference backend) and, marked gpu, 2 ranks sharing one GPU (native kernels).
 
-The frameworks come from their wheels (pip download --no-deps; the CPU tests read the pure-Python
+The frameworks come from their wheels (pip download --no-deps; the tests read the pure-Python
 files, which import on Python 3.11): the directory $MOE_EP_FRAMEWORKS, else ../frameworks beside
-the repository's parent, or an installed copy. A test whose framework is absent skips, naming it.
+the repository's parent, or an installed copy; their light dependencies from the environment or
+from site-packages/ in that directory (pip install --target). A test whose framework is absent skips, naming it.
 Stubs and shims, each for something unrelated to communication, are named where they are made.
 """
 from __future__ import annotations
@@ -93,6 +94,9 @@ def _import_path(root: str, stubs: tuple[str, ...]) -> None:
     to moe_ep.deep_ep (before any framework module binds it)."""
     if root:
         sys.path.insert(0, root)
+    deps = _wheel_dir() / "site-packages"
+    if deps.is_dir():  # the frameworks' light dependencies (pip install --target), when not installed
+        sys.path.append(str(deps))
     if stubs:
         sys.meta_path.append(_Stubs(set(stubs)))
     sys.modules["deep_ep"] = moe_ep.deep_ep
@@ -190,3 +194,78 @@ def test_torchtitan_deepep_cpu(torchtitan_root: str) -> None:
 @requires_gpus(1)
 def test_torchtitan_deepep_gpu(torchtitan_root: str) -> None:
     run_workers(WORLD, _torchtitan_worker, torchtitan_root, backend="gpu")
+
+
+# ---- vLLM 0.33.0: DeepEPV2PrepareAndFinalize -------------------------------------------------
+# stubs: model hub, HTTP server, tokenizer and grammar packages that vllm's config modules import
+_VLLM_STUBS = ("transformers", "huggingface_hub", "safetensors", "aiohttp", "uvloop", "xgrammar", "fastapi",
+               "httpx2", "llguidance")
+
+
+def _reduced_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Rows [M, H] of experts that weight and reduce themselves (vLLM's TopKWeightAndReduceNoOP
+    contract): row m = sum over k with ids[m, k] >= 0 of weights[m, k] * scale(ids[m, k]) * x[m]."""
+    scale = torch.tensor([[_scale(int(e)) for e in row] for row in ids.cpu().tolist()], dtype=torch.float32)
+    factor = (torch.where(ids.cpu() >= 0, weights.float().cpu() * scale, 0.0)).sum(1, keepdim=True)
+    return (x.float() * factor.to(x.device)).to(torch.bfloat16)
+
+
+def _vllm_worker(rank: int, world: int, root: str) -> None:
+    _import_path(root, _VLLM_STUBS)
+    from vllm.forward_context import DPMetadata, override_forward_context
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_v2 import DeepEPV2PrepareAndFinalize
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
+
+    dev = device()
+    if dev.type == "cpu":  # shim: vLLM pins its host-side count tensors, which needs CUDA; unpinned on CPU
+        tensor = torch.tensor
+        torch.tensor = lambda *args, pin_memory=False, **kwargs: tensor(*args, **kwargs)
+    # the buffer as vLLM's DeepEPV2All2AllManager makes it (all2all.py, its default environment)
+    buffer = moe_ep.deep_ep.ElasticBuffer(
+        group=dist.group.WORLD, num_max_tokens_per_rank=T, hidden=HIDDEN, num_topk=TOPK, use_fp8_dispatch=False,
+        allow_hybrid_mode=True, prefer_overlap_with_compute=False, allow_multiple_reduction=False,
+        explicitly_destroy=True)
+    offset = rank * NUM_LOCAL
+    for case, (tokens, use_cudagraph) in enumerate([([13, 9], False), ([0, 17], False), ([13, 9], True),
+                                                    ([1, 5], True), ([T, 0], True)]):
+        pf = DeepEPV2PrepareAndFinalize(buffer, num_dispatchers=world, dp_size=world, rank_expert_offset=offset,
+                                        num_experts=EXPERTS, num_topk=TOPK, use_cudagraph=use_cudagraph)
+        # on CPU its Triton kernel cannot run: its own option hands globalising the ids to the experts
+        pf.defer_globalize = dev.type == "cpu"
+        x, idx, weights = _routing(200 * case + rank, tokens[rank])
+        # the forward context vLLM's model runner sets: only dp_metadata is read
+        context = types.SimpleNamespace(dp_metadata=DPMetadata(torch.tensor(tokens)))
+        with override_forward_context(context):
+            expert_x, _, meta, recv_ids, recv_w = pf.prepare(
+                x.to(dev), weights.to(dev), idx.to(dev), EXPERTS, None, False, FUSED_MOE_UNQUANTIZED_CONFIG)
+            if use_cudagraph:
+                assert meta.expert_num_tokens is None and meta.psum_recv_per_rank is not None
+                if pf.defer_globalize:  # what the experts do: local ids to global, rows past the received -1
+                    rows = torch.arange(recv_ids.shape[0], device=dev).unsqueeze(1)
+                    live = (recv_ids >= 0) & (rows < meta.psum_recv_per_rank[-1])
+                    recv_ids = torch.where(live, recv_ids + meta.rank_expert_offset, -1)
+            else:
+                assert recv_ids.shape == recv_w.shape == (expert_x.shape[0], 1)
+                every_idx = torch.cat([_routing(200 * case + s, tokens[s])[1] for s in range(world)])
+                want_counts = [int((every_idx == offset + e).sum()) for e in range(NUM_LOCAL)]
+                assert meta.expert_num_tokens.tolist() == want_counts
+            fused = _reduced_experts(expert_x, recv_ids, recv_w)
+            output = torch.full((tokens[rank], HIDDEN), float("nan"), dtype=torch.bfloat16, device=dev)
+            pf.finalize(output, fused, weights.to(dev), idx.to(dev), False, TopKWeightAndReduceNoOP())
+        _close(output, _weighted(x, idx, weights), f"vLLM output (tokens={tokens}, use_cudagraph={use_cudagraph})")
+    buffer.destroy()
+
+
+@pytest.fixture(scope="module")
+def vllm_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _framework(tmp_path_factory, "vllm", ["vllm-0.33.0-*.whl"], ("vllm",))
+
+
+def test_vllm_deepep_v2_cpu(vllm_root: str) -> None:
+    run_workers(WORLD, _vllm_worker, vllm_root)
+
+
+@requires_gpus(1)
+def test_vllm_deepep_v2_gpu(vllm_root: str) -> None:
+    run_workers(WORLD, _vllm_worker, vllm_root, backend="gpu")
