@@ -64,7 +64,8 @@ def _compact_case(buf: deep_ep.ElasticBuffer, inp: Inputs, me: int, sync: bool, 
         x = (_on(qs[me][0]), _on(qs[me][1]))
         scales = [q[1] for q in qs]
     recv, recv_idx, recv_w, handle, event = buf.dispatch(
-        x, topk_idx=idx, topk_weights=w, num_experts=EXPERTS, num_max_tokens_per_rank=T, do_cpu_sync=sync)
+        x, topk_idx=idx, topk_weights=w, num_experts=EXPERTS, num_max_tokens_per_rank=T, do_cpu_sync=sync,
+        use_tma_aligned_col_major_sf=use_fp8 and sync)
     assert event.event is None
     want = expected_dispatch(Inputs([q[0] for q in qs] if use_fp8 else inp.x, inp.topk_idx, inp.topk_weights),
                              me, WORLD, EXPERTS, scales)
@@ -74,7 +75,9 @@ def _compact_case(buf: deep_ep.ElasticBuffer, inp: Inputs, me: int, sync: bool, 
     assert handle.psum_num_recv_tokens_per_scaleup_rank[-1].item() == m
     assert_same_bits(rows_out[:m].cpu(), want.x, "recv_x")
     if use_fp8:
-        assert_same_bits(recv[1][:m].cpu(), want.scales, "recv scales")
+        assert_same_bits(recv[1][:m].contiguous().cpu(), want.scales, "recv scales")
+        if sync:  # DeepEP's TMA-aligned column-major scales: column stride align(rows, 4)
+            assert recv[1].stride() == (1, _align(max(m, 1), 4))
     assert torch.equal(recv_idx[:m].cpu(), want.topk_idx)
     local = want.topk_idx >= 0
     assert torch.equal(recv_w[:m].cpu()[local], want.topk_weights[local])

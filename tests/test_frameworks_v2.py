@@ -38,21 +38,23 @@ def _wheel_dir() -> Path:
     return Path(os.environ.get("MOE_EP_FRAMEWORKS", Path(__file__).resolve().parents[2] / "frameworks"))
 
 
-def _unpack(tmp: Path, wheels: list[str], packages: tuple[str, ...]) -> Optional[str]:
-    """A directory holding the Python files of `packages` from the first wheel matching each of
-    `wheels` (glob) in _wheel_dir(); None when one is missing. Compiled files stay in the wheel."""
+def _unpack(tmp: Path, wheels: list[str], packages: tuple[str, ...], data: tuple[str, ...]) -> Optional[str]:
+    """A directory holding the Python files of `packages` (and every file under the `data` prefixes)
+    from the newest wheel matching each of `wheels` (glob) in _wheel_dir(); None when one is missing.
+    Compiled libraries stay in the wheel."""
     root = tmp / "site"
     for pattern in wheels:
         found = sorted(_wheel_dir().glob(pattern))
         if not found:
             return None
         with zipfile.ZipFile(found[-1]) as z:
-            z.extractall(root, [n for n in z.namelist() if n.endswith(".py") and n.split("/")[0] in packages])
+            z.extractall(root, [n for n in z.namelist() if (n.endswith(".py") and n.split("/")[0] in packages)
+                                or (n.startswith(data) and not n.endswith(".so"))])
     return str(root)
 
 
 def _framework(tmp_path_factory: pytest.TempPathFactory, name: str, wheels: list[str],
-               packages: tuple[str, ...]) -> str:
+               packages: tuple[str, ...], data: tuple[str, ...] = ()) -> str:
     """sys.path entry for the framework: "" when it is installed, else its unpacked wheels; skips
     the test when neither exists."""
     try:
@@ -60,7 +62,7 @@ def _framework(tmp_path_factory: pytest.TempPathFactory, name: str, wheels: list
         return ""
     except ImportError:
         pass
-    root = _unpack(tmp_path_factory.mktemp(name), wheels, packages)
+    root = _unpack(tmp_path_factory.mktemp(name), wheels, packages, data)
     if root is None:
         pytest.skip(f"{name} is not installed and no wheel matching {wheels} is in {_wheel_dir()} "
                     f"(pip download --no-deps into it, or set MOE_EP_FRAMEWORKS)")
@@ -199,7 +201,7 @@ def test_torchtitan_deepep_gpu(torchtitan_root: str) -> None:
 # ---- vLLM 0.33.0: DeepEPV2PrepareAndFinalize -------------------------------------------------
 # stubs: model hub, HTTP server, tokenizer and grammar packages that vllm's config modules import
 _VLLM_STUBS = ("transformers", "huggingface_hub", "safetensors", "aiohttp", "uvloop", "xgrammar", "fastapi",
-               "httpx2", "llguidance")
+               "httpx2", "llguidance", "truststore")
 
 
 def _reduced_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -269,3 +271,71 @@ def test_vllm_deepep_v2_cpu(vllm_root: str) -> None:
 @requires_gpus(1)
 def test_vllm_deepep_v2_gpu(vllm_root: str) -> None:
     run_workers(WORLD, _vllm_worker, vllm_root, backend="gpu")
+
+
+# ---- SGLang 0.5.23: DeepEPv2Dispatcher -------------------------------------------------------
+# stubs: web server, notebook, image, tokenizer, model-format and TLS packages its modules import
+_SGLANG_STUBS = ("starlette", "IPython", "aiohttp", "torchvision", "truststore", "sentencepiece",
+                 "compressed_tensors", "gguf")
+
+
+def _sglang_worker(rank: int, world: int, root: str) -> None:
+    _import_path(root, _SGLANG_STUBS)
+    os.environ["SGLANG_DEEPEP_V2_NUM_MAX_DISPATCH_TOKENS_PER_RANK"] = str(T)
+    from sglang.srt.layers.moe.token_dispatcher import deepep_v2
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.layers.moe.utils import DeepEPv2Fp8ScaleFormat
+
+    dev = device()
+    # stand-ins for the server's runtime state the dispatcher reads (scheduler batch kind, resources,
+    # --deepep-v2-mode, the attention-DP layout) and for DeepGEMM's scale-format probe (bf16 dispatch)
+    state = types.SimpleNamespace(extend=False)
+    resources = types.SimpleNamespace(buffers={})
+    deepep_v2.get_is_extend_in_batch = lambda: state.extend
+    deepep_v2.get_resources = lambda: resources
+    deepep_v2.get_exec = lambda: types.SimpleNamespace(moe=types.SimpleNamespace(deepep_v2_mode="direct"))
+    deepep_v2.get_parallel = lambda: types.SimpleNamespace(attn_dp_size=world, attn_cp_size=1, tp_size=1,
+                                                           tp_group=None)
+    deepep_v2.get_deepep_v2_fp8_scale_format = lambda: DeepEPv2Fp8ScaleFormat(tma_aligned=False, ue8m0=False)
+    offset = rank * NUM_LOCAL
+    cases = [([13, 9], False, None), ([1, 6], False, None), ([13, 9], True, "1"), ([0, 9], True, "1"),
+             ([13, 9], True, "0"), ([5, 0], True, "0")]
+    for case, (tokens, extend, prefill_expand) in enumerate(cases):
+        state.extend = extend
+        os.environ["SGLANG_DEEPEP_V2_ENABLE_PREFILL_EXPAND"] = prefill_expand or "1"
+        dispatcher = deepep_v2.DeepEPv2Dispatcher(dist.group.WORLD, router_topk=TOPK, num_experts=EXPERTS,
+                                                  num_local_experts=NUM_LOCAL, hidden_size=HIDDEN,
+                                                  params_dtype=torch.bfloat16, use_fp8_dispatch=False)
+        x, idx, weights = _routing(300 * case + rank, tokens[rank])
+        out = dispatcher.dispatch(x.to(dev), StandardTopKOutput(weights.to(dev), idx.to(dev), None))
+        assert out.is_expanded == (not extend or prefill_expand == "1") and out.use_masked_gemm == (not extend)
+        if out.is_expanded:  # experts read their blocks from psum (DeepGEMM's contiguous/masked layout)
+            psum = out.psum_num_recv_tokens_per_expert.cpu().tolist()
+            scales = torch.zeros(out.hidden_states.shape[0])
+            start = 0
+            for e, end in enumerate(psum):
+                scales[start:end] = _scale(offset + e) * out.topk_weights[start:end].float().cpu()
+                start = -(-end // out.expert_alignment) * out.expert_alignment
+            y = (out.hidden_states.float() * scales.to(dev).unsqueeze(1)).to(torch.bfloat16)
+            combine_input = deepep_v2.DeepEPv2CombineInput(y, None)
+        else:  # experts weight and sum each received token's local experts (ep_gather), weights sent too
+            ids = torch.where(out.topk_ids >= 0, out.topk_ids + offset, -1)
+            combine_input = deepep_v2.DeepEPv2CombineInput(_reduced_experts(out.hidden_states, ids, out.topk_weights),
+                                                           out.topk_weights)
+        combined = dispatcher.combine(combine_input)
+        _close(combined, _weighted(x, idx, weights), f"SGLang output (tokens={tokens}, extend={extend}, "
+                                                     f"prefill_expand={prefill_expand})")
+
+
+@pytest.fixture(scope="module")
+def sglang_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _framework(tmp_path_factory, "sglang", ["sglang-0.5.23-*.whl"], ("sglang",), ("sglang/kernels/jit/",))
+
+
+def test_sglang_deepep_v2_cpu(sglang_root: str) -> None:
+    run_workers(WORLD, _sglang_worker, sglang_root)
+
+
+@requires_gpus(1)
+def test_sglang_deepep_v2_gpu(sglang_root: str) -> None:
+    run_workers(WORLD, _sglang_worker, sglang_root, backend="gpu")
