@@ -4,6 +4,8 @@ handle, combine with topk_weights and bias, and the arguments it refuses. 2 rank
 reference backend) and, marked gpu, 2 ranks sharing one GPU (native kernels)."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -206,3 +208,39 @@ def test_elastic_buffer_cpu() -> None:
 @requires_gpus(1)
 def test_elastic_buffer_gpu() -> None:
     run_workers(WORLD, _worker, backend="gpu")
+
+
+# DeepEP V2's parameter lists (deep_ep/buffers/elastic.py on main; docs/deep_ep_compat.md), in order
+DEEP_EP_V2_SIGNATURES = {
+    "__init__": ["self", "group", "num_bytes", "num_cpu_bytes", "num_max_tokens_per_rank", "hidden", "num_topk",
+                 "use_fp8_dispatch", "deterministic", "allow_hybrid_mode", "allow_multiple_reduction",
+                 "prefer_overlap_with_compute", "sl_idx", "num_allocated_qps", "num_cpu_timeout_secs",
+                 "num_gpu_timeout_secs", "explicitly_destroy"],
+    "dispatch": ["self", "x", "topk_idx", "topk_weights", "cumulative_local_expert_recv_stats", "num_experts",
+                 "num_max_tokens_per_rank", "expert_alignment", "num_sms", "num_qps", "previous_event",
+                 "previous_event_before_epilogue", "async_with_compute_stream", "allocate_on_comm_stream", "handle",
+                 "do_handle_copy", "do_cpu_sync", "do_expand", "do_zero_padding", "use_tma_aligned_col_major_sf"],
+    "combine": ["self", "x", "handle", "topk_weights", "bias", "num_sms", "num_qps", "previous_event",
+                "previous_event_before_epilogue", "async_with_compute_stream", "allocate_on_comm_stream"],
+    "get_buffer_size_hint": ["group", "num_max_tokens_per_rank", "hidden", "num_topk", "use_fp8_dispatch",
+                             "allow_hybrid_mode", "allow_multiple_reduction"],
+    "get_theoretical_num_sms": ["self", "num_experts", "num_topk", "num_scaleout_topk", "rdma_gbs", "nvlink_gbs",
+                                "sm_read_gbs", "sm_write_gbs"],
+    "barrier": ["self", "use_comm_stream", "with_cpu_sync", "sequential"],
+    "destroy": ["self"],
+}
+
+
+def test_signatures_match_deep_ep_v2() -> None:
+    for name, params in DEEP_EP_V2_SIGNATURES.items():
+        positional = [p.name for p in inspect.signature(getattr(deep_ep.ElasticBuffer, name)).parameters.values()
+                      if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        assert positional == params, name
+    event = deep_ep.ElasticBuffer.capture()
+    overlap = deep_ep.EventOverlap(event)
+    ran: list[int] = []
+    overlap.register_hook_after_wait(lambda: ran.append(1))
+    overlap.current_stream_wait(release_handle=True)
+    assert ran == [1]
+    with pytest.raises(RuntimeError, match="async_with_compute_stream"):
+        deep_ep.EventOverlap().current_stream_wait()
