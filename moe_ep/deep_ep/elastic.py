@@ -112,6 +112,15 @@ def _expert_psum(raw: torch.Tensor, alignment: int, do_expand: bool) -> torch.Te
     return psum - aligned + raw if do_expand else psum
 
 
+def _aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """t contiguous and 16-byte aligned, as moe_ep's kernels read it (DeepEP asks contiguity only):
+    a view at an odd offset is copied."""
+    if t is None:
+        return None
+    t = t.contiguous()
+    return t.clone() if t.data_ptr() % 16 else t
+
+
 def _col_major(sf: torch.Tensor) -> torch.Tensor:
     """DeepEP's TMA-aligned column-major scales: the same values, column stride align(rows, 4)."""
     rows, packs = sf.shape
@@ -244,7 +253,7 @@ class ElasticBuffer:
         if sf.dtype != torch.float32:
             raise _unsupported(f"FP8 scales of dtype {sf.dtype} (e.g. packed UE8M0)",
                                f"moe_ep moves float32 scales, one per {FP8_BLOCK} values")
-        return rows, sf.contiguous()
+        return rows, _aligned(sf)
 
     # ---- dispatch -------------------------------------------------------------------------
     def dispatch(self, x: XType, topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
@@ -259,6 +268,7 @@ class ElasticBuffer:
         """(recv_x, recv_topk_idx, recv_topk_weights, handle, event) in DeepEP V2's layouts (module
         docstring; docs/deep_ep_compat.md). recv_x is (e4m3, scales) for a tuple x."""
         rows, sf = self._split_x(x)
+        rows, topk_idx, topk_weights = _aligned(rows), _aligned(topk_idx), _aligned(topk_weights)
         self._wait(previous_event, previous_event_before_epilogue)
         if do_zero_padding and not do_expand:
             raise ValueError("do_zero_padding=True needs do_expand=True (it zeroes the expanded layout's alignment rows)")
@@ -330,8 +340,9 @@ class ElasticBuffer:
         got = call(worst_case=True)
         e_l = buf.num_local_experts
         pairs = _align(self.num_ranks * t * min(k, e_l) + (alignment - 1) * e_l, alignment)
-        layout, pair_weights = expert_major.build_layout(got.topk_idx, got.topk_weights, [],
-                                                         got.tokens_per_expert_tensor, alignment, num_pairs=pairs)
+        counts = (_per_expert(got.topk_idx, e_l) + alignment - 1) // alignment * alignment
+        layout, pair_weights = expert_major.build_layout(got.topk_idx, got.topk_weights, [], counts, alignment,
+                                                         num_pairs=pairs)
         expanded = dataclasses.replace(got, handle=dataclasses.replace(got.handle, expert_major=layout))
         return (expert_major.gather(got.x, layout), expert_major.gather(got.x_scales, layout), pair_weights,
                 (expanded, None, None))
@@ -378,8 +389,8 @@ class ElasticBuffer:
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must come from moe_ep.deep_ep ElasticBuffer.dispatch, got {type(handle).__name__}")
         self._wait(previous_event, previous_event_before_epilogue)
-        x = x.contiguous()
-        weights = None if topk_weights is None else topk_weights.float().contiguous()
+        x = _aligned(x)
+        weights = None if topk_weights is None else _aligned(topk_weights.float())
         if not handle.do_expand and weights is not None:  # a slot's value comes from its expert's rank only
             local = handle.local_idx if handle.rows is None else _gather_rows(
                 handle.local_idx, handle.rows, handle.num_recv_tokens, -1)
