@@ -158,8 +158,15 @@ def _refusals(buf: deep_ep.ElasticBuffer, inp: Inputs, me: int) -> None:
     x, idx = _on(inp.x[me]), _on(inp.topk_idx[me])
     with pytest.raises(NotImplementedError, match="num_cpu_bytes"):
         deep_ep.ElasticBuffer(buf.group, num_cpu_bytes=1 << 20, num_max_tokens_per_rank=T, hidden=HIDDEN)
-    with pytest.raises(ValueError, match="num_max_tokens_per_rank"):
-        buf.dispatch(x, topk_idx=idx, num_experts=EXPERTS, num_max_tokens_per_rank=x.shape[0] - 1)
+    # rank 0's 7 tokens exceed the bound: it takes part without tokens and raises, rank 1 gets its rows
+    if me == 0:
+        with pytest.raises(ValueError, match="num_max_tokens_per_rank"):
+            buf.dispatch(x, topk_idx=idx, num_experts=EXPERTS, num_max_tokens_per_rank=6)
+    else:
+        recv, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, num_experts=EXPERTS, num_max_tokens_per_rank=6)
+        want = expected_dispatch(Inputs([inp.x[0][:0], inp.x[1]], [inp.topk_idx[0][:0], inp.topk_idx[1]],
+                                        [inp.topk_weights[0][:0], inp.topk_weights[1]]), me, WORLD, EXPERTS)
+        assert_same_bits(recv.cpu(), want.x, "rows beside a rejected rank")
     with pytest.raises(ValueError, match="do_zero_padding"):
         buf.dispatch(x, topk_idx=idx, num_experts=EXPERTS, do_zero_padding=True)
     with pytest.raises(NotImplementedError, match="UE8M0"):

@@ -283,8 +283,11 @@ class ElasticBuffer:
         t = num_max_tokens_per_rank if num_max_tokens_per_rank is not None else self.num_max_tokens_per_rank
         if not isinstance(t, int) or t <= 0:
             raise ValueError(f"num_max_tokens_per_rank must be a positive int (here or in the constructor), got {t!r}")
-        if rows.shape[0] > t:
-            raise ValueError(f"x has {rows.shape[0]} tokens, above num_max_tokens_per_rank={t}")
+        too_many = None
+        if rows.shape[0] > t:  # this rank takes part without tokens, then raises: its peers are not left waiting
+            too_many = ValueError(f"x has {rows.shape[0]} tokens, above num_max_tokens_per_rank={t}")
+            rows, sf = rows[:0], None if sf is None else sf[:0]
+            topk_idx, topk_weights = topk_idx[:0], None if topk_weights is None else topk_weights[:0]
         alignment = 1 if expert_alignment is None else expert_alignment
         sms = num_sms or self.get_theoretical_num_sms(num_experts, topk_idx.shape[1])
         weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape, dtype=torch.float32,
@@ -313,6 +316,8 @@ class ElasticBuffer:
             psum_num_recv_tokens_per_expert=_expert_psum(raw, alignment, bool(do_expand)),
             num_unaligned_recv_tokens_per_expert=raw, buffer=buf, inner=got.handle, rows=inner_rows,
             local_idx=local_idx)
+        if too_many is not None:
+            raise too_many
         if recv_sf is not None and use_tma_aligned_col_major_sf:
             recv_sf = _col_major(recv_sf)
         recv = (recv_x, recv_sf) if sf is not None else recv_x
