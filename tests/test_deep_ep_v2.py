@@ -106,6 +106,25 @@ def _compact_case(buf: deep_ep.ElasticBuffer, inp: Inputs, me: int, sync: bool, 
     assert_same_bits(out_w.cpu(), torch.where(inp.topk_idx[me] >= 0, inp.topk_weights[me], 0.0), "combined weights")
 
 
+def _expand_fp8(buf: deep_ep.ElasticBuffer, inp: Inputs, me: int, sync: bool, alignment: int) -> None:
+    """FP8 expanded: e4m3 rows and their scales travel together into the same blocks (zero padding)."""
+    qs = [fp8.quantize(inp.x[s]) for s in range(WORLD)]
+    (recv, recv_sf), _, _, _, _ = buf.dispatch(
+        (_on(qs[me][0]), _on(qs[me][1])), topk_idx=_on(inp.topk_idx[me]), topk_weights=_on(inp.topk_weights[me]),
+        num_experts=EXPERTS, num_max_tokens_per_rank=T, expert_alignment=alignment, do_cpu_sync=sync, do_expand=True)
+    blocks, _ = _expanded(inp, me, alignment)
+    want_x = torch.zeros(recv.shape, dtype=torch.uint8)
+    want_sf = torch.zeros(recv_sf.shape)
+    start = 0
+    for block in blocks:
+        for j, (s, n, _) in enumerate(block):
+            want_x[start + j] = qs[s][0][n].view(torch.uint8)
+            want_sf[start + j] = qs[s][1][n]
+        start += _align(len(block), alignment)
+    assert_same_bits(recv.view(torch.uint8).cpu(), want_x, "expanded FP8 rows")
+    assert_same_bits(recv_sf.cpu(), want_sf, "expanded FP8 scales")
+
+
 def _expand_case(buf: deep_ep.ElasticBuffer, inp: Inputs, me: int, sync: bool, alignment: int) -> None:
     x, idx, w = _on(inp.x[me]), _on(inp.topk_idx[me]), _on(inp.topk_weights[me])
     recv, recv_idx, recv_w, handle, _ = buf.dispatch(
@@ -203,6 +222,7 @@ def _worker(rank: int, world: int) -> None:
             _compact_case(buf, inp, rank, sync, use_fp8=True)
             for alignment in (1, 8):
                 _expand_case(buf, inp, rank, sync, alignment)
+            _expand_fp8(buf, inp, rank, sync, 8)
     _refusals(buf, make_inputs(99, [7, 5], HIDDEN, EXPERTS, TOPK), rank)
     buf.destroy()
     assert buf.moe_ep_buffers == []
