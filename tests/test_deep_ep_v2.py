@@ -101,7 +101,8 @@ def _compact_case(buf: deep_ep.ElasticBuffer, inp: Inputs, me: int, sync: bool, 
     bias = _on(torch.randn(inp.x[me].shape, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16))
     out, out_w, event = buf.combine(y, handle, topk_weights=recv_w, bias=bias, async_with_compute_stream=True)
     event.current_stream_wait()
-    summed = expected_combine(inp, me, WORLD, EXPERTS, lambda r, s, i: (inp.x[s][i].float() * (r + 1)).to(torch.bfloat16))
+    summed = expected_combine(inp, me, WORLD, EXPERTS,
+                              lambda r, s, i: (inp.x[s][i].float() * (r + 1)).to(torch.bfloat16))
     assert_same_bits(out.cpu(), (summed.float() + bias.cpu().float()).to(torch.bfloat16), "combined x")
     assert_same_bits(out_w.cpu(), torch.where(inp.topk_idx[me] >= 0, inp.topk_weights[me], 0.0), "combined weights")
 

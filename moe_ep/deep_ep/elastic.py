@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -81,12 +81,26 @@ class EPHandle:
     num_unaligned_recv_tokens_per_expert: torch.Tensor  # [E_l] int32 rows per local expert
     buffer: moe_ep.Buffer = dataclasses.field(repr=False)
     inner: moe_ep.DispatchHandle = dataclasses.field(repr=False)
-    rows: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)  # compact without sync: moe_ep row of each output row
-    local_idx: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)  # compact: [M, K] local ids of moe_ep's rows
+    # compact without CPU sync: the moe_ep row of each output row
+    rows: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
+    # compact: [M, K] local expert ids of moe_ep's rows (a combine's weights come from their expert's rank)
+    local_idx: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
 
     @property
     def num_scaleup_ranks(self) -> int:
         return self.psum_num_recv_tokens_per_scaleup_rank.shape[0]
+
+
+@dataclass
+class _Received:
+    """One fresh dispatch in DeepEP's layout: what it returns, and the moe_ep result behind it."""
+
+    x: torch.Tensor
+    scales: Optional[torch.Tensor]
+    topk_idx: Optional[torch.Tensor]  # None when expanded
+    topk_weights: torch.Tensor
+    result: moe_ep.DispatchResult
+    rows: Optional[torch.Tensor] = None  # compact without CPU sync: the moe_ep row of each output row
 
 
 def _per_source(src_rank: torch.Tensor, world: int) -> torch.Tensor:
@@ -223,8 +237,8 @@ class ElasticBuffer:
             if needed > self.num_bytes:
                 raise ValueError(f"num_bytes={self.num_bytes} is too small for num_max_tokens_per_rank={max_tokens}, "
                                  f"hidden={x.shape[1]}, num_topk={num_topk}: get_buffer_size_hint gives {needed}")
-            self._buffers[key] = self._factory.create(x, num_experts, num_topk, max(max_tokens, self.num_max_tokens_per_rank),
-                                                      timeout_s=self._timeout_s)
+            t = max(max_tokens, self.num_max_tokens_per_rank)
+            self._buffers[key] = self._factory.create(x, num_experts, num_topk, t, timeout_s=self._timeout_s)
         buf = self._buffers[key]
         if max_tokens > buf.max_tokens_per_rank:
             raise ValueError(f"num_max_tokens_per_rank={max_tokens} exceeds the {buf.max_tokens_per_rank} this "
@@ -271,13 +285,14 @@ class ElasticBuffer:
         rows, topk_idx, topk_weights = _aligned(rows), _aligned(topk_idx), _aligned(topk_weights)
         self._wait(previous_event, previous_event_before_epilogue)
         if do_zero_padding and not do_expand:
-            raise ValueError("do_zero_padding=True needs do_expand=True (it zeroes the expanded layout's alignment rows)")
+            raise ValueError("do_zero_padding=True needs do_expand=True (it zeroes the expanded layout's padding rows)")
         if handle is not None:
-            got, out_rows = self._cached_dispatch(rows, sf, handle, topk_idx, topk_weights, num_experts,
-                                                  num_max_tokens_per_rank, expert_alignment, num_sms, do_expand)
-            recv_sf = None if got[1] is None else (_col_major(got[1]) if use_tma_aligned_col_major_sf else got[1])
-            recv = (got[0], recv_sf) if sf is not None else got[0]
-            return recv, None, None, handle, self._event(async_with_compute_stream)
+            recv_x, recv_sf = self._cached_dispatch(rows, sf, handle, topk_idx, topk_weights, num_experts,
+                                                    num_max_tokens_per_rank, expert_alignment, num_sms, do_expand)
+            if recv_sf is not None and use_tma_aligned_col_major_sf:
+                recv_sf = _col_major(recv_sf)
+            return (recv_x, recv_sf) if sf is not None else recv_x, None, None, handle, self._event(
+                async_with_compute_stream)
         if topk_idx is None or num_experts is None:
             raise ValueError("dispatch needs topk_idx and num_experts (or a handle for a cached dispatch)")
         t = num_max_tokens_per_rank if num_max_tokens_per_rank is not None else self.num_max_tokens_per_rank
@@ -296,67 +311,64 @@ class ElasticBuffer:
         sync = True if do_cpu_sync is None else bool(do_cpu_sync)
         call = functools.partial(buf.dispatch, rows, topk_idx, weights, x_scales=sf, expert_alignment=alignment,
                                  num_sms=sms)
-        if do_expand:
-            recv_x, recv_sf, recv_w, made = self._expand(call, buf, sync, alignment, t, topk_idx.shape[1])
-            recv_idx = None
-        else:
-            recv_x, recv_sf, recv_idx, recv_w, made = self._compact(call, buf, sync, t)
-        got, inner_rows, local_idx = made
-        raw = _per_expert(got.topk_idx, buf.num_local_experts)
+        got = self._expand(call, buf, sync, alignment, t) if do_expand else self._compact(call, sync, t)
+        inner = got.result
+        raw = _per_expert(inner.topk_idx, buf.num_local_experts)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats.add_(raw.to(cumulative_local_expert_recv_stats.dtype))
         new = EPHandle(
             do_expand=bool(do_expand), num_experts=num_experts, expert_alignment=alignment,
             num_max_tokens_per_rank=t, num_sms=sms, topk_idx=topk_idx.clone() if do_handle_copy else topk_idx,
-            num_recv_tokens=0 if do_expand else recv_x.shape[0],
-            num_expanded_tokens=recv_x.shape[0] if do_expand else 0,
-            num_recv_tokens_per_expert_list=list(got.tokens_per_expert) if sync else [],
-            psum_num_recv_tokens_per_scaleup_rank=torch.cumsum(_per_source(got.src_rank, self.num_ranks), 0,
+            num_recv_tokens=0 if do_expand else got.x.shape[0],
+            num_expanded_tokens=got.x.shape[0] if do_expand else 0,
+            num_recv_tokens_per_expert_list=list(inner.tokens_per_expert) if sync else [],
+            psum_num_recv_tokens_per_scaleup_rank=torch.cumsum(_per_source(inner.src_rank, self.num_ranks), 0,
                                                                dtype=torch.int32),
             psum_num_recv_tokens_per_expert=_expert_psum(raw, alignment, bool(do_expand)),
-            num_unaligned_recv_tokens_per_expert=raw, buffer=buf, inner=got.handle, rows=inner_rows,
-            local_idx=local_idx)
+            num_unaligned_recv_tokens_per_expert=raw, buffer=buf, inner=inner.handle, rows=got.rows,
+            local_idx=None if do_expand else inner.topk_idx)
         if too_many is not None:
             raise too_many
-        if recv_sf is not None and use_tma_aligned_col_major_sf:
-            recv_sf = _col_major(recv_sf)
-        recv = (recv_x, recv_sf) if sf is not None else recv_x
-        return recv, recv_idx, recv_w if topk_weights is not None else None, new, self._event(async_with_compute_stream)
+        recv_sf = _col_major(got.scales) if got.scales is not None and use_tma_aligned_col_major_sf else got.scales
+        recv = (got.x, recv_sf) if sf is not None else got.x
+        recv_w = got.topk_weights if topk_weights is not None else None
+        return recv, got.topk_idx, recv_w, new, self._event(async_with_compute_stream)
 
-    def _compact(self, call: Any, buf: moe_ep.Buffer, sync: bool, t: int) -> tuple:
+    def _compact(self, call: Callable[..., moe_ep.DispatchResult], sync: bool, t: int) -> _Received:
         """Non-expand: one row per received token. With sync, moe_ep's exact-size rows; without, its
         worst-case rows with the received ones moved to the front (DeepEP's R * t rows, the rest zero)."""
         got = call(worst_case=not sync)
         if sync:
-            return got.x, got.x_scales, got.topk_idx, got.topk_weights, (got, None, got.topk_idx)
+            return _Received(got.x, got.x_scales, got.topk_idx, got.topk_weights, got)
         m = self.num_ranks * t
         rows = torch.argsort((got.src_rank < 0).to(torch.int8), stable=True)  # received rows first, in order
-        return (_gather_rows(got.x, rows, m, 0), _gather_rows(got.x_scales, rows, m, 0.0),
-                _gather_rows(got.topk_idx, rows, m, -1), _gather_rows(got.topk_weights, rows, m, 0.0),
-                (got, rows, got.topk_idx))
+        return _Received(_gather_rows(got.x, rows, m, 0), _gather_rows(got.x_scales, rows, m, 0.0),
+                         _gather_rows(got.topk_idx, rows, m, -1), _gather_rows(got.topk_weights, rows, m, 0.0),
+                         got, rows)
 
-    def _expand(self, call: Any, buf: moe_ep.Buffer, sync: bool, alignment: int, t: int, k: int) -> tuple:
+    def _expand(self, call: Callable[..., moe_ep.DispatchResult], buf: moe_ep.Buffer, sync: bool, alignment: int,
+                t: int) -> _Received:
         """Expand: one row per (received token, local expert), grouped by expert, each block padded to
         `alignment` with zero rows. With sync, moe_ep's expert-major dispatch; without, its worst-case
         rows expanded into DeepEP's worst-case row count (what no block uses is zero)."""
         if sync:
             got = call(expert_major=True)
-            return got.x, got.x_scales, got.pair_weights, (got, None, None)
+            return _Received(got.x, got.x_scales, None, got.pair_weights, got)
         got = call(worst_case=True)
-        e_l = buf.num_local_experts
+        e_l, k = buf.num_local_experts, got.topk_idx.shape[1]
         pairs = _align(self.num_ranks * t * min(k, e_l) + (alignment - 1) * e_l, alignment)
         counts = (_per_expert(got.topk_idx, e_l) + alignment - 1) // alignment * alignment
         layout, pair_weights = expert_major.build_layout(got.topk_idx, got.topk_weights, [], counts, alignment,
                                                          num_pairs=pairs)
         expanded = dataclasses.replace(got, handle=dataclasses.replace(got.handle, expert_major=layout))
-        return (expert_major.gather(got.x, layout), expert_major.gather(got.x_scales, layout), pair_weights,
-                (expanded, None, None))
+        return _Received(expert_major.gather(got.x, layout), expert_major.gather(got.x_scales, layout), None,
+                         pair_weights, expanded)
 
     def _cached_dispatch(self, rows: torch.Tensor, sf: Optional[torch.Tensor], handle: EPHandle,
                          topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                          num_experts: Optional[int], num_max_tokens_per_rank: Optional[int],
                          expert_alignment: Optional[int], num_sms: int, do_expand: bool
-                         ) -> tuple[tuple[torch.Tensor, Optional[torch.Tensor]], None]:
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x (and scales) sent the way the handle's dispatch went, in its layout."""
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must come from moe_ep.deep_ep ElasticBuffer.dispatch, got {type(handle).__name__}")
@@ -374,11 +386,11 @@ class ElasticBuffer:
                                      num_sms=num_sms or handle.num_sms)
         if handle.do_expand:
             layout = handle.inner.expert_major
-            return (expert_major.gather(got.x, layout), expert_major.gather(got.x_scales, layout)), None
+            return expert_major.gather(got.x, layout), expert_major.gather(got.x_scales, layout)
         if handle.rows is not None:
             m = handle.num_recv_tokens
-            return (_gather_rows(got.x, handle.rows, m, 0), _gather_rows(got.x_scales, handle.rows, m, 0.0)), None
-        return (got.x, got.x_scales), None
+            return _gather_rows(got.x, handle.rows, m, 0), _gather_rows(got.x_scales, handle.rows, m, 0.0)
+        return got.x, got.x_scales
 
     # ---- combine --------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None,

@@ -20,7 +20,8 @@ class BufferFactory:
         self.group, self.backend = group, backend
         gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         topo = _resolve_topology(group, ranks_per_node, gpu)
-        self.ranks_per_node, self.num_nodes, self.ranks_per_gpu = topo.ranks_per_node, topo.num_nodes, topo.ranks_per_gpu
+        self.ranks_per_node, self.num_nodes = topo.ranks_per_node, topo.num_nodes
+        self.ranks_per_gpu = topo.ranks_per_gpu
         self._device_group: Optional[dist.ProcessGroup] = None
 
     def group_for(self, device: torch.device) -> tuple[dist.ProcessGroup, Optional[torch.device]]:
