@@ -4,11 +4,12 @@ On GPUs (NCCL group): N1 (normal mode, native backend at several SM budgets, the
 on NCCL, and raw NCCL all_to_all_single moving the same bytes), L1 (low-latency) and optionally a
 hidden x tokens sweep. Normal and eager low-latency calls are also timed "cold" (right after a
 device sync and a host barrier, so the host's own time counts). The "layer" case times moe_ep.MoE
-forward, backward and both (ms and TFLOP/s of the routing it ran) at overlap_chunks 1, 2 and 4, on
-the row path (expert_major=False) at 1, and the FP8 experts' forward, on the native and the reference
-backend, beside (GPU only) the layer's grouped GEMMs alone (equal groups, and the router's) and a
-dense bf16 matmul ceiling, and a decode step of two micro-batches (MoE.start/compute/finish) interleaved and
-in sequence; it runs with one rank too. With --ranks-per-node K the native
+forward, backward and both (ms and TFLOP/s of the routing it ran) without and with overlap=True,
+alternating in every iteration, the layer's communication alone (the share of it overlap hides, where
+each rank has its own GPU), the row path (expert_major=False) and the FP8 experts' forward, on the
+native and the reference backend, beside (GPU only) the layer's grouped GEMMs alone (equal groups, and
+the router's) and a dense bf16 matmul ceiling, and a decode step of two micro-batches
+(MoE.start/compute/finish) interleaved and in sequence, alternating; it runs with one rank too. With --ranks-per-node K the native
 N1 and L1 rows are measured a second time with the group cut into nodes of K ranks (K=1 on one
 machine: every byte between GPUs takes the cross-node kernels' network leg), next to the NVLink
 rows in the same table. Without GPUs (gloo): the reference backend on a small case (and the layer
@@ -36,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 from .comm import fp8
-from .moe import fp8_experts
+from .moe import autograd, fp8_experts
 from .comm.buffer import Buffer, auto_backend
-from .launch import init_distributed
+from .launch import init_distributed, shutdown
 from .moe.layer import MoE
 
 if TYPE_CHECKING:
@@ -75,7 +76,8 @@ class Row:
     topk: int = 0
     ranks_per_gpu: int = 1  # ranks sharing the GPU (Buffer.ranks_per_gpu): 0 on CPU, above 1 a shared GPU
     flop: Optional[float] = None  # floating-point operations of the call (layer case), for TFLOP/s
-    config: Optional[dict] = None  # dataclasses.asdict of the Buffer's moe_ep.Config (None: no Buffer)
+    spread_us: Optional[tuple[float, float]] = None  # 10th and 90th percentile of the timed calls, max over ranks
+    config: Optional[dict] = None  # dataclasses.asdict of the Buffer's moe_ep.Config (None: not the native backend)
 
     @property
     def tflops(self) -> Optional[float]:
@@ -117,10 +119,8 @@ class LayerShape:
     experts: int = 256
     topk: int = 8
     ffn: int = 2048  # each expert's SwiGLU hidden size
+    shared_ffn: int = 0  # the shared expert's SwiGLU hidden size (0: none)
     decode_tokens: int = 128  # per rank in each of the decode step's two micro-batches
-
-
-OVERLAP_CHUNKS = (1, 2, 4)  # the layer case's MoE(..., overlap_chunks=C), side by side
 
 
 def tflops(flop: float, us: float) -> float:
@@ -149,6 +149,7 @@ class Timer:
 
     def __init__(self, device: torch.device, warmup: int, iters: int) -> None:
         self.device, self.warmup, self.iters = device, warmup, iters
+        self.last_spread: list[tuple[float, float]] = []  # parts_us's percentiles, per column
         self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
 
     def _align(self) -> None:
@@ -197,11 +198,17 @@ class Timer:
         return samples
 
     def parts_us(self, calls: list[Callable[[], object]], cold: bool = False,
-                 setup: Optional[Callable[[], None]] = None) -> list[float]:
-        """Median time of each of `calls` (made in turn every iteration, after `setup`), then of their
-        per-iteration sum; each the maximum over ranks."""
+                 setup: Optional[Callable[[], None]] = None,
+                 sums: Optional[list[tuple[int, ...]]] = None) -> list[float]:
+        """Median time of each of `calls` (made in turn every iteration, after `setup`), then of the
+        per-iteration sum of each group of calls in `sums` (default: one group, all of them); each the
+        maximum over ranks. Their 10th and 90th percentiles (also the maximum over ranks) go to
+        `last_spread`, in the same order."""
         samples = self._run(calls, cold, setup)
-        return [_max_over_ranks(statistics.median(col)) for col in [*zip(*samples), [sum(t) for t in samples]]]
+        groups = sums if sums is not None else [tuple(range(len(calls)))]
+        cols = [*zip(*samples), *([sum(t[i] for i in g) for t in samples] for g in groups)]
+        self.last_spread = [(_max_over_ranks(lo), _max_over_ranks(hi)) for lo, hi in map(_deciles, cols)]
+        return [_max_over_ranks(statistics.median(col)) for col in cols]
 
     def call_us(self, fn: Callable[[], object]) -> float:
         return self.parts_us([fn])[0]
@@ -238,23 +245,28 @@ class Timer:
                 self.last_kernels[_short_name(ev.key)] = ev.self_device_time_total / calls
         return _max_over_ranks(sum(self.last_kernels.values()))
 
-    def graph_us(self, fn: Callable[[], object]) -> Optional[float]:
-        """Median time of replaying fn captured in a CUDA graph (no host time inside)."""
-        if self.flush_buf is None:
-            return None
+    def graph(self, fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        """fn captured in a CUDA graph, after one eager call (GPU only)."""
         fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        return self.call_us(graph.replay)
+        return graph
+
+    def graph_us(self, fn: Callable[[], object]) -> Optional[float]:
+        """Median time of replaying fn captured in a CUDA graph (no host time inside)."""
+        if self.flush_buf is None:
+            return None
+        return self.call_us(self.graph(fn).replay)
 
 
 def _row(buf: Buffer, case: str, op: str, sms: Optional[int], tokens: int, call_us: float, **values: object) -> Row:
     """A Row with the Buffer's sizes, backend, placement and Config; `values` sets the other fields."""
     cfg = buf.cfg
     values.setdefault("backend", buf.backend_name)
-    values.setdefault("config", dataclasses.asdict(buf.config))
+    # the kernel knobs exist only for the native kernels: none for the reference backend or raw NCCL
+    values.setdefault("config", dataclasses.asdict(buf.config) if values["backend"] == "nvshmem" else None)
     values.setdefault("kernel_us", None)
     values.setdefault("recv_bytes", 0)
     values.setdefault("remote_bytes", 0)
@@ -266,6 +278,14 @@ def _row(buf: Buffer, case: str, op: str, sms: Optional[int], tokens: int, call_
 def _short_name(kernel: str) -> str:
     """A readable kernel name: mangled names keep their tail (the function), others their head."""
     return kernel[-48:] if kernel.startswith("__nv_static") or kernel.startswith("_Z") else kernel[:48]
+
+
+def _deciles(values: list[float]) -> tuple[float, float]:
+    """The 10th and 90th percentile of values (inclusive: within their range; one value is both)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    cuts = statistics.quantiles(values, n=10, method="inclusive")
+    return cuts[0], cuts[-1]
 
 
 def _max_over_ranks(value: float) -> float:
@@ -310,10 +330,37 @@ def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: li
                         ref[0] if ref else None))
         ops.append(("combine_bf16", lambda: buf.combine(y, probe.handle, num_sms=sms), row_bf16, ref[2] if ref else None))
         for op, fn, row_bytes, ref_us in ops:
-            rows.append(_row(buf, case, op, sms, tokens, timer.call_us(fn), kernel_us=timer.kernel_us(fn),
+            call_us = timer.call_us(fn)
+            spread = timer.last_spread[0]
+            rows.append(_row(buf, case, op, sms, tokens, call_us, kernel_us=timer.kernel_us(fn),
                              recv_bytes=recv * row_bytes, remote_bytes=remote * row_bytes, deepep_us=ref_us,
-                             cold_us=timer.cold_us(fn), extra={"kernels": timer.last_kernels}))
+                             cold_us=timer.cold_us(fn), spread_us=spread, extra={"kernels": timer.last_kernels}))
     return rows
+
+
+def bench_async_pattern(buf: Buffer, timer: Timer, case: str, tokens: int) -> list[Row]:
+    """Megatron's pattern, a dispatch, a shared-expert GEMM [tokens, H] x [H, 2H] and a combine, timed
+    as one step: serial (every call on the caller's stream) and overlapped (async calls on the
+    Buffer's communication stream, the GEMM on the caller's meanwhile). Valid only with one GPU per rank."""
+    cfg = buf.cfg
+    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, buf.device, seed=buf.rank)
+    shared_w = torch.randn(cfg.hidden, 2 * cfg.hidden, device=buf.device).to(torch.bfloat16) / 64
+
+    def serial() -> object:
+        d = buf.dispatch(x, idx, w)
+        shared = x @ shared_w
+        return buf.combine(d.x, d.handle), shared
+
+    def overlapped() -> object:
+        d = buf.dispatch(x, idx, w, async_op=True)
+        shared = x @ shared_w
+        d.event.wait()
+        out, event = buf.combine(d.x, d.handle, async_op=True)
+        event.wait()
+        return out, shared
+
+    return [_row(buf, case, op, None, tokens, timer.call_us(fn)) for op, fn in
+            (("dispatch+shared+combine serial", serial), ("dispatch+shared+combine async", overlapped))]
 
 
 def bench_nccl_a2a(buf: Buffer, timer: Timer, case: str, tokens: int) -> Row:
@@ -385,17 +432,49 @@ def layer_inputs(shape: LayerShape, device: torch.device, seed: int) -> tuple[to
     return x, grad
 
 
-def time_layer(timer: Timer, moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> list[float]:
-    """us of moe's normal-mode forward, its backward and both, with every gradient set to None
-    before each step (as after optimizer.zero_grad(): no accumulation into .grad is timed)."""
+def time_layer(timer: Timer, moe: MoE, x: torch.Tensor, grad: torch.Tensor,
+               modes: tuple[bool, ...] = (False, True)) -> dict[bool, list[float]]:
+    """{overlap: [forward, backward, both] us} of moe's normal-mode forward and backward without and with
+    overlap, alternating in every iteration (so both see the same machine), with every gradient set to
+    None before each iteration (as after optimizer.zero_grad(): no accumulation into .grad is timed).
+    `overlap` is set alike on every rank before each forward."""
     outputs: list[torch.Tensor] = []
 
     def zero() -> None:
         moe.zero_grad(set_to_none=True)
         x.grad = None
 
-    return timer.parts_us([lambda: outputs.append(moe(x, mode="normal")), lambda: outputs.pop().backward(grad)],
-                          setup=zero)
+    def forward(on: bool) -> None:
+        moe.overlap = on
+        outputs.append(moe(x, mode="normal"))
+
+    calls = [c for on in modes for c in (lambda on=on: forward(on), lambda: outputs.pop().backward(grad))]
+    return by_mode(timer.parts_us(calls, setup=zero, sums=[(2 * i, 2 * i + 1) for i in range(len(modes))]), modes)
+
+
+def by_mode(columns: list, modes: tuple[bool, ...]) -> dict[bool, list]:
+    """time_layer's parts_us columns (its times, or the timer's last_spread) as {overlap: [forward,
+    backward, both]}."""
+    return {on: [columns[2 * i], columns[2 * i + 1], columns[2 * len(modes) + i]] for i, on in enumerate(modes)}
+
+
+def time_communication(timer: Timer, moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> list[float]:
+    """[forward, backward, both] us of the layer's communication alone: its dispatch and combine on its own
+    routing with no experts between (the pairs go straight back) and their backward (a cached dispatch
+    and a combine; the router weights' gradient, K floats per token beside H bf16, left out)."""
+    routing = moe.router(x.detach())
+    idx, w = routing.topk_idx, routing.topk_weights.detach()
+    xb = x.detach().to(torch.bfloat16).requires_grad_()
+    outputs: list[torch.Tensor] = []
+
+    def forward() -> None:
+        d = moe.dispatch(xb, idx, w)
+        outputs.append(autograd.combine(d.x, d.ref))
+
+    def zero() -> None:
+        xb.grad = None
+
+    return timer.parts_us([forward, lambda: outputs.pop().backward(grad)], setup=zero)
 
 
 def gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int, device: torch.device,
@@ -475,9 +554,9 @@ def bench_fp8_layer(timer: Timer, buf: Buffer, shape: LayerShape, x: torch.Tenso
         us = timer.call_us(lambda: models[1](x, mode="normal"))
     del models
     gc.collect()
-    return [_row(buf, "layer", "forward FP8 C=1", sms, shape.tokens, us,
+    return [_row(buf, "layer", "forward FP8", sms, shape.tokens, us, spread_us=timer.last_spread[0],
                  flop=layer_flop(pairs, shape.hidden, shape.ffn),
-                 extra={"overlap_chunks": 1, "pairs": pairs, "fp8_relative_error": _max_over_ranks(error)})]
+                 extra={"pairs": pairs, "fp8_relative_error": _max_over_ranks(error)})]
 
 
 def dense_ceiling(timer: Timer, device: torch.device, n: int = 8192) -> tuple[float, float]:
@@ -487,47 +566,60 @@ def dense_ceiling(timer: Timer, device: torch.device, n: int = 8192) -> tuple[fl
 
 
 def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.device, gemms: bool) -> list[Row]:
-    """moe_ep.MoE forward, backward and both (normal mode, bf16 experts) on one backend at each of
-    OVERLAP_CHUNKS (the layer's default, expert-major dispatch), and on the row path (expert_major=False)
-    at C = 1 (rows "... row path C=1"), with FLOPs from the pairs this rank's experts computed; with
-    `gemms`, the layer's grouped GEMMs alone on as many pairs in equal groups and in the router's
-    groups ("... router's groups C=1"), and the dense bf16 ceiling (rows of backend "torch"). What
-    it allocates is garbage once it returns (the caller collects it before the next case)."""
+    """moe_ep.MoE forward, backward and both (normal mode, bf16 experts, the default expert-major dispatch)
+    on one backend without and with overlap (rows "forward", "forward overlap", ...; time_layer), its
+    communication alone ("comm alone ..."), and on the row path ("... row path": expert_major=False), with
+    FLOPs from the pairs this rank's experts computed (plus the shared expert's). Where each rank has its
+    own GPU the overlap rows carry "comm_hidden": (no overlap - overlap) / communication alone. With
+    `gemms`, the layer's grouped GEMMs alone on as many pairs in equal groups and in the router's groups,
+    and the dense bf16 ceiling (rows of backend "torch"). What it allocates is garbage once it returns
+    (the caller collects it before the next case)."""
     rows: list[Row] = []
     with Buffer(hidden=shape.hidden, num_experts=shape.experts, num_topk=shape.topk,
                 max_tokens_per_rank=shape.tokens, backend=backend, device=device) as buf:
         sms = buf.config.num_sms if buf.backend_name == "nvshmem" else None
         x, grad = layer_inputs(shape, buf.device, seed=buf.rank)
-        for chunks, expert_major in [(c, True) for c in OVERLAP_CHUNKS] + [(1, False)]:
-            torch.manual_seed(0)  # the same weights for every C, the router's the same on every rank
-            moe = MoE(buf, shape.ffn, dtype=torch.bfloat16, overlap_chunks=chunks, expert_major=expert_major)
-            times = time_layer(timer, moe, x, grad)
+        link = buf.device.type == "cuda" and buf.ranks_per_gpu == 1  # a GPU per rank: the hidden share means something
+        for expert_major in (True, False):
+            torch.manual_seed(0)  # the same weights for both paths, the router's the same on every rank
+            moe = MoE(buf, shape.ffn, dtype=torch.bfloat16, expert_major=expert_major,
+                      shared_ffn_hidden=shape.shared_ffn)
+            modes = (False, True) if expert_major else (False,)
+            times = time_layer(timer, moe, x, grad, modes=modes)
+            spreads = by_mode(timer.last_spread, modes)
+            if expert_major:
+                comm = time_communication(timer, moe, x, grad)
+                comm_spreads = timer.last_spread
             counts = expert_counts(buf, moe.last_routing.topk_idx)
             pairs = int(counts.sum())
-            rows += [_row(buf, "layer", f"{op}{'' if expert_major else ' row path'} C={chunks}", sms, shape.tokens,
-                          us, flop=k * layer_flop(pairs, shape.hidden, shape.ffn),
-                          extra={"overlap_chunks": chunks, "pairs": pairs, "expert_major": expert_major})
-                     for (op, k), us in zip(LAYER_PASSES, times)]
+            flop = layer_flop(pairs, shape.hidden, shape.ffn) + layer_flop(shape.tokens, shape.hidden, shape.shared_ffn)
+            for on, passes in times.items():
+                for i, ((op, k), us, spread) in enumerate(zip(LAYER_PASSES, passes, spreads[on])):
+                    extra = {"overlap": on, "pairs": pairs, "expert_major": expert_major}
+                    if on and link:
+                        extra["comm_hidden"] = (times[False][i] - us) / comm[i]
+                    name = op + (" overlap" if on else "") + ("" if expert_major else " row path")
+                    rows.append(_row(buf, "layer", name, sms, shape.tokens, us, flop=k * flop, spread_us=spread,
+                                     extra=extra))
+            if expert_major:
+                rows += [_row(buf, "layer", f"comm alone {op}", sms, shape.tokens, us, spread_us=spread,
+                              extra={"pairs": pairs})
+                         for (op, _), us, spread in zip(LAYER_PASSES, comm, comm_spreads)]
             del moe
             gc.collect()
         if shape.hidden % fp8.BLOCK == 0 and shape.ffn % fp8.BLOCK == 0:
             rows += bench_fp8_layer(timer, buf, shape, x.detach(), sms)
-        if gemms:  # per C: C times the GEMMs of one chunk (pairs / C), what chunking costs the experts alone
-            for chunks in OVERLAP_CHUNKS:
-                cases = gemm_cases(pairs // chunks, buf.num_local_experts, shape.hidden, shape.ffn, buf.device)
+        if gemms:
+            for label, groups in (("equal groups", None), ("router's groups", counts)):
+                cases = gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn, buf.device, counts=groups)
                 timed = time_gemms(timer, {name: case for name, case in cases.items() if not name.startswith("cmp")})
-                rows += [_row(buf, "layer", f"{name} C={chunks}", None, shape.tokens, chunks * us, backend="torch",
-                              flop=chunks * flop, config=None, extra={"overlap_chunks": chunks})
+                rows += [_row(buf, "layer", f"{name} {label}", None, shape.tokens, us, backend="torch",
+                              flop=flop, config=None, extra={} if groups is None else {"groups": counts.tolist()})
                          for name, (us, flop) in timed.items() if name.startswith("GEMMs")]
-            cases = gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn, buf.device, counts=counts)
-            timed = time_gemms(timer, {name: case for name, case in cases.items() if not name.startswith("cmp")})
-            rows += [_row(buf, "layer", f"{name} router's groups C=1", None, shape.tokens, us, backend="torch",
-                          flop=flop, config=None, extra={"overlap_chunks": 1, "groups": counts.tolist()})
-                     for name, (us, flop) in timed.items() if name.startswith("GEMMs")]
             timed = {name: (timer.call_us(fn), flop)
                      for name, (fn, flop) in fp8_gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn,
                                                             buf.device).items()}
-            rows.append(_row(buf, "layer", "FP8 GEMMs forward C=1", None, shape.tokens, sum(v[0] for v in timed.values()),
+            rows.append(_row(buf, "layer", "FP8 GEMMs forward", None, shape.tokens, sum(v[0] for v in timed.values()),
                              backend="triton", flop=sum(v[1] for v in timed.values()), config=None,
                              extra={"tiles": asdict(fp8_experts.TILES),
                                     "parts_us": {name: v[0] for name, v in timed.items()}}))
@@ -541,13 +633,15 @@ def bench_decode(timer: Timer, shape: LayerShape, backend: str, device: torch.de
     """A decode step of two micro-batches of shape.decode_tokens tokens through MoE.start / compute /
     finish (low-latency Buffer): in sequence, interleaved (A's compute, then B's start before A's
     finish, as docs/integrations.md section 5), and their communication alone (each micro-batch's
-    whole low-latency dispatch + combine). The interleaved row's extra "comm_hidden" is
-    (sequential - interleaved) / communication alone: the share of communication the order hides."""
+    whole low-latency dispatch + combine), the three alternating in every iteration so that they see the
+    same machine; where the backend can be captured, the two orders again as CUDA-graph replays (no host
+    time). The interleaved rows' extra "comm_hidden" is (sequential - interleaved) / communication
+    alone: the share of communication the order hides."""
     t = shape.decode_tokens
     with Buffer(hidden=shape.hidden, num_experts=shape.experts, num_topk=shape.topk, max_tokens_per_rank=t,
                 backend=backend, low_latency=True, device=device) as buf, torch.no_grad():
         torch.manual_seed(0)
-        moe = MoE(buf, shape.ffn, dtype=torch.bfloat16)
+        moe = MoE(buf, shape.ffn, dtype=torch.bfloat16, shared_ffn_hidden=shape.shared_ffn)
         g = torch.Generator(device=buf.device).manual_seed(buf.rank)
         xa, xb = (torch.randn(t, shape.hidden, generator=g, device=buf.device).to(torch.bfloat16) for _ in range(2))
         routes = [moe.router(x) for x in (xa, xb)]
@@ -568,11 +662,20 @@ def bench_decode(timer: Timer, shape: LayerShape, backend: str, device: torch.de
                 d = buf.low_latency_dispatch(x, r.topk_idx)
                 buf.low_latency_combine(y, r.topk_idx, r.topk_weights, d.handle)
 
-        seq_us, inter_us, comm_us = (timer.call_us(fn) for fn in (sequential, interleaved, communication))
-        return [_row(buf, "decode", "2 in sequence", None, t, seq_us),
-                _row(buf, "decode", "2 interleaved", None, t, inter_us,
+        seq_us, inter_us, comm_us, _ = timer.parts_us([sequential, interleaved, communication])
+        seq_sp, inter_sp, comm_sp = timer.last_spread[:3]
+        rows = [_row(buf, "decode", "2 in sequence", None, t, seq_us, spread_us=seq_sp),
+                _row(buf, "decode", "2 interleaved", None, t, inter_us, spread_us=inter_sp,
                      extra={"comm_hidden": (seq_us - inter_us) / comm_us}),
-                _row(buf, "decode", "comm only (2 x d + c)", None, t, comm_us)]
+                _row(buf, "decode", "comm only (2 x d + c)", None, t, comm_us, spread_us=comm_sp)]
+        if _graph_capturable(buf):
+            graphs = [timer.graph(fn) for fn in (sequential, interleaved)]
+            seq_us, inter_us, _ = timer.parts_us([graph.replay for graph in graphs])
+            seq_sp, inter_sp = timer.last_spread[:2]
+            rows += [_row(buf, "decode", "2 in sequence, graph", None, t, seq_us, spread_us=seq_sp),
+                     _row(buf, "decode", "2 interleaved, graph", None, t, inter_us, spread_us=inter_sp,
+                          extra={"comm_hidden": (seq_us - inter_us) / comm_us})]
+        return rows
 
 
 @dataclass(frozen=True)
@@ -607,7 +710,8 @@ COLUMNS = [
     Column("ms", 8, lambda r: _num(r.call_us / 1e3, ".3f") if r.flop is not None else None, _LAYER),
     Column("TFLOP/s", 7, lambda r: _num(r.tflops, ".4g"), _LAYER),
     Column("%hidden", 7, lambda r: None if "comm_hidden" not in r.extra else f"{100 * r.extra['comm_hidden']:.1f}%",
-           "only the decode case's interleaved row hides communication"),
+           "only the decode case's interleaved rows and, with a GPU per rank, the layer's overlap rows hide "
+           "communication"),
     Column("cold us", 9, lambda r: _num(r.cold_us), _GPU_ONLY),
     Column("overhead", 8, lambda r: _num(r.overhead_us), _GPU_ONLY),
     Column("kernel us", 9, lambda r: _num(r.kernel_us), "device time from the CUDA profiler, GPU only"),
@@ -688,11 +792,23 @@ def _bar_label(r: Row, rows: list[Row]) -> str:
     return label + ")"
 
 
+def bar_axis_label(rows: list[Row]) -> str:
+    """What a bar panel's times are: medians (max over ranks), the whiskers' percentiles, and how they
+    were taken (the host's clock on CPU; CUDA events on a GPU)."""
+    label = "us per call: median, max over ranks"
+    if any(r.spread_us is not None for r in rows):
+        label += "; whiskers 10th-90th percentile of the calls"
+    if all(r.ranks_per_gpu == 0 for r in rows):
+        label += "\nhost-timed (CPU): perf_counter around each call, after a barrier"
+    return label
+
+
 def plot(rows: list[Row], path: Path) -> "Figure":
     """Writes the PNG and returns its matplotlib Figure: one panel per thing that ran. N1 on the native
     backend as times per SM budget against DeepEP and the link limit (the remote bytes at
     NVLINK_LIMIT_GBPS for that SM budget; neither on a shared GPU), for the first topology measured;
-    the sweep's bandwidth per token count; every other case as bars of its call times."""
+    the sweep's bandwidth per token count; every other case as bars of its call times, with whiskers
+    from the 10th to the 90th percentile of the calls where they were recorded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -732,26 +848,30 @@ def plot(rows: list[Row], path: Path) -> "Figure":
             ax.legend(fontsize=7)
         else:
             group = others[panel]
-            ax.barh(range(len(group)), [r.call_us for r in group], color="C0")
+            lo_hi = [r.spread_us or (r.call_us, r.call_us) for r in group]  # no whisker where none was recorded
+            whiskers = ([[max(r.call_us - lo, 0.0) for r, (lo, _) in zip(group, lo_hi)],
+                         [max(hi - r.call_us, 0.0) for r, (_, hi) in zip(group, lo_hi)]]
+                        if any(r.spread_us for r in group) else None)
+            ax.barh(range(len(group)), [r.call_us for r in group], color="C0", xerr=whiskers, capsize=3)
             ax.set_yticks(range(len(group)), [_bar_label(r, group) for r in group], fontsize=7)
             ax.invert_yaxis()
-            ax.set(xlabel="us per call (median, max over ranks)", title=_ep_title(panel, group))
+            ax.set(xlabel=bar_axis_label(group), title=_ep_title(panel, group))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return fig
 
 
 def shared_config(rows: list[Row]) -> Optional[dict]:
-    """The Config every Buffer-made row ran with, or None when they differ (or no row had a Buffer)."""
+    """The Config every native row ran with, or None when they differ (or no row ran the native kernels)."""
     configs = [r.config for r in rows if r.config is not None]
     return configs[0] if configs and all(c == configs[0] for c in configs) else None
 
 
 def config_line(rows: list[Row]) -> str:
-    """One line naming the moe_ep.Config the Buffers ran with (per-call SM budgets are in the SMs column)."""
+    """One line naming the moe_ep.Config the native Buffers ran with (per-call SM budgets are in the SMs column)."""
     configs = list({json.dumps(r.config, sort_keys=True): r.config for r in rows if r.config is not None}.values())
     if not configs:
-        return "config: no Buffer ran"
+        return "config: none (moe_ep.Config holds the native kernels' knobs; no row ran them)"
     text = " | ".join(" ".join(f"{k}={v}" for k, v in c.items()) for c in configs)
     return f"config ({'every Buffer' if len(configs) == 1 else f'{len(configs)} different, per row in the JSON'}): {text}"
 
@@ -766,14 +886,19 @@ def layer_notes(use_gpu: bool, shared_gpu: bool, rows: list[Row]) -> list[str]:
     notes += ["%hidden = (2 in sequence - 2 interleaved) / comm only: the share of the decode step's communication "
              "that interleaving two micro-batches hides"
              + ("; meaningless for links here (CPU or shared GPU: no link carries the rows)"
-                if not use_gpu or shared_gpu else "")]
+                if not use_gpu or shared_gpu else ""),
+              "layer rows \"... overlap\" ran MoE(overlap=True), alternating with the rows without it in every "
+              "iteration; "
+              + ("%hidden = (no overlap - overlap) / comm alone, the share of the layer's communication overlap hides"
+                 if use_gpu and not shared_gpu else
+                 "no %hidden for them: it is measured only with a GPU per rank (CPU or shared GPU here)")]
     if not use_gpu:
         notes.insert(0, "no grouped-GEMM or dense-ceiling rows: torch._grouped_mm needs an sm90 GPU, and a CPU "
                         "matmul rate says nothing about a GPU's roofline")
     return notes
 
 
-CASES = ("n1", "n1-native", "l1", "sweep", "cpu", "layer")
+CASES = ("n1", "n1-native", "l1", "sweep", "stream", "cpu", "layer")
 
 
 def default_out_dir(stamp: str) -> Path:
@@ -785,23 +910,31 @@ def default_out_dir(stamp: str) -> Path:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node R -m moe_ep.bench",
+                                description=__doc__.split("\n", 1)[1].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="auto",
-                   help="comma list of n1,n1-native (N1 without the NCCL baselines),l1,sweep,cpu,layer "
-                        "(moe_ep.MoE forward/backward, sizes from --layer-*) (auto: n1,l1 on GPU, cpu otherwise)")
-    p.add_argument("--sms", default="8,16,24,32", help="SM budgets for the native backend")
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--iters", type=int, default=50)
+                   help=f"comma list of {', '.join(CASES)}: n1 normal mode (n1-native: without the NCCL baselines), "
+                        "l1 low latency, sweep hidden x tokens, stream 16384 tokens per rank in one round and in "
+                        "rounds of 4096 and the async Megatron pattern, cpu the reference backend's small case, "
+                        "layer moe_ep.MoE forward/backward at the --layer-* sizes (default %(default)s: n1,l1 on "
+                        "GPU, cpu otherwise)")
+    p.add_argument("--sms", default="8,16,24,32",
+                   help="comma list of SM budgets for the native backend's normal-mode calls (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed calls before each measurement (default %(default)s)")
+    p.add_argument("--iters", type=int, default=50,
+                   help="timed calls per measurement; the median is reported (default %(default)s)")
     p.add_argument("--out", default=None,
                    help="folder for the JSON and PNG (default: ~/.local/share/moe_ep/bench/<date-time>/)")
     p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="also measure native N1/L1 with nodes of this many ranks (1: network leg between GPUs)")
+                   help="also measure native N1/L1 with nodes of this many ranks, 1: the network leg between GPUs "
+                        "(default: only the detected nodes)")
     p.add_argument("--ranks-per-gpu", type=int, default=None,
                    help="ranks sharing each GPU over gloo (docs/one_gpu.md): valid results, timings that say "
                         "nothing about links (default: 1 when there are enough GPUs, else the ranks spread evenly)")
     for f in fields(LayerShape):
         p.add_argument(f"--layer-{f.name.replace('_', '-')}", type=int, default=f.default,
-                       help=f"layer case: {f.name} (default %(default)s)")
+                       help=f"layer case: {f.name.replace('_', ' ')} (default %(default)s)")
     args = p.parse_args()
     cases = None if args.cases == "auto" else args.cases.split(",")
     if cases is not None and not set(cases) <= set(CASES):
@@ -849,6 +982,14 @@ def main() -> None:
                 with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=tokens, low_latency=True,
                             ranks_per_node=rpn, device=device) as buf:
                     rows += bench_low_latency(buf, timer, tokens)
+    if "stream" in cases:  # 16384 tokens per rank in one round, and in rounds of the default budget's 4096
+        for round_tokens in (16384, 4096):
+            with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=round_tokens,
+                        device=device) as buf:
+                rows += bench_normal(buf, timer, f"stream T={round_tokens}", 16384, [None], with_fp8=True,
+                                     deepep=False)
+                if round_tokens == 4096:
+                    rows += bench_async_pattern(buf, timer, "async", 4096)
     if "sweep" in cases:
         for hidden in (2048, 4096, 7168):
             with Buffer(hidden=hidden, num_experts=256, num_topk=8, max_tokens_per_rank=16384, device=device) as buf:
@@ -867,13 +1008,13 @@ def main() -> None:
             "torch": torch.__version__,
             "timing": f"median of {args.iters} calls after {args.warmup} warm-up"
                       + (", L2 flushed (256 MB) between calls" if use_gpu else ", host clock"),
-            # The Buffers' moe_ep.Config, once when every Buffer had the same (else None and one per row).
+            # The native Buffers' moe_ep.Config, once when all had the same (else None and one per row).
             "config": shared_config(rows),
             "notes": notes,
         }
         stem = "bench_" + "_".join(cases)
         (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [
-            {**{k: v for k, v in asdict(r).items() if k != "config" or meta["config"] is None},
+            {**{k: v for k, v in asdict(r).items() if k != "config" or (meta["config"] is None and v is not None)},
              "gbps": r.gbps, "remote_gbps": r.remote_gbps, "overhead_us": r.overhead_us, "link_us": r.link_us,
              "shared_gpu": r.shared_gpu, "tflops": r.tflops} for r in rows]}, indent=1))
         plot(rows, out / f"{stem}.png")
@@ -882,11 +1023,7 @@ def main() -> None:
         print(config_line(rows))
         print_table(rows, notes)
         print(f"wrote {out / stem}.json and {out / stem}.png")
-    if use_gpu:
-        from .comm.backends.symmetric import NvshmemSession
-
-        NvshmemSession.shutdown()  # collective; every Buffer above is closed
-    dist.destroy_process_group()
+    shutdown()  # every rank done: finalize NVSHMEM and destroy the group in a safe order (moe_ep.launch)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ whether moe_ep.comm._C is usable, the node topology, the NVSHMEM transport setti
 nodes, and the backend Buffer(backend="auto") would pick."""
 from __future__ import annotations
 
+import argparse
 import ctypes
 import importlib.metadata
 import os
@@ -65,9 +66,9 @@ def _native_lines() -> list[str]:
         runtime = _dotted(_native.load().runtime_version()) if ok else "not loaded"
         lines.append(f"NVSHMEM      wheel {info['nvshmem_dist']} {_version(info['nvshmem_dist']) or 'not installed'}; "
                      f"built against {_dotted(info['nvshmem_version'])}; runtime {runtime}")
-        lines.append(f"moe_ep.comm._C    built with CUDA {_dotted(info['cuda_version'])} for "
+        lines.append(f"native _C    built with CUDA {_dotted(info['cuda_version'])} for "
                      + ", ".join(f"sm_{a}" for a in info["cuda_archs"]))
-    lines.append("moe_ep.comm._C    " + ("loads" if ok else f"not available: {why}"))
+    lines.append("native _C    " + ("loads" if ok else f"not available: {why}"))
     return lines
 
 
@@ -184,21 +185,26 @@ def report() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+HELP = ("Prints what moe_ep runs on here: torch, CUDA, NVSHMEM, the GPUs and their links, whether "
+        "moe_ep.comm._C is usable, the node topology, the NVSHMEM transport settings for traffic between nodes "
+        "and the backend Buffer(backend=\"auto\") would pick. Under `torchrun --nproc-per-node R -m moe_ep.info` "
+        "rank 0 prints it with the group's nodes and how many ranks share each GPU. No options.")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
     """Prints the report; under torchrun (the ranks placed as moe_ep.launch does) rank 0 prints it
     with the group's nodes and how many ranks share each GPU."""
+    argparse.ArgumentParser(prog="python -m moe_ep.info", description=HELP).parse_args(argv)
     if "RANK" not in os.environ:
         print(report())
         return
-    from .launch import init_distributed
+    from .launch import init_distributed, shutdown
 
     init_distributed()
-    try:
-        text = report()
-        if dist.get_rank() == 0:
-            print(text)
-    finally:
-        dist.destroy_process_group()
+    text = report()
+    if dist.get_rank() == 0:
+        print(text)
+    shutdown()
 
 
 if __name__ == "__main__":

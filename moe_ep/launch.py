@@ -5,11 +5,21 @@ With at least one GPU per local rank every rank gets its own GPU and an NCCL gro
 than local ranks, `ranks_per_gpu` ranks share each GPU (NVSHMEM runs several processes on one GPU)
 over a gloo group, since NCCL refuses two ranks on one GPU: correct, and good for development and CI,
 but the ranks are time-sliced, so timings there say nothing about links (docs/one_gpu.md).
+
+init_distributed also registers `shutdown` to run at exit: PyTorch's gloo aborts the process
+("terminate called without an active exception", SIGABRT) when its group and threads are still alive
+while the interpreter shuts down, and a rank that destroys its group while a peer is still in a
+collective makes that peer fail; so every rank waits for the others, closes its open Buffers,
+finalizes NVSHMEM and only then destroys the group.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
 from typing import Optional
 
 import torch
@@ -18,6 +28,10 @@ import torch.distributed as dist
 # The NVSHMEM settings a machine without InfiniBand needs (the native module keeps NVLink multicast
 # off by itself): set where the environment has no value when ranks share a GPU.
 SHARED_GPU_ENV = {"NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo"}
+
+# How long a rank that reached exit waits there for its peers before it gives up the collective steps
+# of shutdown (a peer that died is seen at once: its connections close).
+EXIT_BARRIER_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -78,4 +92,58 @@ def init_distributed(device: str = "auto", ranks_per_gpu: Optional[int] = None) 
         for key, value in SHARED_GPU_ENV.items():
             os.environ.setdefault(key, value)
     dist.init_process_group(placement.backend)
+    _register_shutdown(placement.backend)
     return placement
+
+
+@dataclass
+class _ExitState:
+    """What shutdown needs: the gloo group its barrier uses, and whether this rank raised."""
+
+    group: Optional[dist.ProcessGroup] = None  # None: the default group (gloo)
+    failed: bool = False
+
+
+_exit = _ExitState()
+
+
+def _register_shutdown(backend: str) -> None:
+    """Runs shutdown at exit, and notes an uncaught exception (that rank then leaves without the
+    collective steps, which its peers would wait for in vain). Collective (an NCCL default group gets a
+    gloo group for the exit barrier, which is where monitored_barrier's timeout exists)."""
+    _exit.group = dist.new_group(backend="gloo") if backend != "gloo" else None
+    _exit.failed = False
+    previous = sys.excepthook
+
+    def note_failure(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
+        _exit.failed = True
+        previous(kind, value, tb)
+
+    sys.excepthook = note_failure
+    atexit.register(shutdown)
+
+
+def shutdown(timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> None:
+    """Collective: leaves the default group in a safe order. Waits (at most timeout_s) until every rank
+    got here, closes this rank's open Buffers in creation order, finalizes NVSHMEM and destroys the
+    process groups. Runs at exit after init_distributed (a no-op once the group is gone); call it
+    earlier to end the group before other work. A rank that raised, or whose peers did not all
+    arrive, only leaves: its exit status already tells the failure."""
+    if not dist.is_initialized() or _exit.failed:
+        return
+    from .comm.backends.symmetric import NvshmemSession
+    from .comm.buffer import open_buffers
+
+    try:
+        dist.monitored_barrier(group=_exit.group, timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as error:
+        print(f"moe_ep.launch: rank {dist.get_rank()} leaves without closing its Buffers or the group: not every "
+              f"rank reached exit within {timeout_s} s ({error})", file=sys.stderr)
+        return
+    for buf in open_buffers():
+        buf.close()
+    try:
+        NvshmemSession.shutdown()
+    except RuntimeError as error:  # a Buffer dropped without close() still holds NVSHMEM
+        print(f"moe_ep.launch: NVSHMEM stays up at exit: {error}", file=sys.stderr)
+    dist.destroy_process_group()

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from .comm.buffer import Buffer
 from .data import CharCorpus
 from .moe.experts import GroupedExperts
-from .launch import init_distributed
+from .launch import init_distributed, shutdown
 from .moe.layer import MoE
 
 # Fields that fix the model's shape and math: a checkpoint only resumes into the same ones.
@@ -366,8 +366,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     cfg = replace(cfg, device=placement.device.type)
     try:
         train(cfg)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # this rank failed: leave without waiting for the others
+        raise
+    shutdown()  # every rank done: close, finalize and destroy in a safe order (moe_ep.launch)
 
 
 if __name__ == "__main__":

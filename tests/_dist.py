@@ -6,6 +6,7 @@ docs/one_gpu.md). Tests build their Buffers with device=device(), which is right
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import sys
@@ -29,6 +30,10 @@ _GPU_ENV = {
 }
 
 
+# The most ranks sharing a GPU whose host waits spin (CUDA's default with a CPU each); beyond it (the
+# 32- and 64-rank runs, more processes than the machine has CPUs) they sleep: _sleeping_host_waits.
+SPINNING_RANKS_PER_GPU = 8
+
 # After a rank fails, how long its peers get to finish (or fail) before they are killed.
 FAILED_PEER_GRACE_S = 20.0
 
@@ -44,6 +49,17 @@ def device() -> torch.device:
     return torch.device(os.environ.get("MOE_EP_TEST_DEVICE", "cpu"))
 
 
+def _sleeping_host_waits(index: int) -> None:
+    """Host waits for GPU `index` sleep instead of spinning (CU_CTX_SCHED_BLOCKING_SYNC on its primary
+    context, before torch makes it): with more ranks than CPUs, spinning ranks would take the CPUs
+    from the ranks whose host work (gloo, launches) everyone waits for."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    set_flags = getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or cuda.cuDevicePrimaryCtxSetFlags
+    dev = ctypes.c_int()
+    if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), index) == 0:
+        set_flags(dev, 4)
+
+
 def setup_gpu_rank(rank: int, world_size: int, backend: str = "gpu") -> tuple[torch.device, str]:
     """In a fresh rank process: the GPU environment, this rank's GPU as the current device (what
     device() returns) and the process-group backend to use; backend "gpu" or "nccl" as in run_workers."""
@@ -52,6 +68,8 @@ def setup_gpu_rank(rank: int, world_size: int, backend: str = "gpu") -> tuple[to
     # moe_ep.launch.plan places the ranks as torchrun's would be: R / G per GPU, or one each for "nccl"
     placement = plan(rank, world_size, torch.cuda.device_count(), "cuda", 1 if backend == "nccl" else None)
     dev, backend = placement.device, placement.backend
+    if placement.ranks_per_gpu > SPINNING_RANKS_PER_GPU:
+        _sleeping_host_waits(dev.index)
     torch.cuda.set_device(dev)
     os.environ["MOE_EP_TEST_DEVICE"] = str(dev)
     return dev, backend

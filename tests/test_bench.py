@@ -1,8 +1,10 @@
 """`torchrun -m moe_ep.bench` runs on CPU (gloo, reference backend): its table shows only the columns
-that apply there and says why the others are left out, the layer case has ms and TFLOP/s rows for
-overlap_chunks 1, 2 and 4 and a decode step's rows, the Config the Buffers ran with is printed and
-recorded, its JSON has every key, its PNG has one panel per case that ran, and without --out it
-writes under $XDG_DATA_HOME, not into the folder it runs in.
+that apply there and says why the others are left out, the layer case has ms and TFLOP/s rows without
+and with overlap, its communication alone and a decode step's rows, no kernel knobs are printed (the
+reference backend has none), its JSON has every key and each row's spread over its calls, its PNG has
+one panel per case that ran (bars with percentile whiskers, labelled host-timed), and without --out it
+writes under $XDG_DATA_HOME, not into the folder it runs in. `--help` of moe_ep.bench names its
+command and every option's default; moe_ep.info has a --help.
 The low-latency bench leaves out the CUDA-graph rows on a backend that cannot be captured; the N1
 plot draws the link limit, except for rows measured on a shared GPU. Structure only: no timing asserts."""
 from __future__ import annotations
@@ -11,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -21,13 +24,13 @@ import torch
 
 import moe_ep
 from moe_ep import bench
-from moe_ep.comm.config import DEFAULT_NUM_SMS
 
 from tests._dist import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout under test, whatever folder a rank starts in
-LAYER_OPS = ({f"{op} C={c}" for op in ("forward", "backward", "forward_backward") for c in (1, 2, 4)}
-             | {f"{op} row path C=1" for op in ("forward", "backward", "forward_backward")} | {"forward FP8 C=1"})
+PASSES = ("forward", "backward", "forward_backward")
+LAYER_OPS = ({f"{op}{mode}" for op in PASSES for mode in ("", " overlap", " row path")}
+             | {f"comm alone {op}" for op in PASSES} | {"forward FP8"})
 DECODE_OPS = {"2 in sequence", "2 interleaved", "comm only (2 x d + c)"}
 GPU_ONLY_COLUMNS = ("SMs", "cold us", "overhead", "kernel us", "%link", "DeepEP", "speedup")
 
@@ -49,7 +52,7 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "moe_ep.bench", "--cases", "cpu,layer", "--iters", "2", "--warmup", "1",
            "--layer-tokens", "32", "--layer-hidden", "128", "--layer-experts", "8", "--layer-topk", "2",
-           "--layer-ffn", "128", "--layer-decode-tokens", "8"]
+           "--layer-ffn", "128", "--layer-shared-ffn", "64", "--layer-decode-tokens", "8"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "XDG_DATA_HOME": str(data_home),
                               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
@@ -63,10 +66,13 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     for column in ("call us", "GB/s", "remote", "ms", "TFLOP/s", "%hidden"):
         assert column in head, head
     lines = run.stdout.splitlines()
-    (config,) = [line for line in lines if line.startswith("config ")]
+    (config,) = [line for line in lines if line.startswith("config")]
     assert lines.index(config) < lines.index(head)
-    assert all(f"{f.name}=" in config for f in dataclasses.fields(moe_ep.Config)), config
-    for note in ("no grouped-GEMM or dense-ceiling rows:", "forward FP8 experts (reference): relative error", "%hidden = "):
+    # the reference backend takes none of the native kernels' knobs: none are printed
+    assert config == "config: none (moe_ep.Config holds the native kernels' knobs; no row ran them)", config
+    assert not any(f"{f.name}=" in run.stdout for f in dataclasses.fields(moe_ep.Config))
+    for note in ("no grouped-GEMM or dense-ceiling rows:", "forward FP8 experts (reference): relative error", "%hidden = ",
+                 'layer rows "... overlap" ran MoE(overlap=True)'):
         assert any(line.startswith(note) for line in lines), note
     assert "meaningless for links" in run.stdout
     (left_out,) = [line for line in run.stdout.splitlines() if line.startswith("not shown: ")]
@@ -82,14 +88,14 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     result = json.loads(json_path.read_text())
     meta = result["meta"]
     assert meta["ranks_per_gpu"] == 0 and meta["world_size"] == 2 and "env" not in meta
-    # Every Buffer ran with the environment's Config (its SM budget resolved): once, in meta, not per row.
-    env = moe_ep.Config.from_env()
-    assert meta["config"] == dataclasses.asdict(env.replace(num_sms=env.num_sms or DEFAULT_NUM_SMS))
+    assert meta["config"] is None  # no native Buffer ran
     rows = result["rows"]
     keys = {"call_us", "cold_us", "overhead_us", "kernel_us", "gbps", "remote_gbps", "link_us", "shared_gpu",
             "ranks_per_gpu", "experts", "topk", "topology", "flop", "tflops"}
     assert all(keys <= r.keys() and "config" not in r for r in rows)
     assert all(r["backend"] == "reference" and _positive(r["call_us"]) for r in rows)
+    # every row's spread over its timed calls brackets its median
+    assert all(r["spread_us"][0] <= r["call_us"] <= r["spread_us"][1] for r in rows)
     assert all((r["cold_us"], r["overhead_us"], r["kernel_us"], r["link_us"], r["shared_gpu"], r["ranks_per_gpu"])
                == (None, None, None, None, False, 0) for r in rows)
     cpu = [r for r in rows if r["case"] == "cpu"]
@@ -99,12 +105,17 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     layer = [r for r in rows if r["case"] == "layer"]
     assert sorted(r["op"] for r in layer) == sorted(LAYER_OPS)
     assert all((r["tokens"], r["hidden"], r["experts"], r["topk"]) == (32, 128, 8, 2) for r in layer)
-    assert all(r["op"].endswith(f"C={r['extra']['overlap_chunks']}") for r in layer)
-    # FLOPs from the routing that ran (rank 0's experts' pairs, the same routing for every C).
+    assert all(r["extra"]["overlap"] == r["op"].endswith(" overlap") for r in layer if "overlap" in r["extra"])
+    assert all("comm_hidden" not in r["extra"] for r in layer)  # a GPU per rank only
+    # FLOPs from the routing that ran (rank 0's experts' pairs, the same routing for every row).
     assert len({r["extra"]["pairs"] for r in layer}) == 1 and 0 < layer[0]["extra"]["pairs"] <= 2 * 32 * 2
     for r in layer:
+        if r["op"].startswith("comm alone"):
+            assert r["flop"] is None and _positive(r["call_us"])
+            continue
         passes = {"forward": 1, "backward": 2, "forward_backward": 3}[r["op"].split()[0]]
-        assert r["flop"] == passes * bench.layer_flop(r["extra"]["pairs"], 128, 128)
+        shared = 0.0 if r["op"] == "forward FP8" else bench.layer_flop(32, 128, 64)  # the FP8 row: routed experts only
+        assert r["flop"] == passes * (bench.layer_flop(r["extra"]["pairs"], 128, 128) + shared)
         assert _positive(r["tflops"])
     decode = {r["op"]: r for r in rows if r["case"] == "decode"}
     assert set(decode) == DECODE_OPS
@@ -188,9 +199,43 @@ def test_overhead_is_never_negative() -> None:
 
 def test_cpu_case_plot_titles_come_from_the_sizes_that_ran(tmp_path: Path) -> None:
     rows = [bench.Row("cpu", op, "reference", None, 512, 2048, 900.0 + i, None, 10_000, 5_000, topology="1x2",
-                      experts=64, topk=8, ranks_per_gpu=0)
+                      experts=64, topk=8, ranks_per_gpu=0, spread_us=(850.0 + i, 1000.0 + 2 * i))
             for i, op in enumerate(("dispatch_bf16", "dispatch_fp8", "combine_bf16"))]
     (ax,) = bench.plot(rows, tmp_path / "cpu.png").axes
     assert ax.get_title() == "cpu: EP2, 512 tokens, hidden 2048, top-8/64"
     assert [p.get_width() for p in ax.patches] == [r.call_us for r in rows]
     assert [t.get_text() for t in ax.get_yticklabels()] == [f"{r.op} (reference)" for r in rows]
+    # whiskers from each row's 10th to its 90th percentile, and the axis says the host clock timed them
+    (whiskers,) = [c for c in ax.collections if c.get_segments()]
+    assert [(seg[0][0], seg[1][0]) for seg in whiskers.get_segments()] == [r.spread_us for r in rows]
+    assert "whiskers 10th-90th percentile" in ax.get_xlabel() and "host-timed (CPU)" in ax.get_xlabel()
+
+
+def test_timer_spread_brackets_the_median() -> None:
+    assert bench._deciles([5.0]) == (5.0, 5.0)
+    values = [float(v) for v in range(1, 12)]  # 1..11: inclusive deciles 2 and 10
+    assert bench._deciles(values) == (2.0, 10.0)
+
+
+def _help(module: str) -> str:
+    run = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
+                              "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+def test_bench_help_names_itself_and_every_default() -> None:
+    text = _help("moe_ep.bench")
+    assert text.startswith("usage: torchrun --nproc-per-node R -m moe_ep.bench "), text[:200]
+    options = text.split("\noptions:\n", 1)[1]
+    blocks = [b.split() for b in re.split(r"\n(?=  -)", options) if not b.startswith("  -h, --help")]
+    names = [b[0].lstrip("-") for b in blocks]
+    assert {"cases", "sms", "warmup", "iters", "out", "ranks-per-node", "ranks-per-gpu", "layer-tokens"} <= set(names)
+    for name, block in zip(names, blocks):
+        assert "(default" in " ".join(block), f"--{name} does not say its default: {' '.join(block)}"
+
+
+def test_info_help() -> None:
+    text = _help("moe_ep.info")
+    assert text.startswith("usage: python -m moe_ep.info") and "Buffer(backend=" in text, text

@@ -134,7 +134,7 @@ def _expand_case(buf: deep_ep.ElasticBuffer, inp: Inputs, me: int, sync: bool, a
     assert recv_idx is None and recv_w.dim() == 1 and recv_w.shape[0] == recv.shape[0] == handle.num_expanded_tokens
     blocks, raw = _expanded(inp, me, alignment)
     total = sum(_align(c, alignment) for c in raw)
-    worst = _align(WORLD * T * min(TOPK, NUM_LOCAL) + (alignment - 1) * NUM_LOCAL, alignment)
+    worst = WORLD * T * min(TOPK, NUM_LOCAL) + (alignment - 1) * NUM_LOCAL  # moe_ep's static pair bound
     assert recv.shape[0] == (total if sync else worst)
     want_x = torch.zeros(recv.shape, dtype=torch.bfloat16)
     want_w = torch.zeros(recv.shape[0])

@@ -4,22 +4,26 @@ imported. Each is checked against brute force over every rank's inputs (the expe
 functions, so each token's output is a sum over its experts wherever they live), 2 ranks on CPU
 (gloo, reference backend) and, marked gpu, 2 ranks sharing one GPU (native kernels).
 
-The frameworks come from their wheels (pip download --no-deps; the tests read the pure-Python
-files, which import on Python 3.11): the directory $MOE_EP_FRAMEWORKS, else ../frameworks beside
-the repository's parent, or an installed copy; their light dependencies from the environment or
-from site-packages/ in that directory (pip install --target). A test whose framework is absent skips, naming it.
-Stubs and shims, each for something unrelated to communication, are named where they are made.
+The frameworks are not installed: as in tests/test_frameworks_hybrid.py, the tests read their
+unpacked wheels (pip download --no-deps; the files imported are pure Python, so Python 3.11 reads
+the cp312 wheels) from $MOE_EP_FRAMEWORKS, else <repo>/.frameworks (git-ignored), and their
+pure-Python or light dependencies from its deps/ folder. .ci/run fills it with torchtitan and its
+dependencies; vLLM (vllm/) and SGLang (sglang/, with sglang/kernels/jit's data files) need theirs
+unpacked there by hand, with the dependencies the stubs below do not cover in deps/ (pydantic,
+msgspec, transformers, ...: docs/deep_ep_compat.md lists them). A test whose framework is not there
+skips, naming it. Stubs and shims, each for something unrelated to communication, are named where
+they are made.
 """
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 import types
-import zipfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 from unittest import mock
 
 import pytest
@@ -29,44 +33,16 @@ import torch.distributed as dist
 import moe_ep.deep_ep
 from tests._dist import device, requires_gpus, run_workers
 
+ROOT = Path(__file__).resolve().parents[1]
+FRAMEWORKS = Path(os.environ.get("MOE_EP_FRAMEWORKS", ROOT / ".frameworks"))
 WORLD, HIDDEN, EXPERTS, TOPK, T = 2, 256, 8, 3, 32
 NUM_LOCAL = EXPERTS // WORLD
 
 
-# ---- finding the frameworks ------------------------------------------------------------------
-def _wheel_dir() -> Path:
-    return Path(os.environ.get("MOE_EP_FRAMEWORKS", Path(__file__).resolve().parents[2] / "frameworks"))
-
-
-def _unpack(tmp: Path, wheels: list[str], packages: tuple[str, ...], data: tuple[str, ...]) -> Optional[str]:
-    """A directory holding the Python files of `packages` (and every file under the `data` prefixes)
-    from the newest wheel matching each of `wheels` (glob) in _wheel_dir(); None when one is missing.
-    Compiled libraries stay in the wheel."""
-    root = tmp / "site"
-    for pattern in wheels:
-        found = sorted(_wheel_dir().glob(pattern))
-        if not found:
-            return None
-        with zipfile.ZipFile(found[-1]) as z:
-            z.extractall(root, [n for n in z.namelist() if (n.endswith(".py") and n.split("/")[0] in packages)
-                                or (n.startswith(data) and not n.endswith(".so"))])
-    return str(root)
-
-
-def _framework(tmp_path_factory: pytest.TempPathFactory, name: str, wheels: list[str],
-               packages: tuple[str, ...], data: tuple[str, ...] = ()) -> str:
-    """sys.path entry for the framework: "" when it is installed, else its unpacked wheels; skips
-    the test when neither exists."""
-    try:
-        __import__(name)
-        return ""
-    except ImportError:
-        pass
-    root = _unpack(tmp_path_factory.mktemp(name), wheels, packages, data)
-    if root is None:
-        pytest.skip(f"{name} is not installed and no wheel matching {wheels} is in {_wheel_dir()} "
-                    f"(pip download --no-deps into it, or set MOE_EP_FRAMEWORKS)")
-    return root
+def _needs(package: str, version: str) -> pytest.MarkDecorator:
+    """Skip unless the framework's unpacked package is in FRAMEWORKS."""
+    return pytest.mark.skipif(not (FRAMEWORKS / package).is_dir(),
+                              reason=f"{package} {version} is not unpacked in {FRAMEWORKS} (MOE_EP_FRAMEWORKS)")
 
 
 class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -91,16 +67,16 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def _import_path(root: str, stubs: tuple[str, ...]) -> None:
-    """In a worker: the framework's files first on sys.path, the named stubs, and `deep_ep` aliased
-    to moe_ep.deep_ep (before any framework module binds it)."""
-    if root:
-        sys.path.insert(0, root)
-    deps = _wheel_dir() / "site-packages"
-    if deps.is_dir():  # the frameworks' light dependencies (pip install --target), when not installed
-        sys.path.append(str(deps))
-    if stubs:
-        sys.meta_path.append(_Stubs(set(stubs)))
+def _import_path(stubs: tuple[str, ...]) -> None:
+    """In a worker: the unpacked frameworks and their dependencies on sys.path, stand-ins for the named
+    packages where they are not importable, and `deep_ep` aliased to moe_ep.deep_ep (before any
+    framework module binds it)."""
+    for path in (FRAMEWORKS / "deps", FRAMEWORKS):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    missing = {name for name in stubs if importlib.util.find_spec(name) is None}
+    if missing:
+        sys.meta_path.append(_Stubs(missing))
     sys.modules["deep_ep"] = moe_ep.deep_ep
 
 
@@ -144,9 +120,9 @@ def _grouped_experts(rows: torch.Tensor, counts: torch.Tensor, first_expert: int
 
 
 # ---- torchtitan 0.3.0: DeepEPTokenDispatcher ---------------------------------------------------
-def _torchtitan_worker(rank: int, world: int, root: str) -> None:
-    # stub: tyro is torchtitan.config's command-line parser (imported by torchtitan.distributed)
-    _import_path(root, ("tyro",))
+def _torchtitan_worker(rank: int, world: int) -> None:
+    # stub (when absent): tyro is torchtitan.config's command-line parser (imported by torchtitan.distributed)
+    _import_path(("tyro",))
     from torch.distributed.device_mesh import DeviceMesh
     from torchtitan.distributed.deepep import deepep
     from torchtitan.models.common.token_dispatcher import DeepEPTokenDispatcher
@@ -183,19 +159,15 @@ def _torchtitan_worker(rank: int, world: int, root: str) -> None:
         torch.testing.assert_close(sd.grad.cpu(), want_ds, rtol=3e-2, atol=0.5, msg=lambda m: f"grad scores: {m}")
 
 
-@pytest.fixture(scope="module")
-def torchtitan_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return _framework(tmp_path_factory, "torchtitan", ["torchtitan-0.3.0-*.whl", "spmd_types-0.2.3-*.whl"],
-                      ("torchtitan", "spmd_types"))
+@_needs("torchtitan", "0.3.0")
+def test_torchtitan_deepep_cpu() -> None:
+    run_workers(WORLD, _torchtitan_worker)
 
 
-def test_torchtitan_deepep_cpu(torchtitan_root: str) -> None:
-    run_workers(WORLD, _torchtitan_worker, torchtitan_root)
-
-
+@_needs("torchtitan", "0.3.0")
 @requires_gpus(1)
-def test_torchtitan_deepep_gpu(torchtitan_root: str) -> None:
-    run_workers(WORLD, _torchtitan_worker, torchtitan_root, backend="gpu")
+def test_torchtitan_deepep_gpu() -> None:
+    run_workers(WORLD, _torchtitan_worker, backend="gpu")
 
 
 # ---- vLLM 0.33.0: DeepEPV2PrepareAndFinalize -------------------------------------------------
@@ -212,8 +184,8 @@ def _reduced_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) 
     return (x.float() * factor.to(x.device)).to(torch.bfloat16)
 
 
-def _vllm_worker(rank: int, world: int, root: str) -> None:
-    _import_path(root, _VLLM_STUBS)
+def _vllm_worker(rank: int, world: int) -> None:
+    _import_path(_VLLM_STUBS)
     from vllm.forward_context import DPMetadata, override_forward_context
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
     from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_v2 import DeepEPV2PrepareAndFinalize
@@ -259,18 +231,15 @@ def _vllm_worker(rank: int, world: int, root: str) -> None:
     buffer.destroy()
 
 
-@pytest.fixture(scope="module")
-def vllm_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return _framework(tmp_path_factory, "vllm", ["vllm-0.33.0-*.whl"], ("vllm",))
+@_needs("vllm", "0.33.0")
+def test_vllm_deepep_v2_cpu() -> None:
+    run_workers(WORLD, _vllm_worker)
 
 
-def test_vllm_deepep_v2_cpu(vllm_root: str) -> None:
-    run_workers(WORLD, _vllm_worker, vllm_root)
-
-
+@_needs("vllm", "0.33.0")
 @requires_gpus(1)
-def test_vllm_deepep_v2_gpu(vllm_root: str) -> None:
-    run_workers(WORLD, _vllm_worker, vllm_root, backend="gpu")
+def test_vllm_deepep_v2_gpu() -> None:
+    run_workers(WORLD, _vllm_worker, backend="gpu")
 
 
 # ---- SGLang 0.5.23: DeepEPv2Dispatcher -------------------------------------------------------
@@ -279,8 +248,8 @@ _SGLANG_STUBS = ("starlette", "IPython", "aiohttp", "torchvision", "truststore",
                  "compressed_tensors", "gguf")
 
 
-def _sglang_worker(rank: int, world: int, root: str) -> None:
-    _import_path(root, _SGLANG_STUBS)
+def _sglang_worker(rank: int, world: int) -> None:
+    _import_path(_SGLANG_STUBS)
     os.environ["SGLANG_DEEPEP_V2_NUM_MAX_DISPATCH_TOKENS_PER_RANK"] = str(T)
     from sglang.srt.layers.moe.token_dispatcher import deepep_v2
     from sglang.srt.layers.moe.topk import StandardTopKOutput
@@ -327,15 +296,12 @@ def _sglang_worker(rank: int, world: int, root: str) -> None:
                                                      f"prefill_expand={prefill_expand})")
 
 
-@pytest.fixture(scope="module")
-def sglang_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return _framework(tmp_path_factory, "sglang", ["sglang-0.5.23-*.whl"], ("sglang",), ("sglang/kernels/jit/",))
+@_needs("sglang", "0.5.23")
+def test_sglang_deepep_v2_cpu() -> None:
+    run_workers(WORLD, _sglang_worker)
 
 
-def test_sglang_deepep_v2_cpu(sglang_root: str) -> None:
-    run_workers(WORLD, _sglang_worker, sglang_root)
-
-
+@_needs("sglang", "0.5.23")
 @requires_gpus(1)
-def test_sglang_deepep_v2_gpu(sglang_root: str) -> None:
-    run_workers(WORLD, _sglang_worker, sglang_root, backend="gpu")
+def test_sglang_deepep_v2_gpu() -> None:
+    run_workers(WORLD, _sglang_worker, backend="gpu")

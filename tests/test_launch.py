@@ -1,11 +1,20 @@
-"""moe_ep.launch.plan: where each torchrun rank goes, and topology.ranks_per_gpu (no processes needed)."""
+"""moe_ep.launch.plan: where each torchrun rank goes, and topology.ranks_per_gpu (no processes needed); and
+programs that use moe_ep.launch exit with status 0 when every rank succeeded."""
 from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from moe_ep.comm import topology
 from moe_ep.launch import plan
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("local_world, gpus, per_gpu, want", [
@@ -41,3 +50,44 @@ def test_ranks_per_gpu_counts_same_host_and_uuid() -> None:
     assert topology.ranks_per_gpu(places) == 3  # host b's GPU-1 is another GPU than host a's
     assert topology.ranks_per_gpu([("a", "GPU-1"), ("a", "GPU-2")]) == 1
     assert topology.ranks_per_gpu([("a", None), ("a", None)]) == 0
+
+
+EXIT_RUNS = 2
+EXIT_WORLD = 2
+
+
+def _run_ranks(failing_rank: int) -> list[subprocess.CompletedProcess]:
+    """Starts EXIT_WORLD ranks of tests/launch_program.py as torchrun would (its environment variables) and waits for all."""
+    script = ROOT / "tests" / "launch_program.py"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "WORLD_SIZE": str(EXIT_WORLD), "LOCAL_WORLD_SIZE": str(EXIT_WORLD),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, str(script), *(["--fail-rank", str(failing_rank)] if failing_rank >= 0 else [])], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(EXIT_WORLD)]
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def test_ranks_that_succeed_exit_zero() -> None:
+    """Every rank of every run checks its combine and exits 0, though the program leaves its Buffer and
+    group open (gloo used to abort at interpreter shutdown now and then: "terminate called without an
+    active exception")."""
+    for run in range(EXIT_RUNS):
+        for rank, done in enumerate(_run_ranks(failing_rank=-1)):
+            assert done.returncode == 0, f"run {run} rank {rank}: exit status {done.returncode}\n{done.stderr[-3000:]}"
+            assert "combine matches" in done.stdout, done.stdout
+            assert done.stdout.rstrip().endswith("at exit: group destroyed, NVSHMEM down"), done.stdout
+
+
+def test_a_failing_rank_fails_and_its_peers_do_not_hang() -> None:
+    """Rank 1 raises at the end: its status is non-zero and rank 0 leaves without waiting for it."""
+    done = _run_ranks(failing_rank=1)
+    assert done[1].returncode != 0 and "fails on purpose" in done[1].stderr, done[1].stderr[-3000:]
+    assert "not every rank reached exit" in done[0].stderr, done[0].stderr[-3000:]

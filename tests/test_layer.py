@@ -295,6 +295,35 @@ def _bad_input_case() -> None:
     buf.close()
 
 
+def _replicated_case(rank: int, world: int) -> None:
+    """Each rank seeds its own MoE: construction makes the router, expert bias and shared expert equal
+    on every rank (rank 0's), and the layer then equals the dense MoE with those weights and every
+    rank's experts; rank-specific values loaded later are made equal again by sync_replicated()."""
+    case = GRAD_CASES[1]  # sigmoid router with expert bias, shared expert
+    buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+                        max_tokens_per_rank=64, backend="reference")
+    torch.manual_seed(500 + rank)
+    moe = MoE(buf, case.ffn, shared_ffn_hidden=case.shared, **case.router)
+    torch.manual_seed(500)  # the router is the first thing MoE draws: rank 0's is this one
+    ranks_zero = TopKRouter(case.hidden, case.experts, case.topk, device=buf.device, **case.router)
+    assert torch.equal(moe.router.weight, ranks_zero.weight)
+    with torch.no_grad():
+        moe.router.expert_bias.copy_(torch.rand(case.experts, generator=torch.Generator().manual_seed(rank)))
+        moe.sync_replicated()  # e.g. after loading a rank-specific checkpoint
+        parts: list = [None] * world
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in moe.state_dict().items()})
+        for key in moe.replicated_tensors():
+            assert all(torch.equal(part[key], parts[0][key]) for part in parts), f"{key} differs between ranks"
+        merged = {k: v for part in parts for k, v in part.items()}
+        full = {n: torch.stack([merged[f"experts.{e}.{n}"] for e in range(case.experts)]).to(buf.device)
+                for n in ("w1", "w2", "w3")}
+        ref_router, ref_shared = _reference_modules(case, moe, dist.group.WORLD if world > 1 else None)
+        x, _ = _inputs(case, rank, buf.device)
+        want = _dense(x, ref_router(x), full) + ref_shared(x)
+        _close(moe(x, mode="normal"), want, "differently seeded ranks against the dense MoE")
+    buf.close()
+
+
 def _worker(rank: int, world: int) -> None:
     singles = [dist.new_group([r]) for r in range(world)]
     for case in GRAD_CASES:
@@ -303,6 +332,7 @@ def _worker(rank: int, world: int) -> None:
     _low_latency_case(rank, world, use_fp8=False)
     _low_latency_case(rank, world, use_fp8=True)
     _balancing_case(rank, world)
+    _replicated_case(rank, world)
     if world == 1:
         _bad_input_case()
 
@@ -317,6 +347,7 @@ def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="torch._grouped_mm path needs CUDA sm90")
 def test_grouped_mm_matches_loop() -> None:
     torch.manual_seed(0)

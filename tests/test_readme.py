@@ -64,3 +64,17 @@ def test_quick_start_runs_and_matches_brute_force(tmp_path: Path) -> None:
         want = oracle.expected_combine(inp, me, WORLD, num_experts,
                                        lambda r, s, i: stand_in_expert_row(inp, r, s, i, num_experts))
         oracle.assert_same_bits(saved[me]["out"], want, f"rank {me}'s combine output")
+
+
+def test_a_cpu_torch_comes_before_the_two_commands() -> None:
+    """The section of the two commands opens with the command that installs a CPU build of torch."""
+    section = README.read_text().split("\n## The two commands for a fresh machine\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert len(blocks) >= 3, blocks
+    assert blocks[0].strip() == "pip install torch --index-url https://download.pytorch.org/whl/cpu", blocks[0]
+    assert blocks[1].startswith("pip install . && torchrun") and blocks[2].startswith('pip install ".[test]"'), blocks
+
+
+def test_no_test_counts_to_go_stale() -> None:
+    """The README states no pass/skip counts of the suite (they change with every test added)."""
+    assert not re.search(r"\d+ (passed|skipped|failed)", README.read_text())

@@ -3,7 +3,8 @@
 When nvcc is present the build also needs pybind11, ninja and the NVSHMEM wheel matching nvcc's CUDA
 major version. That wheel is pinned to the version the target environment already has (torch pins
 one exactly), so the module is compiled against the same NVSHMEM it will load; see
-`nvshmem_requirement`. Without nvcc the build says, in one line, that it installs without _C.
+`nvshmem_requirement`. Without nvcc the build says, in one line, that it installs without _C; with nvcc but no GPU, it
+says first what it compiles for and how to skip that.
 
 `--config-settings native=0|1|auto` (pip) sets $MOE_EP_NATIVE for the hooks of that one install
 (see toolchain.build_cuda): 0 skips the native build even where nvcc is, 1 fails without nvcc.
@@ -18,7 +19,7 @@ from typing import Any, Optional
 from setuptools import build_meta as _setuptools
 from setuptools.build_meta import build_sdist, get_requires_for_build_sdist  # served by setuptools unchanged
 
-from .toolchain import NATIVE_ENV, build_cuda, native_mode
+from .toolchain import NATIVE_ENV, build_cuda, cuda_archs, native_mode
 
 __all__ = [
     "build_editable", "build_sdist", "build_wheel", "get_requires_for_build_editable",
@@ -88,15 +89,33 @@ def _take_native_setting(config_settings: ConfigSettings) -> ConfigSettings:
     return rest or None
 
 
+def _has_gpu() -> bool:
+    """An NVIDIA GPU is visible to this machine's driver (no CUDA call: the build may run without one)."""
+    gpus = "/proc/driver/nvidia/gpus"
+    return os.path.isdir(gpus) and bool(os.listdir(gpus))
+
+
+def _say_native_build_without_gpu() -> None:
+    """One line on stderr, before the build requirements are fetched, when _C will be compiled on a machine
+    without a GPU: what it compiles for, that it takes minutes, and how to skip it."""
+    if build_cuda() is not None and not _has_gpu():
+        archs = ", ".join(f"sm_{a}" for a in cuda_archs())
+        print(f"moe_ep: no GPU here, but nvcc is: compiling moe_ep.comm._C for {archs} (minutes on a small machine; "
+              f"the reference backend needs none of it). To skip it: {NATIVE_ENV}=0 pip install .", file=sys.stderr,
+              flush=True)
+
+
 def get_requires_for_build_wheel(config_settings: ConfigSettings = None) -> list[str]:
     """setuptools' build requirements plus, when _C is built, pybind11, ninja and the NVSHMEM wheel."""
     config_settings = _take_native_setting(config_settings)
+    _say_native_build_without_gpu()
     return _setuptools.get_requires_for_build_wheel(config_settings) + _native_requirements()
 
 
 def get_requires_for_build_editable(config_settings: ConfigSettings = None) -> list[str]:
     """As get_requires_for_build_wheel, for `pip install -e`."""
     config_settings = _take_native_setting(config_settings)
+    _say_native_build_without_gpu()
     return _setuptools.get_requires_for_build_editable(config_settings) + _native_requirements()
 
 

@@ -8,8 +8,7 @@ Each DeepEP layout is one moe_ep dispatch mode, not a second implementation:
   moved to the front on the device, as DeepEP leaves them;
 - expanded (token, local expert) rows with a host sync: an expert-major dispatch
   (`expert_major=True`, each expert's block padded to `expert_alignment` with zero rows);
-- expanded rows without one: a worst-case dispatch expanded into DeepEP's worst-case row count by
-  moe_ep.comm.expert_major on the device;
+- expanded rows without one: a worst-case expert-major dispatch (moe_ep's static pair bound);
 - a dispatch through a handle: moe_ep's cached dispatch, in the handle's layout.
 Combine is moe_ep's combine (an unweighted sum; `topk_weights` travel back with the rows).
 
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from ..comm import expert_major, topology
+from ..comm import topology
 from ..comm.config import DEFAULT_NUM_SMS
 from ..comm.fp8 import BLOCK as FP8_BLOCK
 from .factory import BufferFactory
@@ -311,7 +310,7 @@ class ElasticBuffer:
         sync = True if do_cpu_sync is None else bool(do_cpu_sync)
         call = functools.partial(buf.dispatch, rows, topk_idx, weights, x_scales=sf, expert_alignment=alignment,
                                  num_sms=sms)
-        got = self._expand(call, buf, sync, alignment, t) if do_expand else self._compact(call, sync, t)
+        got = self._expand(call, sync) if do_expand else self._compact(call, sync, t)
         inner = got.result
         raw = _per_expert(inner.topk_idx, buf.num_local_experts)
         if cumulative_local_expert_recv_stats is not None:
@@ -346,30 +345,21 @@ class ElasticBuffer:
                          _gather_rows(got.topk_idx, rows, m, -1), _gather_rows(got.topk_weights, rows, m, 0.0),
                          got, rows)
 
-    def _expand(self, call: Callable[..., moe_ep.DispatchResult], buf: moe_ep.Buffer, sync: bool, alignment: int,
-                t: int) -> _Received:
+    @staticmethod
+    def _expand(call: Callable[..., moe_ep.DispatchResult], sync: bool) -> _Received:
         """Expand: one row per (received token, local expert), grouped by expert, each block padded to
-        `alignment` with zero rows. With sync, moe_ep's expert-major dispatch; without, its worst-case
-        rows expanded into DeepEP's worst-case row count (what no block uses is zero)."""
-        if sync:
-            got = call(expert_major=True)
-            return _Received(got.x, got.x_scales, None, got.pair_weights, got)
-        got = call(worst_case=True)
-        e_l, k = buf.num_local_experts, got.topk_idx.shape[1]
-        pairs = _align(self.num_ranks * t * min(k, e_l) + (alignment - 1) * e_l, alignment)
-        counts = (_per_expert(got.topk_idx, e_l) + alignment - 1) // alignment * alignment
-        layout, pair_weights = expert_major.build_layout(got.topk_idx, got.topk_weights, [], counts, alignment,
-                                                         num_pairs=pairs)
-        expanded = dataclasses.replace(got, handle=dataclasses.replace(got.handle, expert_major=layout))
-        return _Received(expert_major.gather(got.x, layout), expert_major.gather(got.x_scales, layout), None,
-                         pair_weights, expanded)
+        the alignment with zero rows: moe_ep's expert-major dispatch, exact-size with sync, else
+        worst-case (its static pair bound, the rows past the last block zero)."""
+        got = call(expert_major=True, worst_case=not sync)
+        return _Received(got.x, got.x_scales, None, got.pair_weights, got)
 
     def _cached_dispatch(self, rows: torch.Tensor, sf: Optional[torch.Tensor], handle: EPHandle,
                          topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                          num_experts: Optional[int], num_max_tokens_per_rank: Optional[int],
                          expert_alignment: Optional[int], num_sms: int, do_expand: bool
                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x (and scales) sent the way the handle's dispatch went, in its layout."""
+        """x (and scales) sent the way the handle's dispatch went, in its layout (an expanded handle's
+        cached dispatch gives pairs)."""
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must come from moe_ep.deep_ep ElasticBuffer.dispatch, got {type(handle).__name__}")
         if topk_idx is not None:
@@ -382,11 +372,7 @@ class ElasticBuffer:
                                   ("do_expand", bool(do_expand), handle.do_expand)):
             if given is not None and given != kept:
                 raise ValueError(f"a cached dispatch keeps its handle's {name} ({kept}), got {given}")
-        got = handle.buffer.dispatch(rows, x_scales=sf, handle=handle.inner, expert_major=False,
-                                     num_sms=num_sms or handle.num_sms)
-        if handle.do_expand:
-            layout = handle.inner.expert_major
-            return expert_major.gather(got.x, layout), expert_major.gather(got.x_scales, layout)
+        got = handle.buffer.dispatch(rows, x_scales=sf, handle=handle.inner, num_sms=num_sms or handle.num_sms)
         if handle.rows is not None:
             m = handle.num_recv_tokens
             return _gather_rows(got.x, handle.rows, m, 0), _gather_rows(got.x_scales, handle.rows, m, 0.0)

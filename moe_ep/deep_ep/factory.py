@@ -42,9 +42,10 @@ class BufferFactory:
         return self._device_group, None
 
     def create(self, x: torch.Tensor, num_experts: int, num_topk: int, max_tokens: int, low_latency: bool = False,
-               timeout_s: float = 100.0) -> moe_ep.Buffer:
+               timeout_s: float = 100.0, fault_tolerant: bool = False) -> moe_ep.Buffer:
         """A moe_ep Buffer for rows like x's (hidden size, device) and these shapes (collective)."""
         group, device = self.group_for(x.device)
         return moe_ep.Buffer(group, hidden=x.shape[1], num_experts=num_experts, num_topk=num_topk,
                              max_tokens_per_rank=max_tokens, backend=self.backend, low_latency=low_latency,
-                             ranks_per_node=self.ranks_per_node, device=device, timeout_s=timeout_s)
+                             ranks_per_node=self.ranks_per_node, device=device, timeout_s=timeout_s,
+                             fault_tolerant=fault_tolerant)
