@@ -8,8 +8,10 @@ keys are equal on every rank (DeepEP requires that too), so the collective creat
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,7 @@ import moe_ep
 from ..comm import _native
 from ..comm.backends.base import align_up, record_event
 from ..comm.buffer import _device_of, _resolve_topology, auto_backend
+from ..comm.streams import CommStream, tensors_in
 from ..comm.fp8 import BLOCK as FP8_BLOCK
 
 topk_idx_t = torch.int64
@@ -29,7 +32,7 @@ NORMAL_TOPK = 16
 # Normal mode: about this many bytes per received row and source rank (bf16 row, FP8 scales, top-k
 # ids and weights padded to NORMAL_TOPK, source index, flag) turn num_nvl_bytes into max_tokens_per_rank.
 _ROW_META_BYTES = 12 * NORMAL_TOPK + 16
-# Config.get_nvl_buffer_size_hint reserves room for this many tokens per rank.
+# Config.get_nvl_buffer_size_hint reserves one round of this many tokens per rank (larger calls stream).
 HINT_TOKENS_PER_RANK = 4096
 
 XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -60,7 +63,8 @@ class Config:
     num_max_rdma_chunked_recv_tokens: int = 256
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """num_nvl_bytes that give moe_ep room for HINT_TOKENS_PER_RANK tokens per rank (bf16 rows)."""
+        """A default num_nvl_bytes: rounds of HINT_TOKENS_PER_RANK tokens per rank (bf16 rows); calls
+        with more tokens stream through it (not a token limit)."""
         return num_ranks * HINT_TOKENS_PER_RANK * _row_bytes(hidden_bytes // 2)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
@@ -131,6 +135,44 @@ class LowLatencyHandle(tuple):
         return self
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _on_comm_stream(method: _Method) -> _Method:
+    """DeepEP's stream rule for a Buffer method with previous_event / async_finish (moe_ep.comm.streams):
+    with async_finish the whole call (every moe_ep call, gather and collective in it) runs on the
+    Buffer's communication stream after previous_event (else after the current stream), and its
+    EventOverlap is recorded there; without it the call runs on the current stream after
+    previous_event. allocate_on_comm_stream needs no action: outputs are made on the communication
+    stream and kept alive for the caller's stream too, which covers both of its values."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def call(self: "Buffer", *args: Any, **kwargs: Any) -> Any:
+        given = signature.bind(self, *args, **kwargs).arguments
+        async_finish = bool(given.get("async_finish", False))
+        if async_finish and given.get("return_recv_hook", False):
+            raise ValueError("async_finish=True and return_recv_hook=True exclude each other (as in DeepEP)")
+        previous: Optional[EventOverlap] = given.get("previous_event")
+        inputs = tuple(v for k, v in given.items() if k != "self")
+        device = next((t.device for t in tensors_in(inputs) if t.is_cuda), torch.device("cpu"))
+        result = self._comm_stream(device).run(
+            lambda: method(self, *args, **kwargs), previous_event=None if previous is None else previous.event,
+            async_op=async_finish, inputs=(inputs, *_handle_parts(inputs)))
+        if async_finish and device.type == "cuda":
+            keep = torch.cuda.current_stream(device)
+            for t in tensors_in(_handle_parts(result)):
+                t.record_stream(keep)
+        return result
+
+    return call  # type: ignore[return-value]
+
+
+def _handle_parts(values: tuple) -> list[Any]:
+    """The moe_ep handles (and row maps) that the drop-in's handle tuples carry beside their fields."""
+    return [(v.inner, getattr(v, "rows", None)) for v in values if isinstance(v, (DispatchHandle, LowLatencyHandle))]
+
+
 def _gather_rows(t: Optional[torch.Tensor], rows: torch.Tensor, num_rows: int, fill: float) -> Optional[torch.Tensor]:
     """t's rows at `rows` (the valid ones first), then `fill` up to num_rows rows (num_worst_tokens)."""
     if t is None:
@@ -174,8 +216,9 @@ class Buffer:
     """DeepEP's `deep_ep.Buffer` (V1) served by moe_ep. Creating it is collective over `group`.
 
     Keyword-only extensions (not in DeepEP): `backend` (moe_ep's), `max_tokens_per_rank` (normal
-    mode's token limit per rank; default: what fits in num_nvl_bytes), `ranks_per_node` and `timeout_s`
-    (moe_ep's: how long a call waits for a peer; with enable_shrink a low-latency call then masks it)."""
+    mode's round of tokens per rank, streamed for larger calls; default: what fits in num_nvl_bytes),
+    `ranks_per_node` and `timeout_s` (moe_ep's: how long a call waits for a peer; with enable_shrink a
+    low-latency call then masks it)."""
 
     num_sms: int = 20
 
@@ -211,6 +254,7 @@ class Buffer:
         self._normal: dict[tuple[int, int], moe_ep.Buffer] = {}
         self._low_latency: dict[tuple[int, int, int, int], moe_ep.Buffer] = {}
         self._zero_copy: dict[moe_ep.Buffer, torch.Tensor] = {}
+        self._comm: dict[torch.device, CommStream] = {}
 
     @property
     def moe_ep_buffers(self) -> list[moe_ep.Buffer]:
@@ -310,16 +354,22 @@ class Buffer:
 
     @staticmethod
     def _finish(async_finish: bool) -> EventOverlap:
-        """The call's event: recorded after all of its work on the current stream when async_finish."""
+        """The call's event: recorded after all of its work on the current stream (the communication
+        stream, under _on_comm_stream) when async_finish."""
         return EventOverlap(EventHandle() if async_finish else None)
 
-    @staticmethod
-    def _wait(previous_event: Optional[EventOverlap]) -> None:
-        """The current stream waits for previous_event before the call's first operation."""
-        if previous_event is not None and previous_event.event is not None:
-            previous_event.event.wait()
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """The communication stream async calls run on (on the current CUDA device)."""
+        return self._comm_stream(torch.device("cuda", torch.cuda.current_device())).stream
+
+    def _comm_stream(self, device: torch.device) -> CommStream:
+        """This Buffer's communication stream on `device` (DeepEP has one per Buffer; a CPU one runs in order)."""
+        if device not in self._comm:
+            self._comm[device] = CommStream(device)
+        return self._comm[device]
 
     # ---- normal mode ----------------------------------------------------------------------
+    @_on_comm_stream
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
@@ -331,7 +381,6 @@ class Buffer:
             raise TypeError("topk_idx must be a 2-D torch.int64 tensor (deep_ep.topk_idx_t)")
         if num_experts <= 0 or num_experts % self.group_size:
             raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the group size")
-        self._wait(previous_event)
         r, e_l = self.group_size, num_experts // self.group_size
         hit = torch.zeros(topk_idx.shape[0], num_experts + 1, dtype=torch.bool, device=topk_idx.device)
         hit.scatter_(1, torch.where(topk_idx >= 0, topk_idx, num_experts), True)
@@ -350,6 +399,7 @@ class Buffer:
         dist.all_gather(rows, sent, group=buf.cfg.group)
         return torch.stack(rows).cumsum(0, dtype=torch.int32)
 
+    @_on_comm_stream
     def dispatch(self, x: XType, handle: Optional[DispatchHandle] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -366,7 +416,6 @@ class Buffer:
         x, scales = x if isinstance(x, tuple) else (x, None)
         scales = scales.contiguous() if scales is not None else None  # DeepEP accepts column-major scales
         sms = (config or self.get_dispatch_config(self.group_size)).num_sms
-        self._wait(previous_event)
         if handle is not None:
             if not isinstance(handle, DispatchHandle):
                 raise TypeError(f"handle must come from moe_ep.deep_ep dispatch, got {type(handle).__name__}")
@@ -446,6 +495,7 @@ class Buffer:
             x, scales = _gather_rows(x, rows, num_rows, 0), _gather_rows(scales, rows, num_rows, 0.0)
         return (x, scales) if scales is not None else x
 
+    @_on_comm_stream
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -457,7 +507,6 @@ class Buffer:
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must come from moe_ep.deep_ep dispatch, got {type(handle).__name__}")
         sms = (config or self.get_combine_config(self.group_size)).num_sms
-        self._wait(previous_event)
         inner = handle.inner
         weights, k = None, 0
         if topk_weights is not None:  # NORMAL_TOPK wide, as the dispatch's weights (results cut back to k)
@@ -487,6 +536,7 @@ class Buffer:
         if not self.low_latency_mode:
             raise ValueError("clean_low_latency_buffer needs a Buffer created with low_latency_mode=True")
 
+    @_on_comm_stream
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -520,6 +570,7 @@ class Buffer:
         recv = (got.x, got.x_scales) if use_fp8 else got.x
         return recv, got.count, handle, self._finish(async_finish), hook
 
+    @_on_comm_stream
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,

@@ -167,7 +167,7 @@ __device__ __forceinline__ uint4 quantize16(const float* v, float scale) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-__device__ __forceinline__ void store_meta(uint8_t* row, const unsigned (&w)[kMetaEntries / 2], unsigned tag) {
+__device__ __forceinline__ void store_meta(uint8_t* row, const unsigned (&w)[kMaxTopk / 2], unsigned tag) {
   uint4* dst = reinterpret_cast<uint4*>(row);
   dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
   dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
@@ -179,8 +179,8 @@ template <bool kFp8, bool kRoundScale>
 __device__ __forceinline__ void send_tokens(const DispatchArgs& a, unsigned long long epoch) {
   // Destinations of the current token other than me, by token iteration parity (no barrier needed
   // before reuse): node ranks as their payload slot's address, net ranks as rank numbers.
-  __shared__ uint8_t* node_rows[2][kMetaEntries];
-  __shared__ int net_ranks[2][kMetaEntries];
+  __shared__ uint8_t* node_rows[2][kMaxTopk];
+  __shared__ int net_ranks[2][kMaxTopk];
   __shared__ int num_node[2], num_net[2];
   const Peers& s = a.peers;
   const Comm& c = s.comm;
@@ -212,9 +212,9 @@ __device__ __forceinline__ void send_tokens(const DispatchArgs& a, unsigned long
       const unsigned node_mask = __ballot_sync(0xffffffffu, node);
       const unsigned net_mask = __ballot_sync(0xffffffffu, first_of_rank && !node);
       const unsigned below = (1u << lane) - 1u;
-      unsigned w[kMetaEntries / 2];
+      unsigned w[kMaxTopk / 2];
 #pragma unroll
-      for (int i = 0; i < kMetaEntries / 2; ++i) {
+      for (int i = 0; i < kMaxTopk / 2; ++i) {
         const unsigned lo = static_cast<unsigned>(__shfl_sync(0xffffffffu, e, 2 * i)) & 0xffffu;
         const unsigned hi = static_cast<unsigned>(__shfl_sync(0xffffffffu, e, 2 * i + 1)) & 0xffffu;
         w[i] = lo | (hi << 16);
@@ -291,7 +291,7 @@ __device__ __forceinline__ int first_k(const DispatchArgs& a, int set, unsigned 
   const uint4 q1 = a.num_topk > 8 ? m[1] : make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
   const unsigned w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
 #pragma unroll
-  for (int k = 0; k < kMetaEntries; ++k) {
+  for (int k = 0; k < kMaxTopk; ++k) {
     const int id = static_cast<int16_t>(w[k >> 1] >> (16 * (k & 1)));
     if (k < a.num_topk && id == expert) return k;
   }

@@ -30,11 +30,11 @@
 #pragma once
 #include <cstdint>
 
+#include "runtime/limits.h"
+
 namespace moe_ep {
 namespace ll {
 
-constexpr int kMaxNodeRanks = 8;  // == comm.h kMaxRanks, one NVLink domain (checked in the .cu files)
-constexpr int kMetaEntries = 16;  // int16 expert ids per staged token (num_topk <= 16), padded with -1
 constexpr int kMetaBytes = 48;    // one meta row: 16 int16 ids, uint32 epoch tag, padding
 constexpr int kScratchRows = 8;   // combine scratch rows per send block (several nodes)
 constexpr int kNumSignals = 6;    // signal words per source rank
@@ -180,7 +180,6 @@ void launch_combine(const LowLatencyParams& p, const CombineLaunchArgs& a, uintp
 namespace moe_ep {
 namespace ll {
 
-static_assert(kMaxNodeRanks == kMaxRanks, "low_latency.h kMaxNodeRanks must equal comm.h kMaxRanks");
 
 // Signal words ([slot][src] in the region's signals area, see the file comment). A call with epoch
 // e uses staging set e & 1 and the node slots of that parity. The node block counters only grow:

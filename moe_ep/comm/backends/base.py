@@ -37,7 +37,8 @@ def ptr_or_null(t: Optional[torch.Tensor]) -> int:
 
 def record_event(async_op: bool, device: torch.device,
                  check: Optional[Callable[[], None]] = None) -> Optional[EventHandle]:
-    """For async_op: an EventHandle recorded on `device`'s current stream (an empty one on CPU);
+    """For async_op: an EventHandle recorded on `device`'s current stream (the Buffer's communication
+    stream during an async call: moe_ep.comm.streams; an empty one on CPU);
     `check` raises what the call's kernels recorded, once the event completed."""
     if not async_op:
         return None
@@ -52,7 +53,7 @@ def record_event(async_op: bool, device: torch.device,
 class DispatchOutputs:
     """The tensors a native dispatch kernel writes, m rows each. A cached dispatch writes no expert
     ids or weights (None) and reuses its handle's source rows; one whose rows stay in the workspace
-    (an expert-major NVLink dispatch: its engine's expand_pairs copies them out) writes no x (None)."""
+    (an expert-major NVLink dispatch: its engine's pair_rows copies them out) writes no x (None)."""
 
     x: Optional[torch.Tensor]
     scales: Optional[torch.Tensor]
@@ -150,7 +151,8 @@ class BufferConfig:
 
 
 class Backend(abc.ABC):
-    """Moves already-validated tensors; nothing below Buffer re-checks its inputs."""
+    """Moves already-validated tensors; nothing below Buffer re-checks its inputs. Every call runs on
+    the current stream: the Buffer picks it and orders it after previous_event (moe_ep.comm.streams)."""
 
     name: str = "?"
     checks_expert_ids = False  # its kernels check every expert id (no host sync; the call raises ValueError)
@@ -193,7 +195,6 @@ class Backend(abc.ABC):
         expert_major: bool,
         num_sms: int,
         knobs: Config,
-        previous_event: Optional[EventHandle],
         async_op: bool,
     ) -> DispatchResult:
         """Normal-mode dispatch. With `handle`, reuse its layout (cached dispatch: topk_* are None
@@ -210,7 +211,6 @@ class Backend(abc.ABC):
         pair_weights: Optional[torch.Tensor],
         num_sms: int,
         knobs: Config,
-        previous_event: Optional[EventHandle],
         async_op: bool,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:
         """Normal-mode combine: (rows [N, H], the combined topk_weights [N, K] or None without them, event).

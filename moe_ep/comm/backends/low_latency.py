@@ -30,7 +30,8 @@ from .engine import Engine
 from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
-    from .symmetric import ErrorWatch, NvshmemSession, SymmetricTensor
+    from ..errors import ErrorWatch
+    from .symmetric import NvshmemSession, SymmetricTensor
 
 # Per-expert kernels: P = clamp(PER_EXPERT_GRID // E_l, 1, MAX_BLOCKS_PER_EXPERT) blocks per expert, about
 # two blocks per SM on an H200 (one wave). From the Buffer's dimensions only, never the local GPU: every
@@ -124,7 +125,8 @@ class LowLatencyEngine(Engine):
     """Runs the low-latency kernels of one Buffer; owns its symmetric region (staging and signal
     words, R per slot for any R: not the Buffer's comm.h signal array) and output sets."""
 
-    def __init__(self, cfg: BufferConfig, session: NvshmemSession, epochs: torch.Tensor, error: ErrorWatch) -> None:
+    def __init__(self, cfg: BufferConfig, session: NvshmemSession, epochs: torch.Tensor, error: ErrorWatch,
+                 runtime: Any) -> None:
         self.cfg = cfg
         self._session = session
         self._epochs, self._error = epochs, error  # kept alive: the kernels use them
@@ -139,16 +141,15 @@ class LowLatencyEngine(Engine):
         self._masked = torch.zeros(cfg.world_size, dtype=torch.int32, device=cfg.device) if cfg.fault_tolerant else None
         node_first = cfg.node * cfg.ranks_per_node  # node ranks: NVLink addresses; the others: PE + symmetric address
         self._ctx = self._native.LowLatencyContext(
-            rank=cfg.rank, nranks=cfg.world_size, ranks_per_node=cfg.ranks_per_node,
+            runtime=runtime, ranks_per_node=cfg.ranks_per_node,
             num_local_experts=cfg.num_local_experts, num_topk=cfg.num_topk, hidden=cfg.hidden,
-            max_tokens=cfg.max_tokens_per_rank, timeout_s=cfg.timeout_s, error=error.device_ptr,
-            epochs=epochs.data_ptr(), masked=0 if self._masked is None else self._masked.data_ptr(), sym=self._sym.ptr,
+            max_tokens=cfg.max_tokens_per_rank, epochs=epochs.data_ptr(), masked=0 if self._masked is None else self._masked.data_ptr(), sym=self._sym.ptr,
             node_sym=self._sym.peer_ptrs[node_first:node_first + cfg.ranks_per_node],
             dispatch_payload_offset=layout.dispatch_payload, dispatch_meta_offset=layout.dispatch_meta,
             combine_payload_offset=layout.combine_payload, combine_scratch_offset=layout.combine_scratch,
             signals_offset=layout.signals, done_counters=self._done_counters.data_ptr(),
             combine_stash=self._stash.data_ptr(), blocks_per_expert=blocks_per_expert(cfg),
-            num_sms=torch.cuda.get_device_properties(cfg.device).multi_processor_count,
+            num_sms=cfg.config.low_latency_num_sms or torch.cuda.get_device_properties(cfg.device).multi_processor_count,
         )
         torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
         self._device_index = torch.device(cfg.device).index

@@ -175,10 +175,8 @@ class ReferenceBackend(Backend):
         )
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
-                 num_sms, knobs, previous_event, async_op) -> DispatchResult:
+                 num_sms, knobs, async_op) -> DispatchResult:
         cfg = self.cfg
-        if previous_event is not None:
-            previous_event.wait()
         cached = handle is not None
         mask = handle.is_token_in_rank if cached else self._rank_mask(topk_idx)
         worst_case = handle.worst_case if cached else worst_case
@@ -258,9 +256,7 @@ class ReferenceBackend(Backend):
         )
         return pairs.expand(result, expert_alignment) if expert_major else result
 
-    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op):
-        if previous_event is not None:
-            previous_event.wait()
+    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, async_op):
         x, topk_weights = pairs.combine_inputs(x, handle, topk_weights, pair_weights)
         recv_counts = handle.state.recv_counts
         parts = [x] if topk_weights is None else [x, topk_weights]
