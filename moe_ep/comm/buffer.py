@@ -1,6 +1,7 @@
 """Buffer: the public communication object. Every input is validated here, once, before any backend
 runs; backends below trust what they get. Every rank makes the same collective calls whatever its
-inputs: a rank whose input is rejected makes the call on stand-in inputs, then raises."""
+inputs: a rank whose input is rejected makes the call on stand-in inputs, its stamp saying so
+(moe_ep.comm.call_check), then raises; its peers raise PeerInputError once the stamps are in."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from . import _native, topology
 from .backends.base import Backend, BufferConfig
+from .call_check import CACHED, COMBINE, DISPATCH, LL_COMBINE, LL_DISPATCH, CallOrder, CallStamp, OwnRejection
 from .config import DEFAULT_NUM_SMS, PER_BUFFER, Config
 from .errors import BadExpertIdError
 from .types import (
@@ -228,31 +230,42 @@ def _check_same_topology(everyone: list[dict[str, Any]], detected: int) -> None:
 
 
 def _take_part(error: Exception, standin: Callable[[], object]) -> NoReturn:
-    """Make the call on stand-in inputs, so that every peer's collective finds this rank, then raise this
-    rank's `error`: one rank's bad input must not desynchronise the group (docs/api.md, Errors)."""
-    standin()
+    """Make the call on stand-in inputs whose stamp carries the rejection, so that every peer's exchange
+    finds this rank (and raises PeerInputError where the call checks stamps), then raise this rank's
+    `error`: one rank's bad input must not desynchronise the group (docs/api.md, Errors)."""
+    try:
+        standin()
+    except OwnRejection:
+        pass
     raise error
 
 
-def _raise_after_receive(error: Exception, result: _LowLatencyResult) -> _LowLatencyResult:
-    """A low-latency call that took part for rejected input: raise now, or, with a receive hook, from
-    the hook once it has received (the peers' receive waits for this rank's sends)."""
+def _raise_after_receive(error: Exception, run: Callable[[], _LowLatencyResult]) -> _LowLatencyResult:
+    """A low-latency call that takes part for rejected input: raise once it ran, or, with a receive
+    hook, from the hook once it has received (the peers' receive waits for this rank's sends)."""
+    try:
+        result = run()
+    except OwnRejection:
+        raise error from None
     if result.hook is None:
         raise error
     hook = result.hook
 
     def receive() -> None:
-        hook()
+        try:
+            hook()
+        except OwnRejection:
+            pass
         raise error
 
     result.hook = receive
     return result
 
 
-def _keep_routing(result: LowLatencyDispatchResult, topk_idx: torch.Tensor) -> LowLatencyDispatchResult:
-    """Records in the handle the topk_idx the dispatch exchanged: a combine whose own is rejected uses it."""
-    result.handle.topk_idx = topk_idx
-    return result
+def _kernel_found_ids() -> BadExpertIdError:
+    """What a rank raises when its stamp says its kernels found a bad expert id and no record says which."""
+    return BadExpertIdError("topk_idx held an expert id outside [-1, num_experts) (found by the kernels; the call "
+                            "treated it as -1 and every rank raised)")
 
 
 class Buffer:
@@ -303,6 +316,7 @@ class Buffer:
             fault_tolerant=bool(fault_tolerant), ranks_per_gpu=topo.ranks_per_gpu, config=settings["config"],
         )
         self._backend: Optional[Backend] = self._make_backend()
+        self._calls = CallOrder()  # numbers the communicating calls (moe_ep.comm.call_check)
 
     def _make_backend(self) -> Backend:
         if self.backend_name == "reference":
@@ -543,26 +557,40 @@ class Buffer:
                  previous_event: Optional[EventHandle] = None, async_op: bool = False) -> DispatchResult:
         """Send each token once to every rank holding one of its experts (docs/api.md); expert_major:
         the received rows as (row, local expert) pairs grouped by expert. Rejected arguments: this
-        rank takes part as a rank without tokens (a cached dispatch: with zero rows), then raises."""
+        rank takes part as a rank without tokens (a cached dispatch: with zero rows), then raises; its
+        peers raise PeerInputError (docs/api.md, Errors)."""
         if handle is not None:
             self._check_handle(handle, DispatchHandle)
-        sms, knobs = self._knobs(num_sms, config)
-        run = functools.partial(self.backend.dispatch, handle=handle, worst_case=bool(worst_case), num_sms=sms,
-                                knobs=knobs, previous_event=self._check_event(previous_event),
-                                async_op=bool(async_op))
+        kind, made_by = (DISPATCH, 0) if handle is None else (CACHED, handle.call)
+        fp8 = int(self._fp8_rows(x))
         try:
+            sms, knobs = self._knobs(num_sms, config)
+            event = self._check_event(previous_event)
             self._check_dispatch(x, x_scales, topk_idx, topk_weights, handle, expert_alignment)
             pairs = self._check_expert_major(expert_major, handle, bool(worst_case), expert_alignment)
         except (TypeError, ValueError) as error:
-            rows, scales = self._zero_rows((0 if handle is None else handle.num_tokens,), self._fp8_rows(x))
+            stamp = self._calls.stamp(kind, made_by, fp8, error)
+            rows, scales = self._zero_rows((0 if handle is None else handle.num_tokens,), bool(fp8))
             idx, weights = self._no_routing(0) if handle is None else (None, None)
-            _take_part(error, lambda: run(rows, scales, idx, weights, expert_alignment=1, expert_major=False))
+            _take_part(error, lambda: self.backend.dispatch(
+                rows, scales, idx, weights, handle=handle, expert_alignment=1, worst_case=bool(worst_case),
+                expert_major=False, num_sms=self.cfg.num_sms, knobs=self.cfg.config, previous_event=None,
+                async_op=False, stamp=stamp))
         bad_ids = None
         if handle is None:
             topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        result = run(x, x_scales, topk_idx, topk_weights, expert_alignment=expert_alignment, expert_major=pairs)
+        stamp = self._calls.stamp(kind, made_by, fp8, bad_ids)
+        try:
+            result = self.backend.dispatch(
+                x, x_scales, topk_idx, topk_weights, handle=handle, expert_alignment=expert_alignment,
+                worst_case=bool(worst_case), expert_major=pairs, num_sms=sms, knobs=knobs, previous_event=event,
+                async_op=bool(async_op), stamp=stamp)
+        except OwnRejection:
+            raise (bad_ids if bad_ids is not None else _kernel_found_ids()) from None
         if bad_ids is not None:
             raise bad_ids
+        if handle is None:
+            result.handle.call = stamp.call
         return result
 
     def _check_combine(self, x: object, handle: DispatchHandle, topk_weights: object, pair_weights: object) -> None:
@@ -589,21 +617,28 @@ class Buffer:
         """Sum each token's rows (and topk_weights rows) back on its source rank (docs/api.md); returns out,
         (out, weights) with topk_weights, and the EventHandle last when async_op. An expert-major
         handle's combine takes pairs and sums each row's first (pair_weights: times each pair's weight).
-        Rejected tensors: this rank sends zero rows (and weights) back, then raises."""
+        Rejected tensors: this rank sends zero rows (and weights) back, then raises; its peers raise
+        PeerInputError where the backend checks the call (docs/api.md, Errors)."""
         self._check_handle(handle, DispatchHandle)
-        sms, knobs = self._knobs(num_sms, config)
-        run = functools.partial(self.backend.combine, handle=handle, num_sms=sms, knobs=knobs,
-                                previous_event=self._check_event(previous_event), async_op=bool(async_op))
+        with_weights = int(topk_weights is not None)
         try:
+            sms, knobs = self._knobs(num_sms, config)
+            event = self._check_event(previous_event)
             self._check_combine(x, handle, topk_weights, pair_weights)
         except (TypeError, ValueError) as error:
+            stamp = self._calls.stamp(COMBINE, handle.call, with_weights, error)
             layout = handle.expert_major
             m = handle.num_recv_rows if layout is None else layout.num_pairs
             rows, _ = self._zero_rows((m,), False)
             shape = (m, self.cfg.num_topk) if layout is None else (m,)
-            weights = None if topk_weights is None else torch.zeros(shape, dtype=torch.float32, device=self.cfg.device)
-            _take_part(error, lambda: run(rows, topk_weights=weights, pair_weights=None))
-        out, weights, event = run(x, topk_weights=topk_weights, pair_weights=pair_weights)
+            weights = torch.zeros(shape, dtype=torch.float32, device=self.cfg.device) if with_weights else None
+            _take_part(error, lambda: self.backend.combine(
+                rows, handle, topk_weights=weights, pair_weights=None, num_sms=self.cfg.num_sms,
+                knobs=self.cfg.config, previous_event=None, async_op=False, stamp=stamp))
+        stamp = self._calls.stamp(COMBINE, handle.call, with_weights)
+        out, weights, event = self.backend.combine(x, handle, topk_weights=topk_weights, pair_weights=pair_weights,
+                                                   num_sms=sms, knobs=knobs, previous_event=event,
+                                                   async_op=bool(async_op), stamp=stamp)
         result = (out,) if topk_weights is None else (out, weights)
         if async_op:
             result += (event,)
@@ -617,30 +652,40 @@ class Buffer:
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool = False,
                              round_scale: bool = False, return_recv_hook: bool = False) -> LowLatencyDispatchResult:
         """Expert-major dispatch with fixed capacity and no host sync (docs/api.md). Rejected tensors: this
-        rank takes part as a rank without tokens, then raises (with a receive hook: the hook does)."""
+        rank takes part as a rank without tokens, then raises (with a receive hook: the hook does); its
+        peers raise PeerInputError where the backend checks the call."""
         self._check_low_latency()
         if use_fp8:
             self._check_fp8_hidden()
-        run = functools.partial(self.backend.low_latency_dispatch, use_fp8=bool(use_fp8),
-                                return_recv_hook=bool(return_recv_hook))
+
+        def run(x: torch.Tensor, idx: torch.Tensor, round_scale: bool, stamp: CallStamp) -> LowLatencyDispatchResult:
+            result = self.backend.low_latency_dispatch(x, idx, use_fp8=bool(use_fp8), round_scale=round_scale,
+                                                       return_recv_hook=bool(return_recv_hook), stamp=stamp)
+            result.handle.topk_idx, result.handle.call = idx, stamp.call  # a combine whose own is rejected uses it
+            return result
+
         try:
             x = self._check_x(x, fp8_ok=False)
             self._check_topk_idx(topk_idx, x.shape[0])
             if round_scale and not use_fp8:
                 raise ValueError("round_scale applies only with use_fp8=True")
         except (TypeError, ValueError) as error:
+            stamp = self._calls.stamp(LL_DISPATCH, 0, int(bool(use_fp8)), error)
             rows, _ = self._zero_rows((0,), False)
             idx, _ = self._no_routing(0)
-            return _raise_after_receive(error, _keep_routing(run(rows, idx, round_scale=False), idx))
+            return _raise_after_receive(error, lambda: run(rows, idx, False, stamp))
         topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        result = _keep_routing(run(x, topk_idx, round_scale=bool(round_scale)), topk_idx)
-        return result if bad_ids is None else _raise_after_receive(bad_ids, result)
+        stamp = self._calls.stamp(LL_DISPATCH, 0, int(bool(use_fp8)), bad_ids)
+        if bad_ids is not None:
+            return _raise_after_receive(bad_ids, lambda: run(x, topk_idx, bool(round_scale), stamp))
+        return run(x, topk_idx, bool(round_scale), stamp)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, return_recv_hook: bool = False) -> LowLatencyCombineResult:
         """Weighted sum of each token's expert outputs, ascending k, one rounding (docs/api.md). Rejected
         tensors: this rank sends zero rows back and receives by its dispatch's topk_idx (rejected ids
-        alone: it sends x), then raises (with a receive hook: the hook does)."""
+        alone: it sends x), then raises (with a receive hook: the hook does); its peers raise
+        PeerInputError where the backend checks the call."""
         cfg = self.cfg
         self._check_low_latency()
         self._check_handle(handle, LowLatencyHandle)
@@ -652,12 +697,14 @@ class Buffer:
             self._check_weights(topk_weights, n)
             _check_aligned("x", x)
         except (TypeError, ValueError) as error:
+            stamp = self._calls.stamp(LL_COMBINE, handle.call, 0, error)
             rows, _ = self._zero_rows(lead, False)
-            return _raise_after_receive(error, run(rows, handle.topk_idx, self._no_routing(n)[1]))
+            return _raise_after_receive(error, lambda: run(rows, handle.topk_idx, self._no_routing(n)[1], stamp=stamp))
         bad_ids = self._in_range_ids(topk_idx)[1]
+        stamp = self._calls.stamp(LL_COMBINE, handle.call, 0, bad_ids)
         if bad_ids is not None:  # receive what the dispatch's routing says the peers send back
-            return _raise_after_receive(bad_ids, run(x, handle.topk_idx, topk_weights))
-        return run(x, topk_idx, topk_weights)
+            return _raise_after_receive(bad_ids, lambda: run(x, handle.topk_idx, topk_weights, stamp=stamp))
+        return run(x, topk_idx, topk_weights, stamp=stamp)
 
     # ---- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

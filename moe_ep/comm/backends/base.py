@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..call_check import CallStamp
 from ..config import Config
 from ..types import (
     DispatchHandle,
@@ -189,10 +190,12 @@ class Backend(abc.ABC):
         knobs: Config,
         previous_event: Optional[EventHandle],
         async_op: bool,
+        stamp: CallStamp,
     ) -> DispatchResult:
         """Normal-mode dispatch. With `handle`, reuse its layout (cached dispatch: topk_* are None
         and the result's topk_idx/topk_weights are None). `knobs`: the call's kernel knobs (speed only).
-        expert_major: the received rows as pairs (moe_ep.comm.expert_major.expand, after the exchange)."""
+        expert_major: the received rows as pairs (moe_ep.comm.expert_major.expand, after the exchange).
+        `stamp`: what the call's exchange carries where the backend checks it (call_check.verify raises)."""
 
     @abc.abstractmethod
     def combine(
@@ -206,6 +209,7 @@ class Backend(abc.ABC):
         knobs: Config,
         previous_event: Optional[EventHandle],
         async_op: bool,
+        stamp: CallStamp,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:
         """Normal-mode combine: (rows [N, H], the combined topk_weights [N, K] or None without them, event).
         An expert-major handle's pairs are first summed per row (moe_ep.comm.expert_major.combine_inputs)."""
@@ -219,6 +223,7 @@ class Backend(abc.ABC):
         use_fp8: bool,
         round_scale: bool,
         return_recv_hook: bool,
+        stamp: CallStamp,
     ) -> LowLatencyDispatchResult: ...
 
     @abc.abstractmethod
@@ -230,6 +235,7 @@ class Backend(abc.ABC):
         handle: LowLatencyHandle,
         *,
         return_recv_hook: bool,
+        stamp: CallStamp,
     ) -> LowLatencyCombineResult: ...
 
     def close(self) -> None:

@@ -7,13 +7,16 @@ forwarding inside each: backends/internode.py) — and, for low_latency Buffers,
 much heap it needs before the session is made.
 
 A normal dispatch, on either engine (`normal_dispatch`):
-  1. notify (unless cached): the engine's layout and count-exchange kernels; the handle state and
-     the aligned tokens per local expert stay on the device;
+  1. notify (unless cached): the engine's layout and count-exchange kernels, the count rows carrying
+     the call's stamp (moe_ep.comm.call_check); the handle state and the aligned tokens per local
+     expert stay on the device;
   2. outputs: R * T rows in worst-case mode, or outside it when R * T rows fit Config.eager_output_bytes
      (the dispatch kernel then starts before the host knows the counts; results are views of the
      first M rows), else the host waits for the counts and allocates exactly M rows;
   3. the dispatch kernel (it reads the counts on the device);
-  4. outside worst-case mode, the host waits for the counts (if it has not yet) and trims;
+  4. outside worst-case mode, the host waits for the counts (if it has not yet) and trims; with the
+     counts come every rank's stamps, and call_check.verify raises on every rank alike when the
+     ranks made different calls or one rejected its input (before step 3 where the host waited);
   5. the call's error check, once every kernel of the call is launched, so a rank that raises made
      the same launches as its peers.
 """
@@ -25,6 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..call_check import STAMP_WORDS, CallStamp, OwnRejection, verify
 from ..config import Config
 from ..types import DispatchHandle, DispatchLayout, DispatchResult, ExpertMajorLayout
 from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result
@@ -74,8 +78,8 @@ class NormalEngine(Engine):
 
     @abc.abstractmethod
     def notify(self, topk_idx: torch.Tensor, expert_alignment: int, worst_case: bool,
-               stream: torch.cuda.Stream) -> Notified:
-        """Launch the layout and the count exchange of a fresh dispatch."""
+               stream: torch.cuda.Stream, stamp: list[int]) -> Notified:
+        """Launch the layout and the count exchange of a fresh dispatch; the count rows carry `stamp`."""
 
     @abc.abstractmethod
     def raw_expert_counts(self, state: Any) -> torch.Tensor:
@@ -90,6 +94,11 @@ class NormalEngine(Engine):
     def host_counts(self) -> tuple[list[int], list[int]]:
         """(rows from each source, raw rows per local expert) of the last notify, once it has run."""
         return self._ctx.host_info()
+
+    def host_stamps(self) -> list[list[int]]:
+        """Every rank's stamp words as the last notify outside worst-case mode received them, once it has run."""
+        words = self._ctx.host_stamps()
+        return [words[s * STAMP_WORDS:(s + 1) * STAMP_WORDS] for s in range(self.cfg.world_size)]
 
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: DispatchHandle, out: torch.Tensor,
@@ -106,10 +115,11 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
                     topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
                     handle: Optional[DispatchHandle], expert_alignment: int, worst_case: bool, num_sms: int,
                     knobs: Config, stream: torch.cuda.Stream, async_op: bool,
-                    check: Callable[..., None], rows_in_workspace: bool = False) -> DispatchResult:
+                    check: Callable[..., None], stamp: CallStamp, rows_in_workspace: bool = False) -> DispatchResult:
     """The normal-mode dispatch flow of every normal engine (this module's docstring says the steps).
-    `check` is the Buffer's ErrorWatch.check. rows_in_workspace (engines with expand_pairs):
-    the kernel leaves the rows in the workspace and the result's x is None, for expand_pairs."""
+    `check` is the Buffer's ErrorWatch.check; `stamp` the call's (checked where the host waits for the
+    counts). rows_in_workspace (engines with expand_pairs): the kernel leaves the rows in the
+    workspace and the result's x is None, for expand_pairs."""
     cfg = engine.cfg
     r, t = cfg.world_size, cfg.max_tokens_per_rank
     cached = handle is not None
@@ -120,7 +130,7 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
         in_rank = handle.is_token_in_rank
         tokens_per_expert = align_up_device(engine.raw_expert_counts(state), expert_alignment)
     else:
-        notified = engine.notify(topk_idx, expert_alignment, worst_case, stream)
+        notified = engine.notify(topk_idx, expert_alignment, worst_case, stream, stamp.words)
         in_rank, state, tokens_per_expert = notified.is_token_in_rank, notified.state, notified.tokens_per_expert
         if not worst_case:
             counts_ready = torch.cuda.Event()
@@ -135,6 +145,11 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
         check(timeouts_only=True)  # a bad id is raised once every kernel of the call is launched
         from_source, raw = engine.host_counts()
         state = dataclasses.replace(state, tokens_per_expert=raw)
+        try:
+            verify(stamp, engine.host_stamps())
+        except OwnRejection:
+            check()  # a bad id the kernels found raises here, naming it
+            raise
         return from_source
 
     if counts_ready is not None and not eager:

@@ -81,24 +81,26 @@ class NvshmemBackend(Backend):
         return layout
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
-                 num_sms, knobs, previous_event, async_op) -> DispatchResult:
+                 num_sms, knobs, previous_event, async_op, stamp) -> DispatchResult:
         """The kernels move rows; an expert-major result expands them into pairs after them
         (moe_ep.comm.expert_major): on NVLink straight from the workspace the rows landed in (the engine's
-        expand_pairs), across nodes by a gather of the received rows."""
+        expand_pairs), across nodes by a gather of the received rows. The stamp rides the notify's
+        count rows: checked for fresh dispatches outside worst-case mode (the host reads the counts)."""
         stream = self._stream(previous_event)
         engine = self._normal
         in_workspace = expert_major and engine.expand_pairs is not None
         result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                  expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
                                  knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
-                                 rows_in_workspace=in_workspace)
+                                 stamp=stamp, rows_in_workspace=in_workspace)
         if not expert_major:
             return result
         return pairs.expand(result, expert_alignment, engine.expand_pairs if in_workspace else None)
 
-    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op):
+    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op, stamp):
         """One kernel: the rows, and topk_weights when given, travel back together (an expert-major
-        handle's pairs summed into rows first, on the current stream)."""
+        handle's pairs summed into rows first, on the current stream). The stamp is not checked: the
+        kernel exchanges no counts and the host never waits for it (docs/api.md, Errors)."""
         cfg = self.cfg
         stream = self._stream(previous_event)
         x, topk_weights = pairs.combine_inputs(x, handle, topk_weights, pair_weights)
@@ -115,13 +117,15 @@ class NvshmemBackend(Backend):
             raise RuntimeError("this Buffer was created without low_latency=True")
         return self._low_latency
 
-    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale,
-                             return_recv_hook) -> LowLatencyDispatchResult:
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, return_recv_hook,
+                             stamp) -> LowLatencyDispatchResult:
+        """The stamp is not checked: no host sync (docs/api.md, Errors)."""
         return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
                                        return_recv_hook=return_recv_hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *,
-                            return_recv_hook) -> LowLatencyCombineResult:
+                            return_recv_hook, stamp) -> LowLatencyCombineResult:
+        """The stamp is not checked: no host sync (docs/api.md, Errors)."""
         return self._engine().combine(x, topk_idx, topk_weights, handle, return_recv_hook=return_recv_hook)
 
     @property

@@ -1,7 +1,11 @@
 """Pure torch.distributed backend: the oracle, the CPU default and the NCCL baseline.
 
-Every exchange is one `all_to_all_single` of packed byte rows (after a count exchange), so it
-runs on gloo (CPU) and NCCL (GPU) alike. CUDA tensors over a gloo group (ranks sharing a GPU,
+Every exchange is one `all_to_all_single` of packed byte rows after a header exchange of fixed size
+(HEADER_WORDS int64 per peer: the rows this rank sends it, then the call's stamp, call_check), so it
+runs on gloo (CPU) and NCCL (GPU) alike. Every call opens with the header exchange, whatever its kind:
+ranks that make different calls meet there, so call_check.verify raises on every rank before any
+exchange whose sizes depend on the call. Dispatches carry their counts in it; combines, which need
+no counts, pay one small extra exchange for it (their row exchange's sizes come from the handle). CUDA tensors over a gloo group (ranks sharing a GPU,
 docs/one_gpu.md) are staged through host memory: correct and slow. Arithmetic follows docs/api.md
 to the bit.
 """
@@ -18,6 +22,7 @@ import torch.distributed as dist
 
 from .. import expert_major as pairs
 from .. import fp8
+from ..call_check import STAMP_WORDS, CallStamp, verify
 from ..errors import CommTimeoutError
 from ..types import (
     DispatchHandle,
@@ -28,6 +33,8 @@ from ..types import (
     LowLatencyHandle,
 )
 from .base import Backend, BufferConfig, align_up, record_event
+
+HEADER_WORDS = 1 + STAMP_WORDS  # per peer: rows sent to it, then the stamp
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -101,8 +108,19 @@ class ReferenceBackend(Backend):
             raise
         return out.copy_(host) if self._staged else out
 
-    def _exchange_counts(self, phase: str, send_counts: torch.Tensor) -> list[int]:
-        return self._all_to_all(f"{phase} counts", torch.empty_like(send_counts), send_counts).tolist()
+    def _exchange_header(self, phase: str, stamp: CallStamp, send_counts: Optional[torch.Tensor] = None) -> list[int]:
+        """The call's header exchange (module docstring): rows from each rank; raises on every rank alike
+        (call_check.verify) when the ranks made different calls or one rejected its input."""
+        r = self.cfg.world_size
+        header = torch.zeros(r, HEADER_WORDS, dtype=torch.int64)
+        if send_counts is not None:
+            header[:, 0] = send_counts.cpu()
+        header[:, 1:] = torch.tensor(stamp.words, dtype=torch.int64)
+        if not self._staged and self.cfg.device.type == "cuda":
+            header = header.to(self.cfg.device)
+        got = self._all_to_all(f"{phase} header", torch.empty_like(header), header).cpu()
+        verify(stamp, got[:, 1:].tolist())
+        return got[:, 0].tolist()
 
     def _all_to_all_rows(self, phase: str, rows: torch.Tensor, send_counts: list[int],
                          recv_counts: list[int]) -> torch.Tensor:
@@ -136,7 +154,7 @@ class ReferenceBackend(Backend):
         )
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
-                 num_sms, knobs, previous_event, async_op) -> DispatchResult:
+                 num_sms, knobs, previous_event, async_op, stamp) -> DispatchResult:
         cfg = self.cfg
         if previous_event is not None:
             previous_event.wait()
@@ -147,7 +165,7 @@ class ReferenceBackend(Backend):
         token_ids = torch.arange(n, device=x.device, dtype=torch.int32)
         send_idx = torch.cat([token_ids[mask[:, r]] for r in range(cfg.world_size)]).long()
         send_counts = mask.sum(0).to(torch.int64)
-        recv_counts = self._exchange_counts("reference dispatch", send_counts)
+        recv_counts = self._exchange_header("reference dispatch", stamp, send_counts)
         parts = [x[send_idx]] + ([x_scales[send_idx]] if x_scales is not None else [])
         parts.append(send_idx.to(torch.int32).unsqueeze(1))
         if not cached:
@@ -219,9 +237,10 @@ class ReferenceBackend(Backend):
         )
         return pairs.expand(result, expert_alignment) if expert_major else result
 
-    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op):
+    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op, stamp):
         if previous_event is not None:
             previous_event.wait()
+        self._exchange_header("reference combine", stamp)
         x, topk_weights = pairs.combine_inputs(x, handle, topk_weights, pair_weights)
         recv_counts = handle.state.recv_counts
         parts = [x] if topk_weights is None else [x, topk_weights]
@@ -257,7 +276,7 @@ class ReferenceBackend(Backend):
         return acc
 
     # ---- low-latency mode -----------------------------------------------------------------
-    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, return_recv_hook):
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, return_recv_hook, stamp):
         cfg = self.cfg
         e_l, slots = cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank
         out_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
@@ -275,7 +294,7 @@ class ReferenceBackend(Backend):
             token_ids = torch.arange(x_in.shape[0], device=x.device, dtype=torch.int32)
             send_idx = torch.cat([token_ids[mask[:, r]] for r in range(cfg.world_size)]).long()
             send_counts = mask.sum(0).to(torch.int64)
-            recv_counts = self._exchange_counts("reference low-latency dispatch", send_counts)
+            recv_counts = self._exchange_header("reference low-latency dispatch", stamp, send_counts)
             rows, specs = _pack([p[send_idx] for p in payload] + [send_idx.to(torch.int32).unsqueeze(1), topk_in[send_idx]])
             got = _unpack(self._all_to_all_rows("reference low-latency dispatch", rows, send_counts.tolist(), recv_counts),
                           specs)
@@ -309,13 +328,14 @@ class ReferenceBackend(Backend):
             receive()
         return LowLatencyDispatchResult(out_x, out_scales, count, handle, receive if return_recv_hook else None)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, return_recv_hook):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, return_recv_hook, stamp):
         cfg = self.cfg
         n, k_top = topk_idx.shape
         out = torch.empty(n, cfg.hidden, dtype=torch.bfloat16, device=x.device)
         x_in, topk_in, weights_in = x.clone(), topk_idx.clone(), topk_weights.clone()
 
         def receive() -> None:
+            self._exchange_header("reference low-latency combine", stamp)
             e_all, e_l = cfg.num_experts, cfg.num_local_experts
             slots = torch.arange(x_in.shape[1], device=x.device)
             valid = slots.unsqueeze(0) < handle.count.unsqueeze(1)  # [E_l, R*T]

@@ -1,0 +1,122 @@
+"""Calls checked in order, errors made collective (docs/api.md, Errors).
+
+Every communicating call of a Buffer carries a stamp of STAMP_WORDS small ints inside an exchange it
+already makes (the reference backend's count all_to_all, the native notify's count rows): the call's
+kind, its number among the Buffer's calls, the number of the call whose handle it uses, the sizes
+that every rank must agree on, and whether this rank rejected its input (and why). Once every
+rank's stamp is in, `verify` raises on every rank alike: CallMismatchError when the ranks made
+different calls, else each rejecting rank's own error and PeerInputError on its peers.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .errors import BadExpertIdError, CallMismatchError, PeerInputError
+
+STAMP_WORDS = 6  # kind, call, handle call, size, status, reason; each fits an int32 (the native count rows)
+_WRAP = 1 << 30  # call numbers wrap below int32's range
+
+KINDS = ("?", "dispatch", "cached dispatch", "combine", "low-latency dispatch", "low-latency combine")
+DISPATCH, CACHED, COMBINE, LL_DISPATCH, LL_COMBINE = 1, 2, 3, 4, 5
+
+# status: what the rank rejected (0: nothing); reason: argument * 16 + check, from the rank's message
+STATUS = (None, TypeError, ValueError, BadExpertIdError)
+ARGUMENTS = ("?", "x", "x_scales", "topk_idx", "topk_weights", "pair_weights", "expert_alignment", "expert_major",
+             "round_scale", "num_sms", "config", "previous_event")
+CHECKS = (("value", ""), ("type", "must be a torch.Tensor"), ("dtype", "must have dtype"),
+          ("shape", "must have shape"), ("device", "must be on "), ("contiguity", "must be contiguous"),
+          ("alignment", "16-byte aligned"), ("token count", "above max_tokens_per_rank"),
+          ("expert ids", "must lie in [-1,"))
+
+
+class OwnRejection(Exception):
+    """Internal: this rank rejected its input and every rank has its stamp; Buffer raises the rank's error."""
+
+
+def _reason(error: Exception) -> tuple[int, int]:
+    """(status, reason) of a rejected input: the error's class, the argument it names and the failed check."""
+    status = next((i for i in range(len(STATUS) - 1, 0, -1) if isinstance(error, STATUS[i])), 2)
+    text = str(error)
+    match = re.match(r"(\w+)", text)
+    argument = ARGUMENTS.index(match.group(1)) if match and match.group(1) in ARGUMENTS else 0
+    check = next((i for i in range(len(CHECKS) - 1, 0, -1) if CHECKS[i][1] in text), 0)
+    return status, argument * 16 + check
+
+
+def describe_reason(status: int, reason: int) -> str:
+    """What a peer's (status, reason) words say, e.g. "TypeError: x (dtype)"."""
+    kind = STATUS[status].__name__ if 0 < status < len(STATUS) else f"status {status}"
+    argument, check = divmod(reason, 16)
+    name = ARGUMENTS[argument] if 0 <= argument < len(ARGUMENTS) else "?"
+    what = CHECKS[check][0] if 0 <= check < len(CHECKS) else "?"
+    return f"{kind}: {what}" if name == "?" else f"{kind}: {name} ({what})"
+
+
+@dataclass
+class CallOrder:
+    """A Buffer's call counter (the same on every rank while the ranks make the same calls)."""
+
+    last: int = 0
+
+    def stamp(self, kind: int, handle: int = 0, size: int = 0, error: Optional[Exception] = None) -> "CallStamp":
+        """The next call's stamp; `handle`: the number of the call that made the handle it uses."""
+        self.last = self.last % _WRAP + 1
+        status, reason = _reason(error) if error is not None else (0, 0)
+        return CallStamp(self, kind, self.last, handle, size, status, reason)
+
+
+@dataclass(frozen=True)
+class CallStamp:
+    """One rank's stamp for one call (module docstring); `words` is what travels."""
+
+    order: CallOrder = field(repr=False, compare=False)
+    kind: int
+    call: int
+    handle: int
+    size: int
+    status: int
+    reason: int
+
+    @property
+    def words(self) -> list[int]:
+        return [self.kind, self.call, self.handle, self.size, self.status, self.reason]
+
+    def rejected(self, error: Exception) -> "CallStamp":
+        """The same call, marked as rejected by `error` (found after the stamp was made)."""
+        status, reason = _reason(error)
+        return CallStamp(self.order, self.kind, self.call, self.handle, self.size, status, reason)
+
+
+def describe_call(words: Sequence[int]) -> str:
+    """A call as its stamp names it, e.g. "combine #8 (of dispatch #7, with weights)"."""
+    kind, call, handle, size = (int(w) for w in words[:4])
+    name = KINDS[kind] if 0 <= kind < len(KINDS) else f"call kind {kind}"
+    extra = []
+    if handle:
+        extra.append(f"handle of call #{handle}")
+    if size and kind in (DISPATCH, CACHED, LL_DISPATCH):
+        extra.append("FP8 rows")
+    elif size and kind == COMBINE:
+        extra.append("with topk_weights")
+    return f"{name} #{call}" + (f" ({', '.join(extra)})" if extra else "")
+
+
+def verify(mine: CallStamp, everyone: Sequence[Sequence[int]]) -> None:
+    """Every rank's stamp words for this call (rank order, this rank's included): raises OwnRejection
+    if this rank rejected its input, else CallMismatchError if the ranks made different calls (the
+    counters then resume past every rank's, so the Buffer stays usable), else PeerInputError naming
+    each peer that rejected its input. Every rank sees the same words, so every rank raises."""
+    calls = [[int(w) for w in words[:4]] for words in everyone]
+    if any(c != calls[0] for c in calls):
+        mine.order.last = max(c[1] for c in calls)
+        if mine.status:
+            raise OwnRejection()
+        raise CallMismatchError(", ".join(f"rank {r}: {describe_call(c)}" for r, c in enumerate(calls)))
+    if mine.status:
+        raise OwnRejection()
+    peers = [(r, int(w[4]), int(w[5])) for r, w in enumerate(everyone) if int(w[4])]
+    if peers:
+        raise PeerInputError([r for r, _, _ in peers], describe_call(calls[0]),
+                             [describe_reason(s, why) for _, s, why in peers])
