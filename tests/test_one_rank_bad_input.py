@@ -1,8 +1,12 @@
 """Misuse on one rank leaves the group in step (docs/api.md, Errors). One rank passes bad input to a
-call: that rank raises, the other ranks' results of that call are right against brute force (the bad
-rank counting as its stand-in: no tokens, zero rows, or its bad expert ids as -1), and every rank's
-next calls are right. Buffer arguments that differ between ranks raise on every rank. On the
-reference backend, a call that a peer skips raises CommTimeoutError within timeout_s plus a bound."""
+call: that rank raises its own error and, where the call checks its stamps (moe_ep.comm.call_check:
+every call on the reference backend, fresh dispatches on the native one), every other rank raises
+PeerInputError naming it; elsewhere the other ranks' results are right against brute force (the bad
+rank counting as its stand-in: no tokens, zero rows, or its bad expert ids as -1). Every rank's next
+calls are right. Ranks that make different calls raise CallMismatchError on every rank, naming each
+rank's call, and the Buffer stays usable. Buffer arguments that differ between ranks raise on every
+rank. On the reference backend, a call that a peer skips altogether raises CommTimeoutError within
+timeout_s plus a bound."""
 from __future__ import annotations
 
 import re
@@ -18,7 +22,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.comm import fp8
-from moe_ep.comm.errors import CommTimeoutError
+from moe_ep.comm.errors import CallMismatchError, CommTimeoutError, PeerInputError
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import (
     Inputs,
@@ -248,9 +252,27 @@ def _expect(case: Case, call: Callable[[], Any]) -> None:
         call()
 
 
+def _expect_peer(case: Case, bad: int, call: Callable[[], Any]) -> None:
+    """A peer of the bad rank raises PeerInputError naming the bad rank and its error's class."""
+    with pytest.raises(PeerInputError, match=f"rank {bad} rejected its input") as raised:
+        call()
+    kind = "BadExpertIdError" if case.match == IDS else case.error.__name__
+    assert raised.value.ranks == [bad] and raised.value.reasons[0].startswith(kind), str(raised.value)
+
+
+def _collective(case: Case, backend: str) -> bool:
+    """Whether the call of `case` checks its stamps (docs/api.md, Errors): every communicating call on
+    the reference backend; on the native one the fresh dispatches outside worst-case mode (the host
+    reads their counts). get_dispatch_layout communicates nothing, so its errors stay local."""
+    if case.call == "layout":
+        return False
+    return backend == "reference" or case.call in ("dispatch", "fp8_dispatch")
+
+
 def _run_case(buf: moe_ep.Buffer, case: Case, inp: Inputs, me: int, world: int, bad: int, e: int,
-              dev: torch.device) -> None:
-    """The call of `case` with the bad rank's arguments spoiled; the peers' results against brute force."""
+              dev: torch.device, collective: bool) -> None:
+    """The call of `case` with the bad rank's arguments spoiled; the peers raise PeerInputError where the
+    call is `collective`, else their results are checked against brute force."""
     e_l = e // world
     mine = _on(dev, inp.x[me], inp.topk_idx[me], inp.topk_weights[me])
     bad_args = _on(dev, inp.x[bad], inp.topk_idx[bad], inp.topk_weights[bad])
@@ -283,6 +305,9 @@ def _run_case(buf: moe_ep.Buffer, case: Case, inp: Inputs, me: int, world: int, 
                     _expect(case, buf.low_latency_dispatch(**spoiled).hook)
                 else:
                     _expect(case, lambda: buf.low_latency_dispatch(**spoiled))
+            elif collective:
+                _expect_peer(case, bad, buf.low_latency_dispatch(**args_of(*mine)).hook if hook
+                             else lambda: buf.low_latency_dispatch(**args_of(*mine)))
             else:
                 got = buf.low_latency_dispatch(**args_of(*mine))
                 if hook:
@@ -291,6 +316,8 @@ def _run_case(buf: moe_ep.Buffer, case: Case, inp: Inputs, me: int, world: int, 
         else:
             if me == bad:
                 _expect(case, lambda: buf.dispatch(**spoiled))
+            elif collective:
+                _expect_peer(case, bad, lambda: buf.dispatch(**args_of(*mine)))
             else:
                 got = buf.dispatch(**args_of(*mine))
                 quantized = [_quantized(t) for t in seen.x] if case.call == "fp8_dispatch" else None
@@ -306,6 +333,9 @@ def _run_case(buf: moe_ep.Buffer, case: Case, inp: Inputs, me: int, world: int, 
         args = {"x": _ll_outputs(got, me, e_l), "topk_idx": mine[1], "topk_weights": mine[2], "handle": got.handle}
         if me == bad:
             _expect(case, lambda: buf.low_latency_combine(**case.spoil(args, e)))
+            return
+        if collective:
+            _expect_peer(case, bad, lambda: buf.low_latency_combine(**args))
             return
         out = buf.low_latency_combine(**args).x
         sender = bad if case.effect == "none" else -1
@@ -323,6 +353,9 @@ def _run_case(buf: moe_ep.Buffer, case: Case, inp: Inputs, me: int, world: int, 
         if me == bad:
             _expect(case, lambda: buf.dispatch(**case.spoil(args, e)))
             return
+        if collective:
+            _expect_peer(case, bad, lambda: buf.dispatch(**args))
+            return
         cached = buf.dispatch(**args)
         grads[bad] = torch.zeros_like(grads[bad])
         want = expected_dispatch(Inputs(grads, inp.topk_idx, inp.topk_weights), me, world, e)
@@ -334,6 +367,9 @@ def _run_case(buf: moe_ep.Buffer, case: Case, inp: Inputs, me: int, world: int, 
         args["topk_weights"] = got.topk_weights * (me + 1)
     if me == bad:
         _expect(case, lambda: buf.combine(**case.spoil(args, e)))
+        return
+    if collective:
+        _expect_peer(case, bad, lambda: buf.combine(**args))
         return
     out = buf.combine(**args)
     out, out_w = out if weights else (out, None)
@@ -374,6 +410,49 @@ def _mismatched(rank: int, world: int, backend: str, dev: torch.device) -> None:
             moe_ep.Buffer(alone, **reference)
 
 
+def _expect_mismatch(call: Callable[[], Any], *calls: str) -> None:
+    """Raises CallMismatchError naming every rank's call (regexes, in rank order), not a timeout."""
+    want = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+    with pytest.raises(CallMismatchError, match=want):
+        call()
+
+
+def _call_mismatches(buf: moe_ep.Buffer, me: int, world: int, e: int, dev: torch.device, native: bool) -> None:
+    """The last rank makes another call than its peers (skips a combine; a normal dispatch against a
+    low-latency one; FP8 rows against bf16; the combine of another dispatch): every rank raises
+    CallMismatchError naming each rank's call, and a clean round after it is right. On the native
+    backend only fresh dispatches compare stamps: the FP8 one (its peers' exact-size dispatch waits
+    for the counts before the launch, so no rows move)."""
+    last, n = world - 1, r"#(\d+)"
+    for i, scenario in enumerate(["fp8"] if native else ["skip combine", "low latency", "fp8", "other handle"]):
+        inp = _inputs(5000 + 10 * world + i, world, e)
+        x, idx, w = _on(dev, inp.x[me], inp.topk_idx[me], inp.topk_weights[me])
+        q, scales = _on(dev, *_quantized(inp.x[me]))
+        if scenario == "skip combine":
+            got = buf.dispatch(x, idx, w)
+            call = (lambda: buf.dispatch(x, idx, w)) if me == last else (lambda: buf.combine(got.x, got.handle))
+            calls = [rf"combine {n} \(handle of call {n}\)"] * last + [f"dispatch {n}"]
+        elif scenario == "low latency":
+            call = (lambda: buf.dispatch(x, idx, w)) if me == last else (lambda: buf.low_latency_dispatch(x, idx))
+            calls = [f"low-latency dispatch {n}"] * last + [f"dispatch {n}"]
+        elif scenario == "fp8":
+            exact = moe_ep.Config(eager_output_bytes=0)
+            call = ((lambda: buf.dispatch(q, idx, w, x_scales=scales, config=exact)) if me == last
+                    else (lambda: buf.dispatch(x, idx, w, config=exact)))
+            calls = [f"dispatch {n}"] * last + [rf"dispatch {n} \(FP8 rows\)"]
+        else:
+            first, second = buf.dispatch(x, idx, w), buf.dispatch(x, idx, w)
+            got = second if me == last else first
+            call = lambda: buf.combine(got.x, got.handle)  # noqa: E731
+            calls = [rf"combine {n} \(handle of call #{first.handle.call}\)"] * last + [
+                rf"combine {n} \(handle of call #{second.handle.call}\)"]
+        try:
+            _expect_mismatch(call, *calls)
+            _normal_round(buf, _inputs(6000 + 10 * world + i, world, e), me, world, e, dev)
+        except AssertionError as error:
+            raise AssertionError(f"call mismatch / {scenario}, rank {me}: {error}") from error
+
+
 def _bad_input_worker(rank: int, world: int, backend: str) -> None:
     dev = device()
     _mismatched(rank, world, backend, dev)
@@ -385,13 +464,14 @@ def _bad_input_worker(rank: int, world: int, backend: str) -> None:
             if native and not case.native:
                 continue
             bad, seed = i % world, 100 * world + i
-            try:
-                _run_case(buf, case, _inputs(seed, world, e), rank, world, bad, e, dev)
+            try:  # every rank catches its error (pytest.raises) and goes on, as a training loop would
+                _run_case(buf, case, _inputs(seed, world, e), rank, world, bad, e, dev, _collective(case, backend))
                 _normal_round(buf, _inputs(seed + 5000, world, e), rank, world, e, dev)
                 if case.call.startswith("ll"):
                     _ll_round(buf, _inputs(seed + 9000, world, e), rank, world, e, dev)
             except AssertionError as error:
                 raise AssertionError(f"{case.call} / {case.name} (bad rank {bad}), rank {rank}: {error}") from error
+        _call_mismatches(buf, rank, world, e, dev, native)
 
 
 @pytest.mark.parametrize("world", [2, 3])

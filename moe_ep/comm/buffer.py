@@ -563,9 +563,9 @@ class Buffer:
             self._check_handle(handle, DispatchHandle)
         kind, made_by = (DISPATCH, 0) if handle is None else (CACHED, handle.call)
         fp8 = int(self._fp8_rows(x))
+        sms, knobs = self._knobs(num_sms, config)
+        event = self._check_event(previous_event)
         try:
-            sms, knobs = self._knobs(num_sms, config)
-            event = self._check_event(previous_event)
             self._check_dispatch(x, x_scales, topk_idx, topk_weights, handle, expert_alignment)
             pairs = self._check_expert_major(expert_major, handle, bool(worst_case), expert_alignment)
         except (TypeError, ValueError) as error:
@@ -574,8 +574,7 @@ class Buffer:
             idx, weights = self._no_routing(0) if handle is None else (None, None)
             _take_part(error, lambda: self.backend.dispatch(
                 rows, scales, idx, weights, handle=handle, expert_alignment=1, worst_case=bool(worst_case),
-                expert_major=False, num_sms=self.cfg.num_sms, knobs=self.cfg.config, previous_event=None,
-                async_op=False, stamp=stamp))
+                expert_major=False, num_sms=sms, knobs=knobs, previous_event=event, async_op=False, stamp=stamp))
         bad_ids = None
         if handle is None:
             topk_idx, bad_ids = self._in_range_ids(topk_idx)
@@ -621,9 +620,9 @@ class Buffer:
         PeerInputError where the backend checks the call (docs/api.md, Errors)."""
         self._check_handle(handle, DispatchHandle)
         with_weights = int(topk_weights is not None)
+        sms, knobs = self._knobs(num_sms, config)
+        event = self._check_event(previous_event)
         try:
-            sms, knobs = self._knobs(num_sms, config)
-            event = self._check_event(previous_event)
             self._check_combine(x, handle, topk_weights, pair_weights)
         except (TypeError, ValueError) as error:
             stamp = self._calls.stamp(COMBINE, handle.call, with_weights, error)
@@ -633,8 +632,8 @@ class Buffer:
             shape = (m, self.cfg.num_topk) if layout is None else (m,)
             weights = torch.zeros(shape, dtype=torch.float32, device=self.cfg.device) if with_weights else None
             _take_part(error, lambda: self.backend.combine(
-                rows, handle, topk_weights=weights, pair_weights=None, num_sms=self.cfg.num_sms,
-                knobs=self.cfg.config, previous_event=None, async_op=False, stamp=stamp))
+                rows, handle, topk_weights=weights, pair_weights=None, num_sms=sms, knobs=knobs,
+                previous_event=event, async_op=False, stamp=stamp))
         stamp = self._calls.stamp(COMBINE, handle.call, with_weights)
         out, weights, event = self.backend.combine(x, handle, topk_weights=topk_weights, pair_weights=pair_weights,
                                                    num_sms=sms, knobs=knobs, previous_event=event,
