@@ -421,8 +421,8 @@ def _call_mismatches(buf: moe_ep.Buffer, me: int, world: int, e: int, dev: torch
     """The last rank makes another call than its peers (skips a combine; a normal dispatch against a
     low-latency one; FP8 rows against bf16; the combine of another dispatch): every rank raises
     CallMismatchError naming each rank's call, and a clean round after it is right. On the native
-    backend only fresh dispatches compare stamps: the FP8 one (its peers' exact-size dispatch waits
-    for the counts before the launch, so no rows move)."""
+    backend only fresh dispatches compare stamps: the FP8 one (exact-size outputs, so the dispatch
+    kernel writes no more rows than each rank's counts say)."""
     last, n = world - 1, r"#(\d+)"
     for i, scenario in enumerate(["fp8"] if native else ["skip combine", "low latency", "fp8", "other handle"]):
         inp = _inputs(5000 + 10 * world + i, world, e)
@@ -485,8 +485,8 @@ def test_one_rank_bad_input_native() -> None:
 
 
 TIMEOUT_S = 2.0
-SKIPS = [("dispatch", "reference dispatch counts"), ("combine", "reference combine rows"),
-         ("ll_dispatch", "reference low-latency dispatch counts"), ("ll_combine", "reference low-latency combine rows")]
+SKIPS = [("dispatch", "reference dispatch header"), ("combine", "reference combine header"),
+         ("ll_dispatch", "reference low-latency dispatch header"), ("ll_combine", "reference low-latency combine header")]
 
 
 def _timeout_worker(rank: int, world: int, store_path: str) -> None:

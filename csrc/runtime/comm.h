@@ -19,8 +19,6 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include "runtime/call_stamp.h"
-
 namespace moe_ep {
 
 constexpr int kMaxRanks = 8;
@@ -143,15 +141,6 @@ __device__ __forceinline__ int checked_expert(ErrorState* error, long long v, in
     atomicExch_system(&error->bad_id, 1);
   }
   return -1;
-}
-
-// Word j of this rank's stamp (call_stamp.h) as a notify kernel sends it: where the host gave status 0
-// but an expert id outside [-1, E) has been recorded (this call's layout, or an earlier call's that the
-// host has not read yet), kStampBadIds, so every rank raises. Read after the layout's last __syncthreads.
-__device__ __forceinline__ int sent_stamp_word(const ErrorState* error, const int* stamp, int j) {
-  if (j == kStampStatus && stamp[j] == 0 && *reinterpret_cast<const volatile int*>(&error->bad_claim) != 0)
-    return kStampBadIds;
-  return stamp[j];
 }
 
 // Eight bf16 NaNs (0x7fc0) in one int4: written over the output rows of a call whose wait gave up, so

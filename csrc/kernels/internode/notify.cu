@@ -5,7 +5,7 @@
 //  1. Thread d (d < R, strided) writes my message for rank d into notify_stage[d] (this rank's
 //     symmetric memory): [N, tokens for d, my counts for d's E_l local experts, my call stamp
 //     (NotifyArgs::stamp; its status word kStampBadIds if the route kernel before this one, on the
-//     same stream, recorded a bad expert id: comm.h sent_stamp_word)]. __syncthreads.
+//     same stream, recorded a bad expert id: common/call_stamp.cuh sent_stamp_word)]. __syncthreads.
 //  2. Thread d puts that row to row [me] of counts[set] at rank d with one put-with-signal
 //     (nvshmem_putmem_signal_nbi, SET notify_sig[me] = epoch). NVSHMEM delivers the row before the
 //     signal, on every transport. nvshmem_quiet then completes the puts, so the next call may
@@ -22,6 +22,7 @@
 // mine, but my notify of call c - 2 (the last one that read this set) finished before my notify of
 // call c - 1 started, and the peer cannot start call c before it has seen my notify signal of c - 1.
 // On a timeout every count is taken as 0 (no rows, no rounds) and the host raises CommTimeoutError.
+#include "kernels/common/call_stamp.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/scan.cuh"
 #include "kernels/internode/internode.h"

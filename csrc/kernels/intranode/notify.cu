@@ -27,6 +27,7 @@
 // it cannot get two calls ahead, since that next notify waits for this rank's next flag.
 // On a timeout the outputs are zero (no rows, offsets s * T or 0), so later kernels touch no memory
 // out of bounds; the host raises CommTimeoutError.
+#include "kernels/common/call_stamp.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/intranode/dispatch_layout.cuh"
 #include "kernels/intranode/intranode.h"

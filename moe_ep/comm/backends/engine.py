@@ -15,10 +15,11 @@ A normal dispatch, on either engine (`normal_dispatch`):
      first M rows), else the host waits for the counts and allocates exactly M rows;
   3. the dispatch kernel (it reads the counts on the device);
   4. outside worst-case mode, the host waits for the counts (if it has not yet) and trims; with the
-     counts come every rank's stamps, and call_check.verify raises on every rank alike when the
-     ranks made different calls or one rejected its input (before step 3 where the host waited);
-  5. the call's error check, once every kernel of the call is launched, so a rank that raises made
-     the same launches as its peers.
+     counts come every rank's stamps;
+  5. the call's checks, once every kernel of the call is launched, so a rank that raises made the
+     same launches as its peers (a rank may wait for the counts where its peers do not): the stamps
+     (call_check.verify raises on every rank alike when the ranks made different calls or one
+     rejected its input), then the error record.
 """
 from __future__ import annotations
 
@@ -117,14 +118,15 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
                     knobs: Config, stream: torch.cuda.Stream, async_op: bool,
                     check: Callable[..., None], stamp: CallStamp, rows_in_workspace: bool = False) -> DispatchResult:
     """The normal-mode dispatch flow of every normal engine (this module's docstring says the steps).
-    `check` is the Buffer's ErrorWatch.check; `stamp` the call's (checked where the host waits for the
-    counts). rows_in_workspace (engines with expand_pairs): the kernel leaves the rows in the
+    `check` is the Buffer's ErrorWatch.check; `stamp` the call's (compared where the host waits for
+    the counts). rows_in_workspace (engines with expand_pairs): the kernel leaves the rows in the
     workspace and the result's x is None, for expand_pairs."""
     cfg = engine.cfg
     r, t = cfg.world_size, cfg.max_tokens_per_rank
     cached = handle is not None
     counts_ready: Optional[torch.cuda.Event] = None  # recorded after notify, outside worst-case mode
     recv_counts: Optional[list[int]] = None
+    stamps: Optional[list[list[int]]] = None  # every rank's, once the host has the counts
     if cached:
         state, worst_case, recv_counts = handle.state, handle.worst_case, handle.recv_counts
         in_rank = handle.is_token_in_rank
@@ -140,16 +142,12 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
 
     def wait_counts() -> list[int]:
         """Rows from each source; the handle state learns the raw rows per local expert."""
-        nonlocal state
+        nonlocal state, stamps
         counts_ready.synchronize()
         check(timeouts_only=True)  # a bad id is raised once every kernel of the call is launched
         from_source, raw = engine.host_counts()
         state = dataclasses.replace(state, tokens_per_expert=raw)
-        try:
-            verify(stamp, engine.host_stamps())
-        except OwnRejection:
-            check()  # a bad id the kernels found raises here, naming it
-            raise
+        stamps = engine.host_stamps()
         return from_source
 
     if counts_ready is not None and not eager:
@@ -161,7 +159,13 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
     if eager:
         recv_counts = wait_counts()
         out = out.head(sum(recv_counts))
-    check()  # every kernel of the call is launched: raising keeps the ranks in step
+    if stamps is not None:  # every kernel of the call is launched: raising keeps the ranks in step
+        try:
+            verify(stamp, stamps)
+        except OwnRejection:
+            check()  # a bad id the kernels found raises here, naming it
+            raise
+    check()
     return native_dispatch_result(
         cfg, handle, out, num_tokens=x.shape[0], is_token_in_rank=in_rank, recv_counts=recv_counts,
         worst_case=worst_case, state=state, tokens_per_expert_raw=state.tokens_per_expert,
