@@ -4,8 +4,8 @@ Every communicating call of a Buffer carries a stamp of STAMP_WORDS small ints i
 already makes (the reference backend's count all_to_all, the native notify's count rows): the call's
 kind, its number among the Buffer's calls, the number of the call whose handle it uses, the sizes
 that every rank must agree on, and whether this rank rejected its input (and why). Once every
-rank's stamp is in, `verify` raises on every rank alike: CallMismatchError when the ranks made
-different calls, else each rejecting rank's own error and PeerInputError on its peers.
+rank's stamp is in, `verify` raises on every rank alike: each rejecting rank's own error and
+PeerInputError on its peers, else CallMismatchError when the ranks made different calls.
 """
 from __future__ import annotations
 
@@ -105,18 +105,18 @@ def describe_call(words: Sequence[int]) -> str:
 
 def verify(mine: CallStamp, everyone: Sequence[Sequence[int]]) -> None:
     """Every rank's stamp words for this call (rank order, this rank's included): raises OwnRejection
-    if this rank rejected its input, else CallMismatchError if the ranks made different calls (the
-    counters then resume past every rank's, so the Buffer stays usable), else PeerInputError naming
-    each peer that rejected its input. Every rank sees the same words, so every rank raises."""
+    if this rank rejected its input, else PeerInputError naming each peer that did (a rejected
+    input may also make the call differ, e.g. a wrong handle), else CallMismatchError if the ranks
+    made different calls. Every rank sees the same words, so every rank raises; after different
+    calls the counters resume past every rank's, so the Buffer stays usable."""
     calls = [[int(w) for w in words[:4]] for words in everyone]
     if any(c != calls[0] for c in calls):
         mine.order.last = max(c[1] for c in calls)
-        if mine.status:
-            raise OwnRejection()
-        raise CallMismatchError(", ".join(f"rank {r}: {describe_call(c)}" for r, c in enumerate(calls)))
     if mine.status:
         raise OwnRejection()
     peers = [(r, int(w[4]), int(w[5])) for r, w in enumerate(everyone) if int(w[4])]
     if peers:
-        raise PeerInputError([r for r, _, _ in peers], describe_call(calls[0]),
+        raise PeerInputError([r for r, _, _ in peers], describe_call(mine.words),
                              [describe_reason(s, why) for _, s, why in peers])
+    if any(c != calls[0] for c in calls):
+        raise CallMismatchError(", ".join(f"rank {r}: {describe_call(c)}" for r, c in enumerate(calls)))
