@@ -46,8 +46,11 @@ def _reason(error: Exception) -> tuple[int, int]:
 
 
 def describe_reason(status: int, reason: int) -> str:
-    """What a peer's (status, reason) words say, e.g. "TypeError: x (dtype)"."""
+    """What a peer's (status, reason) words say, e.g. "TypeError: x (dtype)" (a bad expert id that the
+    native kernels found has no reason word: it is always topk_idx's)."""
     kind = STATUS[status].__name__ if 0 < status < len(STATUS) else f"status {status}"
+    if STATUS[status if 0 < status < len(STATUS) else 0] is BadExpertIdError:
+        return f"{kind}: topk_idx (expert ids)"
     argument, check = divmod(reason, 16)
     name = ARGUMENTS[argument] if 0 <= argument < len(ARGUMENTS) else "?"
     what = CHECKS[check][0] if 0 <= check < len(CHECKS) else "?"

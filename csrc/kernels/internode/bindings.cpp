@@ -128,7 +128,7 @@ class InternodeContext {
     check(ctx_.dims, args);
     if (stamp.size() > static_cast<size_t>(kStampWords))
       ArgCheck("InternodeContext.notify").fail("stamp has " + std::to_string(stamp.size()) + " words, at most " +
-                                       std::to_string(kStampWords));
+                                         std::to_string(kStampWords));
     NotifyArgs a = args;
     a.host_info = a.worst_case ? 0 : host_info_.device();
     for (int w = 0; w < kStampWords; ++w) a.stamp[w] = w < static_cast<int>(stamp.size()) ? stamp[w] : 0;

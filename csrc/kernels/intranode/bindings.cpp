@@ -158,7 +158,7 @@ class IntranodeContext {
     check(ctx_.dims, args);
     if (stamp.size() > static_cast<size_t>(kStampWords))
       ArgCheck("IntranodeContext.notify").fail("stamp has " + std::to_string(stamp.size()) + " words, at most " +
-                                       std::to_string(kStampWords));
+                                         std::to_string(kStampWords));
     NotifyArgs a = args;
     a.host_info = a.worst_case ? 0 : host_info_.device();
     for (int w = 0; w < kStampWords; ++w) a.stamp[w] = w < static_cast<int>(stamp.size()) ? stamp[w] : 0;
@@ -226,7 +226,7 @@ void register_intranode(py::module_& m) {
   using intra::IntranodeContext;
   m.attr("SIGNAL_WORDS") = intra::kSignalWords;
   m.attr("MAX_TOPK") = intra::kMaxTopk;
-  m.attr("STAMP_WORDS") = kStampWords;
+  m.attr("STAMP_WORDS") = moe_ep::kStampWords;
   m.attr("TUNING_MAX_WARPS") = intra::kHostWarps;
   m.attr("NUM_EPOCHS") = intra::kHostNumEpochs;
   m.def("intranode_workspace_bytes", &intra::workspace_bytes, py::arg("nranks"), py::arg("max_tokens"),
