@@ -5,11 +5,11 @@
 //     Context::layout_scratch, and is_token_in_rank.
 //  2. epoch = epochs[kSigNotify] + 1. For every rank d (this one included), the block writes row
 //     [me] of counts set [epoch % 2] at d: the number of tokens it sends to d, then its token counts
-//     for d's E_l local experts, then this rank's call stamp (NotifyArgs::stamp, its status word
-//     kStampBadIds if step 1 recorded a bad expert id: sent_stamp_word) (all threads, one entry each;
-//     a __syncthreads after step 1 makes the bad-id record visible to every thread). The block joins (__syncthreads orders
-//     every thread's stores before the release below, which is cumulative), then thread d stores
-//     `epoch` (st.release.sys) into its kSigNotify flag at d.
+//     for d's E_l local experts, then this rank's call stamp (NotifyArgs::stamp; its status word
+//     kStampBadIds if step 1 recorded a bad expert id: common/call_stamp.cuh sent_stamp_word, after
+//     a __syncthreads that makes step 1's record visible to every thread) (all threads, one entry
+//     each). The block joins (__syncthreads orders every thread's stores before the release below,
+//     which is cumulative), then thread d stores `epoch` (st.release.sys) into its kSigNotify flag at d.
 //  2b. layout_positions: pos for the dispatch, from is_token_in_rank, while the flags travel.
 //  3. Thread s waits until source s's kSigNotify flag at this rank reaches `epoch` (acquire); the
 //     block joins. Thread s < R then derives source s's rows and first output row (prefix sum over
