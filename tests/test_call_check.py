@@ -69,8 +69,8 @@ def test_verify_gives_every_rank_its_verdict() -> None:
     orders = [cc.CallOrder(), cc.CallOrder(), cc.CallOrder()]
     good = [o.stamp(cc.COMBINE, handle=7, size=1) for o in orders]
     cc.verify(good[0], _ranks(*good))  # the same call everywhere: nothing raised
-    rejected = [o.stamp(cc.DISPATCH) for o in orders]
-    rejected[2] = rejected[2].rejected(TypeError("x must have dtype torch.bfloat16, got torch.float32"))
+    error = TypeError("x must have dtype torch.bfloat16, got torch.float32")
+    rejected = [o.stamp(cc.DISPATCH, error=error if r == 2 else None) for r, o in enumerate(orders)]
     with pytest.raises(cc.OwnRejection):
         cc.verify(rejected[2], _ranks(*rejected))
     for me in (0, 1):

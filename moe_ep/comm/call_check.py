@@ -49,7 +49,7 @@ def describe_reason(status: int, reason: int) -> str:
     """What a peer's (status, reason) words say, e.g. "TypeError: x (dtype)" (a bad expert id that the
     native kernels found has no reason word: it is always topk_idx's)."""
     kind = STATUS[status].__name__ if 0 < status < len(STATUS) else f"status {status}"
-    if STATUS[status if 0 < status < len(STATUS) else 0] is BadExpertIdError:
+    if status == STATUS.index(BadExpertIdError):
         return f"{kind}: topk_idx (expert ids)"
     argument, check = divmod(reason, 16)
     name = ARGUMENTS[argument] if 0 <= argument < len(ARGUMENTS) else "?"
@@ -86,14 +86,9 @@ class CallStamp:
     def words(self) -> list[int]:
         return [self.kind, self.call, self.handle, self.size, self.status, self.reason]
 
-    def rejected(self, error: Exception) -> "CallStamp":
-        """The same call, marked as rejected by `error` (found after the stamp was made)."""
-        status, reason = _reason(error)
-        return CallStamp(self.order, self.kind, self.call, self.handle, self.size, status, reason)
-
 
 def describe_call(words: Sequence[int]) -> str:
-    """A call as its stamp names it, e.g. "combine #8 (of dispatch #7, with weights)"."""
+    """A call as its stamp names it, e.g. "combine #8 (handle of call #7, with topk_weights)"."""
     kind, call, handle, size = (int(w) for w in words[:4])
     name = KINDS[kind] if 0 <= kind < len(KINDS) else f"call kind {kind}"
     extra = []
