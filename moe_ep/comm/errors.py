@@ -2,10 +2,11 @@
 
 - CommTimeoutError: a wait for a peer gave up (any backend); names this rank, the peer and the phase.
 - ValueError / TypeError: bad input, raised on the rank that passed it once that rank has taken its
-  part in the call on stand-in inputs, so its peers' calls complete (an expert id out of range is
-  found by the native kernels without a host sync and raised when the call's results reach the host).
+  part in the call on stand-in inputs (an expert id out of range is found by the native kernels
+  without a host sync and raised when the call's results reach the host).
 - PeerInputError (a ValueError): a peer rejected its input to the call; every other rank of the
-  call raises it once the call's exchange is done (moe_ep.comm.call_check), so all ranks stay in step.
+  call raises it once the call's exchange is done, where the call checks its stamps
+  (moe_ep.comm.call_check), so all ranks stay in step.
 - CallMismatchError (a ValueError): the ranks made different calls (kind, order, handle or sizes),
   raised on every rank, naming each rank's call.
 - RuntimeError "lost its peers": NVSHMEM in this process cannot be used again after a peer went
