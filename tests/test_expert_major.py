@@ -304,8 +304,8 @@ def _check_bad_input(buf: moe_ep.Buffer, me: int, world: int) -> None:
                 buf.dispatch(x, **kwargs)
         else:
             peer_raises(lambda: buf.dispatch(x, handle=good.handle))
-    assert_same_bits(buf.combine(y, good.handle).cpu(), expected_combine(inp, me, world, e, _summed(inp, index, e_l, ys)),
-                     f"rank {me}: combine after the bad calls")  # the group is still in step
+    want = expected_combine(inp, me, world, e, _summed(inp, index, e_l, ys))
+    assert_same_bits(buf.combine(y, good.handle).cpu(), want, f"rank {me}: combine after the bad calls")  # in step
 
 
 # ---- the layer: the same bits as the previous formula ---------------------------------------------

@@ -128,8 +128,8 @@ def test_eager_outputs_start_the_kernel_before_the_host_waits(monkeypatch: pytes
 
 def test_exact_outputs_after_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     res, log = _dispatch(monkeypatch, Config(eager_output_bytes=0))
-    assert log == ["notify worst_case=False", "record counts", "wait counts", "check timeouts", "host counts", "host stamps",
-                   f"launch rows={sum(RECV)} cached=False worst_case=False", "check all"]
+    assert log == ["notify worst_case=False", "record counts", "wait counts", "check timeouts", "host counts",
+                   "host stamps", f"launch rows={sum(RECV)} cached=False worst_case=False", "check all"]
     assert res.x.shape[0] == sum(RECV) and res.tokens_per_expert == [8, 4]
 
 

@@ -486,7 +486,8 @@ def test_one_rank_bad_input_native() -> None:
 
 TIMEOUT_S = 2.0
 SKIPS = [("dispatch", "reference dispatch header"), ("combine", "reference combine header"),
-         ("ll_dispatch", "reference low-latency dispatch header"), ("ll_combine", "reference low-latency combine header")]
+         ("ll_dispatch", "reference low-latency dispatch header"),
+         ("ll_combine", "reference low-latency combine header")]
 
 
 def _timeout_worker(rank: int, world: int, store_path: str) -> None:
