@@ -1,7 +1,8 @@
 """moe_ep.comm.call_check on its own: what a stamp says about a rejected input (from the messages
 buffer.py raises), the verdict of verify on every rank's stamps (own rejection, peers' rejections,
-different calls) and the counter that resumes past a mismatch. The multi-rank tests
-(tests/test_one_rank_bad_input.py) run the same through both backends."""
+different calls), the counter that resumes past a mismatch, and the host-side check of a native
+Buffer made with check_calls=True. The multi-rank tests (tests/test_one_rank_bad_input.py) run the
+same through both backends."""
 from __future__ import annotations
 
 import pickle
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import moe_ep
 from moe_ep.comm import call_check as cc
 from moe_ep.comm.errors import BadExpertIdError, CallMismatchError, PeerInputError
+from tests._dist import run_workers
 
 H, E, K, T = 256, 8, 2, 4
 
@@ -95,6 +97,24 @@ def test_a_peer_rejection_wins_over_the_difference_it_made() -> None:
     stamps = [a.stamp(cc.COMBINE, handle=1), b.stamp(cc.COMBINE, handle=2, error=ValueError("pair_weights needs ..."))]
     with pytest.raises(PeerInputError, match=r"rank 1 rejected its input \(ValueError: pair_weights \(value\)\)"):
         cc.verify(stamps[0], _ranks(*stamps))
+
+
+def _host_check_worker(rank: int, world: int) -> None:
+    """Two ranks' stamps meet over gloo: the same call passes; a rejection raises on both; different
+    calls raise on both (a check that a peer never joins is the timeout's, tested elsewhere)."""
+    check = cc.HostCheck(dist.group.WORLD, rank, timeout_s=60.0)
+    order = cc.CallOrder()
+    check.verify(order.stamp(cc.DISPATCH))
+    stamp = order.stamp(cc.COMBINE, handle=1, error=TypeError("x must have dtype") if rank == 1 else None)
+    with pytest.raises(cc.OwnRejection if rank == 1 else PeerInputError):
+        check.verify(stamp)
+    stamp = order.stamp(cc.LL_DISPATCH if rank == 1 else cc.DISPATCH)
+    with pytest.raises(CallMismatchError, match=r"rank 0: dispatch #3, rank 1: low-latency dispatch #3"):
+        check.verify(stamp)
+
+
+def test_host_check_raises_on_every_rank() -> None:
+    run_workers(2, _host_check_worker, timeout_s=120)
 
 
 def test_errors_pickle() -> None:

@@ -4,7 +4,6 @@ inputs: a rank whose input is rejected makes the call on stand-in inputs, its st
 (moe_ep.comm.call_check), then raises; its peers raise PeerInputError once the stamps are in."""
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import Any, Callable, NoReturn, Optional, TypeVar
 
@@ -13,7 +12,17 @@ import torch.distributed as dist
 
 from . import _native, topology
 from .backends.base import Backend, BufferConfig
-from .call_check import CACHED, COMBINE, DISPATCH, LL_COMBINE, LL_DISPATCH, CallOrder, CallStamp, OwnRejection
+from .call_check import (
+    CACHED,
+    COMBINE,
+    DISPATCH,
+    LL_COMBINE,
+    LL_DISPATCH,
+    CallOrder,
+    CallStamp,
+    HostCheck,
+    OwnRejection,
+)
 from .config import DEFAULT_NUM_SMS, PER_BUFFER, Config
 from .errors import BadExpertIdError
 from .types import (
@@ -28,6 +37,7 @@ from .types import (
 
 _buffer_ids = itertools.count(1)
 _LowLatencyResult = TypeVar("_LowLatencyResult", LowLatencyDispatchResult, LowLatencyCombineResult)
+_Result = TypeVar("_Result")
 
 
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], shape: tuple[Optional[int], ...],
@@ -143,7 +153,7 @@ def _resolve_topology(group: dist.ProcessGroup, ranks_per_node: Optional[int],
 
 def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_experts: Any, num_topk: Any,
                     max_tokens_per_rank: Any, backend: Any, low_latency: Any, num_sms: Any, timeout_s: Any,
-                    ranks_per_node: Any, hierarchical: Any, fault_tolerant: Any,
+                    ranks_per_node: Any, hierarchical: Any, fault_tolerant: Any, check_calls: Any,
                     device: Any, config: Any) -> tuple[dict[str, Any], torch.device]:
     """This rank's Buffer arguments checked on their own (no communication): what every rank must agree
     on, in the order a mismatch is reported (the resolved Config last), and the Buffer's device."""
@@ -168,6 +178,8 @@ def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_ex
     _check_ranks_per_node(ranks_per_node, world)
     if hierarchical is not None and not isinstance(hierarchical, bool):
         raise TypeError(f"hierarchical must be None, True or False, got {hierarchical!r}")
+    if not isinstance(check_calls, bool):
+        raise TypeError(f"check_calls must be True or False, got {check_calls!r}")
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a moe_ep.Config, got {type(config).__name__}")
     knobs = config if config is not None else Config.from_env()  # the environment gives defaults only
@@ -179,7 +191,8 @@ def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_ex
         "backend": name, "device type": device.type, "hidden": hidden, "num_experts": num_experts,
         "num_topk": num_topk, "max_tokens_per_rank": max_tokens_per_rank, "low_latency": bool(low_latency),
         "num_sms": sms, "timeout_s": float(timeout_s), "ranks_per_node": ranks_per_node,
-        "hierarchical": hierarchical, "fault_tolerant": bool(fault_tolerant), "config": knobs.replace(num_sms=sms),
+        "hierarchical": hierarchical, "fault_tolerant": bool(fault_tolerant), "check_calls": check_calls,
+        "config": knobs.replace(num_sms=sms),
     }, device
 
 
@@ -278,7 +291,7 @@ class Buffer:
                  max_tokens_per_rank: int, backend: str = "auto", low_latency: bool = False,
                  num_sms: Optional[int] = None, timeout_s: float = 100.0,
                  ranks_per_node: Optional[int] = None, hierarchical: Optional[bool] = None,
-                 fault_tolerant: bool = False, device: Optional[torch.device] = None,
+                 fault_tolerant: bool = False, check_calls: bool = False, device: Optional[torch.device] = None,
                  config: Optional[Config] = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
@@ -294,7 +307,7 @@ class Buffer:
                 group, world, hidden=hidden, num_experts=num_experts, num_topk=num_topk,
                 max_tokens_per_rank=max_tokens_per_rank, backend=backend, low_latency=low_latency, num_sms=num_sms,
                 timeout_s=timeout_s, ranks_per_node=ranks_per_node, hierarchical=hierarchical,
-                fault_tolerant=fault_tolerant, device=device, config=config)
+                fault_tolerant=fault_tolerant, check_calls=check_calls, device=device, config=config)
         except (TypeError, ValueError, RuntimeError) as e:
             error = e
         if settings is not None and settings["backend"] == "nvshmem":
@@ -317,6 +330,19 @@ class Buffer:
         )
         self._backend: Optional[Backend] = self._make_backend()
         self._calls = CallOrder()  # numbers the communicating calls (moe_ep.comm.call_check)
+        self._host_check: Optional[HostCheck] = None  # check_calls=True: stamps not in band meet on the host
+        if check_calls and self.backend_name != "reference":  # the reference backend checks every call in band
+            side = group if dist.get_backend(group) == "gloo" else dist.new_group(
+                dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+            self._host_check = HostCheck(side, self.cfg.rank, self.cfg.timeout_s)
+
+    def _checked(self, stamp: CallStamp, call: Callable[[], _Result]) -> _Result:
+        """Runs a backend call; with check_calls=True on the native backend the ranks' stamps first meet
+        on the host (every call, so ranks making different calls meet there too), raising on every rank
+        alike before anything launches."""
+        if self._host_check is not None:
+            self._host_check.verify(stamp)
+        return call()
 
     def _make_backend(self) -> Backend:
         if self.backend_name == "reference":
@@ -572,18 +598,18 @@ class Buffer:
             stamp = self._calls.stamp(kind, made_by, fp8, error)
             rows, scales = self._zero_rows((0 if handle is None else handle.num_tokens,), bool(fp8))
             idx, weights = self._no_routing(0) if handle is None else (None, None)
-            _take_part(error, lambda: self.backend.dispatch(
+            _take_part(error, lambda: self._checked(stamp, lambda: self.backend.dispatch(
                 rows, scales, idx, weights, handle=handle, expert_alignment=1, worst_case=bool(worst_case),
-                expert_major=False, num_sms=sms, knobs=knobs, previous_event=event, async_op=False, stamp=stamp))
+                expert_major=False, num_sms=sms, knobs=knobs, previous_event=event, async_op=False, stamp=stamp)))
         bad_ids = None
         if handle is None:
             topk_idx, bad_ids = self._in_range_ids(topk_idx)
         stamp = self._calls.stamp(kind, made_by, fp8, bad_ids)
         try:
-            result = self.backend.dispatch(
+            result = self._checked(stamp, lambda: self.backend.dispatch(
                 x, x_scales, topk_idx, topk_weights, handle=handle, expert_alignment=expert_alignment,
                 worst_case=bool(worst_case), expert_major=pairs, num_sms=sms, knobs=knobs, previous_event=event,
-                async_op=bool(async_op), stamp=stamp)
+                async_op=bool(async_op), stamp=stamp))
         except OwnRejection:
             raise (bad_ids if bad_ids is not None else _kernel_found_ids()) from None
         if bad_ids is not None:
@@ -631,13 +657,13 @@ class Buffer:
             rows, _ = self._zero_rows((m,), False)
             shape = (m, self.cfg.num_topk) if layout is None else (m,)
             weights = torch.zeros(shape, dtype=torch.float32, device=self.cfg.device) if with_weights else None
-            _take_part(error, lambda: self.backend.combine(
+            _take_part(error, lambda: self._checked(stamp, lambda: self.backend.combine(
                 rows, handle, topk_weights=weights, pair_weights=None, num_sms=sms, knobs=knobs,
-                previous_event=event, async_op=False, stamp=stamp))
+                previous_event=event, async_op=False, stamp=stamp)))
         stamp = self._calls.stamp(COMBINE, handle.call, with_weights)
-        out, weights, event = self.backend.combine(x, handle, topk_weights=topk_weights, pair_weights=pair_weights,
-                                                   num_sms=sms, knobs=knobs, previous_event=event,
-                                                   async_op=bool(async_op), stamp=stamp)
+        out, weights, event = self._checked(stamp, lambda: self.backend.combine(
+            x, handle, topk_weights=topk_weights, pair_weights=pair_weights, num_sms=sms, knobs=knobs,
+            previous_event=event, async_op=bool(async_op), stamp=stamp))
         result = (out,) if topk_weights is None else (out, weights)
         if async_op:
             result += (event,)
@@ -658,8 +684,9 @@ class Buffer:
             self._check_fp8_hidden()
 
         def run(x: torch.Tensor, idx: torch.Tensor, round_scale: bool, stamp: CallStamp) -> LowLatencyDispatchResult:
-            result = self.backend.low_latency_dispatch(x, idx, use_fp8=bool(use_fp8), round_scale=round_scale,
-                                                       return_recv_hook=bool(return_recv_hook), stamp=stamp)
+            result = self._checked(stamp, lambda: self.backend.low_latency_dispatch(
+                x, idx, use_fp8=bool(use_fp8), round_scale=round_scale, return_recv_hook=bool(return_recv_hook),
+                stamp=stamp))
             result.handle.topk_idx, result.handle.call = idx, stamp.call  # a combine whose own is rejected uses it
             return result
 
@@ -688,7 +715,11 @@ class Buffer:
         cfg = self.cfg
         self._check_low_latency()
         self._check_handle(handle, LowLatencyHandle)
-        run = functools.partial(self.backend.low_latency_combine, handle=handle, return_recv_hook=bool(return_recv_hook))
+
+        def run(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, stamp: CallStamp) -> LowLatencyCombineResult:
+            return self._checked(stamp, lambda: self.backend.low_latency_combine(
+                x, idx, weights, handle, return_recv_hook=bool(return_recv_hook), stamp=stamp))
+
         lead, n = (cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank), handle.num_tokens
         try:
             _check_tensor("x", x, (torch.bfloat16,), (*lead, cfg.hidden), cfg.device)
@@ -698,12 +729,12 @@ class Buffer:
         except (TypeError, ValueError) as error:
             stamp = self._calls.stamp(LL_COMBINE, handle.call, 0, error)
             rows, _ = self._zero_rows(lead, False)
-            return _raise_after_receive(error, lambda: run(rows, handle.topk_idx, self._no_routing(n)[1], stamp=stamp))
+            return _raise_after_receive(error, lambda: run(rows, handle.topk_idx, self._no_routing(n)[1], stamp))
         bad_ids = self._in_range_ids(topk_idx)[1]
         stamp = self._calls.stamp(LL_COMBINE, handle.call, 0, bad_ids)
         if bad_ids is not None:  # receive what the dispatch's routing says the peers send back
-            return _raise_after_receive(bad_ids, lambda: run(x, handle.topk_idx, topk_weights, stamp=stamp))
-        return run(x, topk_idx, topk_weights, stamp=stamp)
+            return _raise_after_receive(bad_ids, lambda: run(x, handle.topk_idx, topk_weights, stamp))
+        return run(x, topk_idx, topk_weights, stamp)
 
     # ---- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -5,15 +5,21 @@ already makes (the reference backend's count all_to_all, the native notify's cou
 kind, its number among the Buffer's calls, the number of the call whose handle it uses, the sizes
 that every rank must agree on, and whether this rank rejected its input (and why). Once every
 rank's stamp is in, `verify` raises on every rank alike: each rejecting rank's own error and
-PeerInputError on its peers, else CallMismatchError when the ranks made different calls.
+PeerInputError on its peers, else CallMismatchError when the ranks made different calls. A native
+Buffer made with check_calls=True also compares every call's stamps on the host first (`HostCheck`),
+for the calls that make no such exchange.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional, Sequence
 
-from .errors import BadExpertIdError, CallMismatchError, PeerInputError
+import torch
+import torch.distributed as dist
+
+from .errors import BadExpertIdError, CallMismatchError, CommTimeoutError, PeerInputError
 
 STAMP_WORDS = 6  # kind, call, handle call, size, status, reason; each fits an int32 (the native count rows)
 _WRAP = 1 << 30  # call numbers wrap below int32's range
@@ -118,3 +124,26 @@ def verify(mine: CallStamp, everyone: Sequence[Sequence[int]]) -> None:
                              [describe_reason(s, why) for _, s, why in peers])
     if any(c != calls[0] for c in calls):
         raise CallMismatchError(", ".join(f"rank {r}: {describe_call(c)}" for r, c in enumerate(calls)))
+
+
+class HostCheck:
+    """Stamps compared on the host before every call of a native Buffer made with check_calls=True
+    (its combine, cached, worst-case and low-latency calls carry theirs in no exchange): one
+    all_gather of STAMP_WORDS int64 per rank over a gloo group, before the call launches anything,
+    so a rejected input or a different call stops every rank before any kernel waits for a peer.
+    Costs a host round trip per call (the ranks' hosts meet; their GPUs do not wait)."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, timeout_s: float) -> None:
+        self.group, self.rank, self.timeout_s = group, rank, timeout_s
+
+    def verify(self, stamp: CallStamp) -> None:
+        """call_check.verify on every rank's stamp; CommTimeoutError when a peer does not come."""
+        mine = torch.tensor(stamp.words, dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        try:
+            dist.all_gather(everyone, mine, group=self.group, async_op=True).wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as error:
+            if "timeout" in str(error).lower() or "timed out" in str(error).lower():
+                raise CommTimeoutError(self.rank, -1, "host call check", self.timeout_s) from error
+            raise
+        verify(stamp, [t.tolist() for t in everyone])
