@@ -742,6 +742,9 @@ class Buffer:
         if self._backend is not None:
             self._backend.close()
             self._backend = None
+        if self._host_check is not None and self._host_check.group is not self.cfg.group:
+            dist.destroy_process_group(self._host_check.group)  # the gloo group made beside an NCCL one
+        self._host_check = None
 
     def abort(self) -> None:
         """Give this Buffer up without its peers (not collective), after a CommTimeoutError or with
