@@ -5,9 +5,9 @@ Every exchange is one `all_to_all_single` of packed byte rows after a header exc
 runs on gloo (CPU) and NCCL (GPU) alike. Every call opens with the header exchange, whatever its kind:
 ranks that make different calls meet there, so call_check.verify raises on every rank before any
 exchange whose sizes depend on the call. Dispatches carry their counts in it; combines, which need
-no counts, pay one small extra exchange for it (their row exchange's sizes come from the handle). CUDA tensors over a gloo group (ranks sharing a GPU,
-docs/one_gpu.md) are staged through host memory: correct and slow. Arithmetic follows docs/api.md
-to the bit.
+no counts, pay one small extra exchange for it (their row exchange's sizes come from the handle).
+CUDA tensors over a gloo group (ranks sharing a GPU, docs/one_gpu.md) are staged through host
+memory: correct and slow. Arithmetic follows docs/api.md to the bit.
 """
 from __future__ import annotations
 
