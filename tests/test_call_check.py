@@ -39,7 +39,8 @@ def messages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exception]:
                 "shape": dict(x=x[:, :8].contiguous(), topk_idx=idx, topk_weights=w),
                 "contiguity": dict(x=wide[:, ::2], topk_idx=idx, topk_weights=w),
                 "type": dict(x=x, topk_idx=idx.tolist(), topk_weights=w),
-                "token count": dict(x=torch.zeros(T + 1, H, dtype=torch.bfloat16), topk_idx=idx, topk_weights=w),
+                "token count": dict(x=torch.zeros(T + 1, H, dtype=torch.bfloat16), topk_idx=torch.zeros(T + 1, K).long(),
+                                    topk_weights=torch.rand(T + 1, K), worst_case=True),
                 "expert ids": dict(x=x, topk_idx=bad_ids, topk_weights=w),
                 "value": dict(x=x, topk_idx=idx, topk_weights=w, expert_alignment=0),
             }.items():

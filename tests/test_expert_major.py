@@ -30,6 +30,7 @@ import torch
 
 import moe_ep
 from moe_ep.comm import fp8
+from moe_ep.comm.expert_major import worst_case_pairs
 from moe_ep.moe import autograd
 from tests._dist import device, requires_gpus, run_workers
 from tests._interpret import run_interpreted
@@ -226,6 +227,40 @@ def _check_case(buf: moe_ep.Buffer, case: Case, me: int, world: int) -> None:
     plain = buf.dispatch(grads[me].to(dev), handle=got.handle, expert_major=False)
     assert_same_bits(plain.x.cpu(), expected_dispatch(Inputs(grads, inp.topk_idx, inp.topk_weights), me, world, e).x,
                      f"{what}: cached rows")
+    _check_worst_case(buf, case, me, world, got, cached, (x, sc, idx, w), grads[me].to(dev))
+
+
+def _check_worst_case(buf: moe_ep.Buffer, case: Case, me: int, world: int, exact: moe_ep.DispatchResult,
+                      cached: moe_ep.DispatchResult, args: tuple, grad: torch.Tensor) -> None:
+    """worst_case=True: the exact dispatch's pairs first, then padding up to the static bound (zero
+    rows and weights, row -1); its combine ignores the padding pairs, and its cached dispatch gives the
+    exact one's pairs, then zeros."""
+    x, sc, idx, w = args
+    what = f"{case} rank {me} worst case"
+    got = buf.dispatch(x, idx, w, x_scales=sc, expert_major=True, expert_alignment=case.alignment, worst_case=True)
+    p = exact.x.shape[0]
+    bound = worst_case_pairs(world * buf.max_tokens_per_rank, case.topk, buf.num_local_experts, case.alignment)
+    assert got.x.shape[0] == bound and got.tokens_per_expert is None and got.handle.expert_major.counts is None
+    assert got.tokens_per_expert_tensor.tolist() == exact.tokens_per_expert, what
+
+    def same_then_padding(t: torch.Tensor, head: torch.Tensor, pad: int, label: str) -> None:
+        assert_same_bits(t[:p], head, f"{what}: {label}")
+        assert bool((t[p:] == pad).all() if pad else (t[p:].view(torch.uint8) == 0).all()), f"{what}: {label} padding"
+
+    same_then_padding(got.x, exact.x, 0, "pairs")
+    if sc is not None:
+        same_then_padding(got.x_scales, exact.x_scales, 0, "pair scales")
+    same_then_padding(got.pair_weights, exact.pair_weights, 0, "pair weights")
+    for src in ("src_rank", "src_index"):  # each pair's source token (rows are numbered differently)
+        def of(result: moe_ep.DispatchResult) -> torch.Tensor:
+            rows = result.handle.expert_major.rows
+            return torch.where(rows >= 0, getattr(result, src)[rows.clamp_min(0)].long(), -1)
+
+        same_then_padding(of(got), of(exact), -1, f"pair {src}")
+    g = torch.Generator().manual_seed(case.seed)
+    y = torch.randn(bound, case.hidden, generator=g).to(torch.bfloat16).to(x.device)  # padding rows: noise
+    assert_same_bits(buf.combine(y, got.handle), buf.combine(y[:p].contiguous(), exact.handle), f"{what}: combine")
+    same_then_padding(buf.dispatch(grad, handle=got.handle).x, cached.x, 0, "cached pairs")
 
 
 def _check_autograd(buf: moe_ep.Buffer, me: int, world: int) -> None:
@@ -265,8 +300,7 @@ def _check_bad_input(buf: moe_ep.Buffer, me: int, world: int) -> None:
         with pytest.raises(moe_ep.PeerInputError, match=f"rank {bad} rejected its input"):
             call()
 
-    for kwargs, error, match in ((dict(expert_major=True, worst_case=True), ValueError, "needs exact sizes"),
-                                 (dict(expert_major="yes"), TypeError, "expert_major must be")):
+    for kwargs, error, match in ((dict(expert_major="yes"), TypeError, "expert_major must be"),):
         if me == bad:
             with pytest.raises(error, match=match):
                 buf.dispatch(x, idx, w, **kwargs)
@@ -426,11 +460,15 @@ def _layout_cases(dev: torch.device, force_torch: bool = False) -> None:
             got_rows, got_pos, got_slots = em._layout_torch(idx.to(dev), ct, p)
             got_w = em._pair_weights_torch(w.to(dev), got_pos, p)
         else:
-            got_rows, got_pos, got_slots, got_w = em._layout_triton(idx.to(dev), w.to(dev), ct, p)
+            got_rows, got_pos, got_slots, got_w = em._layout_triton(idx.to(dev), w.to(dev), ct, p, False)
         assert got_rows.tolist() == rows, f"{what}: rows"
         assert got_pos.tolist() == positions, f"{what}: positions"
         assert got_slots.tolist() == slots, f"{what}: slots"
         assert_same_bits(got_w.cpu(), weights, f"{what}: pair weights")
+        if not force_torch:  # worst-case mode: a static P beyond the blocks, the tail padding
+            t_rows, t_pos, _, t_w = em._layout_triton(idx.to(dev), w.to(dev), ct, p + 5, True)
+            assert t_rows.tolist() == rows + [-1] * 5 and t_pos.tolist() == positions, f"{what}: tail"
+            assert_same_bits(t_w.cpu(), torch.cat([weights, torch.zeros(5)]), f"{what}: tail weights")
 
 
 def interpreted_layout_cases() -> None:
@@ -498,6 +536,16 @@ def _gpu_case(nat: moe_ep.Buffer, ref: moe_ep.Buffer, shape: tuple, case: tuple,
     _poison_allocator()
     _same_expert_major(nat.dispatch(grad, handle=got.handle), ref.dispatch(grad, handle=want.handle),
                        f"{what}: cached dispatch")
+    worst = dict(kw, worst_case=True)
+    _poison_allocator()
+    got_wc, want_wc = nat.dispatch(x, idx, w, **worst), ref.dispatch(x, idx, w, **worst)
+    _same_expert_major(got_wc, want_wc, f"{what}: worst-case dispatch")
+    y = torch.randn(want_wc.x.shape[0], hidden, generator=g, device="cuda").to(torch.bfloat16)
+    _poison_allocator()
+    assert_same_bits(nat.combine(y, got_wc.handle), ref.combine(y, want_wc.handle), f"{what}: worst-case combine")
+    _poison_allocator()
+    _same_expert_major(nat.dispatch(grad, handle=got_wc.handle), ref.dispatch(grad, handle=want_wc.handle),
+                       f"{what}: worst-case cached dispatch")
     got_a = nat.dispatch(x, idx, w, async_op=True, **kw)  # the event covers the gather after the kernel
     got_a.event.wait()
     _same_expert_major(got_a, want, f"{what}: async dispatch")

@@ -5,10 +5,11 @@ runs no permutation of its own (no sort, no gather, no sum of each row's pairs),
 `Buffer.combine` takes the experts' pair outputs and sums each received row's pairs before sending
 it back. Both backends call this module, after their dispatch exchange and before their combine
 exchange, so they give the same bits by construction: the exchange itself is the normal one and
-moves each token once per destination rank. The expansion to pairs follows it: on the NVLink
-kernels, the rows stay in the symmetric workspace they landed in and one kernel copies each into its
-pairs (csrc/kernels/intranode/expand.cu), so a row is copied once, into the experts' input; on the
-reference backend and across nodes, one gather of the received rows. The reduction is one pass
+moves each token once per destination rank. The expansion to pairs follows it, done by each engine
+(NormalEngine.expand): on the NVLink kernels, the rows stay in the symmetric workspace they landed in
+(DispatchArgs::expert_major) and one kernel copies each into its pairs (csrc/kernels/intranode/expand.cu),
+so a row is copied once, into the experts' input; on the reference backend and across nodes, one
+gather of the received rows (gather_rows). The reduction is one pass
 before the combine (docs/api.md says what that costs).
 
 Layout (types.ExpertMajorLayout): local expert e's pairs sit at [offset[e], offset[e] + count[e]),
@@ -19,6 +20,10 @@ rank, then source token), which is the order a stable sort of the pairs by exper
 position is offset[e] plus the number of earlier rows that hit e: a prefix sum over the rows of the
 [M, E_l] hit mask, on the device, with no sort and no host sync.
 
+Worst-case mode (no host sync): the per-expert counts exist on the device only, so the layout
+holds the static bound worst_case_pairs (every received row slot hitting min(K, E_l) experts, plus
+each expert's alignment gap); the pairs after the last expert's block are padding (row -1, zero).
+
 A row that names one local expert in several top-k slots has ONE pair for it (rows per expert are
 counted that way), whose router weight is the sum of those slots' weights (float32, ascending k,
 from +0.0); a combine's per-pair topk_weights go back to every slot of their pair.
@@ -26,7 +31,7 @@ from +0.0); a combine's per-pair topk_weights go back to every slot of their pai
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -41,20 +46,29 @@ except ImportError:  # CPU-only installs: the torch layout serves
     triton = None
 
 
-def build_layout(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], counts: list[int],
+def worst_case_pairs(num_rows: int, num_topk: int, num_local_experts: int, alignment: int) -> int:
+    """The most pairs num_rows received rows can give: each hits min(K, E_l) local experts, and each
+    expert's block may end in alignment - 1 padding pairs."""
+    return num_rows * min(num_topk, num_local_experts) + (alignment - 1) * num_local_experts
+
+
+def build_layout(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], counts: Optional[list[int]],
                  counts_tensor: torch.Tensor, alignment: int) -> tuple[ExpertMajorLayout, Optional[torch.Tensor]]:
     """The layout of received rows with local expert ids topk_idx [M, K] (-1: elsewhere) and
-    `counts` pairs per local expert (aligned; counts_tensor the same on the device), and with
-    topk_weights [M, K] each pair's router weight [P] float32 (the sum of its slots' weights in
-    ascending k from +0.0; 0 for padding). On the device, without a host sync: one Triton kernel on
-    CUDA (one program per local expert scans the rows), torch elsewhere; the same integers and bits."""
-    p = sum(counts)
+    `counts` pairs per local expert (aligned; counts_tensor the same on the device; counts None in
+    worst-case mode: worst_case_pairs pairs, the tail padding), and with topk_weights [M, K] each
+    pair's router weight [P] float32 (the sum of its slots' weights in ascending k from +0.0; 0 for
+    padding). On the device, without a host sync: one Triton kernel on CUDA (one program per local
+    expert scans the rows), torch elsewhere; the same integers and bits."""
+    m, k = topk_idx.shape
+    tail = counts is None
+    p = worst_case_pairs(m, k, counts_tensor.shape[0], alignment) if tail else sum(counts)
     if use_triton(topk_idx):
-        rows, positions, slots, weights = _layout_triton(topk_idx, topk_weights, counts_tensor, p)
+        rows, positions, slots, weights = _layout_triton(topk_idx, topk_weights, counts_tensor, p, tail)
     else:
         rows, positions, slots = _layout_torch(topk_idx, counts_tensor, p)
         weights = None if topk_weights is None else _pair_weights_torch(topk_weights, positions, p)
-    return ExpertMajorLayout(rows, positions, slots, list(counts), counts_tensor, alignment), weights
+    return ExpertMajorLayout(rows, positions, slots, None if tail else list(counts), counts_tensor, alignment), weights
 
 
 def _layout_torch(topk_idx: torch.Tensor, counts_tensor: torch.Tensor,
@@ -141,13 +155,17 @@ if triton is not None:
 
 
 def _layout_triton(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], counts_tensor: torch.Tensor,
-                   p: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """_layout_kernel: (rows [P], positions [M, K], slots [M, K], pair weights [P] or None)."""
+                   p: int, tail: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """_layout_kernel: (rows [P], positions [M, K], slots [M, K], pair weights [P] or None); with
+    `tail` (worst-case mode) the pairs after the last block, which no program writes, are padding."""
     m, k = topk_idx.shape
     e_l = counts_tensor.shape[0]
-    rows = torch.empty(p, dtype=torch.int64, device=topk_idx.device)
+    dev = topk_idx.device
+    rows = torch.full((p,), -1, dtype=torch.int64, device=dev) if tail else torch.empty(p, dtype=torch.int64, device=dev)
     positions, slots = torch.empty_like(topk_idx), torch.empty_like(topk_idx)
-    weights = None if topk_weights is None else torch.empty(p, dtype=torch.float32, device=topk_idx.device)
+    weights = None
+    if topk_weights is not None:
+        weights = (torch.zeros if tail else torch.empty)(p, dtype=torch.float32, device=dev)
     if e_l and (m or p):
         _layout_kernel[(e_l,)](topk_idx, topk_weights if weights is not None else rows, counts_tensor, rows,
                                positions, slots, weights if weights is not None else rows, m, e_l, K=k,
@@ -162,40 +180,52 @@ def _or_spare(at: torch.Tensor, p: int) -> torch.Tensor:
 
 
 def gather(t: Optional[torch.Tensor], layout: ExpertMajorLayout) -> Optional[torch.Tensor]:
-    """Rows t [M, ...] as pairs [P, ...] (one pass; one more zeroes alignment padding pairs)."""
+    """Rows t [M, ...] as pairs [P, ...] (one pass; one more zeroes padding pairs: alignment gaps,
+    and the tail in worst-case mode)."""
     if t is None:
         return None
     out = t.index_select(0, layout.rows.clamp_min(0))
-    if layout.alignment > 1:
+    if layout.alignment > 1 or layout.counts is None:
         bits = out.view(torch.uint8) if out.element_size() == 1 else out  # no masked_fill for e4m3
         bits.masked_fill_((layout.rows < 0).view(-1, *[1] * (t.dim() - 1)), 0)
     return out
 
 
-PairCopy = Callable[[DispatchResult, ExpertMajorLayout], tuple[torch.Tensor, Optional[torch.Tensor]]]
-
-
-def expand(result: DispatchResult, alignment: int, copy: Optional[PairCopy] = None) -> DispatchResult:
-    """A backend's dispatch result as its expert-major one: pairs for rows, the layout in the handle
-    (made here for a fresh dispatch; a cached one reuses its handle's), per-pair router weights for a
-    fresh dispatch; the event, when async, recorded again after the expansion. The pairs' (x, scales)
-    come from `copy` when given (the NVLink kernels' expand from their workspace: result.x is then
-    None), else from one gather of the received rows."""
+def layout_of(result: DispatchResult, alignment: int
+              ) -> tuple[ExpertMajorLayout, DispatchHandle, Optional[torch.Tensor]]:
+    """A row dispatch's pair layout: its handle's for a cached dispatch, else a new one (with the handle
+    that carries it and the per-pair router weights)."""
     layout = result.handle.expert_major
-    handle = result.handle
-    weights = None
-    if layout is None:
-        layout, weights = build_layout(result.topk_idx, result.topk_weights, result.tokens_per_expert,
-                                       result.tokens_per_expert_tensor, alignment)
-        handle = dataclasses.replace(handle, expert_major=layout)
-    x, scales = copy(result, layout) if copy is not None else (gather(result.x, layout),
-                                                               gather(result.x_scales, layout))
+    if layout is not None:
+        return layout, result.handle, None
+    layout, weights = build_layout(result.topk_idx, result.topk_weights, result.tokens_per_expert,
+                                   result.tokens_per_expert_tensor, alignment)
+    return layout, dataclasses.replace(result.handle, expert_major=layout), weights
+
+
+def gather_rows(result: DispatchResult, layout: ExpertMajorLayout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The received rows (and scales) as pairs, by one gather: the reference backend and the cross-node
+    engine (the NVLink engine copies the pairs straight from its workspace instead)."""
+    return gather(result.x, layout), gather(result.x_scales, layout)
+
+
+def as_pairs(result: DispatchResult, layout: ExpertMajorLayout, handle: DispatchHandle,
+             weights: Optional[torch.Tensor], x: torch.Tensor, scales: Optional[torch.Tensor]) -> DispatchResult:
+    """A row dispatch's result as its expert-major one: the pairs (x, scales) for rows, the layout in
+    the handle, the per-pair router weights of a fresh dispatch; the event, when async, recorded again
+    after the expansion."""
     event = result.event
     if event is not None:
         event = record_event(True, x.device, event.check)
     return dataclasses.replace(result, x=x, x_scales=scales, tokens_per_expert=layout.counts,
                                tokens_per_expert_tensor=layout.counts_tensor, handle=handle, event=event,
                                pair_weights=weights)
+
+
+def expand(result: DispatchResult, alignment: int) -> DispatchResult:
+    """A row dispatch's result as pairs, gathered from its received rows (the reference backend)."""
+    layout, handle, weights = layout_of(result, alignment)
+    return as_pairs(result, layout, handle, weights, *gather_rows(result, layout))
 
 
 def combine_inputs(x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],

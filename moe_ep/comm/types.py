@@ -14,6 +14,7 @@ class DispatchLayout:
     num_tokens_per_rank: torch.Tensor  # [R] int32: tokens (not token-expert pairs) sent to each rank
     num_tokens_per_expert: torch.Tensor  # [E] int32: tokens that selected each expert (once per token)
     is_token_in_rank: torch.Tensor  # [N, R] bool
+    event: Optional["EventHandle"] = None  # get_dispatch_layout(async_op=True): recorded on the communication stream
 
 
 @dataclass(frozen=True)
@@ -23,13 +24,15 @@ class ExpertMajorLayout:
     Pairs are grouped by local expert in ascending order, each expert's block padded up to a multiple
     of `alignment` with pairs of no row; inside a block, pairs follow the received rows (source rank,
     then source token). A row that names one local expert in several top-k slots has one pair for it.
+    In worst-case mode (no host sync) the number of pairs is the static bound worst_case_pairs and
+    the pairs after the last expert's block are padding too; the counts are known on the device only.
     """
 
     rows: torch.Tensor  # [P] int64: the received row of each pair, -1 for alignment padding
     positions: torch.Tensor  # [M, K] int64: the pair of top-k slot (m, k), -1 where topk_idx[m, k] is -1
     slots: torch.Tensor  # [M, K] int64: positions with each pair at its first slot only (-1 elsewhere)
-    counts: list[int]  # [E_l] pairs per local expert, padding included
-    counts_tensor: torch.Tensor  # [E_l] int32 on the device, the same values
+    counts: Optional[list[int]]  # [E_l] pairs per local expert, padding included; None in worst-case mode
+    counts_tensor: torch.Tensor  # [E_l] int32 on the device, the same values (the only ones in worst-case mode)
     alignment: int  # the dispatch's expert_alignment
 
     @property
@@ -100,6 +103,7 @@ class LowLatencyDispatchResult:
     count: torch.Tensor  # [E_l] int32 on device
     handle: LowLatencyHandle
     hook: Optional[Callable[[], None]] = None
+    event: Optional["EventHandle"] = None  # async_op=True: recorded on the communication stream
 
 
 @dataclass
@@ -108,6 +112,7 @@ class LowLatencyCombineResult:
 
     x: torch.Tensor
     hook: Optional[Callable[[], None]] = None
+    event: Optional["EventHandle"] = None  # async_op=True: recorded on the communication stream
 
 
 @dataclass

@@ -2,6 +2,8 @@
 import (docs/deep_ep_compat.md). v1.py: DeepEP V1's Buffer, Config, EventOverlap and handles."""
 from __future__ import annotations
 
+from .hybrid_ep_buffer import HybridEPBuffer, HybridEpConfigInstance
 from .v1 import Buffer, Config, DispatchHandle, EventHandle, EventOverlap, LowLatencyHandle, topk_idx_t
 
-__all__ = ["Buffer", "Config", "DispatchHandle", "EventHandle", "EventOverlap", "LowLatencyHandle", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "DispatchHandle", "EventHandle", "EventOverlap", "LowLatencyHandle", "topk_idx_t",
+           "HybridEPBuffer", "HybridEpConfigInstance"]
