@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
+from moe_ep.comm import call_check
 from moe_ep.comm.backends import intranode
 from moe_ep.comm.backends.engine import (
     NormalEngine,
@@ -122,8 +123,9 @@ def check_against_brute_force(buf: moe_ep.Buffer, seed: int, tokens: list[int], 
 
 
 def _worst_case_cap(buf: moe_ep.Buffer) -> None:
-    """A static-shape dispatch (worst_case=True) still holds at most T tokens: every rank raises, also
-    the ones whose input fits (they take part in the stand-in call)."""
+    """A static-shape dispatch (worst_case=True) still holds at most T tokens: the rank that passed more
+    raises; its peers take part in the stand-in call and raise PeerInputError where the call compares
+    stamps (the reference backend), else return (a native worst-case dispatch never reads the counts)."""
     n = 2 * T if buf.rank == 0 else T // 2
     g = torch.Generator().manual_seed(5)
     x = torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16).to(buf.device)
@@ -131,6 +133,9 @@ def _worst_case_cap(buf: moe_ep.Buffer) -> None:
     w = torch.rand(n, TOPK, generator=g).to(buf.device)
     if buf.rank == 0:
         with pytest.raises(ValueError, match="max_tokens_per_rank"):
+            buf.dispatch(x, idx, w, worst_case=True)
+    elif buf.backend_name == "reference":
+        with pytest.raises(moe_ep.PeerInputError, match="rank 0 rejected its input"):
             buf.dispatch(x, idx, w, worst_case=True)
     else:
         buf.dispatch(x, idx, w, worst_case=True)
@@ -241,6 +246,7 @@ class _PlayedKernels(NormalEngine):
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.max_tokens_seen = 0
+        self.stamps: list = []  # every rank's stamp words of the last notify
 
     @staticmethod
     def heap_bytes(cfg) -> int:
@@ -257,7 +263,7 @@ class _PlayedKernels(NormalEngine):
     def layout(self, topk_idx, stream):
         raise NotImplementedError
 
-    def notify(self, topk_idx, expert_alignment, worst_case, stream) -> Notified:
+    def notify(self, topk_idx, expert_alignment, worst_case, stream, stamp) -> Notified:
         cfg, r = self.cfg, self.cfg.world_size
         self.max_tokens_seen = max(self.max_tokens_seen, topk_idx.shape[0])
         assert topk_idx.shape[0] <= cfg.max_tokens_per_rank, "a round carries more than T tokens"
@@ -267,7 +273,8 @@ class _PlayedKernels(NormalEngine):
         pos = torch.where(in_rank, in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1, -1).to(torch.int32)
         per_expert = [[int(((topk_idx == d * cfg.num_local_experts + e).any(1)).sum()) for e in
                        range(cfg.num_local_experts)] for d in range(r)]
-        sent = self._everyone(([int(in_rank[:, d].sum()) for d in range(r)], per_expert))
+        sent = self._everyone(([int(in_rank[:, d].sum()) for d in range(r)], per_expert, stamp))
+        self.stamps = [sent[s][2] for s in range(r)]
         counts = [sent[s][0][cfg.rank] for s in range(r)]
         raw = [sum(sent[s][1][cfg.rank][e] for s in range(r)) for e in range(cfg.num_local_experts)]
         first = [sum(counts[:s]) for s in range(r)]
@@ -277,6 +284,9 @@ class _PlayedKernels(NormalEngine):
 
     def raw_expert_counts(self, state):
         return state.recv_info[2 * self.cfg.world_size:]
+
+    def host_stamps(self) -> list:
+        return self.stamps
 
     def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state, out, *, cached, worst_case, expert_major,
                         num_sms, knobs, stream) -> None:
@@ -347,6 +357,7 @@ def _played_worker(rank: int, world: int) -> None:
     with moe_ep.Buffer(dist.group.WORLD, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=T,
                        backend="reference") as ref:
         engine = _PlayedKernels(ref.cfg)
+        order = call_check.CallOrder()  # the stamps the played notifies exchange (every rank's the same)
         for seed, (case, routing) in enumerate(CASES[:4]):
             tokens = _tokens(case, world)
             inp = make_inputs(100 + seed, tokens, HIDDEN, EXPERTS, TOPK, routing)
@@ -354,8 +365,10 @@ def _played_worker(rank: int, world: int) -> None:
             rounds = max(1, -(-max(tokens) // T))
             run = dict(rounds=rounds, expert_alignment=3, num_sms=1, knobs=ref.config, stream=None, async_op=False,
                        check=lambda **_: None)
-            got = streamed_dispatch(engine, x, None, idx, w, handle=None, first=first_notify(engine, idx, 3, None),
-                                    **run)
+            first_stamp = order.stamp(call_check.DISPATCH)
+            got = streamed_dispatch(engine, x, None, idx, w, handle=None,
+                                    first=first_notify(engine, idx, 3, None, first_stamp),
+                                    stamp=first_stamp, **run)
             want = ref.dispatch(x, idx, w, expert_alignment=3)
             what = f"played {case} {routing}"
             for field in ("x", "topk_idx", "topk_weights", "src_rank", "src_index", "tokens_per_expert_tensor"):
@@ -372,7 +385,8 @@ def _played_worker(rank: int, world: int) -> None:
             assert_same_bits(got_out, out, f"{what}: combine")
             assert_same_bits(got_w, out_w, f"{what}: combined weights")
             x2 = (x.float() * -2).to(torch.bfloat16)
-            cached = streamed_dispatch(engine, x2, None, None, None, handle=got.handle, first=None, **run)
+            cached = streamed_dispatch(engine, x2, None, None, None, handle=got.handle, first=None,
+                                       stamp=order.stamp(call_check.CACHED, handle=1), **run)
             assert_same_bits(cached.x, ref.dispatch(x2, handle=want.handle).x, f"{what}: cached dispatch")
         assert engine.max_tokens_seen == T
 
