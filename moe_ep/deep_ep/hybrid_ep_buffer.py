@@ -109,9 +109,7 @@ def _fit(t: Optional[torch.Tensor], rows: int) -> Optional[torch.Tensor]:
         return t
     if t.shape[0] > rows:
         return t[:rows].contiguous()
-    pad = t.new_zeros((rows - t.shape[0], *t.shape[1:])) if t.element_size() > 1 else \
-        t.view(torch.uint8).new_zeros((rows - t.shape[0], *t.shape[1:])).view(t.dtype)
-    return torch.cat([t, pad])
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
 
 
 def _kept(counts: torch.Tensor, limit: int) -> torch.Tensor:
