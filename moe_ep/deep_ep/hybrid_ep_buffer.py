@@ -307,7 +307,7 @@ class HybridEPBuffer:
         config = HybridEpConfigInstance(x.shape[1], x.shape[0], e_l, buf.ranks_per_node, buf.num_nodes, align)
         new_handle = HybridEPHandle(
             (None, None, None, received, None, None, None, counts, x.shape[0], config, overflow),
-            buf, got.handle, torch.where(idx >= 0, idx, -1), e, out_rows)
+            buf, got.handle, idx, e, out_rows)
         scores = _fit(got.pair_weights, out_rows) if probs is not None else None
         return _fit(got.x, out_rows), scores, _fit(got.x_scales, out_rows), tokens_per_expert, new_handle
 
