@@ -116,7 +116,7 @@ def layer_case(timer: Timer, shape: LayerShape, backend: str = "reference", reco
         x.grad = None
 
     torch.cuda.reset_peak_memory_stats()
-    fwd, bwd, both = (us / 1e3 for us in time_layer(timer, moe, x, grad))
+    fwd, bwd, both = (us / 1e3 for us in time_layer(timer, moe, x, grad, modes=(False,))[False])
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     repeat = _repeatable(lambda: moe(x, mode="normal").backward(grad),
                          lambda: [x.grad, *(p.grad for p in moe.parameters() if p.grad is not None)], zero)

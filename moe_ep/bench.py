@@ -4,11 +4,12 @@ On GPUs (NCCL group): N1 (normal mode, native backend at several SM budgets, the
 on NCCL, and raw NCCL all_to_all_single moving the same bytes), L1 (low-latency) and optionally a
 hidden x tokens sweep. Normal and eager low-latency calls are also timed "cold" (right after a
 device sync and a host barrier, so the host's own time counts). The "layer" case times moe_ep.MoE
-forward, backward and both (ms and TFLOP/s of the routing it ran) at overlap_chunks 1, 2 and 4, on
-the row path (expert_major=False) at 1, and the FP8 experts' forward, on the native and the reference
-backend, beside (GPU only) the layer's grouped GEMMs alone (equal groups, and the router's) and a
-dense bf16 matmul ceiling, and a decode step of two micro-batches (MoE.start/compute/finish) interleaved and
-in sequence; it runs with one rank too. With --ranks-per-node K the native
+forward, backward and both (ms and TFLOP/s of the routing it ran) without and with overlap=True,
+alternating in every iteration, the layer's communication alone (the share of it overlap hides, where
+each rank has its own GPU), the row path (expert_major=False) and the FP8 experts' forward, on the
+native and the reference backend, beside (GPU only) the layer's grouped GEMMs alone (equal groups, and
+the router's) and a dense bf16 matmul ceiling, and a decode step of two micro-batches
+(MoE.start/compute/finish) interleaved and in sequence, alternating; it runs with one rank too. With --ranks-per-node K the native
 N1 and L1 rows are measured a second time with the group cut into nodes of K ranks (K=1 on one
 machine: every byte between GPUs takes the cross-node kernels' network leg), next to the NVLink
 rows in the same table. Without GPUs (gloo): the reference backend on a small case (and the layer
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import fp8
-from .moe import fp8_experts
+from .moe import autograd, fp8_experts
 from .comm.buffer import Buffer, auto_backend
 from .launch import init_distributed
 from .moe.layer import MoE
@@ -117,10 +118,8 @@ class LayerShape:
     experts: int = 256
     topk: int = 8
     ffn: int = 2048  # each expert's SwiGLU hidden size
+    shared_ffn: int = 0  # the shared expert's SwiGLU hidden size (0: none)
     decode_tokens: int = 128  # per rank in each of the decode step's two micro-batches
-
-
-OVERLAP_CHUNKS = (1, 2, 4)  # the layer case's MoE(..., overlap_chunks=C), side by side
 
 
 def tflops(flop: float, us: float) -> float:
@@ -197,11 +196,15 @@ class Timer:
         return samples
 
     def parts_us(self, calls: list[Callable[[], object]], cold: bool = False,
-                 setup: Optional[Callable[[], None]] = None) -> list[float]:
-        """Median time of each of `calls` (made in turn every iteration, after `setup`), then of their
-        per-iteration sum; each the maximum over ranks."""
+                 setup: Optional[Callable[[], None]] = None,
+                 sums: Optional[list[tuple[int, ...]]] = None) -> list[float]:
+        """Median time of each of `calls` (made in turn every iteration, after `setup`), then of the
+        per-iteration sum of each group of calls in `sums` (default: one group, all of them); each the
+        maximum over ranks."""
         samples = self._run(calls, cold, setup)
-        return [_max_over_ranks(statistics.median(col)) for col in [*zip(*samples), [sum(t) for t in samples]]]
+        groups = sums if sums is not None else [tuple(range(len(calls)))]
+        cols = [*zip(*samples), *([sum(t[i] for i in g) for t in samples] for g in groups)]
+        return [_max_over_ranks(statistics.median(col)) for col in cols]
 
     def call_us(self, fn: Callable[[], object]) -> float:
         return self.parts_us([fn])[0]
@@ -238,16 +241,20 @@ class Timer:
                 self.last_kernels[_short_name(ev.key)] = ev.self_device_time_total / calls
         return _max_over_ranks(sum(self.last_kernels.values()))
 
-    def graph_us(self, fn: Callable[[], object]) -> Optional[float]:
-        """Median time of replaying fn captured in a CUDA graph (no host time inside)."""
-        if self.flush_buf is None:
-            return None
+    def graph(self, fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        """fn captured in a CUDA graph, after one eager call (GPU only)."""
         fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        return self.call_us(graph.replay)
+        return graph
+
+    def graph_us(self, fn: Callable[[], object]) -> Optional[float]:
+        """Median time of replaying fn captured in a CUDA graph (no host time inside)."""
+        if self.flush_buf is None:
+            return None
+        return self.call_us(self.graph(fn).replay)
 
 
 def _row(buf: Buffer, case: str, op: str, sms: Optional[int], tokens: int, call_us: float, **values: object) -> Row:
@@ -314,6 +321,31 @@ def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: li
                              recv_bytes=recv * row_bytes, remote_bytes=remote * row_bytes, deepep_us=ref_us,
                              cold_us=timer.cold_us(fn), extra={"kernels": timer.last_kernels}))
     return rows
+
+
+def bench_async_pattern(buf: Buffer, timer: Timer, case: str, tokens: int) -> list[Row]:
+    """Megatron's pattern, a dispatch, a shared-expert GEMM [tokens, H] x [H, 2H] and a combine, timed
+    as one step: serial (every call on the caller's stream) and overlapped (async calls on the
+    Buffer's communication stream, the GEMM on the caller's meanwhile). Valid only with one GPU per rank."""
+    cfg = buf.cfg
+    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, buf.device, seed=buf.rank)
+    shared_w = torch.randn(cfg.hidden, 2 * cfg.hidden, device=buf.device).to(torch.bfloat16) / 64
+
+    def serial() -> object:
+        d = buf.dispatch(x, idx, w)
+        shared = x @ shared_w
+        return buf.combine(d.x, d.handle), shared
+
+    def overlapped() -> object:
+        d = buf.dispatch(x, idx, w, async_op=True)
+        shared = x @ shared_w
+        d.event.wait()
+        out, event = buf.combine(d.x, d.handle, async_op=True)
+        event.wait()
+        return out, shared
+
+    return [_row(buf, case, op, None, tokens, timer.call_us(fn)) for op, fn in
+            (("dispatch+shared+combine serial", serial), ("dispatch+shared+combine async", overlapped))]
 
 
 def bench_nccl_a2a(buf: Buffer, timer: Timer, case: str, tokens: int) -> Row:
@@ -385,17 +417,44 @@ def layer_inputs(shape: LayerShape, device: torch.device, seed: int) -> tuple[to
     return x, grad
 
 
-def time_layer(timer: Timer, moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> list[float]:
-    """us of moe's normal-mode forward, its backward and both, with every gradient set to None
-    before each step (as after optimizer.zero_grad(): no accumulation into .grad is timed)."""
+def time_layer(timer: Timer, moe: MoE, x: torch.Tensor, grad: torch.Tensor,
+               modes: tuple[bool, ...] = (False, True)) -> dict[bool, list[float]]:
+    """{overlap: [forward, backward, both] us} of moe's normal-mode forward and backward without and with
+    overlap, alternating in every iteration (so both see the same machine), with every gradient set to
+    None before each iteration (as after optimizer.zero_grad(): no accumulation into .grad is timed).
+    `overlap` is set alike on every rank before each forward."""
     outputs: list[torch.Tensor] = []
 
     def zero() -> None:
         moe.zero_grad(set_to_none=True)
         x.grad = None
 
-    return timer.parts_us([lambda: outputs.append(moe(x, mode="normal")), lambda: outputs.pop().backward(grad)],
-                          setup=zero)
+    def forward(on: bool) -> None:
+        moe.overlap = on
+        outputs.append(moe(x, mode="normal"))
+
+    calls = [c for on in modes for c in (lambda on=on: forward(on), lambda: outputs.pop().backward(grad))]
+    us = timer.parts_us(calls, setup=zero, sums=[(2 * i, 2 * i + 1) for i in range(len(modes))])
+    return {on: [us[2 * i], us[2 * i + 1], us[2 * len(modes) + i]] for i, on in enumerate(modes)}
+
+
+def time_communication(timer: Timer, moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> list[float]:
+    """[forward, backward, both] us of the layer's communication alone: its dispatch and combine on its own
+    routing with no experts between (the pairs go straight back) and their backward (a cached dispatch
+    and a combine; the router weights' gradient, K floats per token beside H bf16, left out)."""
+    routing = moe.router(x.detach())
+    idx, w = routing.topk_idx, routing.topk_weights.detach()
+    xb = x.detach().to(torch.bfloat16).requires_grad_()
+    outputs: list[torch.Tensor] = []
+
+    def forward() -> None:
+        d = moe.dispatch(xb, idx, w)
+        outputs.append(autograd.combine(d.x, d.ref))
+
+    def zero() -> None:
+        xb.grad = None
+
+    return timer.parts_us([forward, lambda: outputs.pop().backward(grad)], setup=zero)
 
 
 def gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int, device: torch.device,
@@ -475,9 +534,9 @@ def bench_fp8_layer(timer: Timer, buf: Buffer, shape: LayerShape, x: torch.Tenso
         us = timer.call_us(lambda: models[1](x, mode="normal"))
     del models
     gc.collect()
-    return [_row(buf, "layer", "forward FP8 C=1", sms, shape.tokens, us,
+    return [_row(buf, "layer", "forward FP8", sms, shape.tokens, us,
                  flop=layer_flop(pairs, shape.hidden, shape.ffn),
-                 extra={"overlap_chunks": 1, "pairs": pairs, "fp8_relative_error": _max_over_ranks(error)})]
+                 extra={"pairs": pairs, "fp8_relative_error": _max_over_ranks(error)})]
 
 
 def dense_ceiling(timer: Timer, device: torch.device, n: int = 8192) -> tuple[float, float]:
@@ -487,47 +546,55 @@ def dense_ceiling(timer: Timer, device: torch.device, n: int = 8192) -> tuple[fl
 
 
 def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.device, gemms: bool) -> list[Row]:
-    """moe_ep.MoE forward, backward and both (normal mode, bf16 experts) on one backend at each of
-    OVERLAP_CHUNKS (the layer's default, expert-major dispatch), and on the row path (expert_major=False)
-    at C = 1 (rows "... row path C=1"), with FLOPs from the pairs this rank's experts computed; with
-    `gemms`, the layer's grouped GEMMs alone on as many pairs in equal groups and in the router's
-    groups ("... router's groups C=1"), and the dense bf16 ceiling (rows of backend "torch"). What
-    it allocates is garbage once it returns (the caller collects it before the next case)."""
+    """moe_ep.MoE forward, backward and both (normal mode, bf16 experts, the default expert-major dispatch)
+    on one backend without and with overlap (rows "forward", "forward overlap", ...; time_layer), its
+    communication alone ("comm alone ..."), and on the row path ("... row path": expert_major=False), with
+    FLOPs from the pairs this rank's experts computed (plus the shared expert's). Where each rank has its
+    own GPU the overlap rows carry "comm_hidden": (no overlap - overlap) / communication alone. With
+    `gemms`, the layer's grouped GEMMs alone on as many pairs in equal groups and in the router's groups,
+    and the dense bf16 ceiling (rows of backend "torch"). What it allocates is garbage once it returns
+    (the caller collects it before the next case)."""
     rows: list[Row] = []
     with Buffer(hidden=shape.hidden, num_experts=shape.experts, num_topk=shape.topk,
                 max_tokens_per_rank=shape.tokens, backend=backend, device=device) as buf:
         sms = buf.config.num_sms if buf.backend_name == "nvshmem" else None
         x, grad = layer_inputs(shape, buf.device, seed=buf.rank)
-        for chunks, expert_major in [(c, True) for c in OVERLAP_CHUNKS] + [(1, False)]:
-            torch.manual_seed(0)  # the same weights for every C, the router's the same on every rank
-            moe = MoE(buf, shape.ffn, dtype=torch.bfloat16, overlap_chunks=chunks, expert_major=expert_major)
-            times = time_layer(timer, moe, x, grad)
+        link = buf.device.type == "cuda" and buf.ranks_per_gpu == 1  # a GPU per rank: the hidden share means something
+        for expert_major in (True, False):
+            torch.manual_seed(0)  # the same weights for both paths, the router's the same on every rank
+            moe = MoE(buf, shape.ffn, dtype=torch.bfloat16, expert_major=expert_major,
+                      shared_ffn_hidden=shape.shared_ffn)
+            times = time_layer(timer, moe, x, grad, modes=(False, True) if expert_major else (False,))
+            if expert_major:
+                comm = time_communication(timer, moe, x, grad)
             counts = expert_counts(buf, moe.last_routing.topk_idx)
             pairs = int(counts.sum())
-            rows += [_row(buf, "layer", f"{op}{'' if expert_major else ' row path'} C={chunks}", sms, shape.tokens,
-                          us, flop=k * layer_flop(pairs, shape.hidden, shape.ffn),
-                          extra={"overlap_chunks": chunks, "pairs": pairs, "expert_major": expert_major})
-                     for (op, k), us in zip(LAYER_PASSES, times)]
+            flop = layer_flop(pairs, shape.hidden, shape.ffn) + layer_flop(shape.tokens, shape.hidden, shape.shared_ffn)
+            for on, passes in times.items():
+                for i, ((op, k), us) in enumerate(zip(LAYER_PASSES, passes)):
+                    extra = {"overlap": on, "pairs": pairs, "expert_major": expert_major}
+                    if on and link:
+                        extra["comm_hidden"] = (times[False][i] - us) / comm[i]
+                    name = op + (" overlap" if on else "") + ("" if expert_major else " row path")
+                    rows.append(_row(buf, "layer", name, sms, shape.tokens, us, flop=k * flop, extra=extra))
+            if expert_major:
+                rows += [_row(buf, "layer", f"comm alone {op}", sms, shape.tokens, us, extra={"pairs": pairs})
+                         for (op, _), us in zip(LAYER_PASSES, comm)]
             del moe
             gc.collect()
         if shape.hidden % fp8.BLOCK == 0 and shape.ffn % fp8.BLOCK == 0:
             rows += bench_fp8_layer(timer, buf, shape, x.detach(), sms)
-        if gemms:  # per C: C times the GEMMs of one chunk (pairs / C), what chunking costs the experts alone
-            for chunks in OVERLAP_CHUNKS:
-                cases = gemm_cases(pairs // chunks, buf.num_local_experts, shape.hidden, shape.ffn, buf.device)
+        if gemms:
+            for label, groups in (("equal groups", None), ("router's groups", counts)):
+                cases = gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn, buf.device, counts=groups)
                 timed = time_gemms(timer, {name: case for name, case in cases.items() if not name.startswith("cmp")})
-                rows += [_row(buf, "layer", f"{name} C={chunks}", None, shape.tokens, chunks * us, backend="torch",
-                              flop=chunks * flop, config=None, extra={"overlap_chunks": chunks})
+                rows += [_row(buf, "layer", f"{name} {label}", None, shape.tokens, us, backend="torch",
+                              flop=flop, config=None, extra={} if groups is None else {"groups": counts.tolist()})
                          for name, (us, flop) in timed.items() if name.startswith("GEMMs")]
-            cases = gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn, buf.device, counts=counts)
-            timed = time_gemms(timer, {name: case for name, case in cases.items() if not name.startswith("cmp")})
-            rows += [_row(buf, "layer", f"{name} router's groups C=1", None, shape.tokens, us, backend="torch",
-                          flop=flop, config=None, extra={"overlap_chunks": 1, "groups": counts.tolist()})
-                     for name, (us, flop) in timed.items() if name.startswith("GEMMs")]
             timed = {name: (timer.call_us(fn), flop)
                      for name, (fn, flop) in fp8_gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn,
                                                             buf.device).items()}
-            rows.append(_row(buf, "layer", "FP8 GEMMs forward C=1", None, shape.tokens, sum(v[0] for v in timed.values()),
+            rows.append(_row(buf, "layer", "FP8 GEMMs forward", None, shape.tokens, sum(v[0] for v in timed.values()),
                              backend="triton", flop=sum(v[1] for v in timed.values()), config=None,
                              extra={"tiles": asdict(fp8_experts.TILES),
                                     "parts_us": {name: v[0] for name, v in timed.items()}}))
@@ -541,13 +608,15 @@ def bench_decode(timer: Timer, shape: LayerShape, backend: str, device: torch.de
     """A decode step of two micro-batches of shape.decode_tokens tokens through MoE.start / compute /
     finish (low-latency Buffer): in sequence, interleaved (A's compute, then B's start before A's
     finish, as docs/integrations.md section 5), and their communication alone (each micro-batch's
-    whole low-latency dispatch + combine). The interleaved row's extra "comm_hidden" is
-    (sequential - interleaved) / communication alone: the share of communication the order hides."""
+    whole low-latency dispatch + combine), the three alternating in every iteration so that they see the
+    same machine; where the backend can be captured, the two orders again as CUDA-graph replays (no host
+    time). The interleaved rows' extra "comm_hidden" is (sequential - interleaved) / communication
+    alone: the share of communication the order hides."""
     t = shape.decode_tokens
     with Buffer(hidden=shape.hidden, num_experts=shape.experts, num_topk=shape.topk, max_tokens_per_rank=t,
                 backend=backend, low_latency=True, device=device) as buf, torch.no_grad():
         torch.manual_seed(0)
-        moe = MoE(buf, shape.ffn, dtype=torch.bfloat16)
+        moe = MoE(buf, shape.ffn, dtype=torch.bfloat16, shared_ffn_hidden=shape.shared_ffn)
         g = torch.Generator(device=buf.device).manual_seed(buf.rank)
         xa, xb = (torch.randn(t, shape.hidden, generator=g, device=buf.device).to(torch.bfloat16) for _ in range(2))
         routes = [moe.router(x) for x in (xa, xb)]
@@ -568,11 +637,18 @@ def bench_decode(timer: Timer, shape: LayerShape, backend: str, device: torch.de
                 d = buf.low_latency_dispatch(x, r.topk_idx)
                 buf.low_latency_combine(y, r.topk_idx, r.topk_weights, d.handle)
 
-        seq_us, inter_us, comm_us = (timer.call_us(fn) for fn in (sequential, interleaved, communication))
-        return [_row(buf, "decode", "2 in sequence", None, t, seq_us),
+        seq_us, inter_us, comm_us, _ = timer.parts_us([sequential, interleaved, communication])
+        rows = [_row(buf, "decode", "2 in sequence", None, t, seq_us),
                 _row(buf, "decode", "2 interleaved", None, t, inter_us,
                      extra={"comm_hidden": (seq_us - inter_us) / comm_us}),
                 _row(buf, "decode", "comm only (2 x d + c)", None, t, comm_us)]
+        if _graph_capturable(buf):
+            graphs = [timer.graph(fn) for fn in (sequential, interleaved)]
+            seq_us, inter_us, _ = timer.parts_us([graph.replay for graph in graphs])
+            rows += [_row(buf, "decode", "2 in sequence, graph", None, t, seq_us),
+                     _row(buf, "decode", "2 interleaved, graph", None, t, inter_us,
+                          extra={"comm_hidden": (seq_us - inter_us) / comm_us})]
+        return rows
 
 
 @dataclass(frozen=True)
@@ -607,7 +683,8 @@ COLUMNS = [
     Column("ms", 8, lambda r: _num(r.call_us / 1e3, ".3f") if r.flop is not None else None, _LAYER),
     Column("TFLOP/s", 7, lambda r: _num(r.tflops, ".4g"), _LAYER),
     Column("%hidden", 7, lambda r: None if "comm_hidden" not in r.extra else f"{100 * r.extra['comm_hidden']:.1f}%",
-           "only the decode case's interleaved row hides communication"),
+           "only the decode case's interleaved rows and, with a GPU per rank, the layer's overlap rows hide "
+           "communication"),
     Column("cold us", 9, lambda r: _num(r.cold_us), _GPU_ONLY),
     Column("overhead", 8, lambda r: _num(r.overhead_us), _GPU_ONLY),
     Column("kernel us", 9, lambda r: _num(r.kernel_us), "device time from the CUDA profiler, GPU only"),
@@ -766,14 +843,19 @@ def layer_notes(use_gpu: bool, shared_gpu: bool, rows: list[Row]) -> list[str]:
     notes += ["%hidden = (2 in sequence - 2 interleaved) / comm only: the share of the decode step's communication "
              "that interleaving two micro-batches hides"
              + ("; meaningless for links here (CPU or shared GPU: no link carries the rows)"
-                if not use_gpu or shared_gpu else "")]
+                if not use_gpu or shared_gpu else ""),
+              "layer rows \"... overlap\" ran MoE(overlap=True), alternating with the rows without it in every "
+              "iteration; "
+              + ("%hidden = (no overlap - overlap) / comm alone, the share of the layer's communication overlap hides"
+                 if use_gpu and not shared_gpu else
+                 "no %hidden for them: it is measured only with a GPU per rank (CPU or shared GPU here)")]
     if not use_gpu:
         notes.insert(0, "no grouped-GEMM or dense-ceiling rows: torch._grouped_mm needs an sm90 GPU, and a CPU "
                         "matmul rate says nothing about a GPU's roofline")
     return notes
 
 
-CASES = ("n1", "n1-native", "l1", "sweep", "cpu", "layer")
+CASES = ("n1", "n1-native", "l1", "sweep", "stream", "cpu", "layer")
 
 
 def default_out_dir(stamp: str) -> Path:
@@ -787,7 +869,8 @@ def default_out_dir(stamp: str) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="auto",
-                   help="comma list of n1,n1-native (N1 without the NCCL baselines),l1,sweep,cpu,layer "
+                   help="comma list of n1,n1-native (N1 without the NCCL baselines),l1,sweep,stream (16384 tokens "
+                        "per rank in one round and in rounds of 4096, and the async Megatron pattern),cpu,layer "
                         "(moe_ep.MoE forward/backward, sizes from --layer-*) (auto: n1,l1 on GPU, cpu otherwise)")
     p.add_argument("--sms", default="8,16,24,32", help="SM budgets for the native backend")
     p.add_argument("--warmup", type=int, default=20)
@@ -849,6 +932,14 @@ def main() -> None:
                 with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=tokens, low_latency=True,
                             ranks_per_node=rpn, device=device) as buf:
                     rows += bench_low_latency(buf, timer, tokens)
+    if "stream" in cases:  # 16384 tokens per rank in one round, and in rounds of the default budget's 4096
+        for round_tokens in (16384, 4096):
+            with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=round_tokens,
+                        device=device) as buf:
+                rows += bench_normal(buf, timer, f"stream T={round_tokens}", 16384, [None], with_fp8=True,
+                                     deepep=False)
+                if round_tokens == 4096:
+                    rows += bench_async_pattern(buf, timer, "async", 4096)
     if "sweep" in cases:
         for hidden in (2048, 4096, 7168):
             with Buffer(hidden=hidden, num_experts=256, num_topk=8, max_tokens_per_rank=16384, device=device) as buf:

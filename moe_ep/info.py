@@ -65,9 +65,9 @@ def _native_lines() -> list[str]:
         runtime = _dotted(_native.load().runtime_version()) if ok else "not loaded"
         lines.append(f"NVSHMEM      wheel {info['nvshmem_dist']} {_version(info['nvshmem_dist']) or 'not installed'}; "
                      f"built against {_dotted(info['nvshmem_version'])}; runtime {runtime}")
-        lines.append(f"moe_ep.comm._C    built with CUDA {_dotted(info['cuda_version'])} for "
+        lines.append(f"native _C    built with CUDA {_dotted(info['cuda_version'])} for "
                      + ", ".join(f"sm_{a}" for a in info["cuda_archs"]))
-    lines.append("moe_ep.comm._C    " + ("loads" if ok else f"not available: {why}"))
+    lines.append("native _C    " + ("loads" if ok else f"not available: {why}"))
     return lines
 
 

@@ -6,7 +6,76 @@ from typing import Optional
 
 import torch
 
-from moe_ep.comm import fp8
+
+
+# ---- FP8 (e4m3) from the format's definition (docs/api.md), not moe_ep.comm.fp8 ----------------
+E4M3_MAX = 448.0  # 1.75 * 2^8, the largest finite e4m3fn value
+E4M3_MIN_NORMAL_EXP = -6  # 2^-6: the smallest normal magnitude; below it the step is 2^-9
+AMAX_FLOOR = 1e-4  # docs/api.md: amax = max(max|x|, 1e-4)
+
+
+def _f32_quotient(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a / b for float32 a, b, correctly rounded to float32: the float64 quotient rounded once (float64
+    carries more than 2 * 24 + 2 bits, so the double rounding is exact), not torch's float32 division."""
+    return (a.double() / b.double()).float()
+
+
+def e4m3_bits(v: torch.Tensor) -> torch.Tensor:
+    """float32 values -> their e4m3fn encodings (uint8): round to nearest, ties to even, magnitudes
+    past 448 saturate to 448; built from sign, exponent and mantissa fields (no float8 cast)."""
+    v = v.double()
+    mag = v.abs()
+    _, exp = torch.frexp(mag)  # mag = m * 2^exp, m in [0.5, 1): the leading bit is 2^(exp - 1)
+    lead = torch.clamp(exp - 1, min=E4M3_MIN_NORMAL_EXP)
+    step = torch.ldexp(torch.ones_like(mag), lead - 3)  # 3 mantissa bits below the leading one
+    q = torch.round(mag / step) * step  # torch.round: half to even; mag / step is exact (power of two)
+    q = torch.clamp(q, max=E4M3_MAX)
+    _, qexp = torch.frexp(q)
+    normal = q >= 2.0 ** E4M3_MIN_NORMAL_EXP
+    field_exp = torch.where(normal, qexp - 1 + 7, torch.zeros_like(qexp))
+    unit = torch.ldexp(torch.ones_like(q), torch.where(normal, qexp - 1 - 3, torch.full_like(qexp, -9)))
+    mant = (q / unit).long() - torch.where(normal, 8, 0)
+    sign = torch.signbit(v).long()
+    return (sign << 7 | field_exp.long() << 3 | mant).to(torch.uint8)
+
+
+def fp8_scales(amax: torch.Tensor, round_scale: bool = False) -> torch.Tensor:
+    """float32 block amax -> float32 scales: max(amax, 1e-4) / 448, or with round_scale the smallest
+    power of two >= that quotient."""
+    floored = torch.maximum(amax.float(), torch.tensor(AMAX_FLOOR, dtype=torch.float32))
+    scale = _f32_quotient(floored, torch.full_like(floored, E4M3_MAX))
+    if round_scale:
+        mantissa, exp = torch.frexp(scale.double())
+        scale = torch.where(mantissa == 0.5, scale.double(), torch.ldexp(torch.ones_like(scale.double()), exp)).float()
+    return scale
+
+
+def fp8_quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 block format by definition, on the CPU: x [..., H] (H % 128 == 0) -> (e4m3 [..., H],
+    float32 scales [..., H / 128]); per 128 channels scale = max(amax, 1e-4) / 448 (float32), values
+    x / scale in float32, then e4m3 by round to nearest even with saturation."""
+    x = x.detach().cpu().float()
+    lead, h = x.shape[:-1], x.shape[-1]
+    blocks = x.reshape(*lead, h // 128, 128)
+    scale = fp8_scales(blocks.abs().amax(-1), round_scale)
+    bits = e4m3_bits(_f32_quotient(blocks, scale.unsqueeze(-1)))
+    return bits.view(torch.float8_e4m3fn).reshape(*lead, h), scale
+
+
+def fp8_quantize_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (e4m3 [E, N, K], float32 scales [E, N / 128, K / 128]): the same rule with one
+    scale per 128 x 128 block (the FP8 experts' weights)."""
+    w = w.detach().cpu().float()
+    e, n, k = w.shape
+    blocks = w.reshape(e, n // 128, 128, k // 128, 128)
+    scale = fp8_scales(blocks.abs().amax(dim=(2, 4)))
+    bits = e4m3_bits(_f32_quotient(blocks, scale[:, :, None, :, None]))
+    return bits.view(torch.float8_e4m3fn).reshape(e, n, k), scale
+
+
+def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 values of e4m3 q [..., H] times their per-128-channel scales [..., H / 128]."""
+    return q.double() * scales.double().repeat_interleave(128, dim=-1)
 
 
 @dataclass
@@ -183,7 +252,7 @@ def expected_low_latency_dispatch(inp: Inputs, me: int, world: int, num_experts:
     srows: list[list[torch.Tensor]] = [[] for _ in range(num_local)]
     src: list[list[tuple[int, int]]] = [[] for _ in range(num_local)]
     for s in range(world):
-        q, sc = fp8.quantize(inp.x[s], round_scale) if use_fp8 and inp.x[s].shape[0] else (inp.x[s], None)
+        q, sc = fp8_quantize(inp.x[s], round_scale) if use_fp8 and inp.x[s].shape[0] else (inp.x[s], None)
         for n, row in enumerate(inp.topk_idx[s].tolist()):
             for e in sorted(set(row)):
                 if e >= 0 and e // num_local == me:
@@ -215,7 +284,8 @@ def assert_same_bits(got: Optional[torch.Tensor], want: Optional[torch.Tensor], 
     assert got is not None, f"{what}: expected a tensor, got None"
     assert (got.dtype, got.shape) == (want.dtype, want.shape), \
         f"{what}: {got.dtype} {list(got.shape)} != {want.dtype} {list(want.shape)}"
-    a, b = got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+    # fresh standard strides: a view whose last dim has size 1 may keep any stride there (token-major scales)
+    a, b = (t.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8) for t in (got, want))
     if not torch.equal(a, b):
         first = int((a != b).nonzero()[0]) // want.element_size()
         raise AssertionError(f"{what}: differs, first at flat element {first} of {want.numel()}")

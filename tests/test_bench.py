@@ -1,6 +1,6 @@
 """`torchrun -m moe_ep.bench` runs on CPU (gloo, reference backend): its table shows only the columns
-that apply there and says why the others are left out, the layer case has ms and TFLOP/s rows for
-overlap_chunks 1, 2 and 4 and a decode step's rows, the Config the Buffers ran with is printed and
+that apply there and says why the others are left out, the layer case has ms and TFLOP/s rows without
+and with overlap, its communication alone and a decode step's rows, the Config the Buffers ran with is printed and
 recorded, its JSON has every key, its PNG has one panel per case that ran, and without --out it
 writes under $XDG_DATA_HOME, not into the folder it runs in.
 The low-latency bench leaves out the CUDA-graph rows on a backend that cannot be captured; the N1
@@ -26,8 +26,9 @@ from moe_ep.comm.config import DEFAULT_NUM_SMS
 from tests._dist import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout under test, whatever folder a rank starts in
-LAYER_OPS = ({f"{op} C={c}" for op in ("forward", "backward", "forward_backward") for c in (1, 2, 4)}
-             | {f"{op} row path C=1" for op in ("forward", "backward", "forward_backward")} | {"forward FP8 C=1"})
+PASSES = ("forward", "backward", "forward_backward")
+LAYER_OPS = ({f"{op}{mode}" for op in PASSES for mode in ("", " overlap", " row path")}
+             | {f"comm alone {op}" for op in PASSES} | {"forward FP8"})
 DECODE_OPS = {"2 in sequence", "2 interleaved", "comm only (2 x d + c)"}
 GPU_ONLY_COLUMNS = ("SMs", "cold us", "overhead", "kernel us", "%link", "DeepEP", "speedup")
 
@@ -49,7 +50,7 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "moe_ep.bench", "--cases", "cpu,layer", "--iters", "2", "--warmup", "1",
            "--layer-tokens", "32", "--layer-hidden", "128", "--layer-experts", "8", "--layer-topk", "2",
-           "--layer-ffn", "128", "--layer-decode-tokens", "8"]
+           "--layer-ffn", "128", "--layer-shared-ffn", "64", "--layer-decode-tokens", "8"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "XDG_DATA_HOME": str(data_home),
                               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
@@ -66,7 +67,8 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     (config,) = [line for line in lines if line.startswith("config ")]
     assert lines.index(config) < lines.index(head)
     assert all(f"{f.name}=" in config for f in dataclasses.fields(moe_ep.Config)), config
-    for note in ("no grouped-GEMM or dense-ceiling rows:", "forward FP8 experts (reference): relative error", "%hidden = "):
+    for note in ("no grouped-GEMM or dense-ceiling rows:", "forward FP8 experts (reference): relative error", "%hidden = ",
+                 'layer rows "... overlap" ran MoE(overlap=True)'):
         assert any(line.startswith(note) for line in lines), note
     assert "meaningless for links" in run.stdout
     (left_out,) = [line for line in run.stdout.splitlines() if line.startswith("not shown: ")]
@@ -99,12 +101,17 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     layer = [r for r in rows if r["case"] == "layer"]
     assert sorted(r["op"] for r in layer) == sorted(LAYER_OPS)
     assert all((r["tokens"], r["hidden"], r["experts"], r["topk"]) == (32, 128, 8, 2) for r in layer)
-    assert all(r["op"].endswith(f"C={r['extra']['overlap_chunks']}") for r in layer)
-    # FLOPs from the routing that ran (rank 0's experts' pairs, the same routing for every C).
+    assert all(r["extra"]["overlap"] == r["op"].endswith(" overlap") for r in layer if "overlap" in r["extra"])
+    assert all("comm_hidden" not in r["extra"] for r in layer)  # a GPU per rank only
+    # FLOPs from the routing that ran (rank 0's experts' pairs, the same routing for every row).
     assert len({r["extra"]["pairs"] for r in layer}) == 1 and 0 < layer[0]["extra"]["pairs"] <= 2 * 32 * 2
     for r in layer:
+        if r["op"].startswith("comm alone"):
+            assert r["flop"] is None and _positive(r["call_us"])
+            continue
         passes = {"forward": 1, "backward": 2, "forward_backward": 3}[r["op"].split()[0]]
-        assert r["flop"] == passes * bench.layer_flop(r["extra"]["pairs"], 128, 128)
+        shared = 0.0 if r["op"] == "forward FP8" else bench.layer_flop(32, 128, 64)  # the FP8 row: routed experts only
+        assert r["flop"] == passes * (bench.layer_flop(r["extra"]["pairs"], 128, 128) + shared)
         assert _positive(r["tflops"])
     decode = {r["op"]: r for r in rows if r["case"] == "decode"}
     assert set(decode) == DECODE_OPS

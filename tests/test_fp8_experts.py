@@ -15,6 +15,7 @@ from moe_ep.moe import fp8_experts as fe
 from moe_ep.moe.layer import MoE
 from tests._interpret import run_interpreted
 from tests._dist import device, requires_gpus, run_workers
+from tests.oracle import fp8_dequantize, fp8_quantize, fp8_quantize_weight_blocks
 
 E4M3_STEP = 2.0 ** -3  # one e4m3 step relative to a normal value (3 mantissa bits), an upper bound
 E4M3_TINY = 2.0 ** -9  # the e4m3 subnormal step, in units of the block scale
@@ -73,8 +74,8 @@ def _gemm_case(dev: torch.device, seed: int, e: int, n: int, k: int, counts: lis
                tiles: fe.GemmTiles) -> None:
     """grouped_gemm on random FP8 inputs, output poisoned first, against _gemm_oracle."""
     g = torch.Generator().manual_seed(seed)
-    aq, a_scale = moe_ep.comm.fp8.quantize(torch.randn(m, k, generator=g) * 3)
-    bq, b_scale = fe.quantize_weight_blocks(torch.randn(e, n, k, generator=g) * 0.05)
+    aq, a_scale = fp8_quantize(torch.randn(m, k, generator=g) * 3)
+    bq, b_scale = fp8_quantize_weight_blocks(torch.randn(e, n, k, generator=g) * 0.05)
     c = torch.tensor(counts)
     rows = torch.randint(0, m, (sum(counts),), generator=g) if gather else None
     p = sum(counts) if gather else m
@@ -139,24 +140,23 @@ def test_kernels_in_triton_interpreter() -> None:
     run_interpreted("tests.test_fp8_experts", "interpreted_kernel_cases")
 
 
-def test_weight_blocks_round_trip() -> None:
+def test_weight_blocks_match_definition() -> None:
+    """quantize_weight_blocks against tests/oracle.py's quantiser (one scale per 128 x 128), bit for bit."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(3, 256, 384, generator=g) * torch.rand(3, 256, 1, generator=g)
+    w[1, :128, :128] = 0  # an all-zero block takes the amax floor
     q, s = fe.quantize_weight_blocks(w)
+    want_q, want_s = fp8_quantize_weight_blocks(w)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2, 3)
-    want_s = w.double().abs().view(3, 2, 128, 3, 128).amax((2, 4)).clamp_min(1e-4) / 448
-    assert torch.allclose(s.double(), want_s, rtol=1e-6, atol=0)
-    for e in range(3):  # round to nearest: within half a step
-        deq = q[e].double() * _expand(s[e], 256, 384)
-        bound = torch.maximum(w[e].double().abs() * E4M3_STEP / 2, _expand(s[e], 256, 384) * E4M3_TINY / 2)
-        assert bool(((deq - w[e].double()).abs() <= bound * (1 + 1e-6)).all())
+    assert torch.equal(s.view(torch.int32), want_s.view(torch.int32)), "scales"
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), "values"
 
 
 def test_torch_versions_match_oracles() -> None:
     """The CPU path of the layer: torch grouped_gemm and swiglu_quant against the same oracles."""
     g = torch.Generator().manual_seed(11)
-    aq, a_scale = moe_ep.comm.fp8.quantize(torch.randn(40, 256, generator=g))
-    bq, b_scale = fe.quantize_weight_blocks(torch.randn(3, 128, 256, generator=g) * 0.1)
+    aq, a_scale = fp8_quantize(torch.randn(40, 256, generator=g))
+    bq, b_scale = fp8_quantize_weight_blocks(torch.randn(3, 128, 256, generator=g) * 0.1)
     rows, counts = torch.randint(0, 40, (30,), generator=g), torch.tensor([10, 0, 20])
     _within_bf16(fe.grouped_gemm(aq, a_scale, rows, counts, bq, b_scale), _gemm_oracle(aq, a_scale, rows, counts, bq, b_scale),
                  "torch grouped_gemm")
@@ -171,21 +171,19 @@ HIDDEN, FFN, EXPERTS, TOPK = 256, 128, 8, 3
 
 def _dense_fp8(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, full: dict) -> torch.Tensor:
     """FP8 MoE emulated in float64: FP8 rows, 128 x 128 FP8 weights, bf16 gate/up output, FP8 activation."""
-    xq, xs = moe_ep.comm.fp8.quantize(x.to(torch.bfloat16))
-    xd = xq.double() * _expand(xs, *xq.shape)
+    xd = fp8_dequantize(*fp8_quantize(x.to(torch.bfloat16)))
     out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
     for e in range(EXPERTS):
         w13 = torch.cat([full["w1"][e], full["w3"][e]])
-        q13, s13 = fe.quantize_weight_blocks(w13.unsqueeze(0))
-        q2, s2 = fe.quantize_weight_blocks(full["w2"][e].unsqueeze(0))
+        q13, s13 = fp8_quantize_weight_blocks(w13.unsqueeze(0))
+        q2, s2 = fp8_quantize_weight_blocks(full["w2"][e].unsqueeze(0))
         for k in range(TOPK):
             rows = (idx[:, k] == e).nonzero().squeeze(1)
             if rows.numel() == 0:
                 continue
             h13 = (xd[rows] @ (q13[0].double() * _expand(s13[0], 2 * FFN, HIDDEN)).t()).to(torch.bfloat16)
             a = _swiglu_f64(h13, weights[rows, k])
-            aq, a_s = moe_ep.comm.fp8.quantize(a.float())
-            ad = aq.double() * _expand(a_s, *aq.shape)
+            ad = fp8_dequantize(*fp8_quantize(a.float()))
             out[rows] += ad @ (q2[0].double() * _expand(s2[0], HIDDEN, FFN)).t()
     return out
 
@@ -242,8 +240,8 @@ def _bad_config_case() -> None:
         MoE(buf, 128, fp8_experts=True)
     buf.close()
     buf = moe_ep.Buffer(None, hidden=128, num_experts=4, num_topk=2, max_tokens_per_rank=8)
-    with pytest.raises(ValueError, match="overlap_chunks"):
-        MoE(buf, 128, fp8_experts=True, overlap_chunks=2)
+    with pytest.raises(ValueError, match="no overlap mode"):
+        MoE(buf, 128, fp8_experts=True, overlap=True)
     buf.close()
 
 

@@ -1,6 +1,8 @@
 """Every kernel knob of moe_ep.Config changes speed only: the native NVLink and cross-node kernels give
-the same bits for each changed knob, per Buffer and per call, as with the defaults (2 ranks on the GPUs
-present, sharing one where there is one)."""
+the reference backend's bits (an independent implementation that ignores the knobs) for the default
+knobs and for each changed knob, per call and per Buffer (2 ranks on the GPUs present, sharing one
+where there is one). Before every native call the workspace and the allocator's free blocks are
+poisoned, so a knob under which a kernel skips rows cannot pass."""
 from __future__ import annotations
 
 import torch
@@ -10,13 +12,42 @@ import moe_ep
 from moe_ep import Config
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import random_topk
-from tests.test_gpu_intranode import _same, _same_dispatch
+from tests.test_gpu_intranode import _poison_allocator, _poison_workspace, _same, _same_dispatch, _w
 
 pytestmark = requires_gpus()
 
-CHANGES = [dict(send_warps=1), dict(send_warps=32), dict(combine_send_warps=1), dict(combine_send_warps=31),
-           dict(unroll=4), dict(flag_batch=1), dict(flag_batch=32), dict(recv_run=3), dict(recv_run=32),
-           dict(num_sms=3), dict(eager_output_bytes=0)]
+# per call: every per-call knob, at or near both ends of its range
+PER_CALL = [dict(send_warps=1), dict(send_warps=32), dict(combine_send_warps=1), dict(combine_send_warps=31),
+            dict(unroll=4), dict(flag_batch=1), dict(flag_batch=32), dict(recv_run=3), dict(recv_run=32),
+            dict(num_sms=1), dict(num_sms=3), dict(eager_output_bytes=0)]
+# per Buffer: each knob once, internode_workspace_bytes (per Buffer only) small enough for many token rounds
+PER_BUFFER = [dict(send_warps=1), dict(combine_send_warps=31), dict(unroll=4), dict(flag_batch=32),
+              dict(recv_run=32), dict(num_sms=3), dict(eager_output_bytes=0), dict(internode_workspace_bytes=4 << 20)]
+
+
+def _check(nat: moe_ep.Buffer, ref: moe_ep.Buffer, args: tuple, y: torch.Tensor, wy: torch.Tensor,
+           config: Config | None, what: str) -> None:
+    """dispatch, combine (with and without weights) and a cached dispatch on `nat` under `config`, bitwise
+    against the same calls on the reference Buffer."""
+    x, idx, w = args
+    want = ref.dispatch(x, idx, w)
+    _poison_workspace(nat)
+    _poison_allocator()
+    got = nat.dispatch(x, idx, w, config=config)
+    _same_dispatch(got, want, f"{what}: dispatch")
+    _poison_workspace(nat)
+    _poison_allocator()
+    _same(nat.combine(y, got.handle, config=config), ref.combine(y, want.handle), f"{what}: combine")
+    _poison_workspace(nat)
+    _poison_allocator()
+    (got_y, got_w), (want_y, want_w) = (nat.combine(y, got.handle, topk_weights=wy, config=config),
+                                        ref.combine(y, want.handle, topk_weights=wy))
+    _same(got_y, want_y, f"{what}: combine with weights: rows")
+    _same(got_w, want_w, f"{what}: combine with weights: weights")
+    _poison_workspace(nat)
+    _poison_allocator()
+    _same_dispatch(nat.dispatch(x, handle=got.handle, config=config), ref.dispatch(x, handle=want.handle),
+                   f"{what}: cached dispatch")
 
 
 def _worker(rank: int, world: int) -> None:
@@ -24,25 +55,21 @@ def _worker(rank: int, world: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(rank)
     n = (200, 77)[rank]
     x = torch.randn(n, hidden, generator=g, device="cuda").to(torch.bfloat16)
-    idx, w = random_topk("random", n, experts, k, g), torch.rand(n, k, generator=g, device="cuda")
+    args = (x, random_topk("random", n, experts, k, g), torch.rand(n, k, generator=g, device="cuda"))
     for topo in ({}, {"ranks_per_node": 1}):
-        common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, backend="nvshmem",
-                      device=device(), **topo)
-        with moe_ep.Buffer(dist.group.WORLD, **common) as buf:
-            want = buf.dispatch(x, idx, w)
-            y = torch.randn(want.x.shape, generator=g, device="cuda").to(torch.bfloat16)
-            want_out = buf.combine(y, want.handle)
-            for change in CHANGES:
-                what = f"{topo or 'one node'} per call {change}"
-                got = buf.dispatch(x, idx, w, config=buf.config.replace(**change))
-                _same_dispatch(got, want, what)
-                _same(buf.combine(y, got.handle, config=buf.config.replace(**change)), want_out, f"{what}: combine")
-        for change in CHANGES[:3]:
-            with moe_ep.Buffer(dist.group.WORLD, config=Config(**change), **common) as buf:
-                got = buf.dispatch(x, idx, w)
-                _same_dispatch(got, want, f"{topo or 'one node'} per Buffer {change}")
-                _same(buf.combine(y, got.handle), want_out, f"{topo or 'one node'} per Buffer {change}: combine")
+        common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, device=device(), **topo)
+        with moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
+            m = ref.dispatch(*args).x.shape[0]
+            y = torch.randn(m, hidden, generator=g, device="cuda").to(torch.bfloat16)
+            wy = _w(m, k, g)
+            with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **common) as nat:
+                _check(nat, ref, args, y, wy, None, f"{topo or 'one node'} defaults")
+                for change in PER_CALL:
+                    _check(nat, ref, args, y, wy, nat.config.replace(**change), f"{topo or 'one node'} per call {change}")
+            for change in PER_BUFFER:
+                with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", config=Config(**change), **common) as nat:
+                    _check(nat, ref, args, y, wy, None, f"{topo or 'one node'} per Buffer {change}")
 
 
-def test_every_knob_gives_the_same_bits() -> None:
-    run_workers(2, _worker, backend="gpu", timeout_s=300)
+def test_every_knob_gives_the_reference_bits() -> None:
+    run_workers(2, _worker, backend="gpu", timeout_s=400)

@@ -6,7 +6,10 @@ the combine rule computed here on the host), a plain low-latency Buffer returns 
 next call, and a bad expert id raises ValueError naming token and value with the Buffer still usable.
 
 The ranks run without torchrun, and a killed rank takes nothing else down; survivors leave with
-os._exit so that no teardown waits for the dead peer."""
+os._exit so that no teardown waits for the dead peer. The ranks synchronise on events, not sleeps:
+a survivor starts its call once the killed rank's process is gone, a stalled rank resumes once its
+peer has signalled (a file) that it gave up on or masked it. A timeout's elapsed time is bounded from
+below as well (an error raised at once is no timeout)."""
 from __future__ import annotations
 
 import os
@@ -14,6 +17,7 @@ import signal
 import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -27,12 +31,13 @@ pytestmark = requires_gpus()
 
 TIMEOUT_S = 3.0
 SLACK_S = 4.0  # launch, polling granularity and the host's own work on top of the kernel timeout
+WAIT_S = 60.0  # the longest a rank waits for its peer's signal or death
 H, E, K, T = 1024, 16, 4, 64
 
 
-def _run(rank: int, port: int, fn: Callable, reports: Any) -> None:
-    """One rank: a group of 2 (NCCL, or gloo when they share a GPU), then fn(rank, report); leaves
-    without any teardown."""
+def _run(rank: int, port: int, fn: Callable, reports: Any, scratch: str) -> None:
+    """One rank: a group of 2 (NCCL, or gloo when they share a GPU), then fn(rank, report, scratch)
+    (scratch: a directory both ranks see, for _signal / _wait_for); leaves without any teardown."""
     def report(key: str, value: Any) -> None:
         reports.put((rank, key, value))
 
@@ -40,7 +45,7 @@ def _run(rank: int, port: int, fn: Callable, reports: Any) -> None:
         dev, backend = setup_gpu_rank(rank, 2)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 device_id=dev if backend == "nccl" else None)
-        fn(rank, report)
+        fn(rank, report, Path(scratch))
         torch.cuda.synchronize()
         report("done", True)
     except BaseException:
@@ -53,7 +58,8 @@ def _launch(fn: Callable, wait_s: float = 150) -> dict[tuple[int, str], Any]:
     ctx = mp.get_context("spawn")
     reports = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_run, args=(r, port, fn, reports)) for r in range(2)]
+    scratch = tempfile.mkdtemp()
+    procs = [ctx.Process(target=_run, args=(r, port, fn, reports, scratch)) for r in range(2)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + wait_s
@@ -70,6 +76,42 @@ def _launch(fn: Callable, wait_s: float = 150) -> dict[tuple[int, str], Any]:
     errors = {k: v for k, v in seen.items() if k[1] == "error"}
     assert not errors, "\n".join(f"--- rank {r} ---\n{tb}" for (r, _), tb in errors.items())
     return seen
+
+
+def _kill_peer_and_wait(rank: int) -> None:
+    """Rank 1 kills itself (SIGKILL); rank 0 returns once the kernel has torn it down (its /proc entry
+    gone or a zombie), not after a guessed sleep."""
+    pids: list[Any] = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    stat = Path(f"/proc/{pids[1]}/stat")
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"rank 1 (pid {pids[1]}) still alive {WAIT_S} s after SIGKILL")
+
+
+def _signal(scratch: Path, name: str) -> None:
+    """Tells the other rank that `name` happened (a file in the shared scratch directory)."""
+    (scratch / name).touch()
+
+
+def _wait_for(scratch: Path, name: str) -> None:
+    """Waits until the other rank has signalled `name` (at most WAIT_S)."""
+    deadline = time.monotonic() + WAIT_S
+    while not (scratch / name).exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {WAIT_S} s for the peer's '{name}'")
+        time.sleep(0.01)
 
 
 def _inputs(rank: int, step: int, n: int = T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,18 +141,14 @@ def _normal_round(buf: Any, rank: int, step: int) -> None:
     event.synchronize()
 
 
-def _normal_kill(rank: int, report: Callable) -> None:
+def _normal_kill(rank: int, report: Callable, scratch: Path) -> None:
     import moe_ep
 
     buf = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
                         timeout_s=TIMEOUT_S)
     for step in range(3):
         _normal_round(buf, rank, step)
-    torch.cuda.synchronize()
-    dist.barrier()
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.5)
+    _kill_peer_and_wait(rank)
     report("first", _timed(lambda: _normal_round(buf, rank, 3)))
     report("second", _timed(lambda: _normal_round(buf, rank, 4)))
     start = time.monotonic()
@@ -134,6 +172,7 @@ def test_killed_rank_normal_mode() -> None:
         kind, msg, secs = seen[(0, key)]
         assert kind == "CommTimeoutError" and "waiting for rank 1" in msg and msg.startswith("moe_ep rank 0"), msg
         assert secs < TIMEOUT_S + SLACK_S, (key, secs)
+    assert seen[(0, "first")][2] >= TIMEOUT_S * 0.9, seen[(0, "first")]  # it waited out the timeout first
     assert seen[(0, "abort_s")] < TIMEOUT_S + SLACK_S  # waits for kernels still giving up, frees nothing
     kind, msg, _ = seen[(0, "rebuild")]
     assert kind == "PeersLostError" and "lost its peers" in msg, msg
@@ -141,7 +180,7 @@ def test_killed_rank_normal_mode() -> None:
     assert seen[(0, "done")]
 
 
-def _normal_stall(rank: int, report: Callable) -> None:
+def _normal_stall(rank: int, report: Callable, scratch: Path) -> None:
     import moe_ep
 
     buf = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
@@ -149,16 +188,18 @@ def _normal_stall(rank: int, report: Callable) -> None:
     _normal_round(buf, rank, 0)
     torch.cuda.synchronize()
     dist.barrier()
-    if rank == 1:
-        time.sleep(2 * TIMEOUT_S + 2)
+    if rank == 1:  # stalls until rank 0 has given up on the call
+        _wait_for(scratch, "rank 0 gave up")
     report("stalled", _timed(lambda: _normal_round(buf, rank, 1)))
+    if rank == 0:
+        _signal(scratch, "rank 0 gave up")
 
 
 def test_stalled_rank_normal_mode() -> None:
     seen = _launch(_normal_stall)
     kind, msg, secs = seen[(0, "stalled")]
     assert kind == "CommTimeoutError" and "waiting for rank 1" in msg, msg
-    assert secs < TIMEOUT_S + SLACK_S, secs
+    assert TIMEOUT_S * 0.9 <= secs < TIMEOUT_S + SLACK_S, secs
     kind, msg, _ = seen[(1, "stalled")]  # rank 0 gave up on this call long before rank 1 came back
     assert kind == "CommTimeoutError" and "waiting for rank 0" in msg, msg
 
@@ -182,7 +223,7 @@ def _ll_round(buf: Any, rank: int, step: int) -> tuple[torch.Tensor, torch.Tenso
     return x, idx, w, d, out
 
 
-def _ll_kill(rank: int, report: Callable) -> None:
+def _ll_kill(rank: int, report: Callable, scratch: Path) -> None:
     import moe_ep
 
     buf = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
@@ -190,11 +231,7 @@ def _ll_kill(rank: int, report: Callable) -> None:
     for step in range(3):
         x, idx, w, _, out = _ll_round(buf, rank, step)
         assert torch.equal(out.cpu(), _expected_ll_combine(x, idx, w, {0, 1})), f"step {step} before the fault"
-    torch.cuda.synchronize()
-    dist.barrier()
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.5)
+    _kill_peer_and_wait(rank)
     for step in (3, 4):
         start = time.monotonic()
         x, idx, w, _, out = _ll_round(buf, rank, step)
@@ -210,13 +247,13 @@ def test_killed_rank_fault_tolerant_low_latency() -> None:
     seen = _launch(_ll_kill)
     assert (1, "done") not in seen
     masked, equal, secs = seen[(0, "step3")]
-    assert masked == [1] and equal and secs < TIMEOUT_S + SLACK_S, (masked, equal, secs)
+    assert masked == [1] and equal and TIMEOUT_S * 0.9 <= secs < TIMEOUT_S + SLACK_S, (masked, equal, secs)
     masked, equal, secs = seen[(0, "step4")]
     assert masked == [1] and equal and secs < TIMEOUT_S / 2, (masked, equal, secs)  # no second wait
     assert seen[(0, "abort_s")] < SLACK_S
 
 
-def _ll_stall(rank: int, report: Callable) -> None:
+def _ll_stall(rank: int, report: Callable, scratch: Path) -> None:
     import moe_ep
 
     buf = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
@@ -224,11 +261,13 @@ def _ll_stall(rank: int, report: Callable) -> None:
     _ll_round(buf, rank, 0)
     torch.cuda.synchronize()
     dist.barrier()
-    if rank == 1:
-        time.sleep(2 * TIMEOUT_S + 2)
+    if rank == 1:  # stalls until rank 0 has masked it
+        _wait_for(scratch, "rank 0 masked rank 1")
     x, idx, w, _, out = _ll_round(buf, rank, 1)
     torch.cuda.synchronize()
     report("stalled", (buf.masked_ranks, torch.equal(out.cpu(), _expected_ll_combine(x, idx, w, {rank}))))
+    if rank == 0:
+        _signal(scratch, "rank 0 masked rank 1")
 
 
 def test_stalled_rank_fault_tolerant_low_latency() -> None:
@@ -237,17 +276,13 @@ def test_stalled_rank_fault_tolerant_low_latency() -> None:
     assert seen[(1, "stalled")] == ([0], True)  # rank 0 had moved on: rank 1 masks it in turn
 
 
-def _ll_poison(rank: int, report: Callable) -> None:
+def _ll_poison(rank: int, report: Callable, scratch: Path) -> None:
     import moe_ep
 
     buf = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
                         low_latency=True, timeout_s=TIMEOUT_S)
     _ll_round(buf, rank, 0)
-    torch.cuda.synchronize()
-    dist.barrier()
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.5)
+    _kill_peer_and_wait(rank)
     _, _, _, d, out = _ll_round(buf, rank, 1)
     torch.cuda.synchronize()
     report("poisoned", (bool(torch.isnan(out.float()).all()), d.count.tolist()))
@@ -262,7 +297,7 @@ def test_killed_rank_low_latency_poisons_and_raises() -> None:
     assert kind == "CommTimeoutError" and "waiting for rank 1" in msg, msg
 
 
-def _bad_ids(rank: int, report: Callable) -> None:
+def _bad_ids(rank: int, report: Callable, scratch: Path) -> None:
     import moe_ep
 
     native = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem")

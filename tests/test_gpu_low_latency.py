@@ -4,7 +4,7 @@ One spawn runs every case: per shape, a native Buffer (backend="nvshmem", low_la
 reference Buffer see identical inputs; dispatch rows below count, scales, counts and source info must
 be bitwise equal, and so must combine. Native outputs are poisoned after each check, so rows a later
 call fails to rewrite show up. Also: the receive hook, two results held at once, normal calls
-interleaved with low-latency ones on one Buffer, one CUDA graph holding both calls replayed 100 times
+interleaved with low-latency ones on one Buffer, a 2-SM grid (Config.low_latency_num_sms), one CUDA graph holding both calls replayed 100 times
 with fresh inputs, the hook-order guard, and a timeout that names the phase. Everything runs twice:
 with the detected node size (both GPUs in one node: NVLink loads/stores) and with ranks_per_node=1
 (two "nodes": every byte between the GPUs goes through the NVSHMEM put/signal code).
@@ -203,6 +203,12 @@ def _worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
                 _graph_cases(buf, ref, shape, rank, local)
             _eager_cases(buf, ref, shape, rank, shared, local)  # eager again after the graph's replays
             torch.cuda.synchronize()
+        if shape == SHAPES[1]:  # the grid knob: 2 SMs (4 blocks for every expert's items) gives the same bits
+            with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem",
+                               config=moe_ep.Config(low_latency_num_sms=2), **kwargs) as narrow, \
+                    moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **kwargs) as ref:
+                _eager_cases(narrow, ref, shape, rank, shared, local)
+                torch.cuda.synchronize()
     _timeout_case(rank, local, ranks_per_node)
 
 

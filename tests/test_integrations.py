@@ -23,7 +23,8 @@ from moe_ep.comm import fp8
 from tests._dist import run_workers
 from tests.test_compile import same_bits
 from tests.test_overlap import _one_call as one_call
-from tests.oracle import Inputs, expected_combine, expected_dispatch, expected_low_latency_combine, make_inputs
+from tests.oracle import (Inputs, expected_combine, expected_dispatch, expected_low_latency_combine, fp8_dequantize,
+                          fp8_quantize, make_inputs)
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
 BLOCK = re.compile(r"<!-- tested: (\w+) -->\n```python\n(.*?)```", re.S)
@@ -158,7 +159,7 @@ def _check_prepare_finalize_low_latency(code: str, inp: Inputs, me: int, buffer:
               run_experts=_experts_low_latency(me))
 
     def row(e: int, s: int, n: int, k: int) -> torch.Tensor:
-        return (fp8.dequantize(*fp8.quantize(inp.x[s][n:n + 1]))[0] * _scale(e)).to(torch.bfloat16)
+        return (fp8_dequantize(*fp8_quantize(inp.x[s][n:n + 1])).float()[0] * _scale(e)).to(torch.bfloat16)
 
     same_bits(ns["out"], expected_low_latency_combine(inp, me, WORLD, EXPERTS, row), "low-latency prepare/finalize")
 

@@ -317,6 +317,7 @@ def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="torch._grouped_mm path needs CUDA sm90")
 def test_grouped_mm_matches_loop() -> None:
     torch.manual_seed(0)

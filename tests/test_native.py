@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from moe_ep.comm import _native
-from moe_ep.comm.backends.symmetric import CommTimeoutError, ErrorWatch, NvshmemSession, _ErrorState
+from moe_ep.comm.backends.symmetric import NvshmemSession
+from moe_ep.comm.errors import CommTimeoutError, ErrorWatch, _ErrorState
 
 ROOT = Path(__file__).resolve().parents[1]
 COMM_H = ROOT / "csrc" / "runtime" / "comm.h"
@@ -243,14 +244,14 @@ def test_session_without_gpu_raises_a_clear_error() -> None:
 def test_info_reports_build_and_backend() -> None:
     out = subprocess.run([sys.executable, "-m", "moe_ep.info"], capture_output=True, text=True, check=True).stdout
     assert re.search(r"^torch\s+" + re.escape(torch.__version__), out, re.M)
-    assert re.search(r"^moe_ep\._C\s+(loads|not available: .+)$", out, re.M)
+    assert re.search(r"^native _C\s+(loads|not available: .+)$", out, re.M)
     assert re.search(r'^Buffer\(backend="auto"\) -> (nvshmem|reference) \(.+\)$', out, re.M)
 
 
 def test_fallback_constants_equal_the_kernels_limits() -> None:
-    for header in ("kernels/intranode/intranode.h", "kernels/internode/internode.h"):
-        value = re.search(r"constexpr int kMaxTopk = (\d+);", (ROOT / "csrc" / header).read_text())[1]
-        assert int(value) == _native.FALLBACK_CONSTANTS["MAX_TOPK"], header
+    limits = (ROOT / "csrc" / "runtime" / "limits.h").read_text()
+    for name, constant in (("MAX_TOPK", "kMaxTopk"), ("MAX_NODE_RANKS", "kMaxNodeRanks")):
+        assert int(re.search(rf"constexpr int {constant} = (\d+);", limits)[1]) == _native.FALLBACK_CONSTANTS[name]
     if _native.available()[0]:
         native = _native.load()
         for name, fallback in _native.FALLBACK_CONSTANTS.items():
@@ -330,7 +331,7 @@ _ARGS_CASES = [
     ("IntranodeCombineArgs", _intranode_dims,
      dict(_ptrs("x", "src_rank", "src_index", "is_token_in_rank", "pos", "recv_info", "out"), num_rows=7,
           num_tokens=5, with_weights=False, num_blocks=20),
-     "src_rank", dict(num_rows=_R * _T + 1), f"num_rows = {_R * _T + 1} exceeds nranks * max_tokens = {_R * _T}"),
+     "src_rank", dict(num_rows=-1), "num_rows = -1 is negative"),
     ("IntranodeExpandArgs", _intranode_dims,
      dict(_ptrs("rows", "src_rank", "recv_info", "scales", "out_x", "out_scales"), num_pairs=9, num_rows=7,
           row_bytes=_H, num_scales=_H // 128, num_blocks=20),
@@ -449,11 +450,11 @@ def test_launch_args_checks_follow_the_call_sizes() -> None:
     with pytest.raises(ValueError, match=r"num_scales = 2 with bf16 rows"):
         native.IntranodeDispatchArgs(**{**cached, "row_bytes": 2 * _H}).check(d)
     # rows that stay in the workspace (expert-major NVLink dispatch): no out_x, and none may be given
-    native.IntranodeDispatchArgs(**{**cached, "out_x": 0, "rows_in_workspace": True}).check(d)
+    native.IntranodeDispatchArgs(**{**cached, "out_x": 0, "expert_major": True}).check(d)
     with pytest.raises(ValueError, match=r"^IntranodeContext.dispatch: out_x is null$"):
         native.IntranodeDispatchArgs(**{**cached, "out_x": 0}).check(d)
-    with pytest.raises(ValueError, match=r"out_x must be 0 with rows_in_workspace"):
-        native.IntranodeDispatchArgs(**{**cached, "rows_in_workspace": True}).check(d)
+    with pytest.raises(ValueError, match=r"out_x must be 0 with expert_major"):
+        native.IntranodeDispatchArgs(**{**cached, "expert_major": True}).check(d)
     # an expand with no pairs reads and writes nothing but recv_info; bf16 pairs need no scales
     native.IntranodeExpandArgs(rows=0, num_pairs=0, num_rows=0, src_rank=0, recv_info=1, row_bytes=2 * _H,
                                num_scales=0, out_x=0, num_blocks=1).check(d)
@@ -477,29 +478,38 @@ def test_launch_args_checks_follow_the_call_sizes() -> None:
         native.LowLatencyDispatchArgs(**{**recv, "round_scale": True}).check(ll)
     with pytest.raises(ValueError, match=r"send and receive are both false"):
         native.LowLatencyDispatchArgs(**{**recv, "receive": False}).check(ll)
+    with pytest.raises(ValueError, match=r"^LowLatencyContext.dispatch: ue8m0 needs use_fp8, round_scale"):
+        native.LowLatencyDispatchArgs(**{**recv, "use_fp8": True, "recv_scales": 6, "ue8m0": True}).check(ll)
 
 
 @needs_native
 def test_contexts_check_their_addresses_before_allocating() -> None:
     """A null address given to a context names its field (checked before any CUDA call, so also here)."""
     native = _native.load()
-    intranode = dict(rank=0, nranks=2, max_tokens=_T, hidden=_H, num_topk=_K, num_experts=_E, timeout_s=1.0,
-                     error=1, epochs=2, block_counters=3, layout_scratch=4, signals=[5, 6], workspace=[7, 8],
+    runtime = native.RuntimeContext(rank=0, nranks=2, timeout_s=1.0, error=1)
+    for field, value, message in (("error", 0, "error is null"), ("rank", 2, "rank = 2, expected 0..1"),
+                                  ("timeout_s", 0.0, "timeout_s = 0.0+, expected a positive number of seconds")):
+        with pytest.raises(ValueError, match=rf"^RuntimeContext: {message}"):
+            native.RuntimeContext(**{**dict(rank=0, nranks=2, timeout_s=1.0, error=1), field: value})
+    assert (runtime.rank, runtime.nranks, runtime.timeout_s, runtime.error) == (0, 2, 1.0, 1)
+    intranode = dict(runtime=runtime, max_tokens=_T, hidden=_H, num_topk=_K, num_experts=_E,
+                     epochs=2, block_counters=3, layout_scratch=4, signals=[5, 6], workspace=[7, 8],
                      row_flags=[9, 10])
     for field, value, message in (("epochs", 0, "epochs is null"), ("workspace", [7, 0], r"workspace\[1\] is null"),
                                   ("num_topk", 17, "num_topk = 17, expected 1..16"),
                                   ("num_experts", 15, "num_experts = 15, expected a positive multiple of nranks")):
         with pytest.raises(ValueError, match=rf"^IntranodeContext: {message}"):
             native.IntranodeContext(**{**intranode, field: value})
-    internode = dict(rank=0, nranks=4, ranks_per_node=2, max_tokens=_T, hidden=_H, num_topk=_K, num_experts=_E,
-                     round_tokens=16, timeout_s=1.0, error=1, epochs=2, block_counters=3, workspace=4,
-                     node_peers=[5, 6])
-    for field, value, message in (("error", 0, "error is null"), ("node_peers", [0, 6], r"node_peers\[0\] is null"),
+    internode = dict(runtime=native.RuntimeContext(rank=0, nranks=4, timeout_s=1.0, error=1), ranks_per_node=2,
+                     max_tokens=_T, hidden=_H, num_topk=_K, num_experts=_E, round_tokens=16, epochs=2,
+                     block_counters=3, workspace=4, node_peers=[5, 6])
+    for field, value, message in (("epochs", 0, "epochs is null"), ("node_peers", [0, 6], r"node_peers\[0\] is null"),
                                   ("round_tokens", _T + 1, f"round_tokens = {_T + 1}, expected 1..{_T}")):
         with pytest.raises(ValueError, match=rf"^InternodeContext: {message}"):
             native.InternodeContext(**{**internode, field: value})
-    low_latency = dict(rank=1, nranks=_R, ranks_per_node=2, num_local_experts=_E // _R, num_topk=_K, hidden=_H,
-                       max_tokens=_T, timeout_s=1.0, error=1, epochs=2, masked=0, sym=3, node_sym=[4, 5],
+    low_latency = dict(runtime=native.RuntimeContext(rank=1, nranks=_R, timeout_s=1.0, error=1), ranks_per_node=2,
+                       num_local_experts=_E // _R, num_topk=_K, hidden=_H, max_tokens=_T, epochs=2, masked=0, sym=3,
+                       node_sym=[4, 5],
                        dispatch_payload_offset=0, dispatch_meta_offset=256, combine_payload_offset=512,
                        combine_scratch_offset=768, signals_offset=1024, done_counters=6, combine_stash=7,
                        blocks_per_expert=8, num_sms=132)
@@ -512,3 +522,17 @@ def test_contexts_check_their_addresses_before_allocating() -> None:
     with pytest.raises(ValueError, match=r"^LowLatencyContext.combine: out is null$"):
         ctx.combine(native.LowLatencyCombineArgs(y=1, src_rank=2, src_index=3, src_k=4, count=5, topk_idx=6,
                                                  topk_weights=7, num_tokens=1, out=0, send=False, receive=True), 0)
+
+
+@needs_native
+def test_cross_node_sm_budget_is_checked_not_capped() -> None:
+    """A cross-node call runs one block per channel: a budget above INTERNODE_MAX_CHANNELS is an error naming
+    the field (it used to be capped silently)."""
+    native = _native.load()
+    most = native.INTERNODE_MAX_CHANNELS
+    valid_fields = {case[0]: case[2] for case in _ARGS_CASES}
+    for name in ("InternodeDispatchArgs", "InternodeCombineArgs"):
+        cls, valid = getattr(native, name), valid_fields[name]
+        cls(**{**valid, "num_blocks": most}).check(_internode_dims(native))
+        with pytest.raises(ValueError, match=rf"num_blocks = {most + 1}, expected 1\.\.{most}$"):
+            cls(**{**valid, "num_blocks": most + 1}).check(_internode_dims(native))

@@ -64,13 +64,23 @@ class _Recorder(flow.NormalEngine):
     def raw_expert_counts(self, state: _State) -> torch.Tensor:
         return torch.tensor(RAW, dtype=torch.int32)
 
+    def dispatch_outputs(self, m, dtype, handle, expert_major) -> DispatchOutputs:
+        """As the NVLink engine: an expert-major dispatch leaves its rows in the workspace."""
+        return DispatchOutputs.allocate(self.cfg, m, dtype, handle, rows=not expert_major)
+
     def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state, out: DispatchOutputs, *, cached, worst_case,
-                        num_sms, knobs, stream) -> None:
+                        expert_major, num_sms, knobs, stream) -> None:
+        assert (out.x is None) == expert_major
         where = "" if out.x is not None else " in workspace"
         self.log.append(f"launch rows={out.src_rank.shape[0]}{where} cached={cached} worst_case={worst_case}")
         if out.x is not None:
             assert out.x.shape[0] == out.src_rank.shape[0]
             out.x.fill_(1.0)
+
+    def expand(self, result, alignment):
+        """The engine's expansion is its own step, after the call's check."""
+        self.log.append(f"expand alignment={alignment}")
+        return result
 
     def host_counts(self) -> tuple[list[int], list[int]]:
         self.log.append("host counts")
@@ -89,7 +99,7 @@ def _cfg() -> BufferConfig:
                         ranks_per_node=R, config=Config(num_sms=4))
 
 
-def _dispatch(monkeypatch: pytest.MonkeyPatch, knobs: Config, handle=None, worst_case=False, rows_in_workspace=False):
+def _dispatch(monkeypatch: pytest.MonkeyPatch, knobs: Config, handle=None, worst_case=False, expert_major=False):
     log: list[str] = []
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(_Event, "log", log)
@@ -103,7 +113,7 @@ def _dispatch(monkeypatch: pytest.MonkeyPatch, knobs: Config, handle=None, worst
     idx, w = (None, None) if handle is not None else (torch.zeros(n, K, dtype=torch.int64), torch.rand(n, K))
     res = flow.normal_dispatch(eng, x, None, idx, w, handle=handle, expert_alignment=4, worst_case=worst_case,
                                num_sms=4, knobs=knobs, stream=None, async_op=False, check=check,
-                               rows_in_workspace=rows_in_workspace)
+                               expert_major=expert_major)
     return res, log
 
 
@@ -142,15 +152,17 @@ def test_cached_reuses_the_handle(monkeypatch: pytest.MonkeyPatch, worst_case: b
 
 
 @pytest.mark.parametrize("eager", [True, False])
-def test_rows_in_workspace_allocate_no_rows(monkeypatch: pytest.MonkeyPatch, eager: bool) -> None:
+def test_expert_major_allocate_no_rows(monkeypatch: pytest.MonkeyPatch, eager: bool) -> None:
     """An expert-major NVLink dispatch leaves its rows in the workspace: the same steps, no x allocated or
-    returned (the engine's expand_pairs copies the pairs out), every other output at the received size."""
-    res, log = _dispatch(monkeypatch, Config() if eager else Config(eager_output_bytes=0), rows_in_workspace=True)
+    returned (the engine's expand copies the pairs out, last), every other output at the received size."""
+    res, log = _dispatch(monkeypatch, Config() if eager else Config(eager_output_bytes=0), expert_major=True)
     want, _ = _dispatch(monkeypatch, Config() if eager else Config(eager_output_bytes=0))
     rows = R * T if eager else sum(RECV)
-    assert f"launch rows={rows} in workspace cached=False worst_case=False" in log and len(log) == 7
+    assert f"launch rows={rows} in workspace cached=False worst_case=False" in log and len(log) == 8
+    assert log[-2:] == ["check all", "expand alignment=4"]
     assert res.x is None and res.handle.num_recv_rows == sum(RECV) == res.src_rank.shape[0]
     assert res.topk_idx.shape == (sum(RECV), K) and res.tokens_per_expert == want.tokens_per_expert == [8, 4]
-    again, log = _dispatch(monkeypatch, Config(), handle=res.handle, rows_in_workspace=True)
-    assert log == [f"launch rows={sum(RECV)} in workspace cached=True worst_case=False", "check all"]
+    again, log = _dispatch(monkeypatch, Config(), handle=res.handle, expert_major=True)
+    assert log == [f"launch rows={sum(RECV)} in workspace cached=True worst_case=False", "check all",
+                   "expand alignment=4"]
     assert again.x is None and again.src_rank is res.src_rank

@@ -100,7 +100,6 @@ CASES = [
          r"x must have shape \[\*, 256\]"),
     Case("dispatch", "topk_idx of fewer tokens", _put("topk_idx", lambda t, e: t[:-1]), ValueError,
          "topk_idx must have shape"),
-    Case("dispatch", "too many tokens", _grow, ValueError, f"above max_tokens_per_rank={T}"),
     Case("dispatch", "x not contiguous", _put("x", lambda x, e: _strided(x)), ValueError, "x must be contiguous"),
     Case("dispatch", "topk_weights misaligned", _put("topk_weights", lambda t, e: misaligned(t)), ValueError,
          "topk_weights must start at a 16-byte aligned address"),
@@ -411,7 +410,8 @@ SKIPS = [("dispatch", "reference dispatch counts"), ("combine", "reference combi
 
 def _timeout_worker(rank: int, world: int, store_path: str) -> None:
     """Rank 1 skips one call of each kind (on a fresh group each time: a timeout breaks the group);
-    rank 0 raises CommTimeoutError within TIMEOUT_S + 10 s, and its Buffer then refuses calls at once."""
+    rank 0 raises CommTimeoutError once TIMEOUT_S has passed (within 10 s more), and its Buffer then refuses
+    calls at once."""
     store = dist.FileStore(store_path, world)
     e = 4 * world
     for i, (skipped, phase) in enumerate(SKIPS):
@@ -434,7 +434,8 @@ def _timeout_worker(rank: int, world: int, store_path: str) -> None:
             with pytest.raises(CommTimeoutError) as raised:
                 call()
             elapsed = time.monotonic() - start
-            assert elapsed < TIMEOUT_S + 10, f"{skipped}: raised after {elapsed:.1f} s"
+            # not before the timeout (an error raised at once is no timeout), nor long after it
+            assert TIMEOUT_S * 0.9 <= elapsed < TIMEOUT_S + 10, f"{skipped}: raised after {elapsed:.2f} s"
             err = raised.value
             assert (err.rank, err.peer, err.phase, err.timeout_s) == (0, -1, phase, TIMEOUT_S)
             with pytest.raises(RuntimeError, match="unusable"):

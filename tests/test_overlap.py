@@ -1,16 +1,15 @@
-"""Overlap inside moe_ep.MoE (moe_ep.moe.overlap): chunked normal mode (overlap_chunks C in 1, 2, 4) and the
-start / compute / finish decode API, against the independent dense MoE of tests/test_layer.py (same
-tolerances), and the same bits run to run. One spawn per world size (R = 2, 3; on a GPU EP2 and 2 nodes
-x 2), many cases inside; 12 experts, so every group size divides them.
+"""Overlap inside moe_ep.MoE (moe_ep.moe.overlap): MoE(overlap=True) against overlap=False, and the start /
+compute / finish decode API. One spawn per world size (R = 2, 4 on the CPU; on a GPU EP2, EP4 and 2 nodes x 2,
+ranks sharing it), many cases inside; 12 experts, so every world size divides them.
 
-What chunking leaves bitwise equal to C = 1, and asserted here: the routing (the router sees all
-tokens at once), the shared expert's output and weight gradients (it runs once over all tokens), and
-the count of calls every rank makes. Not bitwise, so compared within the dense check's tolerance: the
-experts' outputs (a GEMM over a chunk's rows need not give a row the bits of a GEMM over all rows:
-BLAS and grouped-GEMM kernels pick blockings by size; seen on this CPU at 3e-8), and from there the
-router and input gradients, and the experts' weight gradients, which add one partial sum per chunk
-instead of one sum over all rows. Decode through start/finish is bitwise equal to the one-call
-low-latency path (the same kernels in the same order).
+overlap=True runs the same kernels on the same inputs, only on two streams, so the output, the routing and
+every gradient (input, router, experts, shared expert) must be the same bits as overlap=False, and the same
+bits run to run; both are also checked against the independent dense MoE of tests/test_layer.py (float32
+experts, on each case's own seeded inputs as there; on a GPU the bf16 grouped-GEMM experts are checked
+bitwise only). On a GPU, random spin delays
+on both streams (before each Buffer call of the forward, each expert call and each weight-gradient
+pass) make a missing event show as a wrong result. Decode through start/finish is bitwise equal to the
+one-call low-latency path (the same kernels in the same order).
 """
 from __future__ import annotations
 
@@ -24,27 +23,25 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep import MoE
+from moe_ep.moe import experts as experts_module
 from moe_ep.moe import overlap
 from tests._dist import device, requires_gpus, run_workers
 from tests.test_layer import FP8_TOL, TOL, Case, _build, _close, _dense, _grad, _inputs, _reference_modules
 
-CHUNKS = (1, 2, 4)
 CASES = [
     Case(11, [23, 17, 0], 32, 12, 2, 24, dict(aux_loss_coef=0.01, z_loss_coef=1e-3)),  # a rank with no tokens
     Case(12, [19, 31, 12], 64, 12, 4, 32, dict(score_func="sigmoid", num_groups=3, topk_groups=2), shared=24),
-    Case(13, [3, 1, 2], 16, 12, 1, 16, dict(capacity_factor=1.0), shared=8),  # fewer tokens than chunks
+    Case(13, [3, 1, 2], 16, 12, 1, 16, dict(capacity_factor=1.0), shared=8),
 ]
-
-
-def _layer(case: Case, buf: moe_ep.Buffer, template: MoE, chunks: int, worst_case: bool) -> MoE:
-    moe = MoE(buf, case.ffn, shared_ffn_hidden=case.shared, overlap_chunks=chunks, worst_case=worst_case, **case.router)
-    moe.load_state_dict(template.state_dict())
-    return moe
+# (case index, MoE options) per layer variant: expert-major (the default), the row path, worst-case
+# shapes, recomputed SwiGLU
+VARIANTS = [(0, {}), (1, {}), (2, {}), (1, dict(expert_major=False)), (1, dict(worst_case=True)),
+            (0, dict(recompute_swiglu=True)), (2, dict(expert_major=False, recompute_swiglu=True))]
 
 
 def _poison(buf: moe_ep.Buffer) -> None:
     """Every rank's normal-mode workspace set to 0x7F bytes between barriers (none on the reference backend),
-    so rows a chunk's call fails to write, or reads too early, cannot pass for results."""
+    so rows a call fails to write, or reads too early, cannot pass for results."""
     if buf.device.type == "cuda":
         torch.cuda.synchronize(buf.device)
     dist.barrier()
@@ -66,7 +63,7 @@ def _run(moe: MoE, x0: torch.Tensor, grad_out: torch.Tensor) -> dict[str, torch.
     return got
 
 
-def _want(case: Case, moe: MoE, full: dict, x0: torch.Tensor, grad_out: torch.Tensor, world: int) -> dict:
+def _want(case: Case, moe: MoE, full: dict, x0: torch.Tensor, grad_out: torch.Tensor) -> dict:
     """The dense MoE's output and gradients, named like _run's (experts: this rank's slice of the sum
     over ranks)."""
     ref_router, ref_shared = _reference_modules(case, moe, dist.group.WORLD)
@@ -86,56 +83,38 @@ def _want(case: Case, moe: MoE, full: dict, x0: torch.Tensor, grad_out: torch.Te
     return want
 
 
-def _normal_case(rank: int, world: int, case: Case, worst_case: bool, opts: dict) -> None:
-    """C in CHUNKS against the dense MoE and against C = 1 (what must be bitwise), each run twice."""
-    max_tokens = max(case.n(r) for r in range(world)) or 1
-    buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
-                        max_tokens_per_rank=max_tokens, **opts)
-    template, full = _build(case, buf)
+def _normal_case(buf: moe_ep.Buffer, rank: int, case: Case, layer_opts: dict, dtype: torch.dtype) -> None:
+    """overlap=True against overlap=False bitwise (each run twice: the same bits again), and both against the
+    dense MoE (float32 experts)."""
+    template, full = _build(case, buf, dtype)
     x0, grad_out = _inputs(case, rank, buf.device)
-    want = _want(case, template, full, x0, grad_out, world)
-    first: Optional[dict] = None
-    for chunks in CHUNKS:
-        moe = _layer(case, buf, template, chunks, worst_case)
-        got, again = _run(moe, x0, grad_out), _run(moe, x0, grad_out)
-        label = f"C={chunks} worst_case={worst_case} seed={case.seed}"
-        for name, t in got.items():
+    want = _want(case, template, full, x0, grad_out) if dtype == torch.float32 else None
+    runs = {}
+    for on in (False, True):
+        moe = MoE(buf, case.ffn, shared_ffn_hidden=case.shared, dtype=dtype, overlap=on, **layer_opts, **case.router)
+        moe.load_state_dict(template.state_dict())
+        runs[on] = _run(moe, x0, grad_out)
+        again = _run(moe, x0, grad_out)
+        label = f"overlap={on} {layer_opts} {dtype} seed={case.seed}"
+        for name, t in runs[on].items():
             assert torch.equal(t, again[name]), f"{label}: {name} differs run to run"
-        assert torch.equal(got["topk_idx"], moe.router(x0).topk_idx), f"{label}: routing"
-        for name, w in want.items():
-            _close(got[name], w, f"{label}: {name}")
-        if first is None:
-            first = got
-            continue
-        for name in ("topk_idx", "topk_weights", *(n for n in got if n.startswith("shared."))):
-            assert torch.equal(got[name], first[name]), f"{label}: {name} differs from C=1"
-    buf.close()
+        for name, w in (want or {}).items():
+            _close(runs[on][name], w, f"{label}: {name}")
+    assert runs[False].keys() == runs[True].keys()
+    for name, t in runs[False].items():
+        assert torch.equal(runs[True][name], t), f"{layer_opts} {dtype} seed={case.seed}: {name} differs with overlap"
 
 
-def _more_tokens_than_one_call(rank: int, world: int, opts: dict) -> None:
-    """With C chunks a forward holds up to C * max_tokens_per_rank tokens: each call fits the Buffer."""
-    case = Case(21, [40, 33, 0], 32, 12, 2, 24, shared=16)
-    buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
-                        max_tokens_per_rank=10, **opts)
-    template, full = _build(case, buf)
-    x0, grad_out = _inputs(case, rank, buf.device)
-    want = _want(case, template, full, x0, grad_out, world)
-    got = _run(_layer(case, buf, template, 4, False), x0, grad_out)
-    for name, w in want.items():
-        _close(got[name], w, f"40 tokens in 4 chunks of 10: {name}")
-    buf.close()
-
-
-def _chunks_must_agree(rank: int, world: int, opts: dict) -> None:
-    """A rank with another overlap_chunks: every rank raises at the first forward, naming every value."""
+def _setting_must_agree(rank: int, world: int, opts: dict) -> None:
+    """A rank with another overlap setting: every rank raises at the first forward, naming every value."""
     buf = moe_ep.Buffer(None, device=device(), hidden=16, num_experts=12, num_topk=2, max_tokens_per_rank=8,
                         **opts)
-    with pytest.raises(ValueError, match="overlap_chunks"):
-        MoE(buf, 8, overlap_chunks=0)
-    moe = MoE(buf, 8, overlap_chunks=2 if rank == world - 1 else 1)
-    with pytest.raises(ValueError, match=f"2 on rank {world - 1}"):
+    with pytest.raises(ValueError, match="overlap must be a bool"):
+        MoE(buf, 8, overlap=2)
+    moe = MoE(buf, 8, overlap=rank == world - 1)
+    with pytest.raises(ValueError, match=f"overlap=True on rank {world - 1}"):
         moe(torch.randn(5, 16, device=buf.device), mode="normal")
-    same = MoE(buf, 8, overlap_chunks=2)
+    same = MoE(buf, 8, overlap=True)
     same(torch.randn(5, 16, device=buf.device), mode="normal")  # the group is still in step
     buf.close()
 
@@ -197,29 +176,33 @@ def _decode_case(rank: int, world: int, use_fp8: bool, opts: dict) -> None:
 def _worker(rank: int, world: int, opts: Optional[dict] = None) -> None:
     """opts: the Buffer arguments every case adds (backend, ranks_per_node)."""
     opts = opts or {"backend": "reference"}
-    # Each case's own seed, as tests/test_layer.py's dense check uses: with a fresh seed per run the k = 1 case
-    # (whose router gradient is analytically ~0 through the top-1 normalisation) once missed the relative
-    # tolerance on rounding noise (seed 397347)
-    for case in CASES:
-        _normal_case(rank, world, case, worst_case=False, opts=opts)
-    _normal_case(rank, world, CASES[1], worst_case=True, opts=opts)
-    _more_tokens_than_one_call(rank, world, opts)
-    _chunks_must_agree(rank, world, opts)
+    gpu = device().type == "cuda"
+    for index, case in enumerate(CASES):  # one Buffer per case, every variant of it inside
+        buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+                            max_tokens_per_rank=max(case.n(r) for r in range(world)) or 1, **opts)
+        for layer_opts in (o for i, o in VARIANTS if i == index):
+            if not gpu or not layer_opts:  # float32 experts against the dense MoE: every variant on the CPU
+                _normal_case(buf, rank, case, layer_opts, torch.float32)
+            if gpu:  # bf16 experts: the grouped-GEMM path (sm90), every variant
+                _normal_case(buf, rank, case, layer_opts, torch.bfloat16)
+        buf.close()
+    _setting_must_agree(rank, world, opts)
     _decode_case(rank, world, use_fp8=False, opts=opts)
     _decode_case(rank, world, use_fp8=True, opts=opts)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 4])
 def test_overlap(world: int) -> None:
     run_workers(world, _worker)
 
 
-# ---- GPU: the native backend, random delays between the streams, the decode API in a CUDA graph ----
+# ---- GPU: the native backend, random delays on both streams, the decode API in a CUDA graph ----
 def _delayed_streams(seed: int) -> None:
-    """Random spin delays on the communication stream before each call and on the compute stream
-    before each chunk's experts, so that a missing event shows up as a wrong result."""
+    """Random spin delays on the communication stream before each forward Buffer call, on the compute
+    stream before each expert call and each weight-gradient pass (which the backward's combine runs
+    beside), so that a missing event shows up as a wrong result."""
     rng = random.Random(seed)
-    on_comm, run_experts = overlap._Streams.on_comm, MoE.run_experts
+    on_comm, run_experts, weight_grads = overlap._Streams.on_comm, MoE.run_experts, experts_module._weight_grads
 
     @contextlib.contextmanager
     def slow_comm(self, after, *inputs):
@@ -232,8 +215,13 @@ def _delayed_streams(seed: int) -> None:
         torch.cuda._sleep(rng.randrange(1, 200_000))
         return run_experts(self, d)
 
+    def slow_weight_grads(*args):
+        torch.cuda._sleep(rng.randrange(1, 200_000))
+        return weight_grads(*args)
+
     overlap._Streams.on_comm = slow_comm
     MoE.run_experts = slow_experts
+    experts_module._weight_grads = slow_weight_grads
 
 
 def _graph_decode(rank: int, world: int, opts: dict) -> None:
@@ -271,7 +259,7 @@ def _gpu_worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
 
 
 @requires_gpus()
-@pytest.mark.parametrize("world,ranks_per_node", [(2, None), (4, 2)], ids=["ep2", "2x2"])
+@pytest.mark.parametrize("world,ranks_per_node", [(2, None), (4, None), (4, 2)], ids=["ep2", "ep4", "2x2"])
 def test_overlap_gpu(world: int, ranks_per_node: Optional[int]) -> None:
-    """EP2 on one node; 2 nodes x 2 ranks, so the cross-node kernels carry every chunk."""
-    run_workers(world, _gpu_worker, ranks_per_node, backend="gpu")
+    """EP2 and EP4 on one node; 2 nodes x 2 ranks, so the cross-node kernels carry the rows. Ranks share the GPU."""
+    run_workers(world, _gpu_worker, ranks_per_node, backend="gpu", timeout_s=900)

@@ -1,8 +1,8 @@
 // Shared device-side toolkit for every moe_ep kernel: the Comm argument block, the signal-slot map,
 // release/acquire flag helpers at system scope, and waits that time out and report rank + phase.
 //
-// Signals: every rank owns one symmetric uint64 array `signals` of kNumSignalSlots * kMaxRanks
-// entries. Entry [slot * kMaxRanks + src] on rank `dst` is written only by rank `src`, only for
+// Signals: every rank owns one symmetric uint64 array `signals` of kNumSignalSlots * kMaxNodeRanks
+// entries. Entry [slot * kMaxNodeRanks + src] on rank `dst` is written only by rank `src`, only for
 // `slot`. Values are epochs (1, 2, 3, ...) that only grow, so nothing is ever reset and a waiter
 // waits for `flag >= epoch`. Epochs live in device memory (Comm::epochs, one counter per slot
 // group), not on the host, so a captured CUDA graph replays with fresh epochs.
@@ -19,11 +19,12 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "runtime/limits.h"
+
 namespace moe_ep {
 
-constexpr int kMaxRanks = 8;
 
-// Signal slots (index into the per-rank signal array, times kMaxRanks, plus source rank).
+// Signal slots (index into the per-rank signal array, times kMaxNodeRanks, plus source rank).
 enum SignalSlot : int {
   kSigNotify = 0,         // intranode: count exchange (also the dispatch start barrier)
   kSigDispatchReady = 1,  // intranode: cached-dispatch start barrier
@@ -86,7 +87,7 @@ struct Comm {
   unsigned long long* epochs;      // device-local counters [kNumEpochs]
   int* masked;                     // low-latency fault-tolerant mode: int[nranks] in device memory, 1 for a
                                    // rank that missed a timeout (its waits are skipped); nullptr otherwise
-  uint64_t* signals[kMaxRanks];    // each rank's signal array, as addressed from this GPU
+  uint64_t* signals[kMaxNodeRanks];    // each rank's signal array, as addressed from this GPU
 };
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
@@ -113,7 +114,7 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
 
 // Address of the flag that rank `src` writes at rank `dst` for `slot`.
 __device__ __forceinline__ uint64_t* signal_at(const Comm& c, int dst, int slot, int src) {
-  return c.signals[dst] + slot * kMaxRanks + src;
+  return c.signals[dst] + slot * kMaxNodeRanks + src;
 }
 
 __device__ __forceinline__ bool comm_aborted(const Comm& c) {

@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "runtime/context.h"
+#include "runtime/limits.h"
 #include "runtime/runtime.h"
 
 namespace py = pybind11;
@@ -10,6 +12,8 @@ namespace rt = moe_ep::runtime;
 
 void register_runtime(py::module_& m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
+  m.attr("MAX_NODE_RANKS") = moe_ep::kMaxNodeRanks;
+  m.attr("MAX_TOPK") = moe_ep::kMaxTopk;
 
   m.def(
       "get_unique_id",
@@ -48,4 +52,14 @@ void register_runtime(py::module_& m) {
   m.def("error_state_bytes", &rt::error_state_bytes, "sizeof(ErrorState) (runtime/comm.h).");
   m.def("phase_names", &rt::phase_names, "Names of the comm.h Phase values, by index.");
   m.def("sm_count", &rt::sm_count, py::arg("device"), "Number of SMs of CUDA device `device`.");
+
+  py::class_<moe_ep::RuntimeContext>(m, "RuntimeContext",
+                                     "What every mode's context shares, built once per Buffer (runtime/context.h).")
+      .def(py::init(&moe_ep::make_runtime_context), py::kw_only(), py::arg("rank"), py::arg("nranks"),
+           py::arg("timeout_s"), py::arg("error"),
+           "Checks every field (ValueError naming it): rank of nranks, a positive timeout, a non-null error.")
+      .def_readonly("rank", &moe_ep::RuntimeContext::rank)
+      .def_readonly("nranks", &moe_ep::RuntimeContext::nranks)
+      .def_readonly("timeout_s", &moe_ep::RuntimeContext::timeout_s)
+      .def_readonly("error", &moe_ep::RuntimeContext::error);
 }

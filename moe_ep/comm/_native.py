@@ -22,8 +22,9 @@ HOST_LIBRARY = "libnvshmem_host.so.3"
 # where it loads and exports them; these fallbacks, equal to the C++ values (tests/test_native.py
 # checks), serve the pure-Python install, so that the reference backend accepts what the kernels do.
 FALLBACK_CONSTANTS = {
-    "MAX_TOPK": 16,  # top-k entries per token (csrc/kernels/intranode/intranode.h and internode/internode.h kMaxTopk)
-    "INTERNODE_MAX_RANKS_PER_NODE": 8,  # ranks of one NVLink domain (csrc/kernels/internode/internode.h kMaxLocal)
+    "MAX_TOPK": 16,  # top-k entries per token, every path (csrc/runtime/limits.h kMaxTopk)
+    "MAX_NODE_RANKS": 8,  # ranks of one NVLink domain (csrc/runtime/limits.h kMaxNodeRanks)
+    "INTERNODE_MAX_CHANNELS": 64,  # SMs (channels) of a cross-node call (csrc/kernels/internode/internode.h kMaxChannels)
     "LL_META_BYTES": 48,  # one staged low-latency token's meta row (csrc/kernels/low_latency/low_latency.h kMetaBytes)
     "TUNING_MAX_WARPS": 32,  # warps of a normal-mode dispatch / combine block (csrc/kernels/intranode/intranode.h kHostWarps)
 }

@@ -3,6 +3,7 @@ runs; backends below trust what they get. Every rank makes the same collective c
 inputs: a rank whose input is rejected makes the call on stand-in inputs, then raises."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from typing import Any, Callable, NoReturn, Optional, TypeVar
@@ -11,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from . import _native, topology
-from .backends.base import Backend, BufferConfig
+from .backends.base import Backend, BufferConfig, record_event
 from .config import DEFAULT_NUM_SMS, PER_BUFFER, Config
 from .errors import BadExpertIdError
+from .streams import CommStream
 from .types import (
     DispatchHandle,
     DispatchLayout,
@@ -160,9 +162,8 @@ def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_ex
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
     device = _device_of(group, device)
     name = _pick_backend(backend, device, world)
-    if fault_tolerant and not (low_latency and name == "nvshmem"):
-        raise ValueError("fault_tolerant=True needs low_latency=True and the native backend (backend='nvshmem'): "
-                         "only the low-latency kernels can mask a rank that went silent")
+    if fault_tolerant and not low_latency:
+        raise ValueError("fault_tolerant=True needs low_latency=True: only the low-latency calls skip masked ranks")
     _check_ranks_per_node(ranks_per_node, world)
     if hierarchical is not None and not isinstance(hierarchical, bool):
         raise TypeError(f"hierarchical must be None, True or False, got {hierarchical!r}")
@@ -173,6 +174,10 @@ def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_ex
         knobs = knobs.replace(num_sms=num_sms)
     sms = _check_num_sms(knobs.num_sms if knobs.num_sms is not None else DEFAULT_NUM_SMS, device,
                          default=knobs.num_sms is None)
+    if knobs.low_latency_num_sms is not None:
+        if not low_latency:
+            raise ValueError("Config.low_latency_num_sms needs low_latency=True (it sizes the low-latency kernels' grid)")
+        _check_num_sms(knobs.low_latency_num_sms, device)
     return {
         "backend": name, "device type": device.type, "hidden": hidden, "num_experts": num_experts,
         "num_topk": num_topk, "max_tokens_per_rank": max_tokens_per_rank, "low_latency": bool(low_latency),
@@ -302,7 +307,9 @@ class Buffer:
             ranks_per_node=topo.ranks_per_node, hierarchical=bool(hierarchical) or topo.num_nodes > 1,
             fault_tolerant=bool(fault_tolerant), ranks_per_gpu=topo.ranks_per_gpu, config=settings["config"],
         )
+        self._check_path_sms(self.cfg.num_sms)
         self._backend: Optional[Backend] = self._make_backend()
+        self._comm = CommStream(device)
 
     def _make_backend(self) -> Backend:
         if self.backend_name == "reference":
@@ -370,12 +377,19 @@ class Buffer:
 
     @property
     def max_tokens_per_rank(self) -> int:
-        """The most tokens one rank may pass to a call (what the Buffer's memory is sized for)."""
+        """Tokens per rank of one round of the normal-mode workspace (what its memory is sized for): the
+        most a static-shape call (worst_case=True, low latency) may carry; an exact-size call streams any
+        number through it in rounds of this many."""
         return self.cfg.max_tokens_per_rank
 
     @property
     def device(self) -> torch.device:
         return self.cfg.device
+
+    @property
+    def comm_stream(self) -> CommStream:
+        """The communication stream async calls run on (moe_ep.comm.streams; created on first use)."""
+        return self._comm
 
     @property
     def backend(self) -> Backend:
@@ -384,22 +398,58 @@ class Buffer:
         return self._backend
 
     # ---- validation helpers -----------------------------------------------------------------
-    def _check_tokens(self, n: int, what: str) -> None:
-        if n > self.cfg.max_tokens_per_rank:
-            raise ValueError(f"{what} has {n} tokens, above max_tokens_per_rank={self.cfg.max_tokens_per_rank}")
+    def _check_tokens(self, n: int, what: str, capped: bool) -> None:
+        """Calls with static shapes (worst-case mode, low latency) hold at most max_tokens_per_rank tokens;
+        exact-size normal calls stream any number through the workspace in rounds of that size."""
+        if capped and n > self.cfg.max_tokens_per_rank:
+            raise ValueError(f"{what} has {n} tokens, above max_tokens_per_rank={self.cfg.max_tokens_per_rank}, the "
+                             "most a static-shape call (worst_case=True or low latency) may carry; exact-size normal "
+                             "calls take any number")
 
     @property
     def masked_ranks(self) -> list[int]:
-        """Ranks a fault-tolerant low-latency Buffer stopped waiting for (they missed the timeout);
-        later calls treat their experts as dropped. Always empty without fault_tolerant=True."""
-        return self.backend.masked_ranks() if self.cfg.fault_tolerant else []
+        """Ranks a fault-tolerant low-latency Buffer skips: set with set_rank_masked, or (native backend)
+        masked when they missed the timeout; their experts count as dropped. Always empty without
+        fault_tolerant=True. Reads the device mask after the current stream's work."""
+        if not self.cfg.fault_tolerant:
+            return []
+        return torch.nonzero(self.backend.rank_mask()).flatten().tolist()
 
-    def _check_topk_idx(self, topk_idx: object, n: Optional[int]) -> torch.Tensor:
-        """Shape, dtype, device, contiguity, alignment and token count; the values: _in_range_ids."""
+    @property
+    def rank_mask(self) -> torch.Tensor:
+        """The fault-tolerant mask itself: int32 [R] on the Buffer's device, 1 per masked rank (read it
+        without a host sync, as DeepEP's low_latency_query_mask_buffer does). Do not write it: use
+        set_rank_masked / clear_rank_masks."""
+        self._check_fault_tolerant("rank_mask")
+        return self.backend.rank_mask()
+
+    def set_rank_masked(self, rank: int, masked: bool = True) -> None:
+        """Local: this rank's later low-latency calls skip `rank` (masked=True: send it nothing, wait for
+        nothing from it, its experts dropped) or include it again (False). Stream-ordered, no host sync.
+        Ranks that stay in the group must agree on the mask, as with DeepEP's mask buffer."""
+        self._check_fault_tolerant("set_rank_masked")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.cfg.world_size:
+            raise ValueError(f"rank must be an int in [0, {self.cfg.world_size}), got {rank!r}")
+        if rank == self.cfg.rank:
+            raise ValueError(f"rank {rank} cannot mask itself")
+        self.backend.rank_mask()[rank] = int(bool(masked))
+
+    def clear_rank_masks(self) -> None:
+        """Local: unmask every rank (stream-ordered)."""
+        self._check_fault_tolerant("clear_rank_masks")
+        self.backend.rank_mask().zero_()
+
+    def _check_fault_tolerant(self, what: str) -> None:
+        if not self.cfg.fault_tolerant:
+            raise ValueError(f"{what} needs a Buffer created with low_latency=True, fault_tolerant=True")
+
+    def _check_topk_idx(self, topk_idx: object, n: Optional[int], capped: bool = True) -> torch.Tensor:
+        """Shape, dtype, device, contiguity, alignment and token count (capped: _check_tokens); the
+        values: _in_range_ids."""
         cfg = self.cfg
         t = _check_aligned("topk_idx", _check_tensor("topk_idx", topk_idx, (torch.int64,), (n, cfg.num_topk),
                                                       cfg.device))
-        self._check_tokens(t.shape[0], "topk_idx")
+        self._check_tokens(t.shape[0], "topk_idx", capped)
         return t
 
     def _in_range_ids(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, Optional[ValueError]]:
@@ -420,10 +470,10 @@ class Buffer:
         return _check_aligned("topk_weights", _check_tensor("topk_weights", topk_weights, (torch.float32,),
                                                             (n, self.cfg.num_topk), self.cfg.device))
 
-    def _check_x(self, x: object, fp8_ok: bool) -> torch.Tensor:
+    def _check_x(self, x: object, fp8_ok: bool, capped: bool = True) -> torch.Tensor:
         dtypes = (torch.bfloat16, torch.float8_e4m3fn) if fp8_ok else (torch.bfloat16,)
         t = _check_tensor("x", x, dtypes, (None, self.cfg.hidden), self.cfg.device)
-        self._check_tokens(t.shape[0], "x")
+        self._check_tokens(t.shape[0], "x", capped)
         return _check_aligned("x", t)
 
     def _check_fp8_hidden(self) -> None:
@@ -452,7 +502,16 @@ class Buffer:
         else:
             sms = knobs.num_sms
         # the SM budget travels on its own: no Config is built per call
-        return _check_num_sms(num_sms if num_sms is not None else sms, self.cfg.device), knobs
+        return self._check_path_sms(_check_num_sms(num_sms if num_sms is not None else sms, self.cfg.device)), knobs
+
+    def _check_path_sms(self, sms: int) -> int:
+        """The SM budget within what the normal path's kernels take: the cross-node kernels run one block
+        per channel, at most INTERNODE_MAX_CHANNELS (a larger budget is an error, not a silent cap)."""
+        most = _native.constant("INTERNODE_MAX_CHANNELS")
+        if self.cfg.hierarchical and self.backend_name == "nvshmem" and sms > most:
+            raise ValueError(f"num_sms ({sms}) exceeds the {most} channels (SMs) the cross-node kernels run; "
+                             f"pass num_sms <= {most}")
+        return sms
 
     @staticmethod
     def _check_event(previous_event: object) -> Optional[EventHandle]:
@@ -480,13 +539,20 @@ class Buffer:
         return isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn and self.cfg.hidden % 128 == 0
 
     # ---- normal mode ------------------------------------------------------------------------
-    def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
-        """Tokens per rank and per expert, and the token->rank mask. No backend communicates here, so bad
-        input raises at once."""
-        topk_idx, bad_ids = self._in_range_ids(self._check_topk_idx(topk_idx, None))
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, *, previous_event: Optional[EventHandle] = None,
+                            async_op: bool = False) -> DispatchLayout:
+        """Tokens per rank and per expert, and the token->rank mask (with async_op: on the communication
+        stream, the layout's event set). No backend communicates here, so bad input raises at once."""
+        topk_idx, bad_ids = self._in_range_ids(self._check_topk_idx(topk_idx, None, capped=False))
         if bad_ids is not None:
             raise bad_ids
-        return self.backend.get_dispatch_layout(topk_idx)
+        previous_event = self._check_event(previous_event)
+
+        def work() -> DispatchLayout:
+            layout = self.backend.get_dispatch_layout(topk_idx)
+            return dataclasses.replace(layout, event=record_event(bool(async_op), self.cfg.device))
+
+        return self._comm.run(work, previous_event=previous_event, async_op=bool(async_op), inputs=(topk_idx,))
 
     @staticmethod
     def _check_expert_major(expert_major: object, handle: Optional[DispatchHandle], expert_alignment: object) -> bool:
@@ -506,10 +572,10 @@ class Buffer:
         return layout is not None if expert_major is None else expert_major
 
     def _check_dispatch(self, x: object, x_scales: object, topk_idx: object, topk_weights: object,
-                        handle: Optional[DispatchHandle], expert_alignment: object) -> None:
+                        handle: Optional[DispatchHandle], expert_alignment: object, worst_case: bool) -> None:
         """Every tensor argument of a dispatch and expert_alignment (the handle is checked before)."""
         cfg = self.cfg
-        x = self._check_x(x, fp8_ok=True)
+        x = self._check_x(x, fp8_ok=True, capped=worst_case)
         n = x.shape[0]
         if x.dtype == torch.float8_e4m3fn:
             self._check_fp8_hidden()
@@ -527,7 +593,7 @@ class Buffer:
         else:
             if topk_idx is None or topk_weights is None:
                 raise ValueError("dispatch needs topk_idx and topk_weights (or a handle for a cached dispatch)")
-            self._check_topk_idx(topk_idx, n)
+            self._check_topk_idx(topk_idx, n, capped=worst_case)
             self._check_weights(topk_weights, n)
         if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
@@ -543,12 +609,18 @@ class Buffer:
         if handle is not None:
             self._check_handle(handle, DispatchHandle)
         sms, knobs = self._knobs(num_sms, config)
-        run = functools.partial(self.backend.dispatch, handle=handle, worst_case=bool(worst_case), num_sms=sms,
-                                knobs=knobs, previous_event=self._check_event(previous_event),
-                                async_op=bool(async_op))
+        previous_event = self._check_event(previous_event)
+
+        def run(*args: Any, **kwargs: Any) -> DispatchResult:
+            """The backend's dispatch under the stream rule of moe_ep.comm.streams."""
+            work = functools.partial(self.backend.dispatch, *args, handle=handle, worst_case=bool(worst_case),
+                                     num_sms=sms, knobs=knobs, async_op=bool(async_op), **kwargs)
+            return self._comm.run(work, previous_event=previous_event, async_op=bool(async_op), inputs=(args, handle))
+
         try:
-            self._check_dispatch(x, x_scales, topk_idx, topk_weights, handle, expert_alignment)
-            pairs = self._check_expert_major(expert_major, handle, expert_alignment)
+            self._check_dispatch(x, x_scales, topk_idx, topk_weights, handle, expert_alignment,
+                                 bool(worst_case) and handle is None)
+            expert_major = self._check_expert_major(expert_major, handle, expert_alignment)
         except (TypeError, ValueError) as error:
             rows, scales = self._zero_rows((0 if handle is None else handle.num_tokens,), self._fp8_rows(x))
             idx, weights = self._no_routing(0) if handle is None else (None, None)
@@ -556,7 +628,7 @@ class Buffer:
         bad_ids = None
         if handle is None:
             topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        result = run(x, x_scales, topk_idx, topk_weights, expert_alignment=expert_alignment, expert_major=pairs)
+        result = run(x, x_scales, topk_idx, topk_weights, expert_alignment=expert_alignment, expert_major=expert_major)
         if bad_ids is not None:
             raise bad_ids
         return result
@@ -588,8 +660,15 @@ class Buffer:
         Rejected tensors: this rank sends zero rows (and weights) back, then raises."""
         self._check_handle(handle, DispatchHandle)
         sms, knobs = self._knobs(num_sms, config)
-        run = functools.partial(self.backend.combine, handle=handle, num_sms=sms, knobs=knobs,
-                                previous_event=self._check_event(previous_event), async_op=bool(async_op))
+        previous_event = self._check_event(previous_event)
+
+        def run(x: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:
+            """The backend's combine under the stream rule of moe_ep.comm.streams."""
+            work = functools.partial(self.backend.combine, x, handle=handle, num_sms=sms, knobs=knobs,
+                                     async_op=bool(async_op), **kwargs)
+            return self._comm.run(work, previous_event=previous_event, async_op=bool(async_op),
+                                  inputs=(x, handle, kwargs))
+
         try:
             self._check_combine(x, handle, topk_weights, pair_weights)
         except (TypeError, ValueError) as error:
@@ -610,37 +689,64 @@ class Buffer:
         if not self.cfg.low_latency:
             raise ValueError("low-latency calls need a Buffer created with low_latency=True")
 
+    def _low_latency_run(self, call: Callable[..., _LowLatencyResult], async_op: object, return_recv_hook: object,
+                         **fixed: Any) -> Callable[..., _LowLatencyResult]:
+        """A low-latency backend call under the stream rule of moe_ep.comm.streams: with async_op on the
+        communication stream, the result's event recorded there (DeepEP's async_finish; a receive hook
+        runs on the caller's stream, so the two exclude each other)."""
+        if async_op and return_recv_hook:
+            raise ValueError("async_op=True and return_recv_hook=True exclude each other: the hook's receive "
+                             "runs on the caller's stream")
+        device = self.cfg.device
+
+        def run(*args: Any, **kwargs: Any) -> _LowLatencyResult:
+            def work() -> _LowLatencyResult:
+                result = call(*args, return_recv_hook=bool(return_recv_hook), **fixed, **kwargs)
+                result.event = record_event(bool(async_op), device)
+                return result
+
+            return self._comm.run(work, previous_event=None, async_op=bool(async_op), inputs=args)
+
+        return run
+
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool = False,
-                             round_scale: bool = False, return_recv_hook: bool = False) -> LowLatencyDispatchResult:
-        """Expert-major dispatch with fixed capacity and no host sync (docs/api.md). Rejected tensors: this
-        rank takes part as a rank without tokens, then raises (with a receive hook: the hook does)."""
+                             round_scale: bool = False, use_ue8m0: bool = False,
+                             return_recv_hook: bool = False, async_op: bool = False) -> LowLatencyDispatchResult:
+        """Expert-major dispatch with fixed capacity and no host sync (docs/api.md); FP8 scales in DeepEP's
+        token-major layout per expert, with use_ue8m0 packed as DeepEP's UE8M0 int32. Rejected tensors
+        or flags: this rank takes part as a rank without tokens, then raises (with a receive hook: the
+        hook does)."""
         self._check_low_latency()
         if use_fp8:
             self._check_fp8_hidden()
-        run = functools.partial(self.backend.low_latency_dispatch, use_fp8=bool(use_fp8),
-                                return_recv_hook=bool(return_recv_hook))
+        run = self._low_latency_run(self.backend.low_latency_dispatch, async_op, return_recv_hook,
+                                    use_fp8=bool(use_fp8))
         try:
             x = self._check_x(x, fp8_ok=False)
             self._check_topk_idx(topk_idx, x.shape[0])
             if round_scale and not use_fp8:
                 raise ValueError("round_scale applies only with use_fp8=True")
+            if use_ue8m0 and not (use_fp8 and round_scale and self.cfg.hidden % 512 == 0):
+                raise ValueError("use_ue8m0=True needs use_fp8=True, round_scale=True (power-of-two scales) and "
+                                 f"hidden % 512 == 0 (four exponents per int32), got hidden {self.cfg.hidden}")
         except (TypeError, ValueError) as error:
             rows, _ = self._zero_rows((0,), False)
             idx, _ = self._no_routing(0)
-            return _raise_after_receive(error, _keep_routing(run(rows, idx, round_scale=False), idx))
+            return _raise_after_receive(error, _keep_routing(run(rows, idx, round_scale=False, use_ue8m0=False), idx))
         topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        result = _keep_routing(run(x, topk_idx, round_scale=bool(round_scale)), topk_idx)
+        result = _keep_routing(run(x, topk_idx, round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0)), topk_idx)
         return result if bad_ids is None else _raise_after_receive(bad_ids, result)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, *, return_recv_hook: bool = False) -> LowLatencyCombineResult:
+                            handle: LowLatencyHandle, *, return_recv_hook: bool = False,
+                            async_op: bool = False) -> LowLatencyCombineResult:
         """Weighted sum of each token's expert outputs, ascending k, one rounding (docs/api.md). Rejected
         tensors: this rank sends zero rows back and receives by its dispatch's topk_idx (rejected ids
         alone: it sends x), then raises (with a receive hook: the hook does)."""
         cfg = self.cfg
         self._check_low_latency()
         self._check_handle(handle, LowLatencyHandle)
-        run = functools.partial(self.backend.low_latency_combine, handle=handle, return_recv_hook=bool(return_recv_hook))
+        run = self._low_latency_run(self.backend.low_latency_combine, async_op, return_recv_hook, handle=handle)
         lead, n = (cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank), handle.num_tokens
         try:
             _check_tensor("x", x, (torch.bfloat16,), (*lead, cfg.hidden), cfg.device)

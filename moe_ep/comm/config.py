@@ -15,6 +15,7 @@ the defaults of a Buffer made without a config, read once where the Buffer is ma
 | recv_run | MOE_EP_RECV_RUN | 1 |
 | eager_output_bytes | MOE_EP_EAGER_OUTPUT_BYTES | 1 GiB |
 | internode_workspace_bytes | MOE_EP_INTERNODE_WORKSPACE_BYTES | 2 GiB |
+| low_latency_num_sms | MOE_EP_LOW_LATENCY_NUM_SMS | every SM of the GPU |
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Mapping, Optional
 from . import _native
 
 DEFAULT_NUM_SMS = 24
-PER_BUFFER = ("internode_workspace_bytes",)  # knobs that size a Buffer's memory: fixed at creation, not per call
+PER_BUFFER = ("internode_workspace_bytes", "low_latency_num_sms")  # fixed at creation (memory, the low-latency context)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class Config:
     # counts are known, so the kernel starts before the host waits for them (0: always exact-size, after the wait)
     eager_output_bytes: int = 1 << 30
     internode_workspace_bytes: int = 2 << 30  # cross-node workspace per GPU; its token rounds follow (per Buffer)
+    # SMs the low-latency kernels spread over (their grid is at most 2 blocks per SM); None: every SM (per Buffer)
+    low_latency_num_sms: Optional[int] = None
 
     def __post_init__(self) -> None:
         most = _native.constant("TUNING_MAX_WARPS")
@@ -51,8 +54,9 @@ class Config:
             _check_int(name, getattr(self, name), lo, hi)
         if self.unroll not in (4, 6):
             raise ValueError(f"Config.unroll must be 4 or 6, got {self.unroll!r}")
-        if self.num_sms is not None:
-            _check_int("num_sms", self.num_sms, 1, 1 << 16)
+        for name in ("num_sms", "low_latency_num_sms"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1, 1 << 16)
 
     def replace(self, **changes: object) -> "Config":
         """A copy with `changes` (checked like the constructor)."""

@@ -5,10 +5,11 @@ runs no permutation of its own (no sort, no gather, no sum of each row's pairs),
 `Buffer.combine` takes the experts' pair outputs and sums each received row's pairs before sending
 it back. Both backends call this module, after their dispatch exchange and before their combine
 exchange, so they give the same bits by construction: the exchange itself is the normal one and
-moves each token once per destination rank. The expansion to pairs follows it: on the NVLink
-kernels, the rows stay in the symmetric workspace they landed in and one kernel copies each into its
-pairs (csrc/kernels/intranode/expand.cu), so a row is copied once, into the experts' input; on the
-reference backend and across nodes, one gather of the received rows. The reduction is one pass
+moves each token once per destination rank. The expansion to pairs follows it, done by each engine
+(NormalEngine.expand): on the NVLink kernels, the rows stay in the symmetric workspace they landed in
+(DispatchArgs::expert_major) and one kernel copies each into its pairs (csrc/kernels/intranode/expand.cu),
+so a row is copied once, into the experts' input; on the reference backend and across nodes, one
+gather of the received rows (gather_rows). The reduction is one pass
 before the combine (docs/api.md says what that costs).
 
 Layout (types.ExpertMajorLayout): local expert e's pairs sit at [offset[e], offset[e] + count[e]),
@@ -30,7 +31,7 @@ from +0.0); a combine's per-pair topk_weights go back to every slot of their pai
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -190,30 +191,41 @@ def gather(t: Optional[torch.Tensor], layout: ExpertMajorLayout) -> Optional[tor
     return out
 
 
-PairCopy = Callable[[DispatchResult, ExpertMajorLayout], tuple[torch.Tensor, Optional[torch.Tensor]]]
-
-
-def expand(result: DispatchResult, alignment: int, copy: Optional[PairCopy] = None) -> DispatchResult:
-    """A backend's dispatch result as its expert-major one: pairs for rows, the layout in the handle
-    (made here for a fresh dispatch; a cached one reuses its handle's), per-pair router weights for a
-    fresh dispatch; the event, when async, recorded again after the expansion. The pairs' (x, scales)
-    come from `copy` when given (the NVLink kernels' expand from their workspace: result.x is then
-    None), else from one gather of the received rows."""
+def layout_of(result: DispatchResult, alignment: int
+              ) -> tuple[ExpertMajorLayout, DispatchHandle, Optional[torch.Tensor]]:
+    """A row dispatch's pair layout: its handle's for a cached dispatch, else a new one (with the handle
+    that carries it and the per-pair router weights)."""
     layout = result.handle.expert_major
-    handle = result.handle
-    weights = None
-    if layout is None:
-        layout, weights = build_layout(result.topk_idx, result.topk_weights, result.tokens_per_expert,
-                                       result.tokens_per_expert_tensor, alignment)
-        handle = dataclasses.replace(handle, expert_major=layout)
-    x, scales = copy(result, layout) if copy is not None else (gather(result.x, layout),
-                                                               gather(result.x_scales, layout))
+    if layout is not None:
+        return layout, result.handle, None
+    layout, weights = build_layout(result.topk_idx, result.topk_weights, result.tokens_per_expert,
+                                   result.tokens_per_expert_tensor, alignment)
+    return layout, dataclasses.replace(result.handle, expert_major=layout), weights
+
+
+def gather_rows(result: DispatchResult, layout: ExpertMajorLayout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The received rows (and scales) as pairs, by one gather: the reference backend and the cross-node
+    engine (the NVLink engine copies the pairs straight from its workspace instead)."""
+    return gather(result.x, layout), gather(result.x_scales, layout)
+
+
+def as_pairs(result: DispatchResult, layout: ExpertMajorLayout, handle: DispatchHandle,
+             weights: Optional[torch.Tensor], x: torch.Tensor, scales: Optional[torch.Tensor]) -> DispatchResult:
+    """A row dispatch's result as its expert-major one: the pairs (x, scales) for rows, the layout in
+    the handle, the per-pair router weights of a fresh dispatch; the event, when async, recorded again
+    after the expansion."""
     event = result.event
     if event is not None:
         event = record_event(True, x.device, event.check)
     return dataclasses.replace(result, x=x, x_scales=scales, tokens_per_expert=layout.counts,
                                tokens_per_expert_tensor=layout.counts_tensor, handle=handle, event=event,
                                pair_weights=weights)
+
+
+def expand(result: DispatchResult, alignment: int) -> DispatchResult:
+    """A row dispatch's result as pairs, gathered from its received rows (the reference backend)."""
+    layout, handle, weights = layout_of(result, alignment)
+    return as_pairs(result, layout, handle, weights, *gather_rows(result, layout))
 
 
 def combine_inputs(x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],

@@ -83,6 +83,22 @@ def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def expert_major_scales(num_experts: int, slots: int, num_scales: int, dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+    """An empty [E_l, slots, num_scales] scale tensor stored token-major per expert (DeepEP's
+    low-latency layout, which DeepGEMM's masked grouped GEMM reads through TMA): the transposed view
+    of a contiguous [E_l, num_scales, slots] tensor, strides (num_scales * slots, 1, slots)."""
+    return torch.empty(num_experts, num_scales, slots, dtype=dtype, device=device).transpose(1, 2)
+
+
+def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float32 scales [..., S] (S % 4 == 0, round_scale) -> UE8M0 [..., S / 4] int32:
+    each scale's biased exponent byte (bits 23..30; exact, no mantissa bits), four to an int32,
+    scale 4i + j in byte j (little-endian) of int32 i. Any strides in, a contiguous tensor out."""
+    exponents = (scales.contiguous().view(torch.int32) >> 23).to(torch.uint8)
+    return exponents.view(torch.int32)
+
+
 def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Inverse of quantize up to rounding: e4m3 [..., H] and scales [..., H / 128] -> float32."""
     shape = q.shape

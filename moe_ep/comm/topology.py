@@ -18,7 +18,7 @@ from . import _native
 
 def max_ranks_per_node() -> int:
     """The largest node (NVLink domain) the native kernels serve (moe_ep.comm._C, else its fallback)."""
-    return _native.constant("INTERNODE_MAX_RANKS_PER_NODE")
+    return _native.constant("MAX_NODE_RANKS")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ class DispatchLayout:
     num_tokens_per_rank: torch.Tensor  # [R] int32: tokens (not token-expert pairs) sent to each rank
     num_tokens_per_expert: torch.Tensor  # [E] int32: tokens that selected each expert (once per token)
     is_token_in_rank: torch.Tensor  # [N, R] bool
+    event: Optional["EventHandle"] = None  # get_dispatch_layout(async_op=True): recorded on the communication stream
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class LowLatencyDispatchResult:
     count: torch.Tensor  # [E_l] int32 on device
     handle: LowLatencyHandle
     hook: Optional[Callable[[], None]] = None
+    event: Optional["EventHandle"] = None  # async_op=True: recorded on the communication stream
 
 
 @dataclass
@@ -108,6 +110,7 @@ class LowLatencyCombineResult:
 
     x: torch.Tensor
     hook: Optional[Callable[[], None]] = None
+    event: Optional["EventHandle"] = None  # async_op=True: recorded on the communication stream
 
 
 @dataclass

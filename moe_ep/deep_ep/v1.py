@@ -8,8 +8,10 @@ keys are equal on every rank (DeepEP requires that too), so the collective creat
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,7 @@ import moe_ep
 from ..comm import _native
 from ..comm.backends.base import align_up, record_event
 from ..comm.buffer import _device_of, _resolve_topology, auto_backend
+from ..comm.streams import CommStream, tensors_in
 from ..comm.fp8 import BLOCK as FP8_BLOCK
 
 topk_idx_t = torch.int64
@@ -29,7 +32,7 @@ NORMAL_TOPK = 16
 # Normal mode: about this many bytes per received row and source rank (bf16 row, FP8 scales, top-k
 # ids and weights padded to NORMAL_TOPK, source index, flag) turn num_nvl_bytes into max_tokens_per_rank.
 _ROW_META_BYTES = 12 * NORMAL_TOPK + 16
-# Config.get_nvl_buffer_size_hint reserves room for this many tokens per rank.
+# Config.get_nvl_buffer_size_hint reserves one round of this many tokens per rank (larger calls stream).
 HINT_TOKENS_PER_RANK = 4096
 
 XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -39,9 +42,9 @@ def _row_bytes(hidden: int) -> int:
     return 2 * hidden + 4 * (hidden // FP8_BLOCK) + _ROW_META_BYTES
 
 
-# Why DeepEP's shrink mode (a rank mask the caller updates) is not offered.
-_SHRINK = ("moe_ep masks ranks itself: moe_ep.Buffer(low_latency=True, fault_tolerant=True) masks a rank that "
-           "misses the timeout and lists it in masked_ranks; no mask is set from Python")
+# Why multi-node NVLink is refused.
+_MNNVL = ("moe_ep has no multi-node NVLink (MNNVL) path: its NVLink domain is the ranks of one host, and ranks on "
+          "other hosts are reached through NVSHMEM's network transport")
 
 
 def _unsupported(option: str, why: str) -> NotImplementedError:
@@ -60,7 +63,8 @@ class Config:
     num_max_rdma_chunked_recv_tokens: int = 256
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """num_nvl_bytes that give moe_ep room for HINT_TOKENS_PER_RANK tokens per rank (bf16 rows)."""
+        """A default num_nvl_bytes: rounds of HINT_TOKENS_PER_RANK tokens per rank (bf16 rows); calls
+        with more tokens stream through it (not a token limit)."""
         return num_ranks * HINT_TOKENS_PER_RANK * _row_bytes(hidden_bytes // 2)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
@@ -131,6 +135,44 @@ class LowLatencyHandle(tuple):
         return self
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _on_comm_stream(method: _Method) -> _Method:
+    """DeepEP's stream rule for a Buffer method with previous_event / async_finish (moe_ep.comm.streams):
+    with async_finish the whole call (every moe_ep call, gather and collective in it) runs on the
+    Buffer's communication stream after previous_event (else after the current stream), and its
+    EventOverlap is recorded there; without it the call runs on the current stream after
+    previous_event. allocate_on_comm_stream needs no action: outputs are made on the communication
+    stream and kept alive for the caller's stream too, which covers both of its values."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def call(self: "Buffer", *args: Any, **kwargs: Any) -> Any:
+        given = signature.bind(self, *args, **kwargs).arguments
+        async_finish = bool(given.get("async_finish", False))
+        if async_finish and given.get("return_recv_hook", False):
+            raise ValueError("async_finish=True and return_recv_hook=True exclude each other (as in DeepEP)")
+        previous: Optional[EventOverlap] = given.get("previous_event")
+        inputs = tuple(v for k, v in given.items() if k != "self")
+        device = next((t.device for t in tensors_in(inputs) if t.is_cuda), torch.device("cpu"))
+        result = self._comm_stream(device).run(
+            lambda: method(self, *args, **kwargs), previous_event=None if previous is None else previous.event,
+            async_op=async_finish, inputs=(inputs, *_handle_parts(inputs)))
+        if async_finish and device.type == "cuda":
+            keep = torch.cuda.current_stream(device)
+            for t in tensors_in(_handle_parts(result)):
+                t.record_stream(keep)
+        return result
+
+    return call  # type: ignore[return-value]
+
+
+def _handle_parts(values: tuple) -> list[Any]:
+    """The moe_ep handles (and row maps) that the drop-in's handle tuples carry beside their fields."""
+    return [(v.inner, getattr(v, "rows", None)) for v in values if isinstance(v, (DispatchHandle, LowLatencyHandle))]
+
+
 def _gather_rows(t: Optional[torch.Tensor], rows: torch.Tensor, num_rows: int, fill: float) -> Optional[torch.Tensor]:
     """t's rows at `rows` (the valid ones first), then `fill` up to num_rows rows (num_worst_tokens)."""
     if t is None:
@@ -159,12 +201,6 @@ def _chain(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], 
     return hook
 
 
-def _ue8m0(scales: torch.Tensor) -> torch.Tensor:
-    """Power-of-two float32 scales [..., H/128] in DeepEP's UE8M0 form: each one's exponent byte,
-    four to an int32 [..., H/512] (exact: round_scale leaves no mantissa bits)."""
-    return (scales.view(torch.int32) >> 23).to(torch.uint8).view(torch.int32)
-
-
 def _layout_range(src_rank: torch.Tensor, count: torch.Tensor, world: int) -> torch.Tensor:
     """[E_l, R] int64, (first row << 32) | rows, per local expert and source rank (rows are
     ordered by source rank). Device ops only: no host sync."""
@@ -180,7 +216,9 @@ class Buffer:
     """DeepEP's `deep_ep.Buffer` (V1) served by moe_ep. Creating it is collective over `group`.
 
     Keyword-only extensions (not in DeepEP): `backend` (moe_ep's), `max_tokens_per_rank` (normal
-    mode's token limit per rank; default: what fits in num_nvl_bytes) and `ranks_per_node`."""
+    mode's round of tokens per rank, streamed for larger calls; default: what fits in num_nvl_bytes),
+    `ranks_per_node` and `timeout_s` (moe_ep's: how long a call waits for a peer; with enable_shrink a
+    low-latency call then masks it)."""
 
     num_sms: int = 20
 
@@ -189,25 +227,25 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Optional[Any] = None, *,
                  backend: str = "auto", max_tokens_per_rank: Optional[int] = None,
-                 ranks_per_node: Optional[int] = None) -> None:
+                 ranks_per_node: Optional[int] = None, timeout_s: float = 100.0) -> None:
         if comm is not None:
             raise _unsupported("comm (an mpi4py communicator)", "pass a torch.distributed process group")
         if not allow_nvlink_for_low_latency_mode:
             raise _unsupported("allow_nvlink_for_low_latency_mode=False",
                                "the low-latency kernels use NVLink inside a node")
         if allow_mnnvl:
-            raise _unsupported("allow_mnnvl=True", "moe_ep's NVLink domain is one host")
+            raise _unsupported("allow_mnnvl=True", _MNNVL)
         if use_fabric:
-            raise _unsupported("use_fabric=True", "moe_ep allocates its buffers through NVSHMEM")
-        if enable_shrink:
-            raise _unsupported("enable_shrink=True", _SHRINK)
+            raise _unsupported("use_fabric=True", "fabric memory handles serve multi-node NVLink; " + _MNNVL +
+                               ", and its buffers come from NVSHMEM's symmetric heap")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
-        self.enable_shrink = enable_shrink
-        self._backend, self._max_tokens = backend, max_tokens_per_rank
+        self.enable_shrink = enable_shrink  # low-latency Buffers are fault-tolerant: the mask API below
+        self._masked: set[int] = set()  # ranks masked by low_latency_update_mask_buffer (for Buffers made later)
+        self._backend, self._max_tokens, self._timeout_s = backend, max_tokens_per_rank, timeout_s
         self._device_group: Optional[dist.ProcessGroup] = None
         gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         topo = _resolve_topology(self.group, ranks_per_node, gpu)
@@ -216,6 +254,7 @@ class Buffer:
         self._normal: dict[tuple[int, int], moe_ep.Buffer] = {}
         self._low_latency: dict[tuple[int, int, int, int], moe_ep.Buffer] = {}
         self._zero_copy: dict[moe_ep.Buffer, torch.Tensor] = {}
+        self._comm: dict[torch.device, CommStream] = {}
 
     @property
     def moe_ep_buffers(self) -> list[moe_ep.Buffer]:
@@ -284,7 +323,8 @@ class Buffer:
         group, device = self._group_for(x.device)
         return moe_ep.Buffer(group, hidden=x.shape[1], num_experts=num_experts, num_topk=num_topk,
                              max_tokens_per_rank=max_tokens, backend=self._backend, low_latency=low_latency,
-                             ranks_per_node=self._ranks_per_node, device=device)
+                             ranks_per_node=self._ranks_per_node, device=device, timeout_s=self._timeout_s,
+                             fault_tolerant=low_latency and self.enable_shrink)
 
     def _normal_buffer(self, x: torch.Tensor, num_experts: int) -> moe_ep.Buffer:
         """The normal-mode Buffer for x's hidden size and device (top-k padded to 16), created on first use."""
@@ -306,21 +346,30 @@ class Buffer:
             raise ValueError("low-latency calls need a Buffer created with low_latency_mode=True")
         key = (x.shape[1], num_experts, num_topk, max_tokens)
         if key not in self._low_latency:
-            self._low_latency[key] = self._new_buffer(x, num_experts, num_topk, max_tokens, low_latency=True)
+            buf = self._new_buffer(x, num_experts, num_topk, max_tokens, low_latency=True)
+            for rank in self._masked:
+                buf.set_rank_masked(rank)
+            self._low_latency[key] = buf
         return self._low_latency[key]
 
     @staticmethod
     def _finish(async_finish: bool) -> EventOverlap:
-        """The call's event: recorded after all of its work on the current stream when async_finish."""
+        """The call's event: recorded after all of its work on the current stream (the communication
+        stream, under _on_comm_stream) when async_finish."""
         return EventOverlap(EventHandle() if async_finish else None)
 
-    @staticmethod
-    def _wait(previous_event: Optional[EventOverlap]) -> None:
-        """The current stream waits for previous_event before the call's first operation."""
-        if previous_event is not None and previous_event.event is not None:
-            previous_event.event.wait()
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """The communication stream async calls run on (on the current CUDA device)."""
+        return self._comm_stream(torch.device("cuda", torch.cuda.current_device())).stream
+
+    def _comm_stream(self, device: torch.device) -> CommStream:
+        """This Buffer's communication stream on `device` (DeepEP has one per Buffer; a CPU one runs in order)."""
+        if device not in self._comm:
+            self._comm[device] = CommStream(device)
+        return self._comm[device]
 
     # ---- normal mode ----------------------------------------------------------------------
+    @_on_comm_stream
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
@@ -332,7 +381,6 @@ class Buffer:
             raise TypeError("topk_idx must be a 2-D torch.int64 tensor (deep_ep.topk_idx_t)")
         if num_experts <= 0 or num_experts % self.group_size:
             raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the group size")
-        self._wait(previous_event)
         r, e_l = self.group_size, num_experts // self.group_size
         hit = torch.zeros(topk_idx.shape[0], num_experts + 1, dtype=torch.bool, device=topk_idx.device)
         hit.scatter_(1, torch.where(topk_idx >= 0, topk_idx, num_experts), True)
@@ -351,6 +399,7 @@ class Buffer:
         dist.all_gather(rows, sent, group=buf.cfg.group)
         return torch.stack(rows).cumsum(0, dtype=torch.int32)
 
+    @_on_comm_stream
     def dispatch(self, x: XType, handle: Optional[DispatchHandle] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -367,7 +416,6 @@ class Buffer:
         x, scales = x if isinstance(x, tuple) else (x, None)
         scales = scales.contiguous() if scales is not None else None  # DeepEP accepts column-major scales
         sms = (config or self.get_dispatch_config(self.group_size)).num_sms
-        self._wait(previous_event)
         if handle is not None:
             if not isinstance(handle, DispatchHandle):
                 raise TypeError(f"handle must come from moe_ep.deep_ep dispatch, got {type(handle).__name__}")
@@ -447,6 +495,7 @@ class Buffer:
             x, scales = _gather_rows(x, rows, num_rows, 0), _gather_rows(scales, rows, num_rows, 0.0)
         return (x, scales) if scales is not None else x
 
+    @_on_comm_stream
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -458,7 +507,6 @@ class Buffer:
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must come from moe_ep.deep_ep dispatch, got {type(handle).__name__}")
         sms = (config or self.get_combine_config(self.group_size)).num_sms
-        self._wait(previous_event)
         inner = handle.inner
         weights, k = None, 0
         if topk_weights is not None:  # NORMAL_TOPK wide, as the dispatch's weights (results cut back to k)
@@ -488,29 +536,30 @@ class Buffer:
         if not self.low_latency_mode:
             raise ValueError("clean_low_latency_buffer needs a Buffer created with low_latency_mode=True")
 
+    @_on_comm_stream
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
-        """(recv_x or (e4m3, scales), recv_count, handle, event, hook), expert-major [E_l, R * T, ...]."""
+                             return_recv_hook: bool = False, *, use_nvfp4: bool = False,
+                             x_global_scale: Optional[torch.Tensor] = None):
+        """(recv_x or (e4m3, scales), recv_count, handle, event, hook), expert-major [E_l, R * T, ...]; the
+        scales in DeepEP's token-major layout per expert (float32, or UE8M0 int32 with use_ue8m0)."""
+        if use_nvfp4 or x_global_scale is not None:
+            raise _unsupported("use_nvfp4 / x_global_scale (NVFP4 dispatch)",
+                               "the low-latency kernels cast to FP8 (e4m3) only")
         if use_ue8m0 and not (use_fp8 and round_scale and x.shape[1] % (4 * FP8_BLOCK) == 0):
             raise ValueError("use_ue8m0=True needs use_fp8=True, round_scale=True and hidden % 512 == 0")
         if dispatch_wait_recv_cost_stats is not None:
             raise _unsupported("dispatch_wait_recv_cost_stats", "moe_ep records no per-peer wait times")
         t = num_max_dispatch_tokens_per_rank
         buf = self._low_latency_buffer(x, num_experts, topk_idx.shape[1], t)
-        got = buf.low_latency_dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+        got = buf.low_latency_dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                        return_recv_hook=return_recv_hook)
         layout_range = torch.empty(buf.num_local_experts, self.group_size, dtype=torch.int64, device=x.device)
-        scales = got.x_scales
-        if use_ue8m0:
-            scales = torch.empty(*scales.shape[:2], scales.shape[2] // 4, dtype=torch.int32, device=x.device)
 
         def received() -> None:
             layout_range.copy_(_layout_range(got.handle.src_rank, got.count, self.group_size))
-            if use_ue8m0:
-                scales.copy_(_ue8m0(got.x_scales))
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(got.count)
 
@@ -518,17 +567,27 @@ class Buffer:
         if not return_recv_hook:
             received()
         handle = LowLatencyHandle((got.handle.src_index, layout_range, t, x.shape[1], num_experts), buf, got.handle)
-        recv = (got.x, scales) if use_fp8 else got.x
+        recv = (got.x, got.x_scales) if use_fp8 else got.x
         return recv, got.count, handle, self._finish(async_finish), hook
 
+    @_on_comm_stream
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None, *, overlap: bool = False,
+                            packed_recv_count: Optional[torch.Tensor] = None,
+                            comp_signal: Optional[torch.Tensor] = None, block_m: int = 64, threshold: int = 0,
+                            num_sms: int = 0, src_signals: Optional[torch.Tensor] = None,
+                            src_signal_expect_value: int = 0
                             ) -> tuple[torch.Tensor, EventOverlap, Optional[Callable[[], None]]]:
         """(combined_x, event, hook): moe_ep's weighted sum over k ascending, one rounding (docs/api.md).
-        zero_copy=True combines what get_next_low_latency_combine_buffer's tensor holds instead of x."""
+        zero_copy=True combines what get_next_low_latency_combine_buffer's tensor holds instead of x.
+        The single-batch-overlap arguments (SGLang's) are accepted with overlap=False and ignored."""
+        if overlap:
+            raise _unsupported("overlap=True (single-batch overlap: a combine that waits on comp_signal per expert)",
+                               "moe_ep's combine send half is one cooperative grid over every SM, so it cannot "
+                               "wait on the device for a GEMM running beside it; use return_recv_hook=True")
         if use_logfmt:
             raise _unsupported("use_logfmt=True", "moe_ep has no LogFMT combine; it sends bf16 rows")
         if combine_wait_recv_cost_stats is not None:
@@ -560,14 +619,42 @@ class Buffer:
                                                device=handle.inner.src_index.device)
         return self._zero_copy[buf]
 
+    def _check_shrink(self, what: str) -> None:
+        if not self.enable_shrink:
+            raise ValueError(f"{what} needs a Buffer created with enable_shrink=True")
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        raise _unsupported("low_latency_update_mask_buffer", _SHRINK)
+        """Mask (mask=True) or unmask `rank_to_mask` in every low-latency call from now on: moe_ep's
+        Buffer.set_rank_masked on each low-latency Buffer (and on those made later). Stream-ordered."""
+        self._check_shrink("low_latency_update_mask_buffer")
+        if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask must be an int in [0, {self.group_size}), got {rank_to_mask!r}")
+        if rank_to_mask == self.rank:
+            raise ValueError(f"rank {self.rank} cannot mask itself")
+        (self._masked.add if mask else self._masked.discard)(rank_to_mask)
+        for buf in self._low_latency.values():
+            buf.set_rank_masked(rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        raise _unsupported("low_latency_query_mask_buffer", _SHRINK)
+        """mask_status [R] int32 := 1 per masked rank: set by update_mask_buffer or masked by a low-latency
+        Buffer after a timeout (its rank_mask). Device ops only: no host sync."""
+        self._check_shrink("low_latency_query_mask_buffer")
+        if not isinstance(mask_status, torch.Tensor) or mask_status.shape != (self.group_size,) or \
+                mask_status.dtype != torch.int32:
+            raise ValueError(f"mask_status must be an int32 tensor of shape ({self.group_size},)")
+        status = torch.zeros(self.group_size, dtype=torch.int32, device=mask_status.device)
+        if self._masked:
+            status[sorted(self._masked)] = 1
+        for buf in self._low_latency.values():
+            status = torch.maximum(status, buf.rank_mask.to(mask_status.device))
+        mask_status.copy_(status)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        raise _unsupported("low_latency_clean_mask_buffer", _SHRINK)
+        """Unmask every rank (each low-latency Buffer's clear_rank_masks)."""
+        self._check_shrink("low_latency_clean_mask_buffer")
+        self._masked.clear()
+        for buf in self._low_latency.values():
+            buf.clear_rank_masks()
 
     # ---- lifetime -------------------------------------------------------------------------
     def destroy(self) -> None:

@@ -12,14 +12,15 @@ already grouped (the layer's default normal mode: an expert-major dispatch made 
 sums each row's); `forward` (the layer with expert_major=False) takes rows and does both ends
 itself: the sort and gather of the pairs, and a fixed-order sum of each row's pairs. The backward is written out (dX and dW as grouped GEMMs,
 the SwiGLU backward in one pass) rather than left to autograd, whose index backward adds with
-atomics (CUDA; CPU threads in float32) and so changes the bits from run to run.
+atomics (CUDA; CPU threads in float32) and so changes the bits from run to run. The weight gradients
+are a node of their own after the input gradient's, so the combine that carries the input gradient
+back need not wait for their GEMMs (moe_ep.moe.overlap).
 """
 from __future__ import annotations
 
-import contextlib
 import re
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -86,54 +87,6 @@ def _groups(rows: torch.Tensor, counts: torch.Tensor) -> _Groups:
     return _Groups(torch.cumsum(counts, 0, dtype=torch.int32), None if grouped else counts.tolist())
 
 
-@dataclass
-class _WeightGradPart:
-    """What one call's backward leaves for the pooled weight gradients (None: that gradient is not wanted)."""
-
-    xs: Optional[torch.Tensor]  # [P_c, H] expert-sorted rows (dW1, dW3)
-    dh13: Optional[torch.Tensor]  # [P_c, 2F] gate/up gradient (dW1, dW3)
-    dy: Optional[torch.Tensor]  # [P_c, H] output gradient (dW2)
-    a: Optional[torch.Tensor]  # [P_c, F] activation (dW2)
-    counts: torch.Tensor  # [E_l] rows per expert
-
-
-@dataclass
-class WeightGradPool:
-    """The weight gradients of several expert calls over the same weights (the chunks of one chunked
-    forward, moe_ep.moe.overlap), computed once, in whichever of their backwards comes last, over every
-    call's rows regrouped by expert (chunk order inside an expert): one gradient write per weight
-    instead of one per call plus autograd's adds of them. Until then each backward keeps its part."""
-
-    calls: int = 0
-    parts: dict[int, _WeightGradPart] = field(default_factory=dict)
-
-    def register(self) -> int:
-        """A new call's index."""
-        self.calls += 1
-        return self.calls - 1
-
-    def add(self, index: int, part: _WeightGradPart, f: int) -> Optional[tuple[Optional[torch.Tensor], ...]]:
-        """Keep call `index`'s part; once every call's is in, (dW1, dW3, dW2) over all of them."""
-        self.parts[index] = part
-        if len(self.parts) < self.calls:
-            return None
-        parts = [self.parts.pop(i) for i in range(self.calls)]
-        counts = torch.stack([p.counts for p in parts])
-        e_l = counts.shape[1]
-        rank = torch.arange(e_l, device=counts.device)
-        expert = torch.cat([torch.repeat_interleave(rank, p.counts, output_size=(p.xs if p.xs is not None else p.dy).shape[0])
-                            for p in parts])
-        order = torch.argsort(expert, stable=True)
-
-        def pooled(name: str) -> Optional[torch.Tensor]:
-            ts = [getattr(p, name) for p in parts]
-            return None if ts[0] is None else torch.cat(ts).index_select(0, order)
-
-        xs, dh13, dy, a = pooled("xs"), pooled("dh13"), pooled("dy"), pooled("a")
-        groups = _groups(xs if xs is not None else dy, counts.sum(0))
-        return _weight_grads(groups, f, xs, dh13, dy, a, xs is not None, xs is not None, dy is not None)
-
-
 def _weight_grads(groups: _Groups, f: int, xs: Optional[torch.Tensor], dh13: Optional[torch.Tensor],
                   dy: Optional[torch.Tensor], a: Optional[torch.Tensor], need_w1: bool, need_w3: bool,
                   need_w2: bool) -> tuple[Optional[torch.Tensor], ...]:
@@ -145,21 +98,50 @@ def _weight_grads(groups: _Groups, f: int, xs: Optional[torch.Tensor], dh13: Opt
     return dw1, dw3, dw2
 
 
+@dataclass
+class _WeightGradStash:
+    """What the experts' backward leaves for their weight-gradient node (_WeightGrads)."""
+
+    need: tuple[bool, bool, bool]  # w1, w3, w2 want a gradient
+    args: Optional[tuple] = None  # _weight_grads' (groups, f, xs, dh13, dy, a), set by _SwiGLUExperts.backward
+
+
+class _WeightGrads(torch.autograd.Function):
+    """The weights (w1, w3, w2) -> an empty tensor that _SwiGLUExperts takes in their place; its backward
+    computes dW1, dW3, dW2 from what the experts' backward stashed. A node of its own so that autograd hands
+    the experts' input gradient on (to the dispatch's backward, a combine) before these GEMMs are issued:
+    with the layer's overlap that combine runs on the communication stream beside them (moe_ep.moe.overlap)."""
+
+    @staticmethod
+    def forward(ctx: Any, stash: _WeightGradStash, w1: torch.Tensor, w3: torch.Tensor,
+                w2: torch.Tensor) -> torch.Tensor:
+        ctx.stash = stash
+        return w1.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        args, ctx.stash.args = ctx.stash.args, None
+        if args is None:
+            return None, None, None, None
+        return (None, *_weight_grads(*args, *ctx.stash.need))
+
+
 class _SwiGLUExperts(torch.autograd.Function):
     """Scaled SwiGLU experts over pairs; with `rows`, pairs are gathered from x and summed back per row.
 
-    forward(x [M, H], scale [P] float32, w1, w3, w2, rows [P] | None, slots [M, K] | None,
-    counts [E_l], recompute, pool, pool_index) -> [M, H] (rows given) or [P, H] (x already
-    expert-sorted, one pair per row), in the weights' dtype. Keeps for backward the gate/up output
-    [P, 2F] and, unless `recompute`, the activation [P, F] and the gathered rows [P, H] (else x [M, H]
-    and rows). With a WeightGradPool the weight gradients come from the pool (None until its last call).
+    forward(x [M, H], scale [P] float32, wgrad (_WeightGrads' output, or None without weight gradients),
+    stash, w1, w3, w2 (detached), rows [P] | None, slots [M, K] | None, counts [E_l], recompute) -> [M, H]
+    (rows given) or [P, H] (x already expert-sorted, one pair per row), in the weights' dtype. Keeps for
+    backward the gate/up output [P, 2F] and, unless `recompute`, the activation [P, F] and the gathered
+    rows [P, H] (else x [M, H] and rows). Its backward computes the input and router-weight gradients
+    and leaves the weight gradients' operands in `stash` for _WeightGrads.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                w2: torch.Tensor, rows: Optional[torch.Tensor], slots: Optional[torch.Tensor],
-                counts: torch.Tensor, recompute: bool, pool: Optional[WeightGradPool] = None,
-                pool_index: int = -1) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, wgrad: Optional[torch.Tensor],
+                stash: _WeightGradStash, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                rows: Optional[torch.Tensor], slots: Optional[torch.Tensor], counts: torch.Tensor,
+                recompute: bool) -> torch.Tensor:
         xs = (x if rows is None else x.index_select(0, rows)).to(w1.dtype)
         groups = _groups(xs, counts)
         h13 = groups.mm(xs, _fused_w13(w1, w3).transpose(1, 2))
@@ -167,8 +149,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         y = groups.mm(a, w2.transpose(1, 2))
         keep = (x, None) if recompute else (xs, a)
         ctx.save_for_backward(*keep, h13, scale, w1, w3, w2, rows, slots)
-        ctx.groups, ctx.recompute, ctx.x_dtype = groups, recompute, x.dtype
-        ctx.pool, ctx.pool_index, ctx.counts = pool, pool_index, counts
+        ctx.groups, ctx.recompute, ctx.x_dtype, ctx.stash = groups, recompute, x.dtype, stash
         return y if rows is None else sum_rows(y, slots)
 
     @staticmethod
@@ -177,7 +158,8 @@ class _SwiGLUExperts(torch.autograd.Function):
         groups, f = ctx.groups, w1.shape[1]
         grad = grad.to(w1.dtype).contiguous()
         dy = grad if rows is None else grad.index_select(0, rows)
-        need_x, need_scale, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:5]
+        need_x, need_scale, need_weights = ctx.needs_input_grad[:3]
+        need_w1, need_w3, need_w2 = ctx.stash.need if need_weights else (False, False, False)
         dh13, dscale, a_again = swiglu_backward(h13, groups.mm(dy, w2), scale, want_a=ctx.recompute and need_w2)
         if ctx.recompute and (need_w1 or need_w3):
             xs = (xs if rows is None else xs.index_select(0, rows)).to(w1.dtype)
@@ -185,15 +167,11 @@ class _SwiGLUExperts(torch.autograd.Function):
         if need_x:
             dxs = groups.mm(dh13, _fused_w13(w1, w3))
             dx = dxs.to(ctx.x_dtype) if rows is None else sum_rows(dxs, slots, ctx.x_dtype)
-        a_w2 = a_again if ctx.recompute else a
-        if ctx.pool is not None and (need_w1 or need_w3 or need_w2):
-            part = _WeightGradPart(xs if need_w1 or need_w3 else None, dh13 if need_w1 or need_w3 else None,
-                                   dy if need_w2 else None, a_w2 if need_w2 else None, ctx.counts)
-            dw1, dw3, dw2 = ctx.pool.add(ctx.pool_index, part, f) or (None, None, None)
-            dw1, dw3, dw2 = (dw1 if need_w1 else None), (dw3 if need_w3 else None), (dw2 if need_w2 else None)
-        else:
-            dw1, dw3, dw2 = _weight_grads(groups, f, xs, dh13, dy, a_w2, need_w1, need_w3, need_w2)
-        return dx, dscale if need_scale else None, dw1, dw3, dw2, None, None, None, None, None, None
+        wgrad = None
+        if need_weights:
+            ctx.stash.args = (groups, f, xs, dh13, dy, a_again if ctx.recompute else a)
+            wgrad = w1.new_empty(0)
+        return dx, dscale if need_scale else None, wgrad, None, None, None, None, None, None, None, None
 
 
 def _fused_w13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -230,7 +208,6 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(w13[:, :ffn_hidden])
         self.w3 = nn.Parameter(w13[:, ffn_hidden:])
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, **kw))
-        self._pool: Optional[WeightGradPool] = None  # set by pooled_weight_grads()
         self.reset_parameters()
 
     def extra_repr(self) -> str:
@@ -276,22 +253,12 @@ class GroupedExperts(nn.Module):
 
     def _apply_experts(self, x: torch.Tensor, scale: torch.Tensor, rows: Optional[torch.Tensor],
                        slots: Optional[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
-        """_SwiGLUExperts over this module's weights, in the WeightGradPool when one is open."""
-        pool = self._pool if torch.is_grad_enabled() else None
-        return _SwiGLUExperts.apply(x, scale, self.w1, self.w3, self.w2, rows, slots, counts,
-                                    self.recompute_swiglu, pool, pool.register() if pool is not None else -1)
-
-    @contextlib.contextmanager
-    def pooled_weight_grads(self) -> Iterator[WeightGradPool]:
-        """Inside, the normal-mode forwards share one WeightGradPool: their weight gradients are computed
-        once, in the last of their backwards, over all their rows (moe_ep.moe.overlap's chunks). The same
-        gradients within rounding (another summation order); the parts wait until then (P (2F + 2H + F)
-        elements in all, at most)."""
-        self._pool = WeightGradPool()
-        try:
-            yield self._pool
-        finally:
-            self._pool = None
+        """_SwiGLUExperts over this module's weights; their gradients come from a _WeightGrads node."""
+        weights = (self.w1, self.w3, self.w2)
+        stash = _WeightGradStash(tuple(w.requires_grad for w in weights))
+        wgrad = _WeightGrads.apply(stash, *weights) if torch.is_grad_enabled() and any(stash.need) else None
+        return _SwiGLUExperts.apply(x, scale, wgrad, stash, *(w.detach() for w in weights), rows, slots, counts,
+                                    self.recompute_swiglu)
 
     def forward_sorted(self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Rows already grouped by local expert, one pair per row (counts [E_l] rows per expert, in

@@ -18,8 +18,8 @@ mode=None picks low-latency when the Buffer has it, autograd is off and no rank 
 under CUDA-graph capture or torch.compile).
 
 Communication goes through the moe_ep custom ops (moe_ep.moe.ops), so torch.compile traces the layer.
-Overlap of communication with computation (chunked normal mode, the shared expert behind the first
-dispatch, the start/finish decode API) lives in moe_ep.moe.overlap.
+Overlap of communication with computation (normal mode's communication stream, the start/compute/finish
+decode API) lives in moe_ep.moe.overlap.
 """
 from __future__ import annotations
 
@@ -82,15 +82,14 @@ class MoE(nn.Module):
     (static shapes, no wait for the counts: torch.compile without graph breaks, CUDA graphs).
     recompute_swiglu=True: normal mode's experts recompute their SwiGLU activation in backward instead
     of keeping it (docs/api.md says what is kept).
-    overlap_chunks=C: normal mode splits a forward's tokens into C chunks; on GPUs the experts of chunk i
-    run on the caller's stream while dispatch i+1 and combine i-1 run on the Buffer's communication
-    stream, forward and backward (moe_ep.moe.overlap). Every rank must pass the same C: the first
-    normal-mode forward checks it (one all_gather_object) and raises ValueError on every rank when
-    they differ. SM budget: each dispatch and combine gets the Buffer's num_sms (every call of the
-    Buffer runs on that one stream, so communication never holds more); the experts' kernels take
-    the remaining SMs. With C chunks a forward may hold up to C * max_tokens_per_rank tokens per rank.
-    The shared expert, when present, runs while the first dispatch is in flight when C >= 2 (C = 1
-    keeps every kernel on the caller's stream, as before overlap existed) and in decode (start()).
+    overlap=True: normal mode runs its dispatch and combine on the Buffer's communication stream, forward and
+    backward, so the shared expert runs beside the dispatch and, in backward, the experts' weight-gradient
+    GEMMs and the shared expert's backward beside the combine (moe_ep.moe.overlap). Every kernel is the
+    one overlap=False runs, on the same inputs: outputs and gradients are the same bits, each expert's
+    GEMM stays whole, and where nothing runs beside the communication it costs a few CUDA events. Every
+    rank must pass the same value: the first normal-mode forward checks it (one all_gather_object) and
+    raises ValueError on every rank when they differ. SM budget: each dispatch and combine gets the
+    Buffer's num_sms; the experts' kernels take the rest.
     expert_major=True (the default): exact-size normal mode dispatches (row, local expert) pairs grouped
     by expert (moe_ep.comm.expert_major) and its combine sums them, so the experts sort, gather and sum
     nothing and the forward makes one host sync (the dispatch's counts) instead of two (docs/benchmarks.md,
@@ -108,22 +107,22 @@ class MoE(nn.Module):
                  bias_update_rate: float = 1e-3, capacity_factor: Optional[float] = None,
                  shared_ffn_hidden: int = 0, low_latency_max_tokens: int = 128, low_latency_fp8: bool = False,
                  worst_case: bool = False, dtype: Optional[torch.dtype] = None, recompute_swiglu: bool = False,
-                 overlap_chunks: int = 1, fp8_experts: bool = False, expert_major: bool = True) -> None:
+                 overlap: bool = False, fp8_experts: bool = False, expert_major: bool = True) -> None:
         super().__init__()
         cfg = buffer.cfg
         if fp8_experts:
             fp8_experts_module.check_shapes(cfg.hidden, ffn_hidden)
-            if overlap_chunks != 1:
-                raise ValueError("fp8_experts=True runs one dispatch per forward: overlap_chunks must be 1")
-        if not isinstance(overlap_chunks, int) or isinstance(overlap_chunks, bool) or overlap_chunks < 1:
-            raise ValueError(f"overlap_chunks must be a positive int, got {overlap_chunks!r}")
+            if overlap:
+                raise ValueError("fp8_experts=True has no overlap mode: pass overlap=False")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be a bool, got {overlap!r}")
         if low_latency_fp8 and cfg.hidden % fp8.BLOCK != 0:
             raise ValueError(f"low_latency_fp8 needs hidden to be a multiple of {fp8.BLOCK}, got {cfg.hidden}")
         self.buffer = buffer
         self.buffer_id = ops.register(buffer)
         self.worst_case = worst_case
-        self.overlap_chunks = overlap_chunks
-        self._chunks_checked = cfg.world_size == 1
+        self.overlap = overlap
+        self._overlap_checked = cfg.world_size == 1
         self.hidden, self.num_experts, self.top_k = cfg.hidden, cfg.num_experts, cfg.num_topk
         self.low_latency_max_tokens = low_latency_max_tokens
         self.low_latency_fp8 = low_latency_fp8
@@ -190,15 +189,15 @@ class MoE(nn.Module):
         """The shared expert over tokens [N, H] in its weights' dtype, or None without one."""
         return None if self.shared is None else self.shared(tokens.to(self.shared.w1.weight.dtype))
 
-    def _check_chunks(self) -> None:
-        """Once, at the first eager normal-mode forward: every rank uses the same overlap_chunks."""
-        if self._chunks_checked or torch.compiler.is_compiling():
+    def _check_overlap(self) -> None:
+        """Once, at the first eager normal-mode forward: every rank uses the same overlap setting."""
+        if self._overlap_checked or torch.compiler.is_compiling():
             return
         if self.buffer.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("run one normal-mode forward of this MoE before capturing a CUDA graph: the first "
-                               "forward checks (collectively) that every rank uses the same overlap_chunks")
-        overlap.check_chunks(self.buffer, self.overlap_chunks)
-        self._chunks_checked = True
+                               "forward checks (collectively) that every rank uses the same overlap setting")
+        overlap.check_setting(self.buffer, self.overlap)
+        self._overlap_checked = True
 
     def _static_experts(self, d: autograd.Dispatched) -> torch.Tensor:
         """Worst-case mode's experts, free of data-dependent shapes (torch.compile, CUDA graphs):
@@ -254,8 +253,8 @@ class MoE(nn.Module):
         elif self.fp8_weights is not None:
             out, shared = self._fp8_normal(tokens, routing), self.shared_forward(tokens)
         else:
-            self._check_chunks()
-            out, shared = overlap.chunked(self, tokens, routing, lambda: self.shared_forward(tokens))
+            self._check_overlap()
+            out, shared = overlap.normal(self, tokens, routing, lambda: self.shared_forward(tokens))
         out = out.to(x.dtype)
         if shared is not None:
             out = out + shared.to(x.dtype)

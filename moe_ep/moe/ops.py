@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..comm import fp8
 from ..comm.buffer import Buffer
 from ..comm.types import DispatchHandle, LowLatencyHandle
 
@@ -194,8 +195,8 @@ torch.library.register_autograd("moe_ep::dispatch_expert_major", _dispatch_exper
 @torch.library.custom_op("moe_ep::low_latency_dispatch", mutates_args=())
 def low_latency_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, buffer_id: int, use_fp8: bool,
                          round_scale: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Buffer.low_latency_dispatch -> (x [E_l, R*T, H], x_scales [E_l, R*T, H/128] float32 ([..., 0]
-    without FP8), count [E_l] int32, handle). No receive hook: the op completes the receive."""
+    """Buffer.low_latency_dispatch -> (x [E_l, R*T, H], x_scales [E_l, R*T, H/128] float32 token-major per
+    expert ([..., 0] without FP8), count [E_l] int32, handle). No receive hook: the op completes the receive."""
     res = _buffer(buffer_id).low_latency_dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale)
     scales = res.x_scales if use_fp8 else x.new_empty(*res.x.shape[:2], 0, dtype=torch.float32)
     return res.x, scales, res.count.clone(), _store(res.handle)
@@ -206,8 +207,9 @@ def _(x, topk_idx, buffer_id, use_fp8, round_scale):
     cfg = _buffer(buffer_id).cfg
     e_l, slots = cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank
     dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-    return (x.new_empty(e_l, slots, cfg.hidden, dtype=dtype),
-            x.new_empty(e_l, slots, cfg.num_scales if use_fp8 else 0, dtype=torch.float32),
+    scales = (fp8.expert_major_scales(e_l, slots, cfg.num_scales, torch.float32, x.device) if use_fp8
+              else x.new_empty(e_l, slots, 0, dtype=torch.float32))  # the real op's strides (DeepEP's layout)
+    return (x.new_empty(e_l, slots, cfg.hidden, dtype=dtype), scales,
             x.new_empty(e_l, dtype=torch.int32), _fake_handle())
 
 

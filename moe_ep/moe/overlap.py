@@ -1,17 +1,19 @@
-"""Communication overlapped with computation inside moe_ep.MoE (docs/api.md, "Overlap").
+"""Communication overlapped with computation inside moe_ep.MoE (docs/api.md, "Overlap"; docs/design.md says why).
 
-Normal mode (`chunked`): a forward's tokens are split into C chunks. Every Buffer call runs on one
-communication stream per Buffer, the router, experts and shared expert on the caller's (compute)
-stream, and CUDA events order the two: the experts of chunk i wait for dispatch i, combine i waits
-for experts i. The host issues dispatch i+1, then experts i, then combine i-1, so on the device the
-experts of chunk i run while dispatch i+1 and combine i-1 move rows (the host's own waits — the
-counts of an exact-size dispatch, the experts' pair count — fall where the device is busy anyway).
-Backward is per-chunk autograd: each backward op runs on its forward op's stream, so every cached
-dispatch and combine of the backward lands on the communication stream too, the experts' backward
-on the compute stream, and autograd's engine adds the events (and record_stream) between them; the
-backward has no host sync, so it pipelines the same way without a hand-written Function, and every
-rank issues its calls in the same order (the engine orders ready nodes by creation, the same graph
-on every rank). On the CPU there are no streams: the same chunks run one after another.
+Normal mode (`normal`), with MoE(overlap=True): every kernel of the layer is the one it runs without
+overlap, on the same inputs, so outputs and gradients keep their bits and each expert's grouped GEMM
+stays whole; only the streams change. The dispatch and the combine run on one communication stream
+per Buffer, the router, the shared expert and the experts on the caller's (compute) stream, and CUDA
+events order the two. What runs beside the communication:
+- forward: the shared expert beside the dispatch (notify, the count sync, the rows);
+- backward: autograd runs each backward op on its forward op's stream, so the combine's backward (a
+  cached dispatch) and the dispatch's backward (a combine) land on the communication stream and the
+  engine adds the events. The experts' weight gradients are a node of their own after the input
+  gradient's (moe_ep.moe.experts), so the backward's combine waits only for the input-gradient GEMM and
+  runs beside the weight-gradient GEMMs (half the backward's GEMM FLOPs), then beside the
+  shared expert's backward.
+Where nothing runs beside it (one rank, no shared expert) the mode costs a few events. On the CPU,
+while torch.compile traces, and with overlap=False everything runs on the caller's stream.
 
 Decode (`PendingMoE`): low-latency calls with receive hooks split a step into start / compute /
 finish so that another micro-batch's work runs while this one's rows travel, with no host sync.
@@ -19,7 +21,6 @@ finish so that another micro-batch's work runs while this one's rows travel, wit
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol
 
@@ -39,7 +40,7 @@ class MoE(Protocol):
     the layer that imports it)."""
     buffer: Buffer
     experts: GroupedExperts
-    overlap_chunks: int
+    overlap: bool
     low_latency_fp8: bool
 
     def dispatch(self, tokens: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -49,17 +50,15 @@ class MoE(Protocol):
 
     def shared_forward(self, tokens: torch.Tensor) -> Optional[torch.Tensor]: ...
 
-_comm_streams: "weakref.WeakKeyDictionary[Buffer, torch.cuda.Stream]" = weakref.WeakKeyDictionary()
 
-
-def check_chunks(buffer: Buffer, chunks: int) -> None:
+def check_setting(buffer: Buffer, overlap: bool) -> None:
     """Collective (one all_gather_object over the Buffer's group): ValueError on every rank, naming
-    each rank's value, unless all ranks use the same overlap_chunks (it sets the number of calls)."""
-    everyone: list[Optional[int]] = [None] * buffer.cfg.world_size
-    dist.all_gather_object(everyone, chunks, group=buffer.cfg.group)
-    if any(c != chunks for c in everyone):
-        raise ValueError("every rank must build its MoE with the same overlap_chunks (it sets how many dispatch and "
-                         "combine calls a forward makes); got " + ", ".join(f"{c} on rank {r}" for r, c in enumerate(everyone)))
+    each rank's value, unless all ranks use the same overlap setting."""
+    everyone: list[Optional[bool]] = [None] * buffer.cfg.world_size
+    dist.all_gather_object(everyone, overlap, group=buffer.cfg.group)
+    if any(o != overlap for o in everyone):
+        raise ValueError("every rank must build its MoE with the same overlap setting; got "
+                         + ", ".join(f"overlap={o} on rank {r}" for r, o in enumerate(everyone)))
 
 
 class _Streams:
@@ -72,9 +71,7 @@ class _Streams:
         self.comm: Optional[torch.cuda.Stream] = None
         if enabled and buffer.device.type == "cuda" and not torch.compiler.is_compiling():
             self.compute = torch.cuda.current_stream(buffer.device)
-            if buffer not in _comm_streams:
-                _comm_streams[buffer] = torch.cuda.Stream(buffer.device)
-            self.comm = _comm_streams[buffer]
+            self.comm = buffer.comm_stream.stream  # the one async Buffer calls use
 
     def mark(self, comm: bool = False) -> Optional[torch.cuda.Event]:
         """An event after the work so far of the compute stream (or of the communication stream)."""
@@ -107,55 +104,23 @@ class _Streams:
             t.record_stream(self.compute)
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """A chunk of several as the Buffer takes it: contiguous from a 16-byte aligned address (a copy when
-    it starts inside a row block, and always while torch.compile traces, which cannot read addresses)."""
-    if not torch.compiler.is_compiling() and t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def chunked(moe: "MoE", tokens: torch.Tensor, routing: RouterOutput,
-            shared: Optional[Callable[[], torch.Tensor]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Normal mode over moe.overlap_chunks chunks of `tokens` [N, H]: (routed output [N, H] bf16, the
-    shared expert's output or None). Chunk c holds rows tensor_split(N, C)[c]; every rank makes C
-    dispatches and C combines whatever its N (a rank without tokens sends empty chunks). C = 1 runs
-    everything on the caller's stream, as the layer did before overlap existed (the shared expert then
-    overlaps nothing); the communication stream serves C >= 2."""
-    streams = _Streams(moe.buffer, enabled=moe.overlap_chunks > 1)
-    c = moe.overlap_chunks
+def normal(moe: "MoE", tokens: torch.Tensor, routing: RouterOutput,
+           shared: Optional[Callable[[], torch.Tensor]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Normal mode over `tokens` [N, H]: (routed output [N, H] bf16, the shared expert's output or None).
+    The shared expert is queued first, so with moe.overlap it runs while the dispatch moves rows; the
+    kernels and their order on each stream are the same either way."""
+    streams = _Streams(moe.buffer, enabled=moe.overlap)
     x = tokens.to(torch.bfloat16).contiguous()
-    xs, idx, w = x.tensor_split(c), routing.topk_idx.tensor_split(c), routing.topk_weights.tensor_split(c)
-    routed = streams.mark()  # dispatches wait for the router only, not for the shared expert or experts
-    sent: list[Optional[autograd.Dispatched | autograd.ExpertMajorDispatched]] = [None] * c
-    arrived: list[Optional[torch.cuda.Event]] = [None] * c
-    rows: list[Optional[torch.Tensor]] = [None] * c
-    outs: list[Optional[torch.Tensor]] = [None] * c
-
-    def send(i: int) -> None:
-        with streams.on_comm(routed, x, routing.topk_idx, routing.topk_weights):
-            part = (lambda t: t) if c == 1 else _aligned  # C = 1: the tensors themselves, as before chunking
-            sent[i] = moe.dispatch(part(xs[i]), part(idx[i]), part(w[i]))
-        arrived[i] = streams.mark(comm=True)
-
-    def back(i: int) -> None:
-        with streams.on_comm(streams.mark(), rows[i]):
-            outs[i] = autograd.combine(rows[i], sent[i].ref)
-
-    shared_out = shared() if shared is not None else None  # queued first: it runs while dispatch 0 moves rows
-    send(0)
-    with moe.experts.pooled_weight_grads() if c > 1 else contextlib.nullcontext():  # one weight-gradient pass
-        for i in range(c):
-            if i + 1 < c:
-                send(i + 1)
-            d = sent[i]
-            streams.wait(arrived[i], *d.tensors())
-            rows[i] = moe.run_experts(d)
-            if i > 0:
-                back(i - 1)
-    back(c - 1)
-    streams.wait(streams.mark(comm=True), *outs)
-    return (outs[0] if c == 1 else torch.cat(outs)), shared_out
+    routed = streams.mark()  # the dispatch waits for the router only, not for the shared expert
+    shared_out = shared() if shared is not None else None
+    with streams.on_comm(routed, x, routing.topk_idx, routing.topk_weights):
+        d = moe.dispatch(x, routing.topk_idx, routing.topk_weights)
+    streams.wait(streams.mark(comm=True), *d.tensors())
+    rows = moe.run_experts(d)
+    with streams.on_comm(streams.mark(), rows):
+        out = autograd.combine(rows, d.ref)
+    streams.wait(streams.mark(comm=True), out)
+    return out, shared_out
 
 
 # ---- decode: start / compute / finish --------------------------------------------------------------

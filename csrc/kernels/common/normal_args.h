@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "runtime/context.h"
 #include "runtime/named_args.h"
 
 namespace moe_ep {
@@ -23,19 +24,18 @@ inline void check_normal_dims(const ArgCheck& c, int rank, int nranks, int max_r
   c.positive_multiple("num_experts", num_experts, nranks, "nranks");
 }
 
-// A context's fields that both folders' Context structs have, its addresses checked (none may be 0);
-// the caller sets and checks the rest.
+// A context's fields that both folders' Context structs have: the runtime's (checked when it was made),
+// then its own addresses checked (none may be 0); the caller sets and checks the rest.
 template <class Context, class D>
-Context normal_context(const ArgCheck& c, const D& dims, double timeout_s, uintptr_t error, uintptr_t epochs,
+Context normal_context(const ArgCheck& c, const D& dims, const RuntimeContext& rt, uintptr_t epochs,
                        uintptr_t block_counters) {
-  c.pointer("error", error);
   c.pointer("epochs", epochs);
   c.pointer("block_counters", block_counters);
   Context ctx{};
   ctx.dims = dims;
   ctx.ws = workspace_layout(dims);
-  ctx.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
-  ctx.error = error;
+  ctx.timeout_ns = rt.timeout_ns;
+  ctx.error = rt.error;
   ctx.epochs = epochs;
   ctx.block_counters = block_counters;
   return ctx;
@@ -61,12 +61,13 @@ inline void check_row_format(const ArgCheck& c, int hidden, int row_bytes, int n
 }
 
 // N tokens in (x, x_scales, topk_idx, topk_weights, pos), M rows out (the out_ pointers), the counts in
-// recv_info. A cached dispatch reads no topk and writes no topk, src_rank or src_index; one with
+// recv_info. M has no upper bound: a call that streams in rounds of at most T tokens (backends/engine.py)
+// writes each round's rows at their final place in the whole output (recv_info's first rows say where). A cached dispatch reads no topk and writes no topk, src_rank or src_index; one with
 // rows_out false writes no x (an NVLink dispatch whose rows stay in the workspace).
 template <class D, class A>
 void check_normal_dispatch(const ArgCheck& c, const D& d, const A& a, bool rows_out = true) {
   c.count("num_tokens", a.num_tokens, "max_tokens", d.max_tokens);
-  c.count("num_rows", a.num_rows, "nranks * max_tokens", static_cast<long long>(d.nranks) * d.max_tokens);
+  c.at_least("num_rows", a.num_rows, 0);
   check_row_format(c, d.hidden, a.row_bytes, a.num_scales);
   c.at_least("num_blocks", a.num_blocks, 1);
   const bool in = a.num_tokens > 0, out = a.num_rows > 0, fp8 = a.num_scales > 0, fresh = !a.cached;
@@ -84,11 +85,12 @@ void check_normal_dispatch(const ArgCheck& c, const D& d, const A& a, bool rows_
   c.pointer("out_src_index", a.out_src_index, out && fresh);
 }
 
-// M received rows in (x, src_index, and topk_weights with weights), N tokens out (out, and
+// M received rows in (x, src_index, and topk_weights with weights; any M, as for dispatch: a round of a
+// streamed call reads its rows where they are in the whole output), N tokens out (out, and
 // out_topk_weights with weights).
 template <class D, class A>
 void check_normal_combine(const ArgCheck& c, const D& d, const A& a) {
-  c.count("num_rows", a.num_rows, "nranks * max_tokens", static_cast<long long>(d.nranks) * d.max_tokens);
+  c.at_least("num_rows", a.num_rows, 0);
   c.count("num_tokens", a.num_tokens, "max_tokens", d.max_tokens);
   c.at_least("num_blocks", a.num_blocks, 1);
   const bool in = a.num_rows > 0, out = a.num_tokens > 0;

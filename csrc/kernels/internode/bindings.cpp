@@ -35,20 +35,20 @@ Dims make_dims(const char* where, int rank, int nranks, int ranks_per_node, int 
                int num_experts, int round_tokens) {
   const ArgCheck c(where);
   check_normal_dims(c, rank, nranks, kMaxGroupRanks, max_tokens, hidden, num_topk, kMaxTopk, num_experts);
-  if (ranks_per_node < 1 || ranks_per_node > kMaxLocal || nranks % ranks_per_node != 0)
+  if (ranks_per_node < 1 || ranks_per_node > kMaxNodeRanks || nranks % ranks_per_node != 0)
     c.fail("ranks_per_node " + std::to_string(ranks_per_node) + " must divide " + std::to_string(nranks) +
-           " and be at most " + std::to_string(kMaxLocal));
+           " and be at most " + std::to_string(kMaxNodeRanks));
   c.in_range("round_tokens", round_tokens, 1, max_tokens);
   return Dims{rank, nranks, ranks_per_node, max_tokens, hidden, num_topk, num_experts, round_tokens};
 }
 
 // Every address the context holds, checked (none may be 0).
-Context make_context(const Dims& dims, double timeout_s, uintptr_t error, uintptr_t epochs, uintptr_t block_counters,
+Context make_context(const Dims& dims, const RuntimeContext& rt, uintptr_t epochs, uintptr_t block_counters,
                      uintptr_t workspace, const std::vector<uintptr_t>& node_peers) {
   const ArgCheck c("InternodeContext");
   if (static_cast<int>(node_peers.size()) != dims.local)
     c.fail("need one workspace address per rank of this node");
-  Context ctx = normal_context<Context>(c, dims, timeout_s, error, epochs, block_counters);
+  Context ctx = normal_context<Context>(c, dims, rt, epochs, block_counters);
   c.pointer("workspace", workspace);
   ctx.workspace = workspace;
   for (int j = 0; j < dims.local; ++j) {
@@ -84,6 +84,7 @@ void check(const Dims& d, const NotifyArgs& a) {
 void check(const Dims& d, const DispatchArgs& a) {
   const ArgCheck c("InternodeContext.dispatch");
   check_normal_dispatch(c, d, a);
+  c.in_range("num_blocks", a.num_blocks, 1, kMaxChannels);  // one block per channel
   c.pointer("in_node", a.in_node, a.num_tokens > 0);
   c.pointer("forward_mask", a.forward_mask, !a.cached);
   c.pointer("own_row", a.own_row, !a.cached);
@@ -96,6 +97,7 @@ void check(const Dims& d, const DispatchArgs& a) {
 void check(const Dims& d, const CombineArgs& a) {
   const ArgCheck c("InternodeContext.combine");
   check_normal_combine(c, d, a);
+  c.in_range("num_blocks", a.num_blocks, 1, kMaxChannels);
   c.pointer("forward_mask", a.forward_mask);
   c.pointer("own_row", a.own_row);
   c.pointer("in_node", a.in_node, a.num_tokens > 0);
@@ -104,13 +106,13 @@ void check(const Dims& d, const CombineArgs& a) {
 class InternodeContext {
  public:
   // Every argument is checked before anything is allocated (ValueError naming the field).
-  InternodeContext(int rank, int nranks, int ranks_per_node, int max_tokens, int hidden, int num_topk,
-                   int num_experts, int round_tokens, double timeout_s, uintptr_t error, uintptr_t epochs,
-                   uintptr_t block_counters, uintptr_t workspace, const std::vector<uintptr_t>& node_peers)
-      : ctx_(make_context(make_dims("InternodeContext", rank, nranks, ranks_per_node, max_tokens, hidden, num_topk,
-                                    num_experts, round_tokens),
-                          timeout_s, error, epochs, block_counters, workspace, node_peers)),
-        host_info_(nranks + num_experts / nranks, "internode host info") {}
+  InternodeContext(const RuntimeContext& rt, int ranks_per_node, int max_tokens, int hidden, int num_topk,
+                   int num_experts, int round_tokens, uintptr_t epochs, uintptr_t block_counters, uintptr_t workspace,
+                   const std::vector<uintptr_t>& node_peers)
+      : ctx_(make_context(make_dims("InternodeContext", rt.rank, rt.nranks, ranks_per_node, max_tokens, hidden,
+                                    num_topk, num_experts, round_tokens),
+                          rt, epochs, block_counters, workspace, node_peers)),
+        host_info_(rt.nranks + num_experts / rt.nranks, "internode host info") {}
 
   ~InternodeContext() { close(); }
 
@@ -138,18 +140,14 @@ class InternodeContext {
     return {host_info_.read(0, nranks), host_info_.read(nranks, ctx_.dims.num_experts / nranks)};
   }
 
-  // num_blocks above kMaxChannels launches kMaxChannels blocks (channels) for dispatch and combine.
-  void dispatch(const DispatchArgs& args, uintptr_t stream) const {
-    check(ctx_.dims, args);
-    DispatchArgs a = args;
-    a.num_blocks = a.num_blocks < kMaxChannels ? a.num_blocks : kMaxChannels;
+  // num_blocks is the number of channels, at most kMaxChannels (checked: nothing is capped silently).
+  void dispatch(const DispatchArgs& a, uintptr_t stream) const {
+    check(ctx_.dims, a);
     launch_dispatch(ctx_, a, stream);
   }
 
-  void combine(const CombineArgs& args, uintptr_t stream) const {
-    check(ctx_.dims, args);
-    CombineArgs a = args;
-    a.num_blocks = a.num_blocks < kMaxChannels ? a.num_blocks : kMaxChannels;
+  void combine(const CombineArgs& a, uintptr_t stream) const {
+    check(ctx_.dims, a);
     launch_combine(ctx_, a, stream);
   }
 
@@ -179,7 +177,6 @@ void register_internode(py::module_& m) {
   namespace na = moe_ep::named_args;
   using inter::InternodeContext;
   m.attr("INTERNODE_MAX_RANKS") = inter::kMaxGroupRanks;
-  m.attr("INTERNODE_MAX_RANKS_PER_NODE") = inter::kMaxLocal;
   m.attr("INTERNODE_MAX_CHANNELS") = inter::kMaxChannels;
   m.attr("INTERNODE_NUM_EPOCHS") = inter::kEpochCounters;
   m.attr("INTERNODE_ROW_META_BYTES") = static_cast<int>(sizeof(inter::RowMeta));
@@ -240,12 +237,11 @@ void register_internode(py::module_& m) {
   py::class_<InternodeContext>(m, "InternodeContext",
                                "Fixed device addresses of one Buffer's cross-node normal-mode kernels, and their "
                                "launchers.")
-      .def(py::init<int, int, int, int, int, int, int, int, double, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
+      .def(py::init<const moe_ep::RuntimeContext&, int, int, int, int, int, int, uintptr_t, uintptr_t, uintptr_t,
                     const std::vector<uintptr_t>&>(),
-           py::kw_only(), py::arg("rank"), py::arg("nranks"), py::arg("ranks_per_node"), py::arg("max_tokens"),
-           py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"), py::arg("round_tokens"),
-           py::arg("timeout_s"), py::arg("error"), py::arg("epochs"), py::arg("block_counters"), py::arg("workspace"),
-           py::arg("node_peers"),
+           py::kw_only(), py::arg("runtime"), py::arg("ranks_per_node"), py::arg("max_tokens"), py::arg("hidden"),
+           py::arg("num_topk"), py::arg("num_experts"), py::arg("round_tokens"), py::arg("epochs"),
+           py::arg("block_counters"), py::arg("workspace"), py::arg("node_peers"),
            "Checks every argument (ValueError naming it: a size out of range, a null address) before it "
            "allocates the host-mapped count mailbox.")
       .def_property_readonly("dims", &InternodeContext::dims, "The Buffer's InternodeDims.")

@@ -100,7 +100,7 @@ __device__ __forceinline__ void stage_token(const DeviceContext& ctx, const Disp
     RowMeta* m = ctx.at<RowMeta>(ctx.ws.send_meta) + ((size_t)set * Nn + nd) * C + k;
     const int p = lane < L ? __ldg(pos + nd * L + lane) : -1;
     const unsigned mask = __ballot_sync(kFullMask, p >= 0);
-    if (lane < kMaxLocal) m->pos[lane] = p;
+    if (lane < kMaxNodeRanks) m->pos[lane] = p;
     if (lane < kMaxTopk) {
       m->topk[lane] = route.expert;
       m->weights[lane] = route.weight;

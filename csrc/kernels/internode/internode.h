@@ -3,7 +3,7 @@
 // kernel launchers. The part under __CUDACC__ holds the device code shared by notify.cu,
 // dispatch.cu and combine.cu in this folder.
 //
-// Topology: R ranks in N_n = R / L nodes of L ranks (L = ranks_per_node, at most kMaxLocal); rank
+// Topology: R ranks in N_n = R / L nodes of L ranks (L = ranks_per_node, at most kMaxNodeRanks); rank
 // (n, l) = n * L + l. The network leg joins ranks of equal local index l in different nodes and uses
 // only NVSHMEM device operations (puts, signal ops, nvshmem_fence, signal fetch); the NVLink leg joins
 // the ranks of one node through peer addresses (loads and stores, release/acquire at system scope).
@@ -27,7 +27,10 @@
 // once every rank it exchanges data with finished its previous call (notify, or start_sig), so the
 // sets are free at a call's start whatever grid the previous call had. Slots are indexed by the
 // token's slot, not packed: a slot holds a row of round e when its RowMeta::tag == e, so no counts
-// travel with the rows.
+// travel with the rows. A call carries at most T tokens per rank (forward_mask and own_row have T
+// columns); a larger exact-size call is streamed above the kernels (moe_ep/comm/backends/engine.py) as
+// a sequence of such calls, each after its own notify, with recv_info's first row per source placing
+// its rows inside the whole output.
 //
 // Symmetric workspace of one rank (WorkspaceLayout; uint64 signal words first, all zero at start):
 //   rdma_sig        [2][N_n][Q]   network: source node n_s's rows of round e (set e&1) landed (SET e)
@@ -59,6 +62,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "runtime/limits.h"
+
 #if defined(__CUDACC__)
 #define MOE_EP_HOST_DEVICE __host__ __device__
 #else
@@ -68,9 +73,7 @@
 namespace moe_ep {
 namespace internode {
 
-constexpr int kMaxLocal = 8;     // ranks per node, at most
-constexpr int kMaxGroupRanks = 1024;  // R, at most (moe_ep::kMaxRanks = 8 bounds a comm.h signal array, not this path)
-constexpr int kMaxTopk = 16;
+constexpr int kMaxGroupRanks = 1024;  // R, at most (runtime/limits.h kMaxNodeRanks bounds a node, not the group)
 constexpr int kMaxChannels = 64;  // Q (the grid of a dispatch or combine), at most
 // Device int64 counters: [0] notify calls, [1] dispatch rounds, [2] combine rounds, [3] combine calls,
 // [4] cached dispatch calls.
@@ -81,7 +84,7 @@ struct alignas(16) RowMeta {
   uint64_t tag;              // epoch of the round whose row this slot holds
   int32_t src_index;         // token index at the source
   int32_t local_mask;        // bit j: local rank j of the destination node receives the row
-  int32_t pos[kMaxLocal];    // the token's position among the source's tokens for local rank j
+  int32_t pos[kMaxNodeRanks];    // the token's position among the source's tokens for local rank j
   int32_t topk[kMaxTopk];    // global expert ids, -1 = none (absent in a cached dispatch)
   float weights[kMaxTopk];
 };
@@ -170,7 +173,7 @@ struct Context {
   uintptr_t epochs;                 // int64[kEpochCounters], device
   uintptr_t block_counters;         // int32[2], zero between kernels ([0] dispatch, [1] combine)
   uintptr_t workspace;              // this rank's workspace (also its symmetric address for puts)
-  uintptr_t node_peers[kMaxLocal];  // workspace of local rank j of this node, as addressed here
+  uintptr_t node_peers[kMaxNodeRanks];  // workspace of local rank j of this node, as addressed here
 };
 
 // recv_info, int32: [0, R) rows from each source; [R, 2R) first output row of each source;
@@ -268,7 +271,7 @@ struct DeviceContext {
   Dims dims;
   WorkspaceLayout ws;
   char* workspace;
-  char* node_peers[kMaxLocal];
+  char* node_peers[kMaxNodeRanks];
   int* block_counters;
 
   __device__ __forceinline__ int nodes() const { return dims.nranks / dims.local; }
@@ -298,7 +301,7 @@ inline DeviceContext make_device_context(const Context& c) {
   d.dims = c.dims;
   d.ws = c.ws;
   d.workspace = reinterpret_cast<char*>(c.workspace);
-  for (int j = 0; j < kMaxLocal; ++j) d.node_peers[j] = reinterpret_cast<char*>(c.node_peers[j]);
+  for (int j = 0; j < kMaxNodeRanks; ++j) d.node_peers[j] = reinterpret_cast<char*>(c.node_peers[j]);
   d.block_counters = reinterpret_cast<int*>(c.block_counters);
   return d;
 }

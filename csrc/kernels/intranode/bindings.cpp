@@ -45,13 +45,13 @@ int checked_knob(const char* name, int value, int lo, int hi) {
 
 // The Buffer's dimensions, checked (the context's constructor).
 Dims make_dims(int rank, int nranks, int max_tokens, int hidden, int num_topk, int num_experts) {
-  check_normal_dims(ArgCheck("IntranodeContext"), rank, nranks, kMaxPeers, max_tokens, hidden, num_topk, kMaxTopk,
+  check_normal_dims(ArgCheck("IntranodeContext"), rank, nranks, kMaxNodeRanks, max_tokens, hidden, num_topk, kMaxTopk,
                     num_experts);
   return Dims{rank, nranks, max_tokens, hidden, num_topk, num_experts};
 }
 
 // Every address the context holds, checked (none may be 0).
-Context make_context(const Dims& dims, double timeout_s, uintptr_t error, uintptr_t epochs, uintptr_t block_counters,
+Context make_context(const Dims& dims, const RuntimeContext& rt, uintptr_t epochs, uintptr_t block_counters,
                      uintptr_t layout_scratch, const std::vector<uintptr_t>& signals,
                      const std::vector<uintptr_t>& workspace, const std::vector<uintptr_t>& row_flags) {
   const ArgCheck c("IntranodeContext");
@@ -59,7 +59,7 @@ Context make_context(const Dims& dims, double timeout_s, uintptr_t error, uintpt
   if (static_cast<int>(signals.size()) != nranks || static_cast<int>(workspace.size()) != nranks ||
       static_cast<int>(row_flags.size()) != nranks)
     c.fail("need one signal, workspace and row-flag address per rank");
-  Context ctx = normal_context<Context>(c, dims, timeout_s, error, epochs, block_counters);
+  Context ctx = normal_context<Context>(c, dims, rt, epochs, block_counters);
   c.pointer("layout_scratch", layout_scratch);
   ctx.layout_scratch = layout_scratch;
   const auto peers = [&](const char* name, const std::vector<uintptr_t>& list, uintptr_t* to) {
@@ -99,8 +99,8 @@ void check(const Dims& d, const NotifyArgs& a) {
 
 void check(const Dims& d, const DispatchArgs& a) {
   const ArgCheck c("IntranodeContext.dispatch");
-  check_normal_dispatch(c, d, a, !a.rows_in_workspace);
-  if (a.rows_in_workspace && a.out_x != 0) c.fail("out_x must be 0 with rows_in_workspace (expand copies the rows)");
+  check_normal_dispatch(c, d, a, !a.expert_major);
+  if (a.expert_major && a.out_x != 0) c.fail("out_x must be 0 with expert_major (expand copies the rows)");
   const long long rows = static_cast<long long>(d.nranks) * d.max_tokens;
   if (a.worst_case && a.num_rows != rows)
     c.fail("num_rows = " + std::to_string(a.num_rows) + " in worst-case mode, expected nranks * max_tokens = " +
@@ -134,13 +134,13 @@ void check(const Dims& d, const ExpandArgs& a) {
 class IntranodeContext {
  public:
   // Every argument is checked before anything is allocated (ValueError naming the field).
-  IntranodeContext(int rank, int nranks, int max_tokens, int hidden, int num_topk, int num_experts, double timeout_s,
-                   uintptr_t error, uintptr_t epochs, uintptr_t block_counters, uintptr_t layout_scratch,
+  IntranodeContext(const RuntimeContext& rt, int max_tokens, int hidden, int num_topk, int num_experts,
+                   uintptr_t epochs, uintptr_t block_counters, uintptr_t layout_scratch,
                    const std::vector<uintptr_t>& signals, const std::vector<uintptr_t>& workspace,
                    const std::vector<uintptr_t>& row_flags)
-      : ctx_(make_context(make_dims(rank, nranks, max_tokens, hidden, num_topk, num_experts), timeout_s, error, epochs,
+      : ctx_(make_context(make_dims(rt.rank, rt.nranks, max_tokens, hidden, num_topk, num_experts), rt, epochs,
                           block_counters, layout_scratch, signals, workspace, row_flags)),
-        host_info_(nranks + num_experts / nranks, "intranode host info") {}
+        host_info_(rt.nranks + num_experts / rt.nranks, "intranode host info") {}
 
   ~IntranodeContext() { close(); }
 
@@ -214,7 +214,6 @@ void register_intranode(py::module_& m) {
   namespace na = moe_ep::named_args;
   using intra::IntranodeContext;
   m.attr("SIGNAL_WORDS") = intra::kSignalWords;
-  m.attr("MAX_TOPK") = intra::kMaxTopk;
   m.attr("TUNING_MAX_WARPS") = intra::kHostWarps;
   m.attr("NUM_EPOCHS") = intra::kHostNumEpochs;
   m.def("intranode_workspace_bytes", &intra::workspace_bytes, py::arg("nranks"), py::arg("max_tokens"),
@@ -253,7 +252,7 @@ void register_intranode(py::module_& m) {
       na::optional("out_scales", &DA::out_scales), na::optional("out_topk_idx", &DA::out_topk_idx),
       na::optional("out_topk_weights", &DA::out_topk_weights), na::optional("out_src_rank", &DA::out_src_rank),
       na::optional("out_src_index", &DA::out_src_index), na::required("worst_case", &DA::worst_case),
-      na::required("cached", &DA::cached), na::optional("rows_in_workspace", &DA::rows_in_workspace),
+      na::required("cached", &DA::cached), na::optional("expert_major", &DA::expert_major),
       na::required("num_blocks", &DA::num_blocks));
   na::def_check<D>(dispatch, &intra::check);
   using CA = intra::CombineArgs;
@@ -279,11 +278,10 @@ void register_intranode(py::module_& m) {
 
   py::class_<IntranodeContext>(m, "IntranodeContext",
                                "Fixed device addresses of one Buffer's normal-mode kernels, and their launchers.")
-      .def(py::init<int, int, int, int, int, int, double, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
+      .def(py::init<const moe_ep::RuntimeContext&, int, int, int, int, uintptr_t, uintptr_t, uintptr_t,
                     const std::vector<uintptr_t>&, const std::vector<uintptr_t>&, const std::vector<uintptr_t>&>(),
-           py::kw_only(), py::arg("rank"), py::arg("nranks"), py::arg("max_tokens"), py::arg("hidden"),
-           py::arg("num_topk"), py::arg("num_experts"), py::arg("timeout_s"), py::arg("error"), py::arg("epochs"),
-           py::arg("block_counters"), py::arg("layout_scratch"), py::arg("signals"), py::arg("workspace"),
+           py::kw_only(), py::arg("runtime"), py::arg("max_tokens"), py::arg("hidden"), py::arg("num_topk"),
+           py::arg("num_experts"), py::arg("epochs"), py::arg("block_counters"), py::arg("layout_scratch"), py::arg("signals"), py::arg("workspace"),
            py::arg("row_flags"),
            "Checks every argument (ValueError naming it: a size out of range, a null address) before it "
            "allocates the host-mapped count mailbox.")
@@ -302,7 +300,7 @@ void register_intranode(py::module_& m) {
            "Check an IntranodeCombineArgs and launch the combine kernel (with_weights: topk_weights travel "
            "with the rows, their sums go to out_topk_weights).")
       .def("expand", &IntranodeContext::expand, py::arg("args"), py::arg("stream"),
-           "Check an IntranodeExpandArgs and launch the expand kernel: the rows a rows_in_workspace dispatch "
+           "Check an IntranodeExpandArgs and launch the expand kernel: the rows an expert_major dispatch "
            "left in the workspace, copied out as expert-major pairs (launch it next on the dispatch's stream).")
       .def("set_tuning", &IntranodeContext::set_tuning, py::arg("send_warps"), py::arg("combine_send_warps"),
            py::arg("unroll"), py::arg("flag_batch"), py::arg("recv_run"),

@@ -17,7 +17,7 @@
 //     the warp loads the row in chunks of U int4 per lane (all loads of a chunk in flight) and stores
 //     each chunk to every destination: this rank's output row first[me] + pos (local), or row pos of
 //     slot [me] in peer r's data region (NVLink stores through the peer address; with
-//     rows_in_workspace this rank's own rows go to slot [me] of its own data region instead). The lanes then
+//     expert_major this rank's own rows go to slot [me] of its own data region instead). The lanes then
 //     store the metadata to the same places: topk_idx rewritten to the destination's local expert
 //     ids (-1 elsewhere), weights (0 where -1), src_index = n, FP8 scales (own rows also get
 //     src_rank). Each peer row's flag, [dispatch][me][pos] at peer r, joins the warp's pending flags
@@ -34,7 +34,7 @@
 //     wait_geq: relaxed polls, then acquire); after __syncwarp (which hands every lane's acquire to
 //     the whole warp) the warp copies the run's rows,
 //     which are contiguous in slot s and in the output (output rows first[s] + p), as one span with U
-//     int4 loads per lane in flight (not with rows_in_workspace: the rows stay in slot s for
+//     int4 loads per lane in flight (not with expert_major: the rows stay in slot s for
 //     expand.cu, which the host launches next), then the run's metadata spans (topk, weights, src_index, scales;
 //     reads through L2: ld.cg) and src_rank = s. This rank's own rows were written by its senders.
 //     Receiving overlaps sending, so peers' rows reach the output while the link is still busy.
@@ -139,7 +139,7 @@ __device__ __forceinline__ bool receive_run(const DeviceContext& ctx, const Disp
 
   const size_t out_row = first + p0, slot_row = (size_t)s * T + p0;
   const char* data = ctx.region(me, ctx.ws.data) + s * ctx.ws.slot_bytes + (size_t)p0 * a.row_bytes;
-  if (!a.rows_in_workspace)
+  if (!a.expert_major)
     warp_copy_cg<kU>(reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out_x) + out_row * a.row_bytes),
                      reinterpret_cast<const int4*>(data), n * (a.row_bytes / 16), lane);
   if (!a.cached) {
@@ -214,7 +214,7 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
         if (p >= 0) {
           if (lane == me) {
             meta_row = first_mine + p;
-            row = a.rows_in_workspace ? ctx.region(me, ctx.ws.data) + me * ctx.ws.slot_bytes + (size_t)p * a.row_bytes
+            row = a.expert_major ? ctx.region(me, ctx.ws.data) + me * ctx.ws.slot_bytes + (size_t)p * a.row_bytes
                                       : reinterpret_cast<char*>(a.out_x) + (size_t)meta_row * a.row_bytes;
           } else {
             meta_row = me * T + p;

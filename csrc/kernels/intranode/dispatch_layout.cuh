@@ -74,7 +74,7 @@ struct TokenExperts {
     for (int k = 0; k < kK; ++k) {
       int r = 0;
 #pragma unroll
-      for (int q = 1; q < kMaxRanks; ++q) r += (q < nranks && id[k] >= q * num_local) ? 1 : 0;
+      for (int q = 1; q < kMaxNodeRanks; ++q) r += (q < nranks && id[k] >= q * num_local) ? 1 : 0;
       if (id[k] >= 0) mask |= 1u << r;
     }
     return mask;
@@ -85,7 +85,7 @@ template <int kK>
 __device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk, int num_experts, int nranks,
                                               ErrorState* error) {
   __shared__ int expert_count[kExpertChunk];
-  __shared__ int rank_count[kMaxRanks];
+  __shared__ int rank_count[kMaxNodeRanks];
 
   const int tid = threadIdx.x, lane = tid % 32;
   const int num_tokens = a.num_tokens, num_local = num_experts / nranks;
@@ -95,7 +95,7 @@ __device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk,
 
   for (int n = tid; n < num_tokens; n += kLayoutThreads)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(topk_idx + (size_t)n * num_topk));
-  if (tid < kMaxRanks) rank_count[tid] = 0;
+  if (tid < kMaxNodeRanks) rank_count[tid] = 0;
   for (int e0 = 0; e0 < num_experts; e0 += kExpertChunk) {
     const int width = min(kExpertChunk, num_experts - e0);
     for (int i = tid; i < width; i += kLayoutThreads) expert_count[i] = 0;
@@ -113,13 +113,13 @@ __device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk,
         if (e0 == 0) {
           ranks = t.ranks(num_local, nranks);
 #pragma unroll
-          for (int r = 0; r < kMaxRanks; ++r)
+          for (int r = 0; r < kMaxNodeRanks; ++r)
             if (r < nranks) in_rank[(size_t)n * nranks + r] = (ranks >> r) & 1u;
         }
       }
       if (e0 == 0) {
 #pragma unroll
-        for (int r = 0; r < kMaxRanks; ++r) {
+        for (int r = 0; r < kMaxNodeRanks; ++r) {
           if (r >= nranks) break;
           const unsigned votes = __ballot_sync(kFullMask, (ranks >> r) & 1u);
           if (lane == 0 && votes != 0) atomicAdd(&rank_count[r], __popc(votes));
@@ -135,9 +135,9 @@ __device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk,
 }
 
 __device__ __forceinline__ void layout_positions(const LayoutArgs& a, int nranks) {
-  __shared__ int warp_total[kLayoutWarps][kMaxRanks];
-  __shared__ int warp_first[kLayoutWarps][kMaxRanks];
-  __shared__ int carry[kMaxRanks];
+  __shared__ int warp_total[kLayoutWarps][kMaxNodeRanks];
+  __shared__ int warp_first[kLayoutWarps][kMaxNodeRanks];
+  __shared__ int carry[kMaxNodeRanks];
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int num_tokens = a.num_tokens;
@@ -149,12 +149,12 @@ __device__ __forceinline__ void layout_positions(const LayoutArgs& a, int nranks
     unsigned ranks = 0;
     if (n < num_tokens) {
 #pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r)
+      for (int r = 0; r < kMaxNodeRanks; ++r)
         if (r < nranks && in_rank[(size_t)n * nranks + r]) ranks |= 1u << r;
     }
-    int before[kMaxRanks];  // tokens of lower lanes of this warp that go to rank r
+    int before[kMaxNodeRanks];  // tokens of lower lanes of this warp that go to rank r
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < kMaxNodeRanks; ++r) {
       const unsigned votes = __ballot_sync(kFullMask, (ranks >> r) & 1u);
       before[r] = __popc(votes & ((1u << lane) - 1u));
       if (lane == 0 && r < nranks) warp_total[warp][r] = __popc(votes);
@@ -172,7 +172,7 @@ __device__ __forceinline__ void layout_positions(const LayoutArgs& a, int nranks
     __syncthreads();
     if (n < num_tokens) {
 #pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r) {
+      for (int r = 0; r < kMaxNodeRanks; ++r) {
         if (r >= nranks) break;
         pos[(size_t)n * nranks + r] = (ranks >> r) & 1u ? warp_first[warp][r] + before[r] : -1;
       }

@@ -1,5 +1,5 @@
 // Expand: the (row, local expert) pairs of an expert-major dispatch whose rows stayed in this rank's
-// workspace (DispatchArgs::rows_in_workspace), copied out in one pass: a token that goes to two local
+// workspace (DispatchArgs::expert_major), copied out in one pass: a token that goes to two local
 // experts crossed the link once and becomes its two pairs here, where it is copied into the output.
 //
 // Protocol (grid = num_blocks blocks of kThreads, launched on the dispatch's stream right after the

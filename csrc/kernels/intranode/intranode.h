@@ -15,7 +15,7 @@
 //                                      among s's tokens for d (so slot s is already in final order),
 //                                      packed at the row size (2H bf16, H e4m3); combine: bf16 rows
 //                                      [T][H] that s returns to d, at d's original token index.
-//                                      A dispatch with rows_in_workspace leaves its rows here (d's own
+//                                      A dispatch with expert_major leaves its rows here (d's own
 //                                      rows too, in slot d) for expand.cu to copy out as pairs
 //   topk      [R][T][K] int64          dispatch metadata, same positions as the rows: topk_idx as
 //   weights   [R][T][K] float32        local expert ids of d (-1 elsewhere) and weights (0 there),
@@ -27,17 +27,19 @@
 // the call's epoch (epoch counters kSigDispatchDone / kSigCombineDone), so flags only grow and are
 // never reset. Dispatch and combine share `data` and `weights`: every call starts with a barrier
 // whose signal a rank sends only after its stream finished the previous call, so the uses never
-// overlap.
+// overlap. A call streamed in rounds of at most T tokens (moe_ep/comm/backends/engine.py) is, to
+// these kernels, a sequence of such calls: every round's dispatch follows a notify (its barrier),
+// and recv_info's first row per source places the round's rows inside the whole output.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 
+#include "runtime/limits.h"
+
 namespace moe_ep {
 namespace intranode {
 
-constexpr int kMaxPeers = 8;  // == comm.h kMaxRanks (checked in the .cu files)
-constexpr int kMaxTopk = 16;
-constexpr int kSignalWords = 16 * kMaxPeers;  // uint64 flags per rank: comm.h kNumSignalSlots * kMaxRanks
+constexpr int kSignalWords = 16 * kMaxNodeRanks;  // uint64 flags per rank: comm.h kNumSignalSlots * kMaxNodeRanks
 constexpr int kHostNumEpochs = 16;           // comm.h kNumEpochs
 
 // The fixed dimensions of one Buffer.
@@ -101,9 +103,9 @@ struct Context {
   unsigned long long timeout_ns;
   uintptr_t error;                   // ErrorState*, device address of host-mapped memory
   uintptr_t epochs;                  // unsigned long long[kNumEpochs], device (slots 0..4 are ours)
-  uintptr_t signals[kMaxPeers];      // every rank's signal array
-  uintptr_t workspace[kMaxPeers];    // every rank's workspace
-  uintptr_t row_flags[kMaxPeers];    // every rank's row flags
+  uintptr_t signals[kMaxNodeRanks];      // every rank's signal array
+  uintptr_t workspace[kMaxNodeRanks];    // every rank's workspace
+  uintptr_t row_flags[kMaxNodeRanks];    // every rank's row flags
   uintptr_t block_counters;          // int32[4], zero between kernels: blocks done ([0] dispatch,
                                      // [1] combine), next receive work item ([2] dispatch, [3] combine)
   uintptr_t layout_scratch;          // int32[R + E]: tokens per rank, then per expert (notify)
@@ -155,13 +157,13 @@ struct DispatchArgs {
   uintptr_t out_src_index;      // [M] int32, 0 for a cached dispatch
   bool worst_case;              // M = R * T, source s at [s * T, s * T + count_s), the rest padding
   bool cached;                  // reuse pos / recv_info of an earlier dispatch; no topk in or out
-  bool rows_in_workspace;       // x rows stay in the workspace's data slots (own rows in slot `rank`) and
+  bool expert_major;            // x rows stay in the workspace's data slots (own rows in slot `rank`) and
                                 //   out_x is 0: the next launch on the stream must be expand, before any
                                 //   later call lets peers write the workspace again
   int num_blocks;
 };
 
-// Expand (expand.cu): the rows a rows_in_workspace dispatch left in the workspace, copied out as
+// Expand (expand.cu): the rows an expert_major dispatch left in the workspace, copied out as
 // (row, local expert) pairs: pair q gets received row rows[q] (output order of the dispatch: source
 // src_rank[row], position row - first row of that source, i.e. recv_info[R + s]); rows[q] = -1 is
 // alignment padding and gets zeros. Scales, for FP8 rows, come from the dispatch's out_scales.
@@ -216,8 +218,7 @@ void launch_expand(const Context& c, const ExpandArgs& a, uintptr_t stream);
 namespace moe_ep {
 namespace intranode {
 
-static_assert(kMaxPeers == kMaxRanks, "intranode.h kMaxPeers must equal comm.h kMaxRanks");
-static_assert(kSignalWords == kNumSignalSlots * kMaxRanks, "intranode.h kSignalWords must match comm.h");
+static_assert(kSignalWords == kNumSignalSlots * kMaxNodeRanks, "intranode.h kSignalWords must match comm.h");
 static_assert(kHostNumEpochs == kNumEpochs, "intranode.h kHostNumEpochs must equal comm.h kNumEpochs");
 
 constexpr int kThreads = 1024;  // dispatch / combine block size: enough loads in flight per SM
@@ -232,8 +233,8 @@ struct DeviceContext {
   Dims dims;
   WorkspaceLayout ws;
   Tuning tuning;
-  char* workspace[kMaxRanks];
-  uint64_t* row_flags[kMaxRanks];
+  char* workspace[kMaxNodeRanks];
+  uint64_t* row_flags[kMaxNodeRanks];
   int* block_counters;
   int* layout_scratch;
 
@@ -252,7 +253,7 @@ inline DeviceContext make_device_context(const Context& c) {
   d.comm.timeout_ns = c.timeout_ns;
   d.comm.error = reinterpret_cast<ErrorState*>(c.error);
   d.comm.epochs = reinterpret_cast<unsigned long long*>(c.epochs);
-  for (int r = 0; r < kMaxRanks; ++r) {
+  for (int r = 0; r < kMaxNodeRanks; ++r) {
     d.comm.signals[r] = reinterpret_cast<uint64_t*>(c.signals[r]);
     d.workspace[r] = reinterpret_cast<char*>(c.workspace[r]);
     d.row_flags[r] = reinterpret_cast<uint64_t*>(c.row_flags[r]);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/low_latency/low_latency.h"
+#include "runtime/context.h"
 #include "runtime/named_args.h"
 
 namespace py = pybind11;
@@ -23,26 +24,24 @@ namespace ll {
 namespace {
 
 // Every field of the context, checked (ValueError naming it); nothing is allocated.
-LowLatencyParams make_params(int rank, int nranks, int ranks_per_node, int num_local_experts, int num_topk, int hidden,
-                             int max_tokens, double timeout_s, uintptr_t error, uintptr_t epochs, uintptr_t masked,
-                             uintptr_t sym,
+LowLatencyParams make_params(const RuntimeContext& rt, int ranks_per_node, int num_local_experts, int num_topk,
+                             int hidden, int max_tokens, uintptr_t epochs, uintptr_t masked, uintptr_t sym,
                              const std::vector<uintptr_t>& node_sym, uint64_t dispatch_payload_offset,
                              uint64_t dispatch_meta_offset, uint64_t combine_payload_offset,
                              uint64_t combine_scratch_offset, uint64_t signals_offset, uintptr_t done_counters,
                              uintptr_t combine_stash, int blocks_per_expert, int num_sms) {
   const ArgCheck c("LowLatencyContext");
+  const int rank = rt.rank, nranks = rt.nranks;
   if (ranks_per_node < 1 || ranks_per_node > kMaxNodeRanks || nranks < 1 || nranks % ranks_per_node != 0)
     c.fail("ranks_per_node must be in [1, " + std::to_string(kMaxNodeRanks) + "] and divide nranks, got " +
            std::to_string(ranks_per_node) + " of " + std::to_string(nranks));
-  c.in_range("rank", rank, 0, nranks - 1);
   c.at_least("num_local_experts", num_local_experts, 1);
   if (static_cast<long long>(num_local_experts) * nranks > 32767)
     c.fail("expert ids travel as int16, so at most 32767 experts, got " +
            std::to_string(static_cast<long long>(num_local_experts) * nranks));
-  c.in_range("num_topk", num_topk, 1, kMetaEntries);
+  c.in_range("num_topk", num_topk, 1, kMaxTopk);
   c.positive_multiple("hidden", hidden, 8);
   c.at_least("max_tokens", max_tokens, 1);
-  c.pointer("error", error);
   c.pointer("epochs", epochs);
   c.pointer("sym", sym);
   if (static_cast<int>(node_sym.size()) != ranks_per_node) c.fail("node_sym needs one address per rank of the node");
@@ -58,8 +57,8 @@ LowLatencyParams make_params(int rank, int nranks, int ranks_per_node, int num_l
   p.rank = rank;
   p.nranks = nranks;
   p.ranks_per_node = ranks_per_node;
-  p.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
-  p.error = error;
+  p.timeout_ns = rt.timeout_ns;
+  p.error = rt.error;
   p.epochs = epochs;
   p.masked = masked;
   p.num_local_experts = num_local_experts;
@@ -87,6 +86,8 @@ void check(const Dims& d, const DispatchLaunchArgs& a) {
   if (!a.send && !a.receive) c.fail("send and receive are both false: the launch would run neither half");
   c.count("num_tokens", a.num_tokens, "max_tokens", d.max_tokens);
   if (a.round_scale && !a.use_fp8) c.fail("round_scale needs use_fp8");
+  if (a.ue8m0 && !(a.round_scale && d.hidden % 512 == 0))
+    c.fail("ue8m0 needs use_fp8, round_scale and hidden a multiple of 512, got " + std::to_string(d.hidden));
   if (a.use_fp8 && d.hidden % 128 != 0)
     c.fail("use_fp8 needs hidden to be a multiple of 128, got " + std::to_string(d.hidden));
   const bool in = a.send && a.num_tokens > 0;
@@ -159,7 +160,8 @@ void register_low_latency(py::module_& m) {
       na::required("recv_x", &DA::recv_x), na::optional("recv_scales", &DA::recv_scales),
       na::required("src_rank", &DA::src_rank), na::required("src_index", &DA::src_index),
       na::required("src_k", &DA::src_k), na::required("count", &DA::count), na::required("use_fp8", &DA::use_fp8),
-      na::required("round_scale", &DA::round_scale), na::required("send", &DA::send),
+      na::required("round_scale", &DA::round_scale), na::optional("ue8m0", &DA::ue8m0),
+      na::required("send", &DA::send),
       na::required("receive", &DA::receive));
   na::def_check<D>(dispatch, &ll::check);
   using CA = ll::CombineLaunchArgs;
@@ -175,10 +177,9 @@ void register_low_latency(py::module_& m) {
 
   py::class_<LowLatencyParams>(m, "LowLatencyContext",
                                "Fixed state of one Buffer's low-latency kernels (addresses are device pointers).")
-      .def(py::init(&ll::make_params), py::kw_only(), py::arg("rank"), py::arg("nranks"), py::arg("ranks_per_node"),
+      .def(py::init(&ll::make_params), py::kw_only(), py::arg("runtime"), py::arg("ranks_per_node"),
            py::arg("num_local_experts"), py::arg("num_topk"), py::arg("hidden"), py::arg("max_tokens"),
-           py::arg("timeout_s"), py::arg("error"), py::arg("epochs"), py::arg("masked"), py::arg("sym"),
-           py::arg("node_sym"),
+           py::arg("epochs"), py::arg("masked"), py::arg("sym"), py::arg("node_sym"),
            py::arg("dispatch_payload_offset"), py::arg("dispatch_meta_offset"), py::arg("combine_payload_offset"),
            py::arg("combine_scratch_offset"), py::arg("signals_offset"), py::arg("done_counters"),
            py::arg("combine_stash"), py::arg("blocks_per_expert"), py::arg("num_sms"),

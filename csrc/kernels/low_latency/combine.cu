@@ -170,8 +170,8 @@ __device__ __forceinline__ void send_rows(const CombineArgs& a, unsigned long lo
 // succeeded); protocol in the file comment. kSlots >= num_topk: rows held in registers per thread.
 template <int kSlots>
 __device__ __forceinline__ void reduce_token(const CombineArgs& a, unsigned long long epoch, int n, int col0, bool ok) {
-  __shared__ float weight[kMetaEntries];
-  __shared__ int slot_k[kMetaEntries];  // staging slot of k (first k with the same expert), -1 if none
+  __shared__ float weight[kMaxTopk];
+  __shared__ int slot_k[kMaxTopk];  // staging slot of k (first k with the same expert), -1 if none
   const Comm& c = a.peers.comm;
   const int set = static_cast<int>(epoch & 1);
   const int num_experts = a.num_local_experts * c.nranks;
@@ -182,7 +182,7 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& a, unsigned long
     return;
   }
   __syncthreads();  // the block's previous token no longer reads weight / slot_k
-  if (threadIdx.x < kMetaEntries) {
+  if (threadIdx.x < kMaxTopk) {
     const int k = threadIdx.x;
     const int64_t* idx = a.stash_idx + static_cast<size_t>(n) * a.num_topk;
     const int id = k < a.num_topk ? checked_expert(c.error, idx[k], num_experts, n, k) : -1;
@@ -280,9 +280,9 @@ void launch_combine(const LowLatencyParams& p, const CombineLaunchArgs& call, ui
   a.receive = call.receive;
   const bool wide = p.num_topk > 8;
   if (a.peers.network)
-    launch_cooperative(wide ? combine<true, kMetaEntries> : combine<true, 8>, p, a, stream, "combine kernel launch");
+    launch_cooperative(wide ? combine<true, kMaxTopk> : combine<true, 8>, p, a, stream, "combine kernel launch");
   else
-    launch_cooperative(wide ? combine<false, kMetaEntries> : combine<false, 8>, p, a, stream, "combine kernel launch");
+    launch_cooperative(wide ? combine<false, kMaxTopk> : combine<false, 8>, p, a, stream, "combine kernel launch");
 }
 
 }  // namespace ll

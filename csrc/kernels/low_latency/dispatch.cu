@@ -63,7 +63,11 @@
 //   3. After a barrier, the block's rows are cut into 4 KB chunks (plus, with FP8, one item for the
 //      row's scales), and the (row, chunk) items are spread over all warps: a warp loads its chunk
 //      from the local staging (8 int4 per lane, all in flight) and stores it into recv_x[e][m], so
-//      each item costs about one round trip whatever the rows per block.
+//      each item costs about one round trip whatever the rows per block. Scales are stored in
+//      DeepEP's layout, token-major per expert: float32 scale i of row m at recv_scales[e][i][m]
+//      (the [E_l, R*T, H/128] result is that [E_l, H/128, R*T] array transposed); with ue8m0 the
+//      exponent byte (bits 23..30) of scale i is byte i % 4 of int32 [e][i / 4][m] of a
+//      [E_l, H/512, R*T] array (round_scale made every scale a power of two: exact).
 //
 // Why the staging of a set is never overwritten while a receiver still reads it: rank s writes set
 // (e & 1) at rank d during its send of epoch e. d last read that set in its receive of epoch e - 2.
@@ -126,6 +130,7 @@ struct DispatchArgs {
   int hidden;
   int max_tokens;
   int blocks_per_expert;  // P
+  bool ue8m0;             // scales as UE8M0 exponent bytes, four per int32 (file comment, receive step 3)
   bool send;              // run the send half
   bool receive;           // run the receive half
 };
@@ -162,7 +167,7 @@ __device__ __forceinline__ uint4 quantize16(const float* v, float scale) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-__device__ __forceinline__ void store_meta(uint8_t* row, const unsigned (&w)[kMetaEntries / 2], unsigned tag) {
+__device__ __forceinline__ void store_meta(uint8_t* row, const unsigned (&w)[kMaxTopk / 2], unsigned tag) {
   uint4* dst = reinterpret_cast<uint4*>(row);
   dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
   dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
@@ -174,8 +179,8 @@ template <bool kFp8, bool kRoundScale>
 __device__ __forceinline__ void send_tokens(const DispatchArgs& a, unsigned long long epoch) {
   // Destinations of the current token other than me, by token iteration parity (no barrier needed
   // before reuse): node ranks as their payload slot's address, net ranks as rank numbers.
-  __shared__ uint8_t* node_rows[2][kMetaEntries];
-  __shared__ int net_ranks[2][kMetaEntries];
+  __shared__ uint8_t* node_rows[2][kMaxTopk];
+  __shared__ int net_ranks[2][kMaxTopk];
   __shared__ int num_node[2], num_net[2];
   const Peers& s = a.peers;
   const Comm& c = s.comm;
@@ -207,9 +212,9 @@ __device__ __forceinline__ void send_tokens(const DispatchArgs& a, unsigned long
       const unsigned node_mask = __ballot_sync(0xffffffffu, node);
       const unsigned net_mask = __ballot_sync(0xffffffffu, first_of_rank && !node);
       const unsigned below = (1u << lane) - 1u;
-      unsigned w[kMetaEntries / 2];
+      unsigned w[kMaxTopk / 2];
 #pragma unroll
-      for (int i = 0; i < kMetaEntries / 2; ++i) {
+      for (int i = 0; i < kMaxTopk / 2; ++i) {
         const unsigned lo = static_cast<unsigned>(__shfl_sync(0xffffffffu, e, 2 * i)) & 0xffffu;
         const unsigned hi = static_cast<unsigned>(__shfl_sync(0xffffffffu, e, 2 * i + 1)) & 0xffffu;
         w[i] = lo | (hi << 16);
@@ -286,7 +291,7 @@ __device__ __forceinline__ int first_k(const DispatchArgs& a, int set, unsigned 
   const uint4 q1 = a.num_topk > 8 ? m[1] : make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
   const unsigned w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
 #pragma unroll
-  for (int k = 0; k < kMetaEntries; ++k) {
+  for (int k = 0; k < kMaxTopk; ++k) {
     const int id = static_cast<int16_t>(w[k >> 1] >> (16 * (k & 1)));
     if (k < a.num_topk && id == expert) return k;
   }
@@ -347,8 +352,17 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& a, unsigned l
     } else {
       const int scales = a.hidden / 128;
       const float* staged_scales = reinterpret_cast<const float*>(staged + a.hidden);
-      float* out_scales = a.recv_scales + row * scales;
-      for (int i = lane; i < scales; i += 32) out_scales[i] = staged_scales[i];
+      const size_t m = p + static_cast<size_t>(parts) * r;  // the row inside expert e
+      const size_t expert0 = static_cast<size_t>(e) * scales * capacity;  // elements (float) or bytes (ue8m0)
+      if (a.ue8m0) {
+        uint8_t* out = reinterpret_cast<uint8_t*>(a.recv_scales) + expert0;
+        for (int i = lane; i < scales; i += 32)
+          out[(static_cast<size_t>(i >> 2) * capacity + m) * 4 + (i & 3)] =
+              static_cast<uint8_t>(__float_as_uint(staged_scales[i]) >> 23);
+      } else {
+        float* out = a.recv_scales + expert0 + m;
+        for (int i = lane; i < scales; i += 32) out[static_cast<size_t>(i) * capacity] = staged_scales[i];
+      }
     }
   }
   __syncthreads();  // staged_j and warp_sums are free for the block's next item
@@ -398,6 +412,7 @@ void launch_dispatch(const LowLatencyParams& p, const DispatchLaunchArgs& call, 
   a.hidden = p.hidden;
   a.max_tokens = p.max_tokens;
   a.blocks_per_expert = p.blocks_per_expert;
+  a.ue8m0 = call.ue8m0;
   a.send = call.send;
   a.receive = call.receive;
   if (!call.use_fp8)

@@ -30,11 +30,11 @@
 #pragma once
 #include <cstdint>
 
+#include "runtime/limits.h"
+
 namespace moe_ep {
 namespace ll {
 
-constexpr int kMaxNodeRanks = 8;  // == comm.h kMaxRanks, one NVLink domain (checked in the .cu files)
-constexpr int kMetaEntries = 16;  // int16 expert ids per staged token (num_topk <= 16), padded with -1
 constexpr int kMetaBytes = 48;    // one meta row: 16 int16 ids, uint32 epoch tag, padding
 constexpr int kScratchRows = 8;   // combine scratch rows per send block (several nodes)
 constexpr int kNumSignals = 6;    // signal words per source rank
@@ -124,19 +124,21 @@ inline Dims dims_of(const LowLatencyParams& p) {
 // launch for the whole call; with the receive hook the send launch now and the receive launch in
 // hook()). Send: quantise (optionally) and push every token to each rank holding one of its
 // experts, then release its arrival. Receive: wait for every source, expand staged tokens into the
-// expert-major rows. Both launches of a call pass the same use_fp8 and round_scale.
+// expert-major rows. Both launches of a call pass the same use_fp8, round_scale and ue8m0.
 struct DispatchLaunchArgs {
   uintptr_t x;            // [N, H] bf16 (send half)
   uintptr_t topk_idx;     // [N, K] int64 (send half)
   int num_tokens;         // N
   uintptr_t recv_x;       // [E_l, R*T, H] bf16, or e4m3 with use_fp8 (receive half, as the five below)
-  uintptr_t recv_scales;  // [E_l, R*T, H/128] float32 with use_fp8, else 0
+  uintptr_t recv_scales;  // use_fp8: [E_l, H/128, R*T] float32, or with ue8m0 [E_l, H/512, R*T] int32
+                          // (DeepEP's layout: the result is its [E_l, R*T, ...] transpose); else 0
   uintptr_t src_rank;     // [E_l, R*T] int32
   uintptr_t src_index;    // [E_l, R*T] int32
   uintptr_t src_k;        // [E_l, R*T] int32
   uintptr_t count;        // [E_l] int32
   bool use_fp8;
   bool round_scale;       // power-of-two scales (use_fp8 only)
+  bool ue8m0;             // scales as UE8M0 exponent bytes, 4 per int32 (needs round_scale, hidden % 512 == 0)
   bool send;
   bool receive;
 };
@@ -178,7 +180,6 @@ void launch_combine(const LowLatencyParams& p, const CombineLaunchArgs& a, uintp
 namespace moe_ep {
 namespace ll {
 
-static_assert(kMaxNodeRanks == kMaxRanks, "low_latency.h kMaxNodeRanks must equal comm.h kMaxRanks");
 
 // Signal words ([slot][src] in the region's signals area, see the file comment). A call with epoch
 // e uses staging set e & 1 and the node slots of that parity. The node block counters only grow:

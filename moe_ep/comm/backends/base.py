@@ -37,7 +37,8 @@ def ptr_or_null(t: Optional[torch.Tensor]) -> int:
 
 def record_event(async_op: bool, device: torch.device,
                  check: Optional[Callable[[], None]] = None) -> Optional[EventHandle]:
-    """For async_op: an EventHandle recorded on `device`'s current stream (an empty one on CPU);
+    """For async_op: an EventHandle recorded on `device`'s current stream (the Buffer's communication
+    stream during an async call: moe_ep.comm.streams; an empty one on CPU);
     `check` raises what the call's kernels recorded, once the event completed."""
     if not async_op:
         return None
@@ -52,7 +53,7 @@ def record_event(async_op: bool, device: torch.device,
 class DispatchOutputs:
     """The tensors a native dispatch kernel writes, m rows each. A cached dispatch writes no expert
     ids or weights (None) and reuses its handle's source rows; one whose rows stay in the workspace
-    (an expert-major NVLink dispatch: its engine's expand_pairs copies them out) writes no x (None)."""
+    (an expert-major NVLink dispatch: its engine's pair_rows copies them out) writes no x (None)."""
 
     x: Optional[torch.Tensor]
     scales: Optional[torch.Tensor]
@@ -150,7 +151,8 @@ class BufferConfig:
 
 
 class Backend(abc.ABC):
-    """Moves already-validated tensors; nothing below Buffer re-checks its inputs."""
+    """Moves already-validated tensors; nothing below Buffer re-checks its inputs. Every call runs on
+    the current stream: the Buffer picks it and orders it after previous_event (moe_ep.comm.streams)."""
 
     name: str = "?"
     checks_expert_ids = False  # its kernels check every expert id (no host sync; the call raises ValueError)
@@ -170,6 +172,12 @@ class Backend(abc.ABC):
     def abort(self) -> None:
         """Local: gives the Buffer up after a peer went silent, releasing nothing that waits for peers."""
 
+    def rank_mask(self) -> torch.Tensor:
+        """Fault-tolerant low-latency mode only: this rank's mask, int32 [R] on the Buffer's device, 1 per
+        rank its low-latency calls skip (neither send to nor wait for). Live: writes to it take effect
+        from the next call on the stream (Buffer.set_rank_masked); native kernels also set it on a timeout."""
+        raise NotImplementedError(f"the {self.name} backend keeps no rank mask")
+
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout: ...
 
@@ -187,7 +195,6 @@ class Backend(abc.ABC):
         expert_major: bool,
         num_sms: int,
         knobs: Config,
-        previous_event: Optional[EventHandle],
         async_op: bool,
     ) -> DispatchResult:
         """Normal-mode dispatch. With `handle`, reuse its layout (cached dispatch: topk_* are None
@@ -204,7 +211,6 @@ class Backend(abc.ABC):
         pair_weights: Optional[torch.Tensor],
         num_sms: int,
         knobs: Config,
-        previous_event: Optional[EventHandle],
         async_op: bool,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:
         """Normal-mode combine: (rows [N, H], the combined topk_weights [N, K] or None without them, event).
@@ -218,8 +224,12 @@ class Backend(abc.ABC):
         *,
         use_fp8: bool,
         round_scale: bool,
+        use_ue8m0: bool,
         return_recv_hook: bool,
-    ) -> LowLatencyDispatchResult: ...
+    ) -> LowLatencyDispatchResult:
+        """Expert-major rows [E_l, R*T, H]; FP8 scales [E_l, R*T, H/128] float32 (or with use_ue8m0
+        [E_l, R*T, H/512] int32, moe_ep.comm.fp8.pack_ue8m0), both stored token-major per expert
+        (moe_ep.comm.fp8.expert_major_scales: DeepEP's layout)."""
 
     @abc.abstractmethod
     def low_latency_combine(

@@ -15,7 +15,24 @@ A normal dispatch, on either engine (`normal_dispatch`):
   3. the dispatch kernel (it reads the counts on the device);
   4. outside worst-case mode, the host waits for the counts (if it has not yet) and trims;
   5. the call's error check, once every kernel of the call is launched, so a rank that raises made
-     the same launches as its peers.
+     the same launches as its peers;
+  6. an expert-major dispatch (expert_major): the engine's expansion of the rows into pairs
+     (NormalEngine.expand; the NVLink engine copies them from the workspace its kernel left them in).
+
+Streaming (`streamed_dispatch`, `streamed_combine`): outside worst-case mode a call may carry any
+number of tokens. The group agrees on the number of rounds J = ceil(max N / T) (T =
+max_tokens_per_rank: the workspace holds one round) with one host all-reduce (`agree_rounds`); J = 1
+is the flow above, unchanged. With J > 1 round j carries tokens [jT, jT + T) of every rank (none
+where a rank has fewer): the notify of every round runs first (J count exchanges, back to back:
+the kernels' two count sets allow that, csrc/kernels/*/notify.cu), the host waits once for all the
+counts and allocates the exact output, then each round's first output row per source is patched on
+the device to its final place (source rank, then source token: source s's rows of round j follow
+its rows of rounds < j) and the round's dispatch kernel writes straight there. Each round's
+dispatch must start only after every peer finished the previous round (it rewrites their
+workspace): round 0 follows the last notify, which is that start barrier, and every later round
+repeats its own notify first for the same reason (same counts; a cached dispatch and every combine
+open with their own start barrier). Combine runs the rounds in the same order, each on its rows of
+the whole received x.
 """
 from __future__ import annotations
 
@@ -24,10 +41,15 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
+from .. import expert_major as pairs
 from ..config import Config
 from ..types import DispatchHandle, DispatchLayout, DispatchResult, ExpertMajorLayout
 from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result
+
+# Host groups for agree_rounds, by the ranks of an NCCL group (a gloo group serves itself).
+_host_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 class Engine(abc.ABC):
     """One kernel family of a native Buffer: its context, symmetric memory and lifetime."""
@@ -57,11 +79,6 @@ class NormalEngine(Engine):
     """A normal-mode engine (one node or across nodes): the steps `normal_dispatch` runs, and combine."""
 
     path: str  # which kernels: "nvlink" or "cross-node"
-    # Set by engines whose dispatch can leave its rows in the workspace (rows_in_workspace): result,
-    # layout -> (x [P, H], scales [P, H / 128] or None), the layout's pairs copied from there, launched
-    # on the current stream, which must be the dispatch's, before any other call of this Buffer.
-    expand_pairs: Optional[Callable[[DispatchResult, ExpertMajorLayout],
-                                    tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
     _ctx: Any  # the native context (moe_ep.comm._C IntranodeContext / InternodeContext): launches, count mailbox
 
     def close(self) -> None:
@@ -81,11 +98,30 @@ class NormalEngine(Engine):
     def raw_expert_counts(self, state: Any) -> torch.Tensor:
         """A handle state's received rows per local expert on the device ([E_l] int32, not aligned)."""
 
+    def dispatch_outputs(self, m: int, dtype: torch.dtype, handle: Optional[DispatchHandle],
+                         expert_major: bool) -> DispatchOutputs:
+        """The tensors the dispatch kernel writes, m rows each (the received rows too: an engine whose
+        expert-major dispatch leaves them in its workspace overrides this)."""
+        return DispatchOutputs.allocate(self.cfg, m, dtype, handle)
+
     @abc.abstractmethod
     def launch_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                         topk_weights: Optional[torch.Tensor], state: Any, out: DispatchOutputs, *, cached: bool,
-                        worst_case: bool, num_sms: int, knobs: Config, stream: torch.cuda.Stream) -> None:
+                        worst_case: bool, expert_major: bool, num_sms: int, knobs: Config,
+                        stream: torch.cuda.Stream) -> None:
         """Launch the dispatch kernel into `out` (rows no source fills, in worst-case mode, are zero)."""
+
+    def pair_rows(self, result: DispatchResult, layout: ExpertMajorLayout
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """An expert-major dispatch's pairs (x [P, H], scales [P, H / 128] or None), on the current
+        stream (the dispatch's): one gather of the received rows, unless the engine copies them from
+        where its kernel left them."""
+        return pairs.gather_rows(result, layout)
+
+    def expand(self, result: DispatchResult, alignment: int) -> DispatchResult:
+        """A dispatch's result as (row, local expert) pairs grouped by expert (moe_ep.comm.expert_major)."""
+        layout, handle, weights = pairs.layout_of(result, alignment)
+        return pairs.as_pairs(result, layout, handle, weights, *self.pair_rows(result, layout))
 
     def host_counts(self) -> tuple[list[int], list[int]]:
         """(rows from each source, raw rows per local expert) of the last notify, once it has run."""
@@ -106,10 +142,9 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
                     topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
                     handle: Optional[DispatchHandle], expert_alignment: int, worst_case: bool, num_sms: int,
                     knobs: Config, stream: torch.cuda.Stream, async_op: bool,
-                    check: Callable[..., None], rows_in_workspace: bool = False) -> DispatchResult:
+                    check: Callable[..., None], expert_major: bool = False) -> DispatchResult:
     """The normal-mode dispatch flow of every normal engine (this module's docstring says the steps).
-    `check` is the Buffer's ErrorWatch.check. rows_in_workspace (engines with expand_pairs):
-    the kernel leaves the rows in the workspace and the result's x is None, for expand_pairs."""
+    `check` is the Buffer's ErrorWatch.check. expert_major: the result is the engine's pairs (step 6)."""
     cfg = engine.cfg
     r, t = cfg.world_size, cfg.max_tokens_per_rank
     cached = handle is not None
@@ -140,14 +175,127 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
     if counts_ready is not None and not eager:
         recv_counts = wait_counts()
     m = r * t if worst_case or eager else sum(recv_counts)
-    out = DispatchOutputs.allocate(cfg, m, x.dtype, handle, rows=not rows_in_workspace)
+    out = engine.dispatch_outputs(m, x.dtype, handle, expert_major)
     engine.launch_dispatch(x, x_scales, topk_idx, topk_weights, state, out, cached=cached, worst_case=worst_case,
-                           num_sms=num_sms, knobs=knobs, stream=stream)
+                           expert_major=expert_major, num_sms=num_sms, knobs=knobs, stream=stream)
     if eager:
         recv_counts = wait_counts()
         out = out.head(sum(recv_counts))
     check()  # every kernel of the call is launched: raising keeps the ranks in step
-    return native_dispatch_result(
+    result = native_dispatch_result(
         cfg, handle, out, num_tokens=x.shape[0], is_token_in_rank=in_rank, recv_counts=recv_counts,
         worst_case=worst_case, state=state, tokens_per_expert_raw=state.tokens_per_expert,
         expert_alignment=expert_alignment, tokens_per_expert_tensor=tokens_per_expert, async_op=async_op, check=check)
+    return engine.expand(result, expert_alignment) if expert_major else result
+
+
+def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group of `group`'s ranks whose collectives run on the host, for agree_rounds (no device sync):
+    `group` itself when it takes CPU tensors, else a gloo group of its ranks, made (collectively, as
+    Buffer creation is) the first time."""
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _host_groups:
+        _host_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _host_groups[ranks]
+
+
+def agree_rounds(group: dist.ProcessGroup, num_tokens: int, round_tokens: int) -> int:
+    """Collective (one host all-reduce over `group`, a host_group): the rounds of at most round_tokens
+    tokens that the group's largest call of this step needs, at least 1."""
+    most = torch.tensor([num_tokens], dtype=torch.int64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    return max(1, -(-int(most.item()) // round_tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedState:
+    """Handle state of a call streamed in rounds (this module's docstring): each round's engine state,
+    its first output row per source patched to the whole output, and this rank's tokens of each round."""
+
+    rounds: tuple[Any, ...]
+    bounds: tuple[tuple[int, int], ...]  # [first, last) token of this rank in each round
+    raw_expert_counts: torch.Tensor  # [E_l] int32 on the device: received rows per local expert, all rounds
+    tokens_per_expert: Optional[list[int]]  # the same on the host
+
+
+def round_bounds(num_tokens: int, rounds: int, round_tokens: int) -> tuple[tuple[int, int], ...]:
+    """This rank's tokens [first, last) of each round (empty once its tokens ran out)."""
+    return tuple((min(num_tokens, j * round_tokens), min(num_tokens, (j + 1) * round_tokens)) for j in range(rounds))
+
+
+def _first_rows(counts: torch.Tensor) -> torch.Tensor:
+    """[J, R] int64 first output row of source s's rows of round j, from counts [J, R]: sources in
+    rank order, each source's rounds in order (so rows follow source rank, then source token)."""
+    per_source = counts.sum(0)
+    return (per_source.cumsum(0) - per_source).unsqueeze(0) + counts.cumsum(0) - counts
+
+
+def streamed_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[torch.Tensor],
+                      topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
+                      handle: Optional[DispatchHandle], rounds: int, expert_alignment: int, num_sms: int,
+                      knobs: Config, stream: torch.cuda.Stream, async_op: bool,
+                      check: Callable[..., None]) -> DispatchResult:
+    """An exact-size dispatch in `rounds` rounds of at most T tokens (this module's docstring): the
+    same rows, bits and order as one round would give. A cached one reuses its handle's rounds."""
+    cfg = engine.cfg
+    r, t, dev = cfg.world_size, cfg.max_tokens_per_rank, cfg.device
+    cached = handle is not None
+
+    def cut(v: Optional[torch.Tensor], j: int) -> Optional[torch.Tensor]:
+        return None if v is None else v[bounds[j][0]:bounds[j][1]]
+
+    if cached:
+        state: StreamedState = handle.state
+        bounds, in_rank, recv_counts = state.bounds, handle.is_token_in_rank, handle.recv_counts
+        out = DispatchOutputs.allocate(cfg, handle.num_recv_rows, x.dtype, handle)
+    else:
+        bounds = round_bounds(x.shape[0], rounds, t)
+        notified = [engine.notify(cut(topk_idx, j), expert_alignment, False, stream) for j in range(rounds)]
+        e_l = cfg.num_local_experts
+        info = torch.stack([n.state.recv_info[:2 * r + e_l] for n in notified]).cpu()  # the call's one host sync
+        check(timeouts_only=True)
+        counts = info[:, :r].to(torch.int64)
+        first = _first_rows(counts).to(device=dev, dtype=torch.int32)
+        for j, n in enumerate(notified):
+            n.state.recv_info[r:2 * r].copy_(first[j])
+        raw = torch.stack([engine.raw_expert_counts(n.state) for n in notified]).sum(0, dtype=torch.int32)
+        state = StreamedState(tuple(n.state for n in notified), bounds, raw, info[:, 2 * r:].sum(0).tolist())
+        in_rank = torch.cat([n.is_token_in_rank for n in notified])
+        recv_counts = counts.sum(0).tolist()
+        out = DispatchOutputs.allocate(cfg, sum(recv_counts), x.dtype, None)
+        row_round = torch.repeat_interleave(torch.arange(rounds, dtype=torch.int32).repeat(r), counts.t().reshape(-1))
+    for j in range(rounds):
+        if not cached and j > 0:  # the round's start barrier: peers finished reading round j - 1
+            engine.notify(cut(topk_idx, j), expert_alignment, False, stream)
+        engine.launch_dispatch(cut(x, j), cut(x_scales, j), cut(topk_idx, j), cut(topk_weights, j), state.rounds[j],
+                               out, cached=cached, worst_case=False, expert_major=False, num_sms=num_sms, knobs=knobs,
+                               stream=stream)
+    if not cached:  # the kernels wrote each row's index inside its round
+        out.src_index.add_(row_round.to(dev) * t)
+    check()
+    return native_dispatch_result(
+        cfg, handle, out, num_tokens=x.shape[0], is_token_in_rank=in_rank, recv_counts=recv_counts, worst_case=False,
+        state=state, tokens_per_expert_raw=state.tokens_per_expert, expert_alignment=expert_alignment,
+        tokens_per_expert_tensor=align_up_device(state.raw_expert_counts, expert_alignment), async_op=async_op,
+        check=check)
+
+
+def streamed_combine(engine: NormalEngine, x: torch.Tensor, handle: DispatchHandle, out: torch.Tensor,
+                     topk_weights: Optional[torch.Tensor], out_topk_weights: Optional[torch.Tensor], *, num_sms: int,
+                     knobs: Config, stream: torch.cuda.Stream) -> None:
+    """Combine of a streamed handle, round by round: each round's kernel reads its rows where they lie
+    in the whole x (the round's state), sends only them (other rounds' rows get src_rank -1), and
+    sums its tokens into their slice of out."""
+    state: StreamedState = handle.state
+    t = engine.cfg.max_tokens_per_rank
+    row_round = torch.div(handle.src_index, t, rounding_mode="floor")
+    local_index = handle.src_index - row_round * t
+    for j, (first, last) in enumerate(state.bounds):
+        part = dataclasses.replace(
+            handle, num_tokens=last - first, is_token_in_rank=handle.is_token_in_rank[first:last],
+            src_rank=torch.where(row_round == j, handle.src_rank, -1), src_index=local_index, state=state.rounds[j])
+        engine.combine(x, part, out[first:last], topk_weights,
+                       None if out_topk_weights is None else out_topk_weights[first:last],
+                       num_sms=num_sms, knobs=knobs, stream=stream)

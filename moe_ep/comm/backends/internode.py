@@ -30,7 +30,7 @@ from .engine import NormalEngine, Notified
 from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
-    from .symmetric import ErrorWatch, NvshmemSession
+    from .symmetric import NvshmemSession
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class InternodeEngine(NormalEngine):
 
     path = "cross-node"
 
-    def __init__(self, cfg: BufferConfig, session: "NvshmemSession", error: "ErrorWatch") -> None:
+    def __init__(self, cfg: BufferConfig, session: "NvshmemSession", runtime: Any) -> None:
         native = _native.load()
         self._native: Any = native  # the launch argument structs (InternodeDispatchArgs, ...)
         self.cfg = cfg
@@ -85,10 +85,10 @@ class InternodeEngine(NormalEngine):
             raise RuntimeError(f"moe_ep rank {cfg.rank}: ranks {unreachable} of its node (ranks_per_node="
                                f"{cfg.ranks_per_node}) are not reachable by NVLink loads/stores (nvshmem_ptr is 0)")
         self._ctx = native.InternodeContext(
-            rank=cfg.rank, nranks=cfg.world_size, ranks_per_node=cfg.ranks_per_node,
+            runtime=runtime, ranks_per_node=cfg.ranks_per_node,
             max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, num_topk=cfg.num_topk,
-            num_experts=cfg.num_experts, round_tokens=round_tokens, timeout_s=cfg.timeout_s,
-            error=error.device_ptr, epochs=self._epochs.data_ptr(), block_counters=self._block_counters.data_ptr(),
+            num_experts=cfg.num_experts, round_tokens=round_tokens,
+            epochs=self._epochs.data_ptr(), block_counters=self._block_counters.data_ptr(),
             workspace=self._workspace.ptr, node_peers=list(node_peers),
         )
 
@@ -144,7 +144,8 @@ class InternodeEngine(NormalEngine):
         return state.recv_info[2 * r:2 * r + self.cfg.num_local_experts]
 
     def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state: NodeDispatchState, out: DispatchOutputs, *,
-                        cached, worst_case, num_sms, knobs, stream) -> None:
+                        cached, worst_case, expert_major, num_sms, knobs, stream) -> None:
+        """expert_major changes nothing here: the rows land in the output as usual and pair_rows gathers them."""
         cfg = self.cfg
         fp8 = x.dtype == torch.float8_e4m3fn
         self._ctx.dispatch(self._native.InternodeDispatchArgs(

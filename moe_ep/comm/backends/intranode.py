@@ -21,7 +21,7 @@ from .engine import NormalEngine, Notified
 from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
-    from .symmetric import ErrorWatch, NvshmemSession
+    from .symmetric import NvshmemSession
 
 NUM_ALLOCATIONS = 3  # signals, workspace, row flags
 
@@ -51,7 +51,7 @@ class IntranodeEngine(NormalEngine):
     path = "nvlink"
 
     def __init__(self, cfg: BufferConfig, session: "NvshmemSession", epochs: torch.Tensor,
-                 error: "ErrorWatch") -> None:
+                 runtime: Any) -> None:
         native = _native.load()
         self._native: Any = native  # the launch argument structs (IntranodeDispatchArgs, ...)
         self.cfg = cfg
@@ -69,8 +69,8 @@ class IntranodeEngine(NormalEngine):
                                "(nvshmem_ptr is 0); give Buffer the node size (ranks_per_node) so the cross-node "
                                "path serves them")
         self._ctx: Any = native.IntranodeContext(
-            rank=cfg.rank, nranks=r, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, num_topk=cfg.num_topk,
-            num_experts=e, timeout_s=cfg.timeout_s, error=error.device_ptr, epochs=epochs.data_ptr(),
+            runtime=runtime, max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, num_topk=cfg.num_topk,
+            num_experts=e, epochs=epochs.data_ptr(),
             block_counters=self._block_counters.data_ptr(), layout_scratch=self._layout_scratch.data_ptr(),
             signals=list(self._signals.peer_ptrs), workspace=list(self._workspace.peer_ptrs),
             row_flags=list(self._row_flags.peer_ptrs),
@@ -120,8 +120,13 @@ class IntranodeEngine(NormalEngine):
     def raw_expert_counts(self, state: DispatchState) -> torch.Tensor:
         return state.recv_info[2 * self.cfg.world_size:]
 
+    def dispatch_outputs(self, m: int, dtype: torch.dtype, handle: Optional[DispatchHandle],
+                         expert_major: bool) -> DispatchOutputs:
+        """An expert-major dispatch leaves its rows in the workspace (pair_rows copies them out): no x."""
+        return DispatchOutputs.allocate(self.cfg, m, dtype, handle, rows=not expert_major)
+
     def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state: DispatchState, out: DispatchOutputs, *,
-                        cached, worst_case, num_sms, knobs, stream) -> None:
+                        cached, worst_case, expert_major, num_sms, knobs, stream) -> None:
         cfg = self.cfg
         fp8 = x.dtype == torch.float8_e4m3fn
         self._tune(knobs)
@@ -133,14 +138,14 @@ class IntranodeEngine(NormalEngine):
             out_topk_idx=ptr_or_null(out.topk_idx), out_topk_weights=ptr_or_null(out.topk_weights),
             out_src_rank=0 if cached else out.src_rank.data_ptr(),
             out_src_index=0 if cached else out.src_index.data_ptr(), worst_case=worst_case, cached=cached,
-            rows_in_workspace=out.x is None, num_blocks=num_sms,
+            expert_major=expert_major, num_blocks=num_sms,
         ), stream.cuda_stream)
 
-    def expand_pairs(self, result: DispatchResult,
-                     layout: ExpertMajorLayout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The expand kernel over every SM: it runs on the caller's stream between the exchange and
-        the experts, with nothing to overlap, so the Buffer's communication SM budget does not bound it.
-        FP8 rows are the ones that came with scales."""
+    def pair_rows(self, result: DispatchResult,
+                  layout: ExpertMajorLayout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The expand kernel, from the workspace slots the rows landed in, over every SM: it runs on the
+        caller's stream between the exchange and the experts, with nothing to overlap, so the Buffer's
+        communication SM budget does not bound it. FP8 rows are the ones that came with scales."""
         cfg = self.cfg
         p, fp8 = layout.rows.shape[0], result.x_scales is not None
         x = torch.empty(p, cfg.hidden, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=cfg.device)

@@ -23,14 +23,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from .. import _native
+from .. import _native, fp8
 from ..types import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
 from .base import BufferConfig
 from .engine import Engine
 from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
-    from .symmetric import ErrorWatch, NvshmemSession, SymmetricTensor
+    from ..errors import ErrorWatch
+    from .symmetric import NvshmemSession, SymmetricTensor
 
 # Per-expert kernels: P = clamp(PER_EXPERT_GRID // E_l, 1, MAX_BLOCKS_PER_EXPERT) blocks per expert, about
 # two blocks per SM on an H200 (one wave). From the Buffer's dimensions only, never the local GPU: every
@@ -78,7 +79,8 @@ class _OutputSet:
 
     x_bf16: torch.Tensor  # [E_l, R*T, H]
     x_fp8: torch.Tensor  # [E_l, R*T, H] e4m3, aliasing the first half of x_bf16's storage
-    scales: Optional[torch.Tensor]  # [E_l, R*T, H/128] float32, None when hidden % 128 != 0
+    scales: Optional[torch.Tensor]  # [E_l, R*T, H/128] float32 token-major per expert; None when hidden % 128 != 0
+    ue8m0: Optional[torch.Tensor]  # [E_l, R*T, H/512] int32 the same way, aliasing scales' storage; None unless % 512
     src_rank: torch.Tensor  # [E_l, R*T] int32
     src_index: torch.Tensor
     src_k: torch.Tensor
@@ -90,7 +92,11 @@ class _OutputSet:
         e_l, slots, h, dev = cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank, cfg.hidden, cfg.device
         x_bf16 = torch.empty(e_l, slots, h, dtype=torch.bfloat16, device=dev)
         x_fp8 = x_bf16.view(-1).view(torch.uint8)[: e_l * slots * h].view(torch.float8_e4m3fn).view(e_l, slots, h)
-        scales = torch.empty(e_l, slots, h // 128, dtype=torch.float32, device=dev) if h % 128 == 0 else None
+        scales = fp8.expert_major_scales(e_l, slots, h // 128, torch.float32, dev) if h % 128 == 0 else None
+        ue8m0 = None
+        if h % 512 == 0:  # the first E_l * H/512 * R*T words of scales' storage, in the same layout
+            words = scales.transpose(1, 2).reshape(-1)[: e_l * (h // 512) * slots].view(torch.int32)
+            ue8m0 = words.view(e_l, h // 512, slots).transpose(1, 2)
 
         def rows() -> torch.Tensor:
             return torch.empty(e_l, slots, dtype=torch.int32, device=dev)
@@ -98,7 +104,7 @@ class _OutputSet:
         src_rank, src_index, src_k, count = rows(), rows(), rows(), torch.zeros(e_l, dtype=torch.int32, device=dev)
         ptrs = (x_bf16.data_ptr(), 0 if scales is None else scales.data_ptr(), src_rank.data_ptr(),
                 src_index.data_ptr(), src_k.data_ptr(), count.data_ptr())
-        return cls(x_bf16, x_fp8, scales, src_rank, src_index, src_k, count, ptrs)
+        return cls(x_bf16, x_fp8, scales, ue8m0, src_rank, src_index, src_k, count, ptrs)
 
 
 @dataclass
@@ -119,7 +125,8 @@ class LowLatencyEngine(Engine):
     """Runs the low-latency kernels of one Buffer; owns its symmetric region (staging and signal
     words, R per slot for any R: not the Buffer's comm.h signal array) and output sets."""
 
-    def __init__(self, cfg: BufferConfig, session: NvshmemSession, epochs: torch.Tensor, error: ErrorWatch) -> None:
+    def __init__(self, cfg: BufferConfig, session: NvshmemSession, epochs: torch.Tensor, error: ErrorWatch,
+                 runtime: Any) -> None:
         self.cfg = cfg
         self._session = session
         self._epochs, self._error = epochs, error  # kept alive: the kernels use them
@@ -134,16 +141,15 @@ class LowLatencyEngine(Engine):
         self._masked = torch.zeros(cfg.world_size, dtype=torch.int32, device=cfg.device) if cfg.fault_tolerant else None
         node_first = cfg.node * cfg.ranks_per_node  # node ranks: NVLink addresses; the others: PE + symmetric address
         self._ctx = self._native.LowLatencyContext(
-            rank=cfg.rank, nranks=cfg.world_size, ranks_per_node=cfg.ranks_per_node,
+            runtime=runtime, ranks_per_node=cfg.ranks_per_node,
             num_local_experts=cfg.num_local_experts, num_topk=cfg.num_topk, hidden=cfg.hidden,
-            max_tokens=cfg.max_tokens_per_rank, timeout_s=cfg.timeout_s, error=error.device_ptr,
-            epochs=epochs.data_ptr(), masked=0 if self._masked is None else self._masked.data_ptr(), sym=self._sym.ptr,
+            max_tokens=cfg.max_tokens_per_rank, epochs=epochs.data_ptr(), masked=0 if self._masked is None else self._masked.data_ptr(), sym=self._sym.ptr,
             node_sym=self._sym.peer_ptrs[node_first:node_first + cfg.ranks_per_node],
             dispatch_payload_offset=layout.dispatch_payload, dispatch_meta_offset=layout.dispatch_meta,
             combine_payload_offset=layout.combine_payload, combine_scratch_offset=layout.combine_scratch,
             signals_offset=layout.signals, done_counters=self._done_counters.data_ptr(),
             combine_stash=self._stash.data_ptr(), blocks_per_expert=blocks_per_expert(cfg),
-            num_sms=torch.cuda.get_device_properties(cfg.device).multi_processor_count,
+            num_sms=cfg.config.low_latency_num_sms or torch.cuda.get_device_properties(cfg.device).multi_processor_count,
         )
         torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
         self._device_index = torch.device(cfg.device).index
@@ -151,6 +157,14 @@ class LowLatencyEngine(Engine):
             self._device_index = torch.cuda.current_device()
         self._dispatches = 0
         self._pending: dict[str, Optional[_Hook]] = {"dispatch": None, "combine": None}
+
+    @property
+    def rank_mask(self) -> torch.Tensor:
+        """int32 [R], 1 per masked rank (comm.h Comm::masked; fault-tolerant mode only): the kernels read it
+        and set a rank that misses the timeout; the host may set or clear entries between calls."""
+        if self._masked is None:
+            raise RuntimeError("this low-latency engine is not fault-tolerant")
+        return self._masked
 
     def masked_ranks(self) -> list[int]:
         """The ranks masked so far (fault-tolerant mode); reads the device mask after the current stream's work."""
@@ -197,7 +211,7 @@ class LowLatencyEngine(Engine):
         self._error.check()
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool, round_scale: bool,
-                 return_recv_hook: bool) -> LowLatencyDispatchResult:
+                 use_ue8m0: bool, return_recv_hook: bool) -> LowLatencyDispatchResult:
         """Send each token once per destination rank; expand into expert-major rows on receipt."""
         stream = self._begin("dispatch")
         out = self._sets[self._dispatches & 1]
@@ -207,7 +221,7 @@ class LowLatencyEngine(Engine):
         recv_x, scales, src_rank, src_index, src_k, count = out.recv_ptrs
         fields = dict(x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), num_tokens=n, recv_x=recv_x,
                       recv_scales=scales if use_fp8 else 0, src_rank=src_rank, src_index=src_index, src_k=src_k,
-                      count=count, use_fp8=use_fp8, round_scale=round_scale)
+                      count=count, use_fp8=use_fp8, round_scale=round_scale, ue8m0=use_ue8m0)
 
         def launch(s: int, send: bool, receive: bool) -> None:
             ctx.dispatch(args_of(**fields, send=send, receive=receive), s)
@@ -215,8 +229,8 @@ class LowLatencyEngine(Engine):
         hook = self._launch("dispatch", launch, stream, return_recv_hook)
         handle = LowLatencyHandle(self.cfg.buffer_id, n, out.src_rank, out.src_index, out.count,
                                   LowLatencyState(out.src_k))
-        return LowLatencyDispatchResult(out.x_fp8 if use_fp8 else out.x_bf16, out.scales if use_fp8 else None,
-                                        out.count, handle, hook)
+        scales_out = (out.ue8m0 if use_ue8m0 else out.scales) if use_fp8 else None
+        return LowLatencyDispatchResult(out.x_fp8 if use_fp8 else out.x_bf16, scales_out, out.count, handle, hook)
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 *, return_recv_hook: bool) -> LowLatencyCombineResult:

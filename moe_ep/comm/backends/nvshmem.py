@@ -6,7 +6,8 @@ backends/internode.py), both through the one normal-mode dispatch flow (engine.n
 a low_latency Buffer adds a `LowLatencyEngine` (backends/low_latency.py). The backend owns what
 the engines share: the NVSHMEM session, the error word and the device epoch counters.
 
-Every call runs on the current stream; all calls of one Buffer must be ordered on the device (one
+Every call runs on the current stream (the caller's, or the Buffer's communication stream for an
+async call: moe_ep.comm.streams); all calls of one Buffer must be ordered on the device (one
 stream, or events between streams), because each call reuses the Buffer's symmetric memory once the
 peers have signalled that they finished the previous call. In worst-case mode outputs have R * T
 rows and the host never waits, so the calls capture into a CUDA graph. After a CommTimeoutError the
@@ -23,13 +24,21 @@ from .. import expert_major as pairs
 from ..types import (
     DispatchLayout,
     DispatchResult,
-    EventHandle,
     LowLatencyCombineResult,
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
 from .base import Backend, BufferConfig, record_event
-from .engine import NormalEngine, normal_dispatch
+from .engine import (
+    NormalEngine,
+    StreamedState,
+    agree_rounds,
+    host_group,
+    normal_dispatch,
+    round_bounds,
+    streamed_combine,
+    streamed_dispatch,
+)
 from .internode import InternodeEngine
 from .intranode import IntranodeEngine
 from .low_latency import LowLatencyEngine
@@ -53,60 +62,85 @@ class NvshmemBackend(Backend):
         torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
         self._session: Optional[NvshmemSession] = NvshmemSession.acquire(cfg.group, cfg.device, heap_bytes)
         self._error = self._session.error_state(cfg.timeout_s, cfg.num_experts)
+        # what every engine's context shares (csrc/runtime/context.h), checked and built once
+        runtime = native.RuntimeContext(rank=cfg.rank, nranks=cfg.world_size, timeout_s=cfg.timeout_s,
+                                        error=self._error.device_ptr)
         self._normal: Optional[NormalEngine] = None
         self._low_latency: Optional[LowLatencyEngine] = None
+        self._host_group = host_group(cfg.group)  # agrees on a call's rounds (engine.agree_rounds)
         try:
             if cfg.hierarchical:
-                self._normal = InternodeEngine(cfg, self._session, self._error)
+                self._normal = InternodeEngine(cfg, self._session, runtime)
             else:
-                self._normal = IntranodeEngine(cfg, self._session, self._epochs, self._error)
+                self._normal = IntranodeEngine(cfg, self._session, self._epochs, runtime)
             if cfg.low_latency:
-                self._low_latency = LowLatencyEngine(cfg, self._session, self._epochs, self._error)
+                self._low_latency = LowLatencyEngine(cfg, self._session, self._epochs, self._error, runtime)
         except BaseException:
             self._session.release()
             raise
 
     # ---- normal mode -----------------------------------------------------------------------
-    def _stream(self, previous_event: Optional[EventHandle]) -> torch.cuda.Stream:
+    def _stream(self) -> torch.cuda.Stream:
         """Raises a timeout recorded by an earlier kernel (a bad id waits for the end of a call:
-        ErrorWatch.check), orders after previous_event; the current stream."""
+        ErrorWatch.check); the current stream (the Buffer picked it: moe_ep.comm.streams)."""
         self._error.check(timeouts_only=True)
-        if previous_event is not None:
-            previous_event.wait()
         return torch.cuda.current_stream(self.cfg.device)
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
-        layout = self._normal.layout(topk_idx, torch.cuda.current_stream(self.cfg.device))
+        """The layout kernel over rounds of at most T tokens (local: no peer takes part), summed."""
+        stream = torch.cuda.current_stream(self.cfg.device)
+        bounds = round_bounds(topk_idx.shape[0], max(1, -(-topk_idx.shape[0] // self.cfg.max_tokens_per_rank)),
+                              self.cfg.max_tokens_per_rank)
+        parts = [self._normal.layout(topk_idx[first:last], stream) for first, last in bounds]
         self._error.check()  # local call: what earlier calls without a host sync recorded
-        return layout
+        if len(parts) == 1:
+            return parts[0]
+        return DispatchLayout(num_tokens_per_rank=sum(p.num_tokens_per_rank for p in parts),
+                              num_tokens_per_expert=sum(p.num_tokens_per_expert for p in parts),
+                              is_token_in_rank=torch.cat([p.is_token_in_rank for p in parts]))
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
-                 num_sms, knobs, previous_event, async_op) -> DispatchResult:
-        """The kernels move rows; an expert-major result expands them into pairs after them
-        (moe_ep.comm.expert_major): on NVLink straight from the workspace the rows landed in (the engine's
-        expand_pairs), across nodes and in worst-case mode by a gather of the received rows."""
-        stream = self._stream(previous_event)
+                 num_sms, knobs, async_op) -> DispatchResult:
+        """The engine's normal dispatch flow, or its rounds when a call carries more than T tokens on some
+        rank (engine.streamed_dispatch). An expert-major result is the engine's own expansion of the rows
+        into pairs (NormalEngine.expand); a streamed or worst-case one lands its rows and gathers them
+        (each round reuses the workspace; worst-case pairs have static shapes)."""
+        stream = self._stream()
         engine = self._normal
         static = handle.worst_case if handle is not None else worst_case
-        in_workspace = expert_major and engine.expand_pairs is not None and not static
-        result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
-                                 expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
-                                 knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
-                                 rows_in_workspace=in_workspace)
-        if not expert_major:
-            return result
-        return pairs.expand(result, expert_alignment, engine.expand_pairs if in_workspace else None)
+        if handle is not None:
+            rounds = len(handle.state.rounds) if isinstance(handle.state, StreamedState) else 1
+        else:  # a static-shape (worst-case) call fits one round: Buffer checked it
+            rounds = 1 if worst_case else agree_rounds(self._host_group, x.shape[0], self.cfg.max_tokens_per_rank)
+        if rounds == 1 and not static:
+            return normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
+                                   expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
+                                   knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
+                                   expert_major=expert_major)
+        if rounds == 1:
+            result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
+                                     expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
+                                     knobs=knobs, stream=stream, async_op=async_op, check=self._error.check)
+        else:
+            result = streamed_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle, rounds=rounds,
+                                       expert_alignment=expert_alignment, num_sms=num_sms, knobs=knobs,
+                                       stream=stream, async_op=async_op, check=self._error.check)
+        return pairs.expand(result, expert_alignment) if expert_major else result
 
-    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op):
+    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, async_op):
         """One kernel: the rows, and topk_weights when given, travel back together (an expert-major
         handle's pairs summed into rows first, on the current stream)."""
         cfg = self.cfg
-        stream = self._stream(previous_event)
+        stream = self._stream()
         x, topk_weights = pairs.combine_inputs(x, handle, topk_weights, pair_weights)
         n = handle.num_tokens
         out = torch.empty(n, cfg.hidden, dtype=torch.bfloat16, device=cfg.device)
         out_w = None if topk_weights is None else torch.empty(n, cfg.num_topk, dtype=torch.float32, device=cfg.device)
-        self._normal.combine(x, handle, out, topk_weights, out_w, num_sms=num_sms, knobs=knobs, stream=stream)
+        if isinstance(handle.state, StreamedState):
+            streamed_combine(self._normal, x, handle, out, topk_weights, out_w, num_sms=num_sms, knobs=knobs,
+                             stream=stream)
+        else:
+            self._normal.combine(x, handle, out, topk_weights, out_w, num_sms=num_sms, knobs=knobs, stream=stream)
         self._error.check()  # launched: what earlier calls without a host sync recorded
         return out, out_w, record_event(async_op, cfg.device, self._error.check)
 
@@ -116,9 +150,9 @@ class NvshmemBackend(Backend):
             raise RuntimeError("this Buffer was created without low_latency=True")
         return self._low_latency
 
-    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale,
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0,
                              return_recv_hook) -> LowLatencyDispatchResult:
-        return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+        return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                        return_recv_hook=return_recv_hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *,
@@ -132,8 +166,8 @@ class NvshmemBackend(Backend):
     def fill_workspace(self, value: int) -> None:
         self._normal.fill_workspace(value)
 
-    def masked_ranks(self) -> list[int]:
-        return self._engine().masked_ranks()
+    def rank_mask(self) -> torch.Tensor:
+        return self._engine().rank_mask
 
     def abort(self) -> None:
         """Local: waits for this rank's kernels (each gives up within the timeout), frees host memory

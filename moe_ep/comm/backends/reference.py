@@ -11,7 +11,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,24 +76,31 @@ class ReferenceBackend(Backend):
         # gloo moves host tensors: CUDA tensors go through host memory
         self._staged = cfg.device.type == "cuda" and dist.get_backend(cfg.group) != "nccl"
         self._failed: Optional[str] = None  # the phase of the exchange that failed; the Buffer is then unusable
+        # fault-tolerant mode: 1 per rank the low-latency calls skip (set from Python only: a timeout here
+        # still raises CommTimeoutError, see docs/api.md)
+        self._mask = torch.zeros(cfg.world_size, dtype=torch.int32, device=cfg.device) if cfg.fault_tolerant else None
 
     # ---- helpers -------------------------------------------------------------------------
     def _all_to_all(self, phase: str, out: torch.Tensor, inp: torch.Tensor, out_split: Optional[list[int]] = None,
-                    in_split: Optional[list[int]] = None) -> torch.Tensor:
+                    in_split: Optional[list[int]] = None, dead: Sequence[int] = ()) -> torch.Tensor:
         """all_to_all_single into `out` (returned), through host memory when the group cannot move `inp`;
-        gives up after timeout_s with CommTimeoutError (peer unknown: -1) naming `phase`."""
+        with `dead` ranks (masked: their splits are 0 both ways; splits given) by point-to-point messages
+        among the others. Gives up after timeout_s with CommTimeoutError (peer unknown: -1) naming `phase`."""
         cfg = self.cfg
         if self._failed is not None:
             raise RuntimeError(f"moe_ep rank {cfg.rank}: this Buffer's exchange '{self._failed}' failed, so the "
                                "Buffer and its process group are unusable (docs/api.md, Errors)")
+        src = inp.cpu() if self._staged else inp
         host = torch.empty(out.shape, dtype=out.dtype) if self._staged else out
-        opts = dist.AllToAllOptions()
-        opts.timeout = timedelta(seconds=cfg.timeout_s)  # the op itself gives up, so nothing is left waiting
-        opts.asyncOp = True
         try:
-            work = cfg.group.alltoall_base(host, inp.cpu() if self._staged else inp, out_split or [],  # torch 2.11+
-                                           in_split or [], opts)
-            work.wait(timedelta(seconds=cfg.timeout_s + 1))  # a bound for groups that do not honour opts.timeout
+            if dead:
+                self._point_to_point(host, src, out_split, in_split, dead)
+            else:
+                opts = dist.AllToAllOptions()
+                opts.timeout = timedelta(seconds=cfg.timeout_s)  # the op itself gives up: nothing is left waiting
+                opts.asyncOp = True
+                work = cfg.group.alltoall_base(host, src, out_split or [], in_split or [], opts)  # torch 2.11+
+                work.wait(timedelta(seconds=cfg.timeout_s + 1))  # a bound for groups that do not honour opts.timeout
         except RuntimeError as error:
             self._failed = phase
             if "timeout" in str(error).lower() or "timed out" in str(error).lower():
@@ -101,13 +108,44 @@ class ReferenceBackend(Backend):
             raise
         return out.copy_(host) if self._staged else out
 
-    def _exchange_counts(self, phase: str, send_counts: torch.Tensor) -> list[int]:
-        return self._all_to_all(f"{phase} counts", torch.empty_like(send_counts), send_counts).tolist()
+    def _point_to_point(self, out: torch.Tensor, inp: torch.Tensor, out_split: list[int], in_split: list[int],
+                        dead: Sequence[int]) -> None:
+        """_all_to_all's exchange as isend/irecv pairs with every live peer (no message is empty), then
+        waits for all of them (timeout_s each)."""
+        cfg = self.cfg
+        in_at, out_at = [0, *itertools.accumulate(in_split)], [0, *itertools.accumulate(out_split)]
+        out[out_at[cfg.rank]:out_at[cfg.rank + 1]] = inp[in_at[cfg.rank]:in_at[cfg.rank + 1]]
+        works = []
+        for peer in range(cfg.world_size):
+            if peer == cfg.rank or peer in dead:
+                continue
+            peer_global = dist.get_global_rank(cfg.group, peer)
+            if in_split[peer]:
+                works.append(dist.isend(inp[in_at[peer]:in_at[peer + 1]].contiguous(), peer_global, cfg.group))
+            if out_split[peer]:
+                works.append(dist.irecv(out[out_at[peer]:out_at[peer + 1]], peer_global, cfg.group))
+        for work in works:
+            work.wait(timedelta(seconds=cfg.timeout_s))
+
+    def rank_mask(self) -> torch.Tensor:
+        if self._mask is None:
+            return super().rank_mask()
+        return self._mask
+
+    def _dead(self) -> list[int]:
+        """The ranks masked in fault-tolerant mode (a host read of the mask)."""
+        return [] if self._mask is None else torch.nonzero(self._mask.cpu()).flatten().tolist()
+
+    def _exchange_counts(self, phase: str, send_counts: torch.Tensor, dead: Sequence[int] = ()) -> list[int]:
+        """One count per rank each way (0 to and from dead ranks)."""
+        ones = [0 if r in dead else 1 for r in range(self.cfg.world_size)]
+        return self._all_to_all(f"{phase} counts", torch.zeros_like(send_counts), send_counts, ones, ones,
+                                dead).tolist()
 
     def _all_to_all_rows(self, phase: str, rows: torch.Tensor, send_counts: list[int],
-                         recv_counts: list[int]) -> torch.Tensor:
+                         recv_counts: list[int], dead: Sequence[int] = ()) -> torch.Tensor:
         return self._all_to_all(f"{phase} rows", rows.new_empty((sum(recv_counts), rows.shape[1])), rows,
-                                recv_counts, send_counts)
+                                recv_counts, send_counts, dead)
 
     def _rank_mask(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """[N, R] bool: token n has at least one expert on rank r."""
@@ -136,10 +174,8 @@ class ReferenceBackend(Backend):
         )
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
-                 num_sms, knobs, previous_event, async_op) -> DispatchResult:
+                 num_sms, knobs, async_op) -> DispatchResult:
         cfg = self.cfg
-        if previous_event is not None:
-            previous_event.wait()
         cached = handle is not None
         mask = handle.is_token_in_rank if cached else self._rank_mask(topk_idx)
         worst_case = handle.worst_case if cached else worst_case
@@ -219,9 +255,7 @@ class ReferenceBackend(Backend):
         )
         return pairs.expand(result, expert_alignment) if expert_major else result
 
-    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, previous_event, async_op):
-        if previous_event is not None:
-            previous_event.wait()
+    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, async_op):
         x, topk_weights = pairs.combine_inputs(x, handle, topk_weights, pair_weights)
         recv_counts = handle.state.recv_counts
         parts = [x] if topk_weights is None else [x, topk_weights]
@@ -257,12 +291,15 @@ class ReferenceBackend(Backend):
         return acc
 
     # ---- low-latency mode -----------------------------------------------------------------
-    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, return_recv_hook):
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, return_recv_hook):
         cfg = self.cfg
         e_l, slots = cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank
         out_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
         out_x = torch.zeros(e_l, slots, cfg.hidden, dtype=out_dtype, device=x.device)
-        out_scales = torch.zeros(e_l, slots, cfg.num_scales, dtype=torch.float32, device=x.device) if use_fp8 else None
+        out_scales = None
+        if use_fp8:  # DeepEP's token-major layout per expert, zeroed
+            num, dtype = (cfg.num_scales // 4, torch.int32) if use_ue8m0 else (cfg.num_scales, torch.float32)
+            out_scales = fp8.expert_major_scales(e_l, slots, num, dtype, x.device).zero_()
         count = torch.zeros(e_l, dtype=torch.int32, device=x.device)
         src_rank = torch.full((e_l, slots), -1, dtype=torch.int32, device=x.device)
         src_index = torch.full((e_l, slots), -1, dtype=torch.int32, device=x.device)
@@ -271,14 +308,18 @@ class ReferenceBackend(Backend):
 
         def receive() -> None:
             payload = list(fp8.quantize(x_in, round_scale)) if use_fp8 else [x_in]
+            if use_ue8m0:
+                payload[1] = fp8.pack_ue8m0(payload[1])
+            dead = self._dead()
             mask = self._rank_mask(topk_in)
+            mask[:, dead] = False  # masked ranks get nothing
             token_ids = torch.arange(x_in.shape[0], device=x.device, dtype=torch.int32)
             send_idx = torch.cat([token_ids[mask[:, r]] for r in range(cfg.world_size)]).long()
             send_counts = mask.sum(0).to(torch.int64)
-            recv_counts = self._exchange_counts("reference low-latency dispatch", send_counts)
+            recv_counts = self._exchange_counts("reference low-latency dispatch", send_counts, dead)
             rows, specs = _pack([p[send_idx] for p in payload] + [send_idx.to(torch.int32).unsqueeze(1), topk_in[send_idx]])
-            got = _unpack(self._all_to_all_rows("reference low-latency dispatch", rows, send_counts.tolist(), recv_counts),
-                          specs)
+            got = _unpack(self._all_to_all_rows("reference low-latency dispatch", rows, send_counts.tolist(), recv_counts,
+                                                dead), specs)
             recv_topk, recv_index = got[-1], got[-2].squeeze(1)
             recv_rank = torch.repeat_interleave(
                 torch.arange(cfg.world_size, device=x.device, dtype=torch.int32),
@@ -317,8 +358,10 @@ class ReferenceBackend(Backend):
 
         def receive() -> None:
             e_all, e_l = cfg.num_experts, cfg.num_local_experts
+            dead = self._dead()
             slots = torch.arange(x_in.shape[1], device=x.device)
             valid = slots.unsqueeze(0) < handle.count.unsqueeze(1)  # [E_l, R*T]
+            valid &= ~torch.isin(handle.src_rank, torch.tensor(dead, dtype=torch.int32, device=x.device))
             experts, slot = valid.nonzero(as_tuple=True)
             src = handle.src_rank[experts, slot].long()
             token = handle.src_index[experts, slot].long()
@@ -328,11 +371,12 @@ class ReferenceBackend(Backend):
             rows = x_in[experts[order], slot[order]]
             send_counts = torch.bincount(src, minlength=cfg.world_size)
             owner = torch.where(topk_in >= 0, topk_in // e_l, -1)
+            owner[torch.isin(owner, torch.tensor(dead, dtype=owner.dtype, device=x.device))] = -1  # dropped
             tokens = torch.arange(n, device=x.device).unsqueeze(1).expand(n, k_top)
             pair_key = tokens * e_all + topk_in
             keys = [torch.unique(pair_key[owner == r]) for r in range(cfg.world_size)]
             back = self._all_to_all_rows("reference low-latency combine", _as_bytes(rows), send_counts.tolist(),
-                                         [k.numel() for k in keys])
+                                         [k.numel() for k in keys], dead)
             back = back.view(torch.bfloat16)
             gathered = torch.zeros(n, k_top, cfg.hidden, dtype=torch.bfloat16, device=x.device)
             start = 0
@@ -343,7 +387,7 @@ class ReferenceBackend(Backend):
             acc = torch.zeros(n, cfg.hidden, dtype=torch.float32, device=x.device)
             for kk in range(k_top):
                 term = weights_in[:, kk, None] * gathered[:, kk].float()
-                acc = torch.where((topk_in[:, kk] >= 0).unsqueeze(1), acc + term, acc)
+                acc = torch.where((owner[:, kk] >= 0).unsqueeze(1), acc + term, acc)
             out.copy_(acc.to(torch.bfloat16))
 
         if not return_recv_hook:

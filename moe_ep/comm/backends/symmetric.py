@@ -1,6 +1,6 @@
 """NVSHMEM for the native backends: one process-wide session (bootstrap over a torch.distributed group,
-symmetric heap) shared by every Buffer, zero-copy torch views of symmetric memory, and the host-mapped
-error state that turns a kernel's timeout into CommTimeoutError."""
+symmetric heap) shared by every Buffer and zero-copy torch views of symmetric memory. The host-mapped
+error state that turns a kernel's timeout into CommTimeoutError is moe_ep.comm.errors.ErrorWatch."""
 from __future__ import annotations
 
 import ctypes
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _native, topology
-from ..errors import BadExpertIdError, CommTimeoutError, PeersLostError
+from ..errors import CommTimeoutError, ErrorWatch, PeersLostError
 
 logger = logging.getLogger("moe_ep")
 
@@ -55,60 +55,6 @@ def apply_nvshmem_defaults(spans_hosts: bool) -> str:
     return (f"moe_ep: starting NVSHMEM {'across hosts' if spans_hosts else 'on one host'}; set by moe_ep: "
             + (", ".join(f"{k}={v}" for k, v in ours.items()) or "nothing")
             + "; as the user had them: " + (", ".join(f"{k}={v}" for k, v in users.items()) or "nothing"))
-
-
-class _ErrorState(ctypes.Structure):
-    """Host view of comm.h's ErrorState (same fields, same order; its size is checked against _C's)."""
-
-    _fields_ = [("code", ctypes.c_int), ("rank", ctypes.c_int), ("phase", ctypes.c_int), ("peer", ctypes.c_int),
-                ("bad_claim", ctypes.c_int), ("bad_id", ctypes.c_int), ("bad_token", ctypes.c_int),
-                ("bad_k", ctypes.c_int), ("bad_value", ctypes.c_longlong)]
-
-
-class ErrorWatch:
-    """One host-mapped ErrorState: kernels get `device_ptr` (Comm::error) and record in it the first
-    timeout and the first expert id outside [-1, num_experts) they read."""
-
-    def __init__(self, native: ModuleType, timeout_s: Optional[float] = None, num_experts: Optional[int] = None) -> None:
-        if native.error_state_bytes() != ctypes.sizeof(_ErrorState):
-            raise RuntimeError(f"moe_ep.comm._C's ErrorState has {native.error_state_bytes()} bytes, the Python mirror "
-                               f"{ctypes.sizeof(_ErrorState)}: reinstall moe_ep so both come from one build")
-        self._native = native
-        self._host_ptr, self.device_ptr = native.alloc_error_state()
-        self._state = _ErrorState.from_address(self._host_ptr)
-        self._phase_names: list[str] = native.phase_names()
-        self.timeout_s = timeout_s
-        self.num_experts = num_experts
-
-    def check(self, timeouts_only: bool = False) -> None:
-        """Raises CommTimeoutError if a kernel recorded a timeout, else (unless `timeouts_only`)
-        ValueError if one read an expert id out of range, and clears the record.
-
-        A call checks timeouts only before it launches anything (a timeout leaves the Buffer unusable
-        anyway) and everything once all of its kernels are launched, so a rank that raises has made
-        the same launches as its peers and the next call finds them in step. Call it after the
-        kernels that may record have finished (a kernel writes `code` first).
-        """
-        if self._host_ptr == 0:
-            return
-        state = self._state
-        if state.code != 0:
-            rank, phase, peer = state.rank, state.phase, state.peer
-            ctypes.memset(self._host_ptr, 0, ctypes.sizeof(_ErrorState))
-            name = self._phase_names[phase] if 0 <= phase < len(self._phase_names) else f"unknown phase {phase}"
-            raise CommTimeoutError(rank, peer, name, self.timeout_s)
-        if state.bad_id != 0 and not timeouts_only:
-            token, k, value = state.bad_token, state.bad_k, state.bad_value
-            ctypes.memset(self._host_ptr, 0, ctypes.sizeof(_ErrorState))
-            bound = f"[-1, {self.num_experts})" if self.num_experts is not None else "[-1, num_experts)"
-            raise BadExpertIdError(f"topk_idx[{token}, {k}] = {value}: expert ids must lie in {bound} (the kernels "
-                                   "treated it as -1; this call's results are not valid)")
-
-    def close(self) -> None:
-        """Frees the ErrorState (once no kernel uses it); later checks are no-ops."""
-        if self._host_ptr:
-            self._native.free_error_state(self._host_ptr)
-            self._host_ptr, self.device_ptr, self._state = 0, 0, None
 
 
 class _DeviceMemory:
