@@ -199,8 +199,8 @@ def test_overlap(world: int) -> None:
 # ---- GPU: the native backend, random delays on both streams, the decode API in a CUDA graph ----
 def _delayed_streams(seed: int) -> None:
     """Random spin delays on the communication stream before each forward Buffer call, on the compute
-    stream before each expert call and each weight-gradient pass (which the backward's combine runs
-    beside), so that a missing event shows up as a wrong result."""
+    stream before each expert call and each weight-gradient pass (the end of the experts' backward, which
+    the backward's combine waits for), so that a missing event shows up as a wrong result."""
     rng = random.Random(seed)
     on_comm, run_experts, weight_grads = overlap._Streams.on_comm, MoE.run_experts, experts_module._weight_grads
 
