@@ -9,7 +9,7 @@ from .moe import ops
 from .comm.backends.symmetric import SymmetricHeapUsage, symmetric_heap_usage
 from .comm.buffer import Buffer
 from .comm.config import Config
-from .comm.errors import BadExpertIdError, CommTimeoutError, PeersLostError
+from .comm.errors import BadExpertIdError, CallMismatchError, CommTimeoutError, PeerInputError, PeersLostError
 from .comm.types import (
     DispatchHandle,
     DispatchLayout,
@@ -43,7 +43,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "BadExpertIdError", "Buffer", "CommTimeoutError", "Config", "DispatchHandle", "DispatchLayout", "DispatchResult",
-    "EventHandle", "ExpertMajorLayout", "LowLatencyCombineResult", "LowLatencyDispatchResult", "LowLatencyHandle", "PeersLostError",
+    "BadExpertIdError", "Buffer", "CallMismatchError", "CommTimeoutError", "Config", "DispatchHandle",
+    "DispatchLayout", "DispatchResult", "EventHandle", "ExpertMajorLayout", "LowLatencyCombineResult",
+    "LowLatencyDispatchResult", "LowLatencyHandle", "PeerInputError", "PeersLostError",
     "SymmetricHeapUsage", "fp8", "ops", "symmetric_heap_usage", *_LAZY,
 ]

@@ -7,7 +7,8 @@
 # files, as the device tool returns).
 # Usage: bash tests/run_gpu_suite.sh [PATH...]   (PATHs: where to collect, default tests/; e.g.
 #   `bash tests/run_gpu_suite.sh tests/test_fp8.py tests/test_my_failing.py` for a quick check)
-# Environment: LANES (default 3), BUDGET_S (seconds for the lanes, default 480), SKIP_BUILD=1,
+# Environment: LANES (default 3), BUDGET_S (seconds for all lanes, default 480; each file also has
+#   its own limit, below), SKIP_BUILD=1,
 #   NO_TRAIN=1 (skip the torchrun), WITH_LAYER_BENCH=1 (then the one-rank layer bench, alone, into $OUT/bench/).
 set -uo pipefail
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NVLS=1 \
@@ -33,34 +34,36 @@ fi
 echo "$collected" | grep -c '::' | xargs echo "GPU tests collected:"
 
 # Lanes by longest file first, each file to the lane with the least work so far (seconds per file on one
-# H200 with three lanes, docs/one_gpu.md; a file not listed counts 60 s). Prints one line per lane.
-plan=$(python3 - "$lanes" $files <<'EOF'
+# H200 with three lanes, docs/one_gpu.md; a file not listed counts 60 s). Prints one line per lane of
+# FILE@LIMIT: each file may take 2.5 x its seconds (at least 60 s), so a hang cannot starve its lane.
+plan_file=$(mktemp)
+python3 - "$lanes" $files >"$plan_file" <<'EOF'
 import sys
 secs = {"test_gpu_fuzz.py": 330, "test_gpu_intranode.py": 195, "test_gpu_crossnode.py": 88, "test_gpu_faults.py": 82,
         "test_compile.py": 61, "test_gpu_determinism.py": 50, "test_gpu_low_latency.py": 49, "test_overlap.py": 45,
         "test_fp8_experts.py": 37, "test_deep_ep.py": 32, "test_train.py": 31, "test_layer.py": 29,
         "test_expert_major.py": 26, "test_gpu_config.py": 45, "test_one_rank_bad_input.py": 14,
-        "test_gpu_runtime.py": 11, "test_fp8.py": 5, "test_experts.py": 10}
+        "test_gpu_runtime.py": 11, "test_fp8.py": 5, "test_experts.py": 10, "test_bench.py": 45}
 lanes, files = int(sys.argv[1]), sys.argv[2:]
 work, plan = [0] * lanes, [[] for _ in range(lanes)]
 for f in sorted(files, key=lambda f: -secs.get(f.split("/")[-1], 60)):
     i = work.index(min(work))
     work[i] += secs.get(f.split("/")[-1], 60)
-    plan[i].append(f)
+    plan[i].append(f"{f}@{max(60, int(2.5 * secs.get(f.split('/')[-1], 60)))}")
 print("\n".join(" ".join(p) for p in plan if p))
 EOF
-)
 deadline=$((SECONDS + budget))
-lane() {  # lane NAME FILE...: each file's GPU tests, until the budget is spent
+lane() {  # lane NAME FILE@LIMIT...: each file's GPU tests, within its limit and the budget
   local name=$1; shift
-  for file in "$@"; do
-    local began=$SECONDS left=$((deadline - SECONDS))
+  for spec in "$@"; do
+    local file=${spec%@*} limit=${spec##*@} began=$SECONDS left=$((deadline - SECONDS))
     [ $left -lt 10 ] && left=10
-    timeout "$left" python3 -m pytest -q -rs -p no:cacheprovider -m gpu "$file" >"$out/$name.part" 2>&1
+    [ $limit -gt $left ] && limit=$left
+    timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider -m gpu "$file" >"$out/$name.part" 2>&1
     local rc=$?
     cat "$out/$name.part" >>"$out/$name.log"
     local result; result=$(grep -E '[0-9]+ (passed|failed|error|skipped)' "$out/$name.part" | tail -1)
-    [ $rc -eq 124 ] && result="TIMED OUT after $((SECONDS - began)) s (budget ${budget} s)"
+    [ $rc -eq 124 ] && result="TIMED OUT after $((SECONDS - began)) s (limit ${limit} s)"
     echo "$file | rc=$rc | $((SECONDS - began)) s | $result" >>"$out/summary.txt"
   done
   rm -f "$out/$name.part"
@@ -70,13 +73,16 @@ while read -r line; do
   n=$((n + 1))
   # shellcheck disable=SC2086
   lane "lane$n" $line &
-done <<<"$plan"
+done <"$plan_file"
 wait
+rm -f "$plan_file"
 if [ -z "${NO_TRAIN:-}" ]; then
   began=$SECONDS
   timeout 90 torchrun --nproc-per-node 4 -m moe_ep.train --ranks-per-gpu 4 --steps 20 --log-every 10 --no-progress \
     >"$out/train.log" 2>&1
-  echo "torchrun moe_ep.train, 4 ranks | rc=$? | $((SECONDS - began)) s | $(grep done "$out/train.log")" >>"$out/summary.txt"
+  rc=$?
+  [ $rc -eq 0 ] && ! grep -q "(4 ranks per GPU)" "$out/train.log" && rc=1  # --ranks-per-gpu took effect
+  echo "torchrun moe_ep.train, 4 ranks | rc=$rc | $((SECONDS - began)) s | $(grep done "$out/train.log")" >>"$out/summary.txt"
 fi
 if [ -n "${WITH_LAYER_BENCH:-}" ]; then  # alone after the tests, so its compute numbers are valid (one rank)
   began=$SECONDS

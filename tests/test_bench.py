@@ -24,8 +24,9 @@ import torch
 
 import moe_ep
 from moe_ep import bench
+from moe_ep.launch import Placement, plan
 
-from tests._dist import run_workers
+from tests._dist import requires_gpus, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout under test, whatever folder a rank starts in
 PASSES = ("forward", "backward", "forward_backward")
@@ -239,3 +240,60 @@ def test_bench_help_names_itself_and_every_default() -> None:
 def test_info_help() -> None:
     text = _help("moe_ep.info")
     assert text.startswith("usage: python -m moe_ep.info") and "Buffer(backend=" in text, text
+
+
+class _Stop(Exception):
+    """Ends bench.main once the Buffers under test were asked for."""
+
+
+def _ranks_per_node_worker(rank: int, world: int, out: str) -> None:
+    """bench.main with --ranks-per-node 1 --ranks-per-gpu 3: the placement is asked for 3 ranks per GPU,
+    and N1 makes its Buffer once with the detected node (None), then once with ranks_per_node=1
+    (recorded by a stand-in Buffer, which stops the run there; no GPU needed)."""
+    placements: list = []
+    made: list = []
+
+    class FakeBuffer:
+        def __init__(self, **kwargs: object) -> None:
+            made.append(kwargs.get("ranks_per_node"))
+            if kwargs.get("ranks_per_node") is not None:
+                raise _Stop
+
+        def __enter__(self) -> "FakeBuffer":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    def placement(ranks_per_gpu: object = None) -> Placement:
+        placements.append(ranks_per_gpu)
+        return plan(0, 1, 0, "cpu")
+
+    bench.Buffer, bench.init_distributed = FakeBuffer, placement
+    bench.bench_normal, bench.compares_to_deepep = (lambda *a, **k: []), (lambda buf: False)
+
+    def plot(*args: object) -> None:  # reached only when no Buffer stopped the run
+        raise _Stop
+
+    bench.plot = plot
+    sys.argv = ["moe_ep.bench", "--cases", "n1-native", "--ranks-per-node", "1", "--ranks-per-gpu", "3", "--out", out]
+    with pytest.raises(_Stop):
+        bench.main()
+    assert (placements, made) == ([3], [None, 1]), (placements, made)
+
+
+def test_ranks_per_node_and_ranks_per_gpu_reach_the_buffers(tmp_path: Path) -> None:
+    run_workers(1, _ranks_per_node_worker, str(tmp_path))
+
+
+@requires_gpus()
+def test_ranks_per_node_measures_both_topologies(tmp_path: Path) -> None:
+    """On the GPU: `--ranks-per-node 1` adds rows of 2 one-rank "nodes" to the one node of 2."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "moe_ep.bench", "--cases", "l1", "--ranks-per-node", "1", "--iters", "2", "--warmup", "1",
+           "--out", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench_l1.json").read_text())["rows"]
+    assert {r["topology"] for r in rows} == {"1x2", "2x1"}, {r["topology"] for r in rows}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import moe_ep
 from moe_ep.moe import fp8_experts as fe

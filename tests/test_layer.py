@@ -2,6 +2,10 @@
 
 The reference runs every expert locally on the same weights (all experts, gathered from a seeded
 generator) with plain per-expert loops, and its gradients are summed over ranks for the experts.
+Its experts and its shared expert are SwiGLUs written here in float64 from plain tensor operations
+(_swiglu_f64: no moe_ep module, not even F.silu), so a wrong activation in the library's SwiGLU or
+GroupedExperts fails. The cases cover the expert-major path (the default), the row path
+(expert_major=False) and worst-case mode; recompute_swiglu=True must give recompute_swiglu=False's bits.
 
 Tolerances: the layer computes in float32 but communicates in bf16 (the Buffer's contract), so
 x is rounded to bf16 before the experts (the reference does the same), each rank's partial output
@@ -13,7 +17,7 @@ max|want|. Routing (integer) must match exactly. Low-latency FP8 (3 mantissa bit
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import pytest
@@ -24,7 +28,6 @@ import torch.nn.functional as F
 import moe_ep
 from moe_ep import MoE, TopKRouter
 from moe_ep.moe.experts import GroupedExperts, grouped_mm_supported
-from moe_ep.moe.layer import SwiGLU
 from tests._dist import device, requires_gpus, run_workers
 
 TOL = 2e-2
@@ -41,6 +44,7 @@ class Case:
     ffn: int
     router: dict = field(default_factory=dict)
     shared: int = 0
+    layer: dict = field(default_factory=dict)  # MoE keyword arguments: expert_major, worst_case, ...
 
     def n(self, rank: int) -> int:
         return self.tokens[rank % len(self.tokens)]
@@ -55,6 +59,10 @@ GRAD_CASES = [
     Case(4, [11, 0, 7, 13], 16, 8, 8, 16, dict(norm_topk_prob=False, aux_loss_coef=0.02)),  # 3K > H
     Case(5, [16, 16, 16, 16], 32, 8, 3, 40, dict(score_func="sigmoid", expert_bias=True, capacity_factor=0.8,
                                                   aux_loss_coef=0.01)),
+    # the row path (experts sort the received rows) and worst-case mode (static shapes), with a shared expert
+    Case(9, [19, 31, 12, 0], 64, 16, 4, 32, dict(score_func="sigmoid", aux_loss_coef=0.01), shared=24,
+         layer=dict(expert_major=False)),
+    Case(10, [13, 0, 22, 9], 32, 8, 2, 24, dict(aux_loss_coef=0.01), shared=16, layer=dict(worst_case=True)),
 ]
 
 
@@ -86,7 +94,7 @@ def _build(case: Case, buf: moe_ep.Buffer, dtype: torch.dtype = torch.float32) -
     """MoE with a spread-out router, random bias, and all experts' weights loaded through a state
     dict that holds every global expert (each rank keeps its own)."""
     torch.manual_seed(case.seed)
-    moe = MoE(buf, case.ffn, shared_ffn_hidden=case.shared, dtype=dtype, **case.router)
+    moe = MoE(buf, case.ffn, shared_ffn_hidden=case.shared, dtype=dtype, **case.router, **case.layer)
     full = _full_expert_weights(case, buf.device)
     state = moe.state_dict()
     g = torch.Generator().manual_seed(case.seed)
@@ -100,31 +108,47 @@ def _build(case: Case, buf: moe_ep.Buffer, dtype: torch.dtype = torch.float32) -
     return moe, full
 
 
+def _swiglu_f64(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU in float64 from plain operations: (silu(x w1^T) * (x w3^T)) w2^T, silu(g) = g / (1 + e^-g)."""
+    x = x.double()
+    g = x @ w1.double().t()
+    return (g / (1 + torch.exp(-g)) * (x @ w3.double().t())) @ w2.double().t()
+
+
 def _dense(x: torch.Tensor, routing: moe_ep.RouterOutput, w: dict[str, torch.Tensor]) -> torch.Tensor:
-    """sum_k weight[n, k] * SwiGLU_{idx[n, k]}(bf16(x[n])), one expert at a time."""
-    xb = x.to(torch.bfloat16).to(x.dtype)
-    out = torch.zeros_like(x)
+    """float64: sum_k weight[n, k] * SwiGLU_{idx[n, k]}(bf16(x[n])), one expert at a time."""
+    xb = x.to(torch.bfloat16).double()
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for k in range(routing.topk_idx.shape[1]):
         idx = routing.topk_idx[:, k]
         for e in idx.unique().tolist():
             if e < 0:
                 continue
             rows = (idx == e).nonzero().squeeze(1)
-            h = F.silu(xb[rows] @ w["w1"][e].t()) * (xb[rows] @ w["w3"][e].t())
-            y = (h @ w["w2"][e].t()) * routing.topk_weights[rows, k].unsqueeze(1)
+            y = _swiglu_f64(xb[rows], w["w1"][e], w["w3"][e], w["w2"][e]) * routing.topk_weights[rows, k].double().unsqueeze(1)
             out = out.index_add(0, rows, y)
     return out
 
 
-def _reference_modules(case: Case, moe: MoE, group: Optional[dist.ProcessGroup]) -> tuple[TopKRouter, Optional[SwiGLU]]:
+def _reference_modules(case: Case, moe: MoE, group: Optional[dist.ProcessGroup]
+                       ) -> tuple[TopKRouter, Optional[dict[str, torch.Tensor]]]:
+    """The router (the library's, tested in test_router; routing must match exactly) and the shared
+    expert's weights as float64 leaves for _shared_f64."""
     router = TopKRouter(case.hidden, case.experts, case.topk, aux_loss_group=group, device=moe.buffer.device,
                         **case.router)
     router.load_state_dict(moe.router.state_dict())
     shared = None
     if moe.shared is not None:
-        shared = SwiGLU(case.hidden, case.shared, device=moe.buffer.device)
-        shared.load_state_dict(moe.shared.state_dict())
+        shared = {name: p.detach().double().clone().requires_grad_(True) for name, p in moe.shared.named_parameters()}
+        assert set(shared) == {"w1.weight", "w3.weight", "w2.weight"}
     return router, shared
+
+
+def _shared_f64(x: torch.Tensor, shared: Optional[dict[str, torch.Tensor]]) -> torch.Tensor | int:
+    """The shared expert in float64 (_swiglu_f64), or 0 without one."""
+    if shared is None:
+        return 0
+    return _swiglu_f64(x, shared["w1.weight"], shared["w3.weight"], shared["w2.weight"])
 
 
 def _inputs(case: Case, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +176,7 @@ def _grad_case(rank: int, world: int, case: Case, backend: str = "reference", dt
     xr = x0.clone().requires_grad_(True)
     wr = {k: v.clone().requires_grad_(True) for k, v in full.items()}
     r = ref_router(xr)
-    want = _dense(xr, r, wr) + (ref_shared(xr) if ref_shared is not None else 0)
+    want = _dense(xr, r, wr) + _shared_f64(xr, ref_shared)
     ((want * grad_out).sum() + r.aux_loss + r.z_loss).backward()
 
     assert torch.equal(routing.topk_idx, r.topk_idx)
@@ -162,7 +186,7 @@ def _grad_case(rank: int, world: int, case: Case, backend: str = "reference", dt
     _close(_grad(x), _grad(xr), "x.grad", tol)
     _close(_grad(moe.router.weight), _grad(ref_router.weight), "router.weight.grad", tol)
     if ref_shared is not None:
-        for name, p in ref_shared.named_parameters():
+        for name, p in ref_shared.items():
             _close(_grad(moe.shared.get_parameter(name)), _grad(p), f"shared.{name}.grad", tol)
     lo, e_l = moe.experts.first_expert, moe.experts.num_local_experts
     for name, w in wr.items():
@@ -233,7 +257,7 @@ def _low_latency_case(rank: int, world: int, use_fp8: bool, backend: str = "refe
     ref_router, ref_shared = _reference_modules(case, moe, None)
     with torch.no_grad():
         r = ref_router(x)
-        want = _dense(x, r, full) + ref_shared(x)
+        want = _dense(x, r, full) + _shared_f64(x, ref_shared)
         out_auto = moe(x)
         assert len(ll_calls) == 1, "auto mode should pick low-latency under no_grad with few tokens"
         _close(out_auto, want, "low-latency output", FP8_TOL if use_fp8 else TOL)
@@ -248,6 +272,27 @@ def _low_latency_case(rank: int, world: int, use_fp8: bool, backend: str = "refe
     with pytest.raises(RuntimeError, match="no backward"):
         moe(x, mode="low_latency")
     buf.close()
+
+
+def _recompute_case(rank: int, world: int) -> None:
+    """MoE(recompute_swiglu=True) gives recompute_swiglu=False's output and gradients bit for bit, on the
+    expert-major and the row path: it only trades memory for compute (docs/api.md)."""
+    for layer in (dict(), dict(expert_major=False)):
+        case = Case(11, [17, 9, 0, 23], 32, 8, 3, 40, dict(aux_loss_coef=0.01), shared=16, layer=layer)
+        buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts, num_topk=case.topk,
+                            max_tokens_per_rank=32, backend="reference")
+        x0, grad_out = _inputs(case, rank, buf.device)
+        runs = []
+        for recompute in (False, True):
+            moe, _ = _build(replace(case, layer=dict(layer, recompute_swiglu=recompute)), buf)
+            assert moe.experts.recompute_swiglu is recompute
+            x = x0.clone().requires_grad_(True)
+            out = moe(x, mode="normal")
+            ((out * grad_out).sum() + moe.aux_loss).backward()
+            runs.append([out.detach(), _grad(x)] + [_grad(p) for _, p in sorted(moe.named_parameters())])
+        for i, (a, b) in enumerate(zip(*runs)):
+            assert torch.equal(a, b), f"{layer}: recompute_swiglu changed tensor {i} (0: output, 1: x.grad, then params)"
+        buf.close()
 
 
 def _balancing_case(rank: int, world: int) -> None:
@@ -279,15 +324,16 @@ def _balancing_case(rank: int, world: int) -> None:
 
 
 def _bad_input_case() -> None:
-    """Wrong mode, width or token count fail with a clear error before any communication."""
+    """Wrong mode, width or (with static shapes) token count fail with a clear error."""
     buf = moe_ep.Buffer(None, device=device(), hidden=16, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
     moe = MoE(buf, 8)
     with pytest.raises(ValueError, match="mode"):
         moe(torch.randn(3, 16), mode="fast")
     with pytest.raises(ValueError, match="features"):
         moe(torch.randn(3, 8))
-    with pytest.raises(ValueError, match="max_tokens_per_rank"):
-        moe(torch.randn(9, 16))
+    assert moe(torch.randn(9, 16)).shape == (9, 16)  # above max_tokens_per_rank: streamed in rounds
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):  # a static-shape forward holds at most 8
+        MoE(buf, 8, worst_case=True)(torch.randn(9, 16))
     with pytest.raises(ValueError, match="low_latency_fp8"):
         MoE(buf, 8, low_latency_fp8=True)
     with pytest.raises(RuntimeError, match="aux_loss"):
@@ -319,7 +365,7 @@ def _replicated_case(rank: int, world: int) -> None:
                 for n in ("w1", "w2", "w3")}
         ref_router, ref_shared = _reference_modules(case, moe, dist.group.WORLD if world > 1 else None)
         x, _ = _inputs(case, rank, buf.device)
-        want = _dense(x, ref_router(x), full) + ref_shared(x)
+        want = _dense(x, ref_router(x), full) + _shared_f64(x, ref_shared)
         _close(moe(x, mode="normal"), want, "differently seeded ranks against the dense MoE")
     buf.close()
 
@@ -332,6 +378,7 @@ def _worker(rank: int, world: int) -> None:
     _low_latency_case(rank, world, use_fp8=False)
     _low_latency_case(rank, world, use_fp8=True)
     _balancing_case(rank, world)
+    _recompute_case(rank, world)
     _replicated_case(rank, world)
     if world == 1:
         _bad_input_case()

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep.comm import _native
+from moe_ep.comm import _native, call_check
 from moe_ep.comm.backends.symmetric import NvshmemSession
-from moe_ep.comm.errors import CommTimeoutError, ErrorWatch, _ErrorState
+from moe_ep.comm.errors import BadExpertIdError, CommTimeoutError, ErrorWatch, _ErrorState
 
 ROOT = Path(__file__).resolve().parents[1]
 COMM_H = ROOT / "csrc" / "runtime" / "comm.h"
@@ -258,6 +258,19 @@ def test_fallback_constants_equal_the_kernels_limits() -> None:
             assert getattr(native, name, fallback) == fallback == _native.constant(name), name
 
 
+def test_call_stamp_layout_matches_call_check() -> None:
+    """The notify kernels' stamp (runtime/call_stamp.h) is the one moe_ep.comm.call_check writes and reads:
+    as many words, the status word where it is, the bad-id status the kernels set."""
+    text = (ROOT / "csrc" / "runtime" / "call_stamp.h").read_text()
+    consts = {name: int(v) for name, v in re.findall(r"constexpr int (kStamp\w+) = (\d+);", text)}
+    stamp = call_check.CallOrder().stamp(call_check.DISPATCH, error=BadExpertIdError("topk_idx values must lie in"))
+    assert consts["kStampWords"] == call_check.STAMP_WORDS == len(stamp.words)
+    assert stamp.words[consts["kStampStatus"]] == stamp.status == consts["kStampBadIds"]
+    assert call_check.STATUS[consts["kStampBadIds"]] is BadExpertIdError
+    if _native.available()[0]:
+        assert _native.load().STAMP_WORDS == call_check.STAMP_WORDS
+
+
 def test_constant_from_the_module_else_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     class Exports:
         MAX_TOPK = 12
@@ -400,7 +413,7 @@ def _struct_fields(header: str, struct: str) -> list[str]:
     body = re.search(rf"struct {struct} \{{(.*?)\n\}};", (ROOT / "csrc" / header).read_text(), re.S)[1]
     names = []
     for decl in re.findall(r"^\s*(?:uintptr_t|int|bool)\s+([^;]+);", body, re.M):
-        names += [n.strip() for n in decl.split(",")]
+        names += [n.split("[")[0].strip() for n in decl.split(",")]  # an array field by its name
     return names
 
 
@@ -408,12 +421,12 @@ def _struct_fields(header: str, struct: str) -> list[str]:
 @pytest.mark.parametrize("name, header, struct, unbound", [
     ("IntranodeDims", "kernels/intranode/intranode.h", "Dims", set()),
     ("IntranodeLayoutArgs", "kernels/intranode/intranode.h", "LayoutArgs", set()),
-    ("IntranodeNotifyArgs", "kernels/intranode/intranode.h", "NotifyArgs", {"host_info"}),
+    ("IntranodeNotifyArgs", "kernels/intranode/intranode.h", "NotifyArgs", {"host_info", "stamp"}),
     ("IntranodeDispatchArgs", "kernels/intranode/intranode.h", "DispatchArgs", set()),
     ("IntranodeCombineArgs", "kernels/intranode/intranode.h", "CombineArgs", set()),
     ("IntranodeExpandArgs", "kernels/intranode/intranode.h", "ExpandArgs", set()),
     ("InternodeRouteArgs", "kernels/internode/internode.h", "RouteArgs", set()),
-    ("InternodeNotifyArgs", "kernels/internode/internode.h", "NotifyArgs", {"host_info"}),
+    ("InternodeNotifyArgs", "kernels/internode/internode.h", "NotifyArgs", {"host_info", "stamp"}),
     ("InternodeDispatchArgs", "kernels/internode/internode.h", "DispatchArgs", set()),
     ("InternodeCombineArgs", "kernels/internode/internode.h", "CombineArgs", set()),
     ("LowLatencyDims", "kernels/low_latency/low_latency.h", "Dims", set()),

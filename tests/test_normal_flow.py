@@ -1,7 +1,8 @@
 """The one normal-mode dispatch flow (moe_ep.comm.backends.engine.normal_dispatch) on the CPU, with a recording
 engine in place of the kernels: which steps run in which order, how big the outputs are, when the host
 waits for the counts, and which error checks come before and after the launch (timeouts only before it,
-everything once every kernel of the call is launched), for fresh, exact-size, worst-case and cached calls.
+everything once every kernel of the call is launched), for fresh, exact-size, worst-case and cached calls,
+and where the call's stamps are compared (once the counts are in and every kernel is launched).
 The GPU tests run the same flow on the real engines."""
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from moe_ep import Config
+from moe_ep import CallMismatchError, Config, PeerInputError
+from moe_ep.comm import call_check
 from moe_ep.comm.backends import engine as flow
 from moe_ep.comm.backends.base import BufferConfig, DispatchOutputs
 from moe_ep.comm.types import DispatchLayout
@@ -43,8 +45,9 @@ class _Event:
 class _Recorder(flow.NormalEngine):
     path = "test"
 
-    def __init__(self, cfg: BufferConfig, log: list[str]) -> None:
-        self.cfg, self.log = cfg, log
+    def __init__(self, cfg: BufferConfig, log: list[str], peer: Optional[list[int]] = None) -> None:
+        self.cfg, self.log, self.peer = cfg, log, peer  # peer: rank 1's stamp words (None: the same as ours)
+        self.sent: Optional[list[int]] = None
 
     @staticmethod
     def heap_bytes(cfg: BufferConfig) -> int:
@@ -56,8 +59,9 @@ class _Recorder(flow.NormalEngine):
     def layout(self, topk_idx: torch.Tensor, stream: Any) -> DispatchLayout:
         raise AssertionError("normal_dispatch does not call layout")
 
-    def notify(self, topk_idx, expert_alignment, worst_case, stream) -> flow.Notified:
+    def notify(self, topk_idx, expert_alignment, worst_case, stream, stamp) -> flow.Notified:
         self.log.append(f"notify worst_case={worst_case}")
+        self.sent = stamp
         aligned = torch.tensor([-(-c // expert_alignment) * expert_alignment for c in RAW], dtype=torch.int32)
         return flow.Notified(torch.ones(topk_idx.shape[0], R, dtype=torch.bool), _State(), aligned)
 
@@ -86,6 +90,10 @@ class _Recorder(flow.NormalEngine):
         self.log.append("host counts")
         return list(RECV), list(RAW)
 
+    def host_stamps(self) -> list[list[int]]:
+        self.log.append("host stamps")
+        return [self.sent, self.peer if self.peer is not None else self.sent]
+
     def combine(self, *args: Any, **kwargs: Any) -> None:
         raise AssertionError("not part of dispatch")
 
@@ -99,11 +107,12 @@ def _cfg() -> BufferConfig:
                         ranks_per_node=R, config=Config(num_sms=4))
 
 
-def _dispatch(monkeypatch: pytest.MonkeyPatch, knobs: Config, handle=None, worst_case=False, expert_major=False):
-    log: list[str] = []
+def _dispatch(monkeypatch: pytest.MonkeyPatch, knobs: Config, handle=None, worst_case=False, expert_major=False,
+              peer: Optional[list[int]] = None, log: Optional[list[str]] = None):
+    log = [] if log is None else log
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(_Event, "log", log)
-    eng = _Recorder(_cfg(), log)
+    eng = _Recorder(_cfg(), log, peer)
 
     def check(timeouts_only: bool = False) -> None:
         log.append("check timeouts" if timeouts_only else "check all")
@@ -113,14 +122,14 @@ def _dispatch(monkeypatch: pytest.MonkeyPatch, knobs: Config, handle=None, worst
     idx, w = (None, None) if handle is not None else (torch.zeros(n, K, dtype=torch.int64), torch.rand(n, K))
     res = flow.normal_dispatch(eng, x, None, idx, w, handle=handle, expert_alignment=4, worst_case=worst_case,
                                num_sms=4, knobs=knobs, stream=None, async_op=False, check=check,
-                               expert_major=expert_major)
+                               stamp=call_check.CallOrder().stamp(call_check.DISPATCH), expert_major=expert_major)
     return res, log
 
 
 def test_eager_outputs_start_the_kernel_before_the_host_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     res, log = _dispatch(monkeypatch, Config())
     assert log == ["notify worst_case=False", "record counts", f"launch rows={R * T} cached=False worst_case=False",
-                   "wait counts", "check timeouts", "host counts", "check all"]
+                   "wait counts", "check timeouts", "host counts", "host stamps", "check all"]
     assert res.x.shape[0] == sum(RECV) and res.handle.recv_counts == RECV
     assert res.tokens_per_expert == [8, 4] and res.handle.state.tokens_per_expert == RAW
     assert res.handle.num_recv_rows == sum(RECV) and res.handle.buffer_id == 7
@@ -129,7 +138,7 @@ def test_eager_outputs_start_the_kernel_before_the_host_waits(monkeypatch: pytes
 def test_exact_outputs_after_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     res, log = _dispatch(monkeypatch, Config(eager_output_bytes=0))
     assert log == ["notify worst_case=False", "record counts", "wait counts", "check timeouts", "host counts",
-                   f"launch rows={sum(RECV)} cached=False worst_case=False", "check all"]
+                   "host stamps", f"launch rows={sum(RECV)} cached=False worst_case=False", "check all"]
     assert res.x.shape[0] == sum(RECV) and res.tokens_per_expert == [8, 4]
 
 
@@ -158,7 +167,7 @@ def test_expert_major_allocate_no_rows(monkeypatch: pytest.MonkeyPatch, eager: b
     res, log = _dispatch(monkeypatch, Config() if eager else Config(eager_output_bytes=0), expert_major=True)
     want, _ = _dispatch(monkeypatch, Config() if eager else Config(eager_output_bytes=0))
     rows = R * T if eager else sum(RECV)
-    assert f"launch rows={rows} in workspace cached=False worst_case=False" in log and len(log) == 8
+    assert f"launch rows={rows} in workspace cached=False worst_case=False" in log and len(log) == 9
     assert log[-2:] == ["check all", "expand alignment=4"]
     assert res.x is None and res.handle.num_recv_rows == sum(RECV) == res.src_rank.shape[0]
     assert res.topk_idx.shape == (sum(RECV), K) and res.tokens_per_expert == want.tokens_per_expert == [8, 4]
@@ -166,3 +175,21 @@ def test_expert_major_allocate_no_rows(monkeypatch: pytest.MonkeyPatch, eager: b
     assert log == [f"launch rows={sum(RECV)} in workspace cached=True worst_case=False", "check all",
                    "expand alignment=4"]
     assert again.x is None and again.src_rank is res.src_rank
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_stamps_are_checked_with_the_counts(monkeypatch: pytest.MonkeyPatch, eager: bool) -> None:
+    """A peer that rejected its input, or made another call: this rank raises once the counts are in
+    and the dispatch kernel is launched (a peer in worst-case mode launches it without waiting)."""
+    knobs = Config() if eager else Config(eager_output_bytes=0)
+    launch = f"launch rows={sum(RECV)} cached=False worst_case=False"
+    rejected = call_check.CallOrder().stamp(call_check.DISPATCH, error=TypeError("x must have dtype torch.bfloat16"))
+    log: list[str] = []
+    with pytest.raises(PeerInputError, match=r"dispatch #1: rank 1 rejected its input \(TypeError: x \(dtype\)\)"):
+        _dispatch(monkeypatch, knobs, peer=rejected.words, log=log)
+    assert log[-1] == (launch if not eager else "host stamps") and any(e.startswith("launch") for e in log)
+    other = call_check.CallOrder().stamp(call_check.COMBINE, handle=1)
+    log = []
+    with pytest.raises(CallMismatchError, match=r"rank 0: dispatch #1, rank 1: combine #1 \(handle of call #1\)"):
+        _dispatch(monkeypatch, knobs, peer=other.words, log=log)
+    assert log[-1] == (launch if not eager else "host stamps") and any(e.startswith("launch") for e in log)

@@ -1,8 +1,12 @@
 """Misuse on one rank leaves the group in step (docs/api.md, Errors). One rank passes bad input to a
-call: that rank raises, the other ranks' results of that call are right against brute force (the bad
-rank counting as its stand-in: no tokens, zero rows, or its bad expert ids as -1), and every rank's
-next calls are right. Buffer arguments that differ between ranks raise on every rank. On the
-reference backend, a call that a peer skips raises CommTimeoutError within timeout_s plus a bound."""
+call: that rank raises its own error and, where the call checks its stamps (moe_ep.comm.call_check:
+every call on the reference backend, fresh dispatches on the native one, every call of a native
+Buffer with check_calls=True), every other rank raises PeerInputError naming it; elsewhere the other ranks' results are right against brute force (the bad
+rank counting as its stand-in: no tokens, zero rows, or its bad expert ids as -1). Every rank's next
+calls are right. Ranks that make different calls raise CallMismatchError on every rank, naming each
+rank's call, and the Buffer stays usable. Buffer arguments that differ between ranks raise on every
+rank. On the reference backend, a call that a peer skips altogether raises CommTimeoutError within
+timeout_s plus a bound."""
 from __future__ import annotations
 
 import re
@@ -18,7 +22,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.comm import fp8
-from moe_ep.comm.errors import CommTimeoutError
+from moe_ep.comm.errors import CallMismatchError, CommTimeoutError, PeerInputError
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import (
     Inputs,
@@ -247,9 +251,28 @@ def _expect(case: Case, call: Callable[[], Any]) -> None:
         call()
 
 
+def _expect_peer(case: Case, bad: int, call: Callable[[], Any]) -> None:
+    """A peer of the bad rank raises PeerInputError naming the bad rank and its error's class."""
+    with pytest.raises(PeerInputError, match=f"rank {bad} rejected its input") as raised:
+        call()
+    kind = "BadExpertIdError" if case.match == IDS else case.error.__name__
+    assert raised.value.ranks == [bad] and raised.value.reasons[0].startswith(kind), str(raised.value)
+
+
+def _collective(case: Case, backend: str, check_calls: bool) -> bool:
+    """Whether the call of `case` checks its stamps (docs/api.md, Errors): every communicating call on
+    the reference backend; on the native one the fresh dispatches outside worst-case mode (the host
+    reads their counts), and every call with check_calls=True (the others meet on the host first).
+    get_dispatch_layout communicates nothing, so its errors stay local."""
+    if case.call == "layout":
+        return False
+    return backend == "reference" or check_calls or case.call in ("dispatch", "fp8_dispatch")
+
+
 def _run_case(buf: moe_ep.Buffer, case: Case, inp: Inputs, me: int, world: int, bad: int, e: int,
-              dev: torch.device) -> None:
-    """The call of `case` with the bad rank's arguments spoiled; the peers' results against brute force."""
+              dev: torch.device, collective: bool) -> None:
+    """The call of `case` with the bad rank's arguments spoiled; the peers raise PeerInputError where the
+    call is `collective`, else their results are checked against brute force."""
     e_l = e // world
     mine = _on(dev, inp.x[me], inp.topk_idx[me], inp.topk_weights[me])
     bad_args = _on(dev, inp.x[bad], inp.topk_idx[bad], inp.topk_weights[bad])
@@ -277,19 +300,26 @@ def _run_case(buf: moe_ep.Buffer, case: Case, inp: Inputs, me: int, world: int, 
                 assert_same_bits(got.is_token_in_rank.cpu(), in_rank, "is_token_in_rank")
         elif case.call.startswith("ll"):
             hook = case.call == "ll_hook"
-            if me == bad:
-                if hook:
-                    _expect(case, buf.low_latency_dispatch(**spoiled).hook)
-                else:
-                    _expect(case, lambda: buf.low_latency_dispatch(**spoiled))
-            else:
-                got = buf.low_latency_dispatch(**args_of(*mine))
+
+            def received(args: Args) -> moe_ep.LowLatencyDispatchResult:
+                """The call, and its hook when it has one (either may raise: the hook on the reference
+                backend, the call where the stamps meet on the host first)."""
+                got = buf.low_latency_dispatch(**args)
                 if hook:
                     got.hook()
-                _check_ll_dispatch(got, seen, me, world, e)
+                return got
+
+            if me == bad:
+                _expect(case, lambda: received(spoiled))
+            elif collective:
+                _expect_peer(case, bad, lambda: received(args_of(*mine)))
+            else:
+                _check_ll_dispatch(received(args_of(*mine)), seen, me, world, e)
         else:
             if me == bad:
                 _expect(case, lambda: buf.dispatch(**spoiled))
+            elif collective:
+                _expect_peer(case, bad, lambda: buf.dispatch(**args_of(*mine)))
             else:
                 got = buf.dispatch(**args_of(*mine))
                 quantized = [_quantized(t) for t in seen.x] if case.call == "fp8_dispatch" else None
@@ -305,6 +335,9 @@ def _run_case(buf: moe_ep.Buffer, case: Case, inp: Inputs, me: int, world: int, 
         args = {"x": _ll_outputs(got, me, e_l), "topk_idx": mine[1], "topk_weights": mine[2], "handle": got.handle}
         if me == bad:
             _expect(case, lambda: buf.low_latency_combine(**case.spoil(args, e)))
+            return
+        if collective:
+            _expect_peer(case, bad, lambda: buf.low_latency_combine(**args))
             return
         out = buf.low_latency_combine(**args).x
         sender = bad if case.effect == "none" else -1
@@ -322,6 +355,9 @@ def _run_case(buf: moe_ep.Buffer, case: Case, inp: Inputs, me: int, world: int, 
         if me == bad:
             _expect(case, lambda: buf.dispatch(**case.spoil(args, e)))
             return
+        if collective:
+            _expect_peer(case, bad, lambda: buf.dispatch(**args))
+            return
         cached = buf.dispatch(**args)
         grads[bad] = torch.zeros_like(grads[bad])
         want = expected_dispatch(Inputs(grads, inp.topk_idx, inp.topk_weights), me, world, e)
@@ -333,6 +369,9 @@ def _run_case(buf: moe_ep.Buffer, case: Case, inp: Inputs, me: int, world: int, 
         args["topk_weights"] = got.topk_weights * (me + 1)
     if me == bad:
         _expect(case, lambda: buf.combine(**case.spoil(args, e)))
+        return
+    if collective:
+        _expect_peer(case, bad, lambda: buf.combine(**args))
         return
     out = buf.combine(**args)
     out, out_w = out if weights else (out, None)
@@ -351,10 +390,11 @@ def _mismatched(rank: int, world: int, backend: str, dev: torch.device) -> None:
     base = dict(hidden=H, num_experts=e, num_topk=K, max_tokens_per_rank=T, backend=backend, device=dev)
     differ = [
         ("num_experts", 2 * e), ("max_tokens_per_rank", T + 1), ("hidden", 128), ("num_topk", K - 1),
-        ("low_latency", True), ("timeout_s", 50.0), ("num_sms", 20), ("ranks_per_node", 1),
+        ("low_latency", True), ("timeout_s", 50.0), ("num_sms", 20), ("ranks_per_node", 1), ("check_calls", True),
     ]
     # as every rank resolves what it does not pass
-    resolved = {**base, "low_latency": False, "timeout_s": 100.0, "num_sms": 24, "ranks_per_node": world}
+    resolved = {**base, "low_latency": False, "timeout_s": 100.0, "num_sms": 24, "ranks_per_node": world,
+                "check_calls": False}
     for field, value in differ:
         kw = {**base, field: value} if rank == last else base
         values = ", ".join(f"{value if r == last else resolved[field]!r} on rank {r}" for r in range(world))
@@ -373,24 +413,70 @@ def _mismatched(rank: int, world: int, backend: str, dev: torch.device) -> None:
             moe_ep.Buffer(alone, **reference)
 
 
-def _bad_input_worker(rank: int, world: int, backend: str) -> None:
+def _expect_mismatch(call: Callable[[], Any], *calls: str) -> None:
+    """Raises CallMismatchError naming every rank's call (regexes, in rank order), not a timeout."""
+    want = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+    with pytest.raises(CallMismatchError, match=want):
+        call()
+
+
+def _call_mismatches(buf: moe_ep.Buffer, me: int, world: int, e: int, dev: torch.device, in_band: bool) -> None:
+    """The last rank makes another call than its peers (skips a combine; a normal dispatch against a
+    low-latency one; FP8 rows against bf16; the combine of another dispatch): every rank raises
+    CallMismatchError naming each rank's call, and a clean round after it is right. in_band (native
+    backend without check_calls): only fresh dispatches compare stamps, so only the FP8 one
+    (exact-size outputs, so the dispatch kernel writes no more rows than each rank's counts say)."""
+    last, n = world - 1, r"#(\d+)"
+    for i, scenario in enumerate(["fp8"] if in_band else ["skip combine", "low latency", "fp8", "other handle"]):
+        inp = _inputs(5000 + 10 * world + i, world, e)
+        x, idx, w = _on(dev, inp.x[me], inp.topk_idx[me], inp.topk_weights[me])
+        q, scales = _on(dev, *_quantized(inp.x[me]))
+        if scenario == "skip combine":
+            got = buf.dispatch(x, idx, w)
+            call = (lambda: buf.dispatch(x, idx, w)) if me == last else (lambda: buf.combine(got.x, got.handle))
+            calls = [rf"combine {n} \(handle of call {n}\)"] * last + [f"dispatch {n}"]
+        elif scenario == "low latency":
+            call = (lambda: buf.dispatch(x, idx, w)) if me == last else (lambda: buf.low_latency_dispatch(x, idx))
+            calls = [f"low-latency dispatch {n}"] * last + [f"dispatch {n}"]
+        elif scenario == "fp8":
+            exact = moe_ep.Config(eager_output_bytes=0)
+            call = ((lambda: buf.dispatch(q, idx, w, x_scales=scales, config=exact)) if me == last
+                    else (lambda: buf.dispatch(x, idx, w, config=exact)))
+            calls = [f"dispatch {n}"] * last + [rf"dispatch {n} \(FP8 rows\)"]
+        else:
+            first, second = buf.dispatch(x, idx, w), buf.dispatch(x, idx, w)
+            got = second if me == last else first
+            call = lambda: buf.combine(got.x, got.handle)  # noqa: E731
+            calls = [rf"combine {n} \(handle of call #{first.handle.call}\)"] * last + [
+                rf"combine {n} \(handle of call #{second.handle.call}\)"]
+        try:
+            _expect_mismatch(call, *calls)
+            _normal_round(buf, _inputs(6000 + 10 * world + i, world, e), me, world, e, dev)
+        except AssertionError as error:
+            raise AssertionError(f"call mismatch / {scenario}, rank {me}: {error}") from error
+
+
+def _bad_input_worker(rank: int, world: int, backend: str, check_calls: bool = False) -> None:
     dev = device()
-    _mismatched(rank, world, backend, dev)
+    if not check_calls:
+        _mismatched(rank, world, backend, dev)
     e = 4 * world
     native = backend == "nvshmem"
     with moe_ep.Buffer(hidden=H, num_experts=e, num_topk=K, max_tokens_per_rank=T, backend=backend,
-                       low_latency=True, device=dev) as buf:
+                       low_latency=True, check_calls=check_calls, device=dev) as buf:
         for i, case in enumerate(CASES):
             if native and not case.native:
                 continue
             bad, seed = i % world, 100 * world + i
-            try:
-                _run_case(buf, case, _inputs(seed, world, e), rank, world, bad, e, dev)
+            try:  # every rank catches its error (pytest.raises) and goes on, as a training loop would
+                _run_case(buf, case, _inputs(seed, world, e), rank, world, bad, e, dev,
+                          _collective(case, backend, check_calls))
                 _normal_round(buf, _inputs(seed + 5000, world, e), rank, world, e, dev)
                 if case.call.startswith("ll"):
                     _ll_round(buf, _inputs(seed + 9000, world, e), rank, world, e, dev)
             except AssertionError as error:
                 raise AssertionError(f"{case.call} / {case.name} (bad rank {bad}), rank {rank}: {error}") from error
+        _call_mismatches(buf, rank, world, e, dev, native and not check_calls)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -399,13 +485,15 @@ def test_one_rank_bad_input_reference(world: int) -> None:
 
 
 @requires_gpus()
-def test_one_rank_bad_input_native() -> None:
-    run_workers(2, _bad_input_worker, "nvshmem", backend="gpu", timeout_s=300)
+@pytest.mark.parametrize("check_calls", [False, True])
+def test_one_rank_bad_input_native(check_calls: bool) -> None:
+    run_workers(2, _bad_input_worker, "nvshmem", check_calls, backend="gpu", timeout_s=300)
 
 
 TIMEOUT_S = 2.0
-SKIPS = [("dispatch", "reference dispatch counts"), ("combine", "reference combine rows"),
-         ("ll_dispatch", "reference low-latency dispatch counts"), ("ll_combine", "reference low-latency combine rows")]
+SKIPS = [("dispatch", "reference dispatch header"), ("combine", "reference combine header"),
+         ("ll_dispatch", "reference low-latency dispatch header"),
+         ("ll_combine", "reference low-latency combine header")]
 
 
 def _timeout_worker(rank: int, world: int, store_path: str) -> None:

@@ -1,4 +1,6 @@
-"""moe_ep.train on CPU (gloo, reference backend): the loss falls, EP=2 follows EP=1, resume is exact."""
+"""moe_ep.train on CPU (gloo, reference backend): the loss falls, EP=2 follows EP=1, resume is exact;
+sync_gradients against a hand computation over ranks, and one plain-SGD step at EP=2 against EP=1 (SGD
+moves each weight by lr times its gradient, so a gradient off by a factor shows, unlike under AdamW)."""
 from __future__ import annotations
 
 import json
@@ -10,10 +12,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch import nn
 
+import moe_ep.train
+from moe_ep import Buffer
 from moe_ep.data import VOCAB, CharCorpus, decode, generate_text
-from moe_ep.train import TrainConfig, parse_args, step_dir, train
+from moe_ep.launch import plan
+from moe_ep.moe.experts import GroupedExperts
+from moe_ep.train import MoELM, TrainConfig, parse_args, step_dir, sync_gradients, train, train_step
 from tests._dist import requires_gpus, run_workers
 
 STEPS = 30
@@ -86,6 +94,86 @@ def test_training_with_capacity_factor_runs(results) -> None:
     assert len(results[1]["capacity"]) == 3
 
 
+class _TwoKinds(nn.Module):
+    """A replicated layer, this rank's experts, and a parameter that gets no gradient."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(5, 4)
+        self.experts = GroupedExperts(2 * world, 2, 2 * rank, 4, 3)
+        self.unused = nn.Parameter(torch.zeros(3))
+
+
+def _sync_worker(rank: int, world: int) -> None:
+    """sync_gradients against float64 by hand: replicated gradients -> their mean over ranks, expert
+    gradients -> this rank's / R, norm over both (experts of every rank), then clipping by clip / norm."""
+    model = _TwoKinds(rank, world)
+    replicated = [model.dense.weight, model.dense.bias]
+    local = list(model.experts.parameters())
+    for clip in (0.0, 1.0):
+        g = torch.Generator().manual_seed(17 * rank + int(clip))
+        for p in replicated + local:
+            p.grad = torch.randn(p.shape, generator=g) * 3
+        mine = [p.grad.double().clone() for p in replicated + local]
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        mean = [sum(r[i] for r in everyone) / world for i in range(len(replicated))]
+        own = [t / world for t in mine[len(replicated):]]
+        norm = sum(t.square().sum() for t in mean)
+        norm += sum(t.square().sum() for r in everyone for t in r[len(replicated):]) / world ** 2
+        norm = float(norm.sqrt())
+        got = sync_gradients(model, world, clip)
+        assert abs(got - norm) <= 1e-5 * norm, (got, norm)
+        factor = clip / (norm + 1e-6) if 0 < clip < norm else 1.0
+        assert clip == 0 or factor < 1, "the clipped case must clip"
+        for p, want in zip(replicated + local, mean + own):
+            torch.testing.assert_close(p.grad.double(), want * factor, rtol=1e-5, atol=1e-6)
+        assert model.unused.grad is None
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_sync_gradients_by_hand(world: int) -> None:
+    run_workers(world, _sync_worker)
+
+
+def _sgd_worker(rank: int, world: int, root: str) -> None:
+    """One train_step with plain SGD (no clipping) from the weights EP=1 started with; rank 0 writes
+    every parameter's change (experts under global ids)."""
+    cfg = _config(root, clip=0.0, layers=1)
+    local_batch = cfg.batch // world
+    corpus = CharCorpus(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    buffer = Buffer(dist.group.WORLD, hidden=cfg.dim, num_experts=cfg.experts, num_topk=cfg.top_k,
+                    max_tokens_per_rank=local_batch * cfg.seq_len, backend="reference")
+    model = MoELM(cfg, corpus.vocab_size, buffer, torch.float32, torch.device("cpu"))
+    init = Path(root, "init.pt")
+    if world == 1:
+        torch.save(model.state_dict(), init)
+    model.load_state_dict(torch.load(init))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs, targets = corpus.batch(0, cfg.batch, cfg.seq_len)
+    rows = slice(rank * local_batch, (rank + 1) * local_batch)
+    train_step(cfg, model, torch.optim.SGD(model.parameters(), lr=1.0), inputs[rows], targets[rows], world)
+    delta = {k: v - before[k] for k, v in model.state_dict().items()}
+    parts: list = [None] * world
+    dist.all_gather_object(parts, delta)
+    if rank == 0:
+        torch.save({k: v for part in parts for k, v in part.items()}, Path(root, f"sgd{world}.pt"))
+    buffer.close()
+
+
+def test_sgd_step_ep2_matches_ep1(tmp_path: Path) -> None:
+    run_workers(1, _sgd_worker, str(tmp_path))
+    run_workers(2, _sgd_worker, str(tmp_path))
+    ep1, ep2 = torch.load(tmp_path / "sgd1.pt"), torch.load(tmp_path / "sgd2.pt")
+    assert ep1.keys() == ep2.keys() and any(k.startswith("blocks.0.moe.experts.") for k in ep1)
+    for name, want in ep1.items():
+        scale = float(want.abs().max())
+        assert scale > 0, f"{name}: SGD did not move it"
+        err = float((ep2[name] - want).abs().max())
+        assert err <= 2e-2 * scale + 1e-7, f"{name}: EP=2's step differs from EP=1's by {err:.3e} (step max {scale:.3e})"
+
+
 def test_data_is_deterministic() -> None:
     assert generate_text(3, 500) == generate_text(3, 500) != generate_text(4, 500)
     a, b = CharCorpus(5, 5_000), CharCorpus(5, 5_000)
@@ -110,6 +198,27 @@ def test_cli_flags() -> None:
     assert parse_args([]) == TrainConfig()
 
 
+class _Stop(Exception):
+    """Ends moe_ep.train.main once it asked for its placement."""
+
+
+def test_ranks_per_gpu_reaches_the_placement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--ranks-per-gpu goes to init_distributed (a recording stand-in here); on CPU the real placement
+    refuses it with a clear error."""
+    asked: list = []
+
+    def placement(device: str, ranks_per_gpu: object) -> None:
+        asked.append((device, ranks_per_gpu))
+        raise _Stop
+
+    monkeypatch.setattr(moe_ep.train, "init_distributed", placement)
+    with pytest.raises(_Stop):
+        moe_ep.train.main(["--ranks-per-gpu", "3", "--device", "cuda"])
+    assert asked == [("cuda", 3)]
+    with pytest.raises(ValueError, match="ranks_per_gpu needs CUDA devices"):
+        plan(0, 2, 0, "cpu", 2)
+
+
 def _torchrun(tmp_path: Path, *flags: str) -> str:
     """Run `torchrun --nproc-per-node 2 -m moe_ep.train FLAGS`; returns its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -125,6 +234,14 @@ def test_torchrun_command(tmp_path: Path) -> None:
                     "--ffn", "16", "--layers", "1", "--log-every", "2")
     assert "backend reference" in out and "step     4 | loss" in out and "done: 4 steps" in out
     assert sorted(os.listdir(tmp_path / "ckpt" / "step000004")) == ["rank00000-of-00002.pt", "rank00001-of-00002.pt"]
+
+
+@requires_gpus()
+def test_torchrun_ranks_per_gpu(tmp_path: Path) -> None:
+    """--ranks-per-gpu 2: both ranks on the first GPU over gloo, whatever the GPU count."""
+    out = _torchrun(tmp_path, "--ranks-per-gpu", "2", "--steps", "4", "--batch", "4", "--seq-len", "16", "--dim", "64",
+                    "--ffn", "64", "--layers", "1", "--log-every", "2", "--no-progress")
+    assert "(2 ranks per GPU)" in out and "done: 4 steps" in out, out[-2000:]
 
 
 @requires_gpus()

@@ -259,13 +259,32 @@ def test_nvshmem_without_gpu_is_a_clear_error():
         moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem")
 
 
-def _experts_not_divisible(rank: int, world: int) -> None:
+def _two_rank_rules(rank: int, world: int) -> None:
+    """Rules that need a group of 2: experts divisible by the group size; hierarchical=False refused when
+    the group spans nodes (2 "nodes" of 1 rank), accepted on one node, hierarchical=True across nodes."""
     with pytest.raises(ValueError, match=r"num_experts \(5\) must be divisible by the group size \(2\)"):
         moe_ep.Buffer(hidden=H, num_experts=5, num_topk=K, max_tokens_per_rank=T, backend="reference")
+    common = dict(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference")
+    with pytest.raises(ValueError, match="hierarchical=False needs one node, but the group spans 2 nodes of 1 ranks"):
+        moe_ep.Buffer(**common, ranks_per_node=1, hierarchical=False)
+    with moe_ep.Buffer(**common, ranks_per_node=1) as b:
+        assert (b.num_nodes, b.cfg.hierarchical) == (2, True)
+    with moe_ep.Buffer(**common, hierarchical=False) as b:
+        assert (b.num_nodes, b.cfg.hierarchical) == (1, False)
 
 
-def test_experts_not_divisible_by_ranks():
-    run_workers(2, _experts_not_divisible)
+def test_rules_of_a_two_rank_group():
+    run_workers(2, _two_rank_rules)
+
+
+def test_fault_tolerant_needs_low_latency() -> None:
+    """fault_tolerant=True is for low-latency Buffers only (docs/api.md): refused without low_latency; the
+    reference backend accepts it with low_latency (it honours masks set from Python)."""
+    common = dict(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference")
+    with pytest.raises(ValueError, match=r"fault_tolerant=True needs low_latency=True"):
+        moe_ep.Buffer(**common, fault_tolerant=True)
+    with moe_ep.Buffer(**common, low_latency=True, fault_tolerant=True) as b:
+        assert b.cfg.fault_tolerant and b.masked_ranks == []
 
 
 def test_auto_picks_reference_on_cpu(buf):

@@ -1,6 +1,7 @@
 """Buffer: the public communication object. Every input is validated here, once, before any backend
 runs; backends below trust what they get. Every rank makes the same collective calls whatever its
-inputs: a rank whose input is rejected makes the call on stand-in inputs, then raises."""
+inputs: a rank whose input is rejected makes the call on stand-in inputs, its stamp saying so
+(moe_ep.comm.call_check), then raises; its peers raise PeerInputError once the stamps are in."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,18 @@ import torch.distributed as dist
 
 from . import _native, topology
 from .backends.base import Backend, BufferConfig, record_event
+from .backends.engine import host_group
+from .call_check import (
+    CACHED,
+    COMBINE,
+    DISPATCH,
+    LL_COMBINE,
+    LL_DISPATCH,
+    CallOrder,
+    CallStamp,
+    HostCheck,
+    OwnRejection,
+)
 from .config import DEFAULT_NUM_SMS, PER_BUFFER, Config
 from .errors import BadExpertIdError
 from .streams import CommStream
@@ -32,6 +45,7 @@ _buffer_ids = itertools.count(1)
 # moe_ep.launch's exit, which closes them in that order before the group goes.
 _open_buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
 _LowLatencyResult = TypeVar("_LowLatencyResult", LowLatencyDispatchResult, LowLatencyCombineResult)
+_Result = TypeVar("_Result")
 
 
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], shape: tuple[Optional[int], ...],
@@ -147,7 +161,7 @@ def _resolve_topology(group: dist.ProcessGroup, ranks_per_node: Optional[int],
 
 def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_experts: Any, num_topk: Any,
                     max_tokens_per_rank: Any, backend: Any, low_latency: Any, num_sms: Any, timeout_s: Any,
-                    ranks_per_node: Any, hierarchical: Any, fault_tolerant: Any,
+                    ranks_per_node: Any, hierarchical: Any, fault_tolerant: Any, check_calls: Any,
                     device: Any, config: Any) -> tuple[dict[str, Any], torch.device]:
     """This rank's Buffer arguments checked on their own (no communication): what every rank must agree
     on, in the order a mismatch is reported (the resolved Config last), and the Buffer's device."""
@@ -171,6 +185,8 @@ def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_ex
     _check_ranks_per_node(ranks_per_node, world)
     if hierarchical is not None and not isinstance(hierarchical, bool):
         raise TypeError(f"hierarchical must be None, True or False, got {hierarchical!r}")
+    if not isinstance(check_calls, bool):
+        raise TypeError(f"check_calls must be True or False, got {check_calls!r}")
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a moe_ep.Config, got {type(config).__name__}")
     knobs = config if config is not None else Config.from_env()  # the environment gives defaults only
@@ -186,7 +202,8 @@ def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_ex
         "backend": name, "device type": device.type, "hidden": hidden, "num_experts": num_experts,
         "num_topk": num_topk, "max_tokens_per_rank": max_tokens_per_rank, "low_latency": bool(low_latency),
         "num_sms": sms, "timeout_s": float(timeout_s), "ranks_per_node": ranks_per_node,
-        "hierarchical": hierarchical, "fault_tolerant": bool(fault_tolerant), "config": knobs.replace(num_sms=sms),
+        "hierarchical": hierarchical, "fault_tolerant": bool(fault_tolerant), "check_calls": check_calls,
+        "config": knobs.replace(num_sms=sms),
     }, device
 
 
@@ -237,31 +254,42 @@ def _check_same_topology(everyone: list[dict[str, Any]], detected: int) -> None:
 
 
 def _take_part(error: Exception, standin: Callable[[], object]) -> NoReturn:
-    """Make the call on stand-in inputs, so that every peer's collective finds this rank, then raise this
-    rank's `error`: one rank's bad input must not desynchronise the group (docs/api.md, Errors)."""
-    standin()
+    """Make the call on stand-in inputs whose stamp carries the rejection, so that every peer's exchange
+    finds this rank (and raises PeerInputError where the call checks stamps), then raise this rank's
+    `error`: one rank's bad input must not desynchronise the group (docs/api.md, Errors)."""
+    try:
+        standin()
+    except OwnRejection:
+        pass
     raise error
 
 
-def _raise_after_receive(error: Exception, result: _LowLatencyResult) -> _LowLatencyResult:
-    """A low-latency call that took part for rejected input: raise now, or, with a receive hook, from
-    the hook once it has received (the peers' receive waits for this rank's sends)."""
+def _raise_after_receive(error: Exception, run: Callable[[], _LowLatencyResult]) -> _LowLatencyResult:
+    """A low-latency call that takes part for rejected input: raise once it ran, or, with a receive
+    hook, from the hook once it has received (the peers' receive waits for this rank's sends)."""
+    try:
+        result = run()
+    except OwnRejection:
+        raise error from None
     if result.hook is None:
         raise error
     hook = result.hook
 
     def receive() -> None:
-        hook()
+        try:
+            hook()
+        except OwnRejection:
+            pass
         raise error
 
     result.hook = receive
     return result
 
 
-def _keep_routing(result: LowLatencyDispatchResult, topk_idx: torch.Tensor) -> LowLatencyDispatchResult:
-    """Records in the handle the topk_idx the dispatch exchanged: a combine whose own is rejected uses it."""
-    result.handle.topk_idx = topk_idx
-    return result
+def _kernel_found_ids() -> BadExpertIdError:
+    """What a rank raises when its stamp says its kernels found a bad expert id and no record says which."""
+    return BadExpertIdError("topk_idx held an expert id outside [-1, num_experts) (found by the kernels; the call "
+                            "treated it as -1 and every rank raised)")
 
 
 class Buffer:
@@ -274,7 +302,7 @@ class Buffer:
                  max_tokens_per_rank: int, backend: str = "auto", low_latency: bool = False,
                  num_sms: Optional[int] = None, timeout_s: float = 100.0,
                  ranks_per_node: Optional[int] = None, hierarchical: Optional[bool] = None,
-                 fault_tolerant: bool = False, device: Optional[torch.device] = None,
+                 fault_tolerant: bool = False, check_calls: bool = False, device: Optional[torch.device] = None,
                  config: Optional[Config] = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
@@ -290,7 +318,7 @@ class Buffer:
                 group, world, hidden=hidden, num_experts=num_experts, num_topk=num_topk,
                 max_tokens_per_rank=max_tokens_per_rank, backend=backend, low_latency=low_latency, num_sms=num_sms,
                 timeout_s=timeout_s, ranks_per_node=ranks_per_node, hierarchical=hierarchical,
-                fault_tolerant=fault_tolerant, device=device, config=config)
+                fault_tolerant=fault_tolerant, check_calls=check_calls, device=device, config=config)
         except (TypeError, ValueError, RuntimeError) as e:
             error = e
         if settings is not None and settings["backend"] == "nvshmem":
@@ -314,7 +342,20 @@ class Buffer:
         self._check_path_sms(self.cfg.num_sms)
         self._backend: Optional[Backend] = self._make_backend()
         self._comm = CommStream(device)
+        self._calls = CallOrder()  # numbers the communicating calls (moe_ep.comm.call_check)
+        # check_calls=True: every call's stamps meet on the host first (the reference backend checks in band)
+        self._host_check: Optional[HostCheck] = None
+        if check_calls and self.backend_name != "reference":
+            self._host_check = HostCheck(host_group(group), self.cfg.rank, self.cfg.timeout_s)
         _open_buffers[self.cfg.buffer_id] = self
+
+    def _checked(self, stamp: CallStamp, call: Callable[[], _Result]) -> _Result:
+        """Runs a backend call; with check_calls=True on the native backend the ranks' stamps first meet
+        on the host (every call, so ranks making different calls meet there too), raising on every rank
+        alike before anything launches."""
+        if self._host_check is not None:
+            self._host_check.verify(stamp)
+        return call()
 
     def _make_backend(self) -> Backend:
         if self.backend_name == "reference":
@@ -610,32 +651,45 @@ class Buffer:
                  previous_event: Optional[EventHandle] = None, async_op: bool = False) -> DispatchResult:
         """Send each token once to every rank holding one of its experts (docs/api.md); expert_major:
         the received rows as (row, local expert) pairs grouped by expert. Rejected arguments: this
-        rank takes part as a rank without tokens (a cached dispatch: with zero rows), then raises."""
+        rank takes part as a rank without tokens (a cached dispatch: with zero rows), then raises; its
+        peers raise PeerInputError where the call checks its stamps (docs/api.md, Errors)."""
         if handle is not None:
             self._check_handle(handle, DispatchHandle)
         sms, knobs = self._knobs(num_sms, config)
         previous_event = self._check_event(previous_event)
+        kind, made_by = (DISPATCH, 0) if handle is None else (CACHED, handle.call)
+        fp8 = int(self._fp8_rows(x))
 
-        def run(*args: Any, **kwargs: Any) -> DispatchResult:
+        def run(*args: Any, stamp: CallStamp, **kwargs: Any) -> DispatchResult:
             """The backend's dispatch under the stream rule of moe_ep.comm.streams."""
             work = functools.partial(self.backend.dispatch, *args, handle=handle, worst_case=bool(worst_case),
-                                     num_sms=sms, knobs=knobs, async_op=bool(async_op), **kwargs)
-            return self._comm.run(work, previous_event=previous_event, async_op=bool(async_op), inputs=(args, handle))
+                                     num_sms=sms, knobs=knobs, async_op=bool(async_op), stamp=stamp, **kwargs)
+            return self._checked(stamp, lambda: self._comm.run(work, previous_event=previous_event,
+                                                               async_op=bool(async_op), inputs=(args, handle)))
 
         try:
             self._check_dispatch(x, x_scales, topk_idx, topk_weights, handle, expert_alignment,
                                  bool(worst_case) and handle is None)
             expert_major = self._check_expert_major(expert_major, handle, expert_alignment)
         except (TypeError, ValueError) as error:
-            rows, scales = self._zero_rows((0 if handle is None else handle.num_tokens,), self._fp8_rows(x))
+            stamp = self._calls.stamp(kind, made_by, fp8, error)
+            rows, scales = self._zero_rows((0 if handle is None else handle.num_tokens,), bool(fp8))
             idx, weights = self._no_routing(0) if handle is None else (None, None)
-            _take_part(error, lambda: run(rows, scales, idx, weights, expert_alignment=1, expert_major=False))
+            _take_part(error, lambda: run(rows, scales, idx, weights, stamp=stamp, expert_alignment=1,
+                                          expert_major=False))
         bad_ids = None
         if handle is None:
             topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        result = run(x, x_scales, topk_idx, topk_weights, expert_alignment=expert_alignment, expert_major=expert_major)
+        stamp = self._calls.stamp(kind, made_by, fp8, bad_ids)
+        try:
+            result = run(x, x_scales, topk_idx, topk_weights, stamp=stamp, expert_alignment=expert_alignment,
+                         expert_major=expert_major)
+        except OwnRejection:
+            raise (bad_ids if bad_ids is not None else _kernel_found_ids()) from None
         if bad_ids is not None:
             raise bad_ids
+        if handle is None:
+            result.handle.call = stamp.call
         return result
 
     def _check_combine(self, x: object, handle: DispatchHandle, topk_weights: object, pair_weights: object) -> None:
@@ -662,28 +716,33 @@ class Buffer:
         """Sum each token's rows (and topk_weights rows) back on its source rank (docs/api.md); returns out,
         (out, weights) with topk_weights, and the EventHandle last when async_op. An expert-major
         handle's combine takes pairs and sums each row's first (pair_weights: times each pair's weight).
-        Rejected tensors: this rank sends zero rows (and weights) back, then raises."""
+        Rejected tensors: this rank sends zero rows (and weights) back, then raises; its peers raise
+        PeerInputError where the call checks its stamps (docs/api.md, Errors)."""
         self._check_handle(handle, DispatchHandle)
         sms, knobs = self._knobs(num_sms, config)
         previous_event = self._check_event(previous_event)
+        with_weights = int(topk_weights is not None)
 
-        def run(x: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:
+        def run(x: torch.Tensor, stamp: CallStamp,
+                **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:
             """The backend's combine under the stream rule of moe_ep.comm.streams."""
             work = functools.partial(self.backend.combine, x, handle=handle, num_sms=sms, knobs=knobs,
-                                     async_op=bool(async_op), **kwargs)
-            return self._comm.run(work, previous_event=previous_event, async_op=bool(async_op),
-                                  inputs=(x, handle, kwargs))
+                                     async_op=bool(async_op), stamp=stamp, **kwargs)
+            return self._checked(stamp, lambda: self._comm.run(work, previous_event=previous_event,
+                                                               async_op=bool(async_op), inputs=(x, handle, kwargs)))
 
         try:
             self._check_combine(x, handle, topk_weights, pair_weights)
         except (TypeError, ValueError) as error:
+            stamp = self._calls.stamp(COMBINE, handle.call, with_weights, error)
             layout = handle.expert_major
             m = handle.num_recv_rows if layout is None else layout.num_pairs
             rows, _ = self._zero_rows((m,), False)
             shape = (m, self.cfg.num_topk) if layout is None else (m,)
-            weights = None if topk_weights is None else torch.zeros(shape, dtype=torch.float32, device=self.cfg.device)
-            _take_part(error, lambda: run(rows, topk_weights=weights, pair_weights=None))
-        out, weights, event = run(x, topk_weights=topk_weights, pair_weights=pair_weights)
+            weights = torch.zeros(shape, dtype=torch.float32, device=self.cfg.device) if with_weights else None
+            _take_part(error, lambda: run(rows, stamp, topk_weights=weights, pair_weights=None))
+        stamp = self._calls.stamp(COMBINE, handle.call, with_weights)
+        out, weights, event = run(x, stamp, topk_weights=topk_weights, pair_weights=pair_weights)
         result = (out,) if topk_weights is None else (out, weights)
         if async_op:
             result += (event,)
@@ -720,12 +779,19 @@ class Buffer:
         """Expert-major dispatch with fixed capacity and no host sync (docs/api.md); FP8 scales in DeepEP's
         token-major layout per expert, with use_ue8m0 packed as DeepEP's UE8M0 int32. Rejected tensors
         or flags: this rank takes part as a rank without tokens, then raises (with a receive hook: the
-        hook does)."""
+        hook does); its peers raise PeerInputError where the call checks its stamps."""
         self._check_low_latency()
         if use_fp8:
             self._check_fp8_hidden()
         run = self._low_latency_run(self.backend.low_latency_dispatch, async_op, return_recv_hook,
                                     use_fp8=bool(use_fp8))
+
+        def routed(x: torch.Tensor, idx: torch.Tensor, stamp: CallStamp, **kwargs: Any) -> LowLatencyDispatchResult:
+            """The call; its handle keeps the topk_idx it exchanged (a combine whose own is rejected uses it)."""
+            result = self._checked(stamp, lambda: run(x, idx, stamp=stamp, **kwargs))
+            result.handle.topk_idx, result.handle.call = idx, stamp.call
+            return result
+
         try:
             x = self._check_x(x, fp8_ok=False)
             self._check_topk_idx(topk_idx, x.shape[0])
@@ -735,23 +801,34 @@ class Buffer:
                 raise ValueError("use_ue8m0=True needs use_fp8=True, round_scale=True (power-of-two scales) and "
                                  f"hidden % 512 == 0 (four exponents per int32), got hidden {self.cfg.hidden}")
         except (TypeError, ValueError) as error:
+            stamp = self._calls.stamp(LL_DISPATCH, 0, int(bool(use_fp8)), error)
             rows, _ = self._zero_rows((0,), False)
             idx, _ = self._no_routing(0)
-            return _raise_after_receive(error, _keep_routing(run(rows, idx, round_scale=False, use_ue8m0=False), idx))
+            return _raise_after_receive(error, lambda: routed(rows, idx, stamp, round_scale=False, use_ue8m0=False))
         topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        result = _keep_routing(run(x, topk_idx, round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0)), topk_idx)
-        return result if bad_ids is None else _raise_after_receive(bad_ids, result)
+        stamp = self._calls.stamp(LL_DISPATCH, 0, int(bool(use_fp8)), bad_ids)
+
+        def call() -> LowLatencyDispatchResult:
+            return routed(x, topk_idx, stamp, round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0))
+
+        return call() if bad_ids is None else _raise_after_receive(bad_ids, call)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, return_recv_hook: bool = False,
                             async_op: bool = False) -> LowLatencyCombineResult:
         """Weighted sum of each token's expert outputs, ascending k, one rounding (docs/api.md). Rejected
         tensors: this rank sends zero rows back and receives by its dispatch's topk_idx (rejected ids
-        alone: it sends x), then raises (with a receive hook: the hook does)."""
+        alone: it sends x), then raises (with a receive hook: the hook does); its peers raise
+        PeerInputError where the call checks its stamps."""
         cfg = self.cfg
         self._check_low_latency()
         self._check_handle(handle, LowLatencyHandle)
         run = self._low_latency_run(self.backend.low_latency_combine, async_op, return_recv_hook, handle=handle)
+
+        def checked(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                    stamp: CallStamp) -> LowLatencyCombineResult:
+            return self._checked(stamp, lambda: run(x, idx, weights, stamp=stamp))
+
         lead, n = (cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank), handle.num_tokens
         try:
             _check_tensor("x", x, (torch.bfloat16,), (*lead, cfg.hidden), cfg.device)
@@ -759,12 +836,14 @@ class Buffer:
             self._check_weights(topk_weights, n)
             _check_aligned("x", x)
         except (TypeError, ValueError) as error:
+            stamp = self._calls.stamp(LL_COMBINE, handle.call, 0, error)
             rows, _ = self._zero_rows(lead, False)
-            return _raise_after_receive(error, run(rows, handle.topk_idx, self._no_routing(n)[1]))
+            return _raise_after_receive(error, lambda: checked(rows, handle.topk_idx, self._no_routing(n)[1], stamp))
         bad_ids = self._in_range_ids(topk_idx)[1]
+        stamp = self._calls.stamp(LL_COMBINE, handle.call, 0, bad_ids)
         if bad_ids is not None:  # receive what the dispatch's routing says the peers send back
-            return _raise_after_receive(bad_ids, run(x, handle.topk_idx, topk_weights))
-        return run(x, topk_idx, topk_weights)
+            return _raise_after_receive(bad_ids, lambda: checked(x, handle.topk_idx, topk_weights, stamp))
+        return checked(x, topk_idx, topk_weights, stamp)
 
     # ---- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -58,6 +58,7 @@ class DispatchHandle:
     worst_case: bool = False
     state: Any = None  # backend-private
     expert_major: Optional[ExpertMajorLayout] = None  # set by an expert-major dispatch: combine takes pairs
+    call: int = 0  # the number of the Buffer call that made it (Buffer sets it; moe_ep.comm.call_check)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class LowLatencyHandle:
     count: torch.Tensor  # [E_l] int32
     state: Any = None  # backend-private
     topk_idx: Optional[torch.Tensor] = None  # [num_tokens, K], as the dispatch exchanged it (Buffer sets it)
+    call: int = 0  # the number of the Buffer call that made it (Buffer sets it; moe_ep.comm.call_check)
 
 
 @dataclass

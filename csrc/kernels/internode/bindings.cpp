@@ -112,7 +112,7 @@ class InternodeContext {
       : ctx_(make_context(make_dims("InternodeContext", rt.rank, rt.nranks, ranks_per_node, max_tokens, hidden,
                                     num_topk, num_experts, round_tokens),
                           rt, epochs, block_counters, workspace, node_peers)),
-        host_info_(rt.nranks + num_experts / rt.nranks, "internode host info") {}
+        host_info_(rt.nranks + num_experts / rt.nranks + rt.nranks * kStampWords, "internode host info") {}
 
   ~InternodeContext() { close(); }
 
@@ -126,10 +126,14 @@ class InternodeContext {
     launch_route(ctx_, a, stream);
   }
 
-  void notify(const NotifyArgs& args, uintptr_t stream) const {
+  void notify(const NotifyArgs& args, uintptr_t stream, const std::vector<int>& stamp) const {
     check(ctx_.dims, args);
+    if (stamp.size() > static_cast<size_t>(kStampWords))
+      ArgCheck("InternodeContext.notify").fail("stamp has " + std::to_string(stamp.size()) + " words, at most " +
+                                         std::to_string(kStampWords));
     NotifyArgs a = args;
     a.host_info = a.worst_case ? 0 : host_info_.device();
+    for (int w = 0; w < kStampWords; ++w) a.stamp[w] = w < static_cast<int>(stamp.size()) ? stamp[w] : 0;
     launch_notify(ctx_, a, stream);
   }
 
@@ -138,6 +142,13 @@ class InternodeContext {
   std::pair<std::vector<int>, std::vector<int>> host_info() const {
     const int nranks = ctx_.dims.nranks;
     return {host_info_.read(0, nranks), host_info_.read(nranks, ctx_.dims.num_experts / nranks)};
+  }
+
+  // Every rank's call stamp ([R][kStampWords], call_stamp.h) as the last non-worst-case notify received
+  // them; valid once the host has synchronised with that kernel.
+  std::vector<int> host_stamps() const {
+    const int nranks = ctx_.dims.nranks;
+    return host_info_.read(nranks + ctx_.dims.num_experts / nranks, nranks * kStampWords);
   }
 
   // num_blocks is the number of channels, at most kMaxChannels (checked: nothing is capped silently).
@@ -156,7 +167,7 @@ class InternodeContext {
 
  private:
   Context ctx_{};          // first: its checks run before host_info_ allocates
-  HostMailbox host_info_;  // [R] rows per source, then [E_l] rows per local expert
+  HostMailbox host_info_;  // [R] rows per source, then [E_l] rows per local expert, then [R][kStampWords]
 };
 
 // Round size and workspace bytes of a Buffer: the largest round whose workspace fits the budget.
@@ -249,8 +260,10 @@ void register_internode(py::module_& m) {
       .def("route", &InternodeContext::route, py::arg("args"), py::arg("stream"),
            "Check an InternodeRouteArgs and launch the routing kernel: is_token_in_rank, positions, nodes, tokens "
            "per rank and expert.")
-      .def("notify", &InternodeContext::notify, py::arg("args"), py::arg("stream"),
+      .def("notify", &InternodeContext::notify, py::arg("args"), py::arg("stream"), py::arg("stamp") = std::vector<int>{},
            "Check an InternodeNotifyArgs and launch the count exchange; fills recv_info.")
+      .def("host_stamps", &InternodeContext::host_stamps,
+           "Every rank's call stamp (R * kStampWords int32) received by the last non-worst-case notify.")
       .def("host_info", &InternodeContext::host_info,
            "(rows per source, rows per local expert) written by the last non-worst-case notify.")
       .def("dispatch", &InternodeContext::dispatch, py::arg("args"), py::arg("stream"),

@@ -45,7 +45,8 @@
 //   start_sig       [2][R]        network: rank s started its combine ([0]) / cached dispatch ([1]) of
 //                                 call epoch e, so it finished its previous call (SET e)
 //   counts          [2][R][CS]    int32, set = call epoch & 1; row s from rank s: [N_s, rows s sends
-//                                 here, then s's token counts for my E_l local experts]
+//                                 here, then s's token counts for my E_l local experts, then s's call
+//                                 stamp (kStampWords, runtime/call_stamp.h)]
 //   notify_stage    [R][CS]       int32, my counts for each destination (the put source)
 //   send_row        [2][C][RB]    my rows (then FP8 scales), staged as the network put source
 //   send_meta       [2][N_n][C]   RowMeta of my token for destination node n_d
@@ -62,6 +63,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "runtime/call_stamp.h"
 #include "runtime/limits.h"
 
 #if defined(__CUDACC__)
@@ -104,7 +106,7 @@ struct Dims {
   MOE_EP_HOST_DEVICE int num_local_experts() const { return num_experts / nranks; }
   MOE_EP_HOST_DEVICE int scale_offset() const { return (2 * hidden + 15) / 16 * 16; }                  // FP8 scales inside a staged row
   MOE_EP_HOST_DEVICE int row_stride() const { return scale_offset() + (hidden / 128 * 4 + 15) / 16 * 16; }  // RB
-  MOE_EP_HOST_DEVICE int count_stride() const { return (2 + num_local_experts() + 3) / 4 * 4; }                        // CS
+  MOE_EP_HOST_DEVICE int count_stride() const { return (2 + num_local_experts() + kStampWords + 3) / 4 * 4; }          // CS
   MOE_EP_HOST_DEVICE int comb_weights_offset() const { return 2 * hidden; }  // in a combine slot (16 | 2H)
   MOE_EP_HOST_DEVICE int comb_stride() const { return comb_weights_offset() + (num_topk * 4 + 15) / 16 * 16; }  // CB
 };
@@ -196,10 +198,12 @@ struct NotifyArgs {
   int num_tokens;
   uintptr_t recv_info;          // out, device
   uintptr_t tokens_per_expert_aligned;  // out [E_l] int32
-  uintptr_t host_info;          // out [R + E_l] int32 host-mapped, or 0: the context's mailbox, set by
-                                //   InternodeContext.notify (not a Python field)
+  uintptr_t host_info;          // out [R + E_l + R * kStampWords] int32 host-mapped (with every rank's
+                                //   stamp), or 0: the context's mailbox, set by InternodeContext.notify
+                                //   (not a Python field)
   int expert_alignment;
   bool worst_case;
+  int stamp[kStampWords];       // this rank's call stamp (set by InternodeContext.notify, not a Python field)
 };
 
 struct DispatchArgs {

@@ -3,7 +3,9 @@
 //
 // Protocol: one block of 1024 threads. epoch = epochs[0] + 1 (the call epoch), set = epoch & 1.
 //  1. Thread d (d < R, strided) writes my message for rank d into notify_stage[d] (this rank's
-//     symmetric memory): [N, tokens for d, my counts for d's E_l local experts]. __syncthreads.
+//     symmetric memory): [N, tokens for d, my counts for d's E_l local experts, my call stamp
+//     (NotifyArgs::stamp; its status word kStampBadIds if the route kernel before this one, on the
+//     same stream, recorded a bad expert id: common/call_stamp.cuh sent_stamp_word)]. __syncthreads.
 //  2. Thread d puts that row to row [me] of counts[set] at rank d with one put-with-signal
 //     (nvshmem_putmem_signal_nbi, SET notify_sig[me] = epoch). NVSHMEM delivers the row before the
 //     signal, on every transport. nvshmem_quiet then completes the puts, so the next call may
@@ -13,12 +15,14 @@
 //  4. A block-wide scan (common/scan.cuh) gives each source's first output row (or s * T in
 //     worst-case mode); thread e sums local expert e over the sources; thread 0 takes max N over the
 //     sources and writes the round count ceil(max N / C). Results go to recv_info (device) and, when
-//     asked, host memory.
+//     asked, host memory, with every source's stamp (thread s copies source s's) for the host to
+//     compare (moe_ep/comm/call_check.py).
 //  5. Thread 0 stores epoch into epochs[0].
 // Why counts[set] is free when a peer writes it: the peer's notify of call c waits for nothing of
 // mine, but my notify of call c - 2 (the last one that read this set) finished before my notify of
 // call c - 1 started, and the peer cannot start call c before it has seen my notify signal of c - 1.
 // On a timeout every count is taken as 0 (no rows, no rounds) and the host raises CommTimeoutError.
+#include "kernels/common/call_stamp.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/scan.cuh"
 #include "kernels/internode/internode.h"
@@ -46,7 +50,11 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
   const auto* per_expert = reinterpret_cast<const int*>(a.tokens_per_expert);
   for (int i = tid; i < R * CS; i += kThreads) {
     const int d = i / CS, j = i % CS;
-    stage[i] = j == 0 ? a.num_tokens : j == 1 ? per_rank[d] : j < 2 + E_l ? per_expert[d * E_l + j - 2] : 0;
+    stage[i] = j == 0           ? a.num_tokens
+               : j == 1         ? per_rank[d]
+               : j < 2 + E_l    ? per_expert[d * E_l + j - 2]
+               : j < 2 + E_l + kStampWords ? sent_stamp_word(comm.error, a.stamp, j - 2 - E_l)
+                                : 0;
   }
   __syncthreads();
   // 2. put-with-signal to every rank
@@ -69,7 +77,11 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
   if (tid < R) {
     recv_info[tid] = rows;
     recv_info[R + tid] = a.worst_case ? tid * T : first;
-    if (host_info != nullptr) host_info[tid] = rows;
+    if (host_info != nullptr) {
+      host_info[tid] = rows;
+      for (int w = 0; w < kStampWords; ++w)
+        host_info[R + E_l + tid * kStampWords + w] = ok ? __ldcg(counts + (size_t)tid * CS + 2 + E_l + w) : 0;
+    }
   }
   for (int e = tid; e < E_l; e += kThreads) {
     int raw = 0;

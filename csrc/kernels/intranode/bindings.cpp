@@ -140,7 +140,7 @@ class IntranodeContext {
                    const std::vector<uintptr_t>& row_flags)
       : ctx_(make_context(make_dims(rt.rank, rt.nranks, max_tokens, hidden, num_topk, num_experts), rt, epochs,
                           block_counters, layout_scratch, signals, workspace, row_flags)),
-        host_info_(rt.nranks + num_experts / rt.nranks, "intranode host info") {}
+        host_info_(rt.nranks + num_experts / rt.nranks + rt.nranks * kStampWords, "intranode host info") {}
 
   ~IntranodeContext() { close(); }
 
@@ -154,10 +154,14 @@ class IntranodeContext {
     launch_layout(ctx_, a, stream);
   }
 
-  void notify(const NotifyArgs& args, uintptr_t stream) const {
+  void notify(const NotifyArgs& args, uintptr_t stream, const std::vector<int>& stamp) const {
     check(ctx_.dims, args);
+    if (stamp.size() > static_cast<size_t>(kStampWords))
+      ArgCheck("IntranodeContext.notify").fail("stamp has " + std::to_string(stamp.size()) + " words, at most " +
+                                         std::to_string(kStampWords));
     NotifyArgs a = args;
     a.host_info = a.worst_case ? 0 : host_info_.device();
+    for (int w = 0; w < kStampWords; ++w) a.stamp[w] = w < static_cast<int>(stamp.size()) ? stamp[w] : 0;
     launch_notify(ctx_, a, stream);
   }
 
@@ -180,6 +184,13 @@ class IntranodeContext {
     return {host_info_.read(0, nranks), host_info_.read(nranks, ctx_.dims.num_experts / nranks)};
   }
 
+  // Every rank's call stamp ([R][kStampWords], call_stamp.h) as the last non-worst-case notify received
+  // them; valid once the host has synchronised with that kernel.
+  std::vector<int> host_stamps() const {
+    const int nranks = ctx_.dims.nranks;
+    return host_info_.read(nranks + ctx_.dims.num_experts / nranks, nranks * kStampWords);
+  }
+
   void dispatch(const DispatchArgs& a, uintptr_t stream) const {
     check(ctx_.dims, a);
     launch_dispatch(ctx_, a, stream);
@@ -197,7 +208,7 @@ class IntranodeContext {
 
  private:
   Context ctx_{};          // first: its checks run before host_info_ allocates
-  HostMailbox host_info_;  // [R] rows per source, then [E_l] rows per local expert
+  HostMailbox host_info_;  // [R] rows per source, then [E_l] rows per local expert, then [R][kStampWords]
 };
 
 uint64_t workspace_bytes(int nranks, int max_tokens, int hidden, int num_topk, int num_experts) {
@@ -214,6 +225,7 @@ void register_intranode(py::module_& m) {
   namespace na = moe_ep::named_args;
   using intra::IntranodeContext;
   m.attr("SIGNAL_WORDS") = intra::kSignalWords;
+  m.attr("STAMP_WORDS") = moe_ep::kStampWords;
   m.attr("TUNING_MAX_WARPS") = intra::kHostWarps;
   m.attr("NUM_EPOCHS") = intra::kHostNumEpochs;
   m.def("intranode_workspace_bytes", &intra::workspace_bytes, py::arg("nranks"), py::arg("max_tokens"),
@@ -289,9 +301,11 @@ void register_intranode(py::module_& m) {
       .def("close", &IntranodeContext::close, "Free the host-mapped count mailbox.")
       .def("layout", &IntranodeContext::layout, py::arg("args"), py::arg("stream"),
            "Check an IntranodeLayoutArgs and launch the layout kernel (get_dispatch_layout).")
-      .def("notify", &IntranodeContext::notify, py::arg("args"), py::arg("stream"),
+      .def("notify", &IntranodeContext::notify, py::arg("args"), py::arg("stream"), py::arg("stamp") = std::vector<int>{},
            "Check an IntranodeNotifyArgs and launch layout + count exchange (start of a dispatch); fills pos, "
            "recv_info, tokens_per_expert.")
+      .def("host_stamps", &IntranodeContext::host_stamps,
+           "Every rank's call stamp (R * kStampWords int32) received by the last non-worst-case notify.")
       .def("host_info", &IntranodeContext::host_info,
            "(rows per source, rows per local expert) written by the last non-worst-case notify.")
       .def("dispatch", &IntranodeContext::dispatch, py::arg("args"), py::arg("stream"),

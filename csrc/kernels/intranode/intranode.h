@@ -10,7 +10,8 @@
 // on every rank. "Slot s" of a region on rank d holds what rank s wrote there; only rank s writes it.
 // Workspace (WorkspaceLayout):
 //   counts    [2][R][count_stride]     int32; set [notify epoch % 2], row s: tokens s sends to d, then
-//                                      d's E_l local experts' token counts among them (notify.cu)
+//                                      d's E_l local experts' token counts among them, then s's call
+//                                      stamp (kStampWords, runtime/call_stamp.h) (notify.cu)
 //   data      [R][T][2H bytes]         dispatch: the rows s sends to d, at the position of each token
 //                                      among s's tokens for d (so slot s is already in final order),
 //                                      packed at the row size (2H bf16, H e4m3); combine: bf16 rows
@@ -34,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "runtime/call_stamp.h"
 #include "runtime/limits.h"
 
 namespace moe_ep {
@@ -62,14 +64,14 @@ struct WorkspaceLayout {
   uint64_t scales;
   uint64_t total;       // bytes of the whole workspace
   uint64_t slot_bytes;  // bytes of one source's slot in `data`: T * 2H
-  int count_stride;     // int32 entries per counts row: 1 + E_l, rounded up to 4
+  int count_stride;     // int32 entries per counts row: 1 + E_l + kStampWords, rounded up to 4
 };
 
 inline WorkspaceLayout workspace_layout(const Dims& d) {
   const auto align = [](uint64_t bytes) { return (bytes + 255) / 256 * 256; };
   const uint64_t R = d.nranks, T = d.max_tokens, H = d.hidden, K = d.num_topk;
   WorkspaceLayout w{};
-  w.count_stride = (1 + d.num_experts / d.nranks + 3) / 4 * 4;
+  w.count_stride = (1 + d.num_experts / d.nranks + kStampWords + 3) / 4 * 4;
   w.slot_bytes = T * 2 * H;
   uint64_t at = 0;
   const auto take = [&](uint64_t bytes) { const uint64_t start = at; at += align(bytes); return start; };
@@ -132,10 +134,12 @@ struct NotifyArgs {
   uintptr_t pos;                // out [N, R] int32
   uintptr_t recv_info;          // out [2R + E_l] int32, device
   uintptr_t tokens_per_expert;  // out [E_l] int32, device: recv_info's counts aligned up
-  uintptr_t host_info;          // out [R + E_l] int32 host-mapped (rows per source, raw per expert), or 0:
-                                //   the context's mailbox, set by IntranodeContext.notify (not a Python field)
+  uintptr_t host_info;          // out [R + E_l + R * kStampWords] int32 host-mapped (rows per source, raw per
+                                //   expert, every rank's stamp), or 0: the context's mailbox, set by
+                                //   IntranodeContext.notify (not a Python field)
   int expert_alignment;
   bool worst_case;
+  int stamp[kStampWords];       // this rank's call stamp (set by IntranodeContext.notify, not a Python field)
 };
 
 struct DispatchArgs {

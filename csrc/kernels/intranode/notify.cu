@@ -5,15 +5,18 @@
 //     Context::layout_scratch, and is_token_in_rank.
 //  2. epoch = epochs[kSigNotify] + 1. For every rank d (this one included), the block writes row
 //     [me] of counts set [epoch % 2] at d: the number of tokens it sends to d, then its token counts
-//     for d's E_l local experts (all threads, one entry each). The block joins (__syncthreads orders
-//     every thread's stores before the release below, which is cumulative), then thread d stores
-//     `epoch` (st.release.sys) into its kSigNotify flag at d.
+//     for d's E_l local experts, then this rank's call stamp (NotifyArgs::stamp; its status word
+//     kStampBadIds if step 1 recorded a bad expert id: common/call_stamp.cuh sent_stamp_word, after
+//     a __syncthreads that makes step 1's record visible to every thread) (all threads, one entry
+//     each). The block joins (__syncthreads orders every thread's stores before the release below,
+//     which is cumulative), then thread d stores `epoch` (st.release.sys) into its kSigNotify flag at d.
 //  2b. layout_positions: pos for the dispatch, from is_token_in_rank, while the flags travel.
 //  3. Thread s waits until source s's kSigNotify flag at this rank reaches `epoch` (acquire); the
 //     block joins. Thread s < R then derives source s's rows and first output row (prefix sum over
 //     the sources before it, or s * T in worst-case mode), thread e sums local expert e's counts over
 //     the sources; results go to recv_info and tokens_per_expert (device) and, when asked, to
-//     host-mapped memory that the host reads after one stream synchronisation.
+//     host-mapped memory that the host reads after one stream synchronisation, with every source's
+//     stamp (thread s copies source s's), which the host compares (moe_ep/comm/call_check.py).
 //  4. Thread 0 stores `epoch` back into epochs[kSigNotify] (kernels on the stream see it next call).
 //
 // Why this guards the other regions: a rank runs its notify only after its stream finished the
@@ -24,6 +27,7 @@
 // it cannot get two calls ahead, since that next notify waits for this rank's next flag.
 // On a timeout the outputs are zero (no rows, offsets s * T or 0), so later kernels touch no memory
 // out of bounds; the host raises CommTimeoutError.
+#include "kernels/common/call_stamp.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/intranode/dispatch_layout.cuh"
 #include "kernels/intranode/intranode.h"
@@ -51,14 +55,17 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
   layout.is_token_in_rank = a.is_token_in_rank;
   layout.pos = a.pos;
   layout_counts<kK>(layout, ctx.dims.num_topk, ctx.dims.num_experts, R, ctx.comm.error);
+  __syncthreads();  // every thread's bad-id record (if any) is in before the stamps are sent
 
-  // 2. my counts into row [me] of every rank's counts region, then the flags
+  // 2. my counts and stamp into row [me] of every rank's counts region, then the flags
   const uint64_t epoch = comm.epochs[kSigNotify] + 1;
   const int set = static_cast<int>(epoch % 2) * R;  // first row of this call's counts set
-  const int row = 1 + num_local;
+  const int row = 1 + num_local + kStampWords;
   for (int i = tid; i < R * row; i += kLayoutThreads) {
     const int d = i / row, j = i % row;
-    const int value = j == 0 ? tokens_per_rank[d] : tokens_per_expert[d * num_local + j - 1];
+    const int value = j == 0 ? tokens_per_rank[d]
+                      : j <= num_local ? tokens_per_expert[d * num_local + j - 1]
+                                       : sent_stamp_word(comm.error, a.stamp, j - 1 - num_local);
     reinterpret_cast<int*>(ctx.region(d, ctx.ws.counts))[(set + me) * stride + j] = value;
   }
   __syncthreads();
@@ -77,7 +84,11 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
     const int rows = ok ? __ldcg(counts + tid * stride) : 0;
     recv_info[tid] = rows;
     recv_info[R + tid] = a.worst_case ? tid * T : first;
-    if (host_info != nullptr) host_info[tid] = rows;
+    if (host_info != nullptr) {
+      host_info[tid] = rows;
+      for (int w = 0; w < kStampWords; ++w)
+        host_info[R + num_local + tid * kStampWords + w] = ok ? __ldcg(counts + tid * stride + 1 + num_local + w) : 0;
+    }
   }
   for (int e = tid; e < num_local; e += kLayoutThreads) {
     int raw = 0;

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..call_check import CallStamp
 from ..config import Config
 from ..types import (
     DispatchHandle,
@@ -196,10 +197,12 @@ class Backend(abc.ABC):
         num_sms: int,
         knobs: Config,
         async_op: bool,
+        stamp: CallStamp,
     ) -> DispatchResult:
         """Normal-mode dispatch. With `handle`, reuse its layout (cached dispatch: topk_* are None
         and the result's topk_idx/topk_weights are None). `knobs`: the call's kernel knobs (speed only).
-        expert_major: the received rows as pairs (moe_ep.comm.expert_major.expand, after the exchange)."""
+        expert_major: the received rows as pairs (moe_ep.comm.expert_major.expand, after the exchange).
+        `stamp`: what the call's exchange carries where the backend checks it (call_check.verify raises)."""
 
     @abc.abstractmethod
     def combine(
@@ -212,6 +215,7 @@ class Backend(abc.ABC):
         num_sms: int,
         knobs: Config,
         async_op: bool,
+        stamp: CallStamp,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:
         """Normal-mode combine: (rows [N, H], the combined topk_weights [N, K] or None without them, event).
         An expert-major handle's pairs are first summed per row (moe_ep.comm.expert_major.combine_inputs)."""
@@ -226,6 +230,7 @@ class Backend(abc.ABC):
         round_scale: bool,
         use_ue8m0: bool,
         return_recv_hook: bool,
+        stamp: CallStamp,
     ) -> LowLatencyDispatchResult:
         """Expert-major rows [E_l, R*T, H]; FP8 scales [E_l, R*T, H/128] float32 (or with use_ue8m0
         [E_l, R*T, H/512] int32, moe_ep.comm.fp8.pack_ue8m0), both stored token-major per expert
@@ -240,6 +245,7 @@ class Backend(abc.ABC):
         handle: LowLatencyHandle,
         *,
         return_recv_hook: bool,
+        stamp: CallStamp,
     ) -> LowLatencyCombineResult: ...
 
     def close(self) -> None:

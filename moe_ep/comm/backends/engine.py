@@ -7,22 +7,28 @@ forwarding inside each: backends/internode.py) — and, for low_latency Buffers,
 much heap it needs before the session is made.
 
 A normal dispatch, on either engine (`normal_dispatch`):
-  1. notify (unless cached): the engine's layout and count-exchange kernels; the handle state and
-     the aligned tokens per local expert stay on the device;
+  1. notify (unless cached): the engine's layout and count-exchange kernels, the count rows carrying
+     the call's stamp (moe_ep.comm.call_check); the handle state and the aligned tokens per local
+     expert stay on the device;
   2. outputs: R * T rows in worst-case mode, or outside it when R * T rows fit Config.eager_output_bytes
      (the dispatch kernel then starts before the host knows the counts; results are views of the
      first M rows), else the host waits for the counts and allocates exactly M rows;
   3. the dispatch kernel (it reads the counts on the device);
-  4. outside worst-case mode, the host waits for the counts (if it has not yet) and trims;
-  5. the call's error check, once every kernel of the call is launched, so a rank that raises made
-     the same launches as its peers;
+  4. outside worst-case mode, the host waits for the counts (if it has not yet) and trims; with the
+     counts come every rank's stamps;
+  5. the call's checks, once every kernel of the call is launched, so a rank that raises made the
+     same launches as its peers (a rank may wait for the counts where its peers do not): the stamps
+     (call_check.verify raises on every rank alike when the ranks made different calls or one
+     rejected its input), then the error record;
   6. an expert-major dispatch (expert_major): the engine's expansion of the rows into pairs
      (NormalEngine.expand; the NVLink engine copies them from the workspace its kernel left them in).
 
 Streaming (`streamed_dispatch`, `streamed_combine`): outside worst-case mode a call may carry any
 number of tokens. The group agrees on the number of rounds J = ceil(max N / T) (T =
-max_tokens_per_rank: the workspace holds one round) with one host all-reduce (`agree_rounds`); J = 1
-is the flow above, unchanged. With J > 1 round j carries tokens [jT, jT + T) of every rank (none
+max_tokens_per_rank: the workspace holds one round) with one host all-reduce on the Buffer's own
+gloo group (`rounds_group`, `agree_rounds`: bounded by timeout_s, so a silent peer is still reported
+by the kernels, as CommTimeoutError); J = 1 is the flow above, unchanged (its notify, the first
+round's, is launched before the all-reduce, which overlaps it). With J > 1 round j carries tokens [jT, jT + T) of every rank (none
 where a rank has fewer): the notify of every round runs first (J count exchanges, back to back:
 the kernels' two count sets allow that, csrc/kernels/*/notify.cu), the host waits once for all the
 counts and allocates the exact output, then each round's first output row per source is patched on
@@ -32,24 +38,25 @@ dispatch must start only after every peer finished the previous round (it rewrit
 workspace): round 0 follows the last notify, which is that start barrier, and every later round
 repeats its own notify first for the same reason (same counts; a cached dispatch and every combine
 open with their own start barrier). Combine runs the rounds in the same order, each on its rows of
-the whole received x.
+the whole received x. Every round's notify carries the call's stamp; the host compares them once,
+after its one wait for the counts and the launch of every round.
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import expert_major as pairs
+from ..call_check import STAMP_WORDS, CallStamp, OwnRejection, verify
 from ..config import Config
 from ..types import DispatchHandle, DispatchLayout, DispatchResult, ExpertMajorLayout
 from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result
 
-# Host groups for agree_rounds, by the ranks of an NCCL group (a gloo group serves itself).
-_host_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 class Engine(abc.ABC):
     """One kernel family of a native Buffer: its context, symmetric memory and lifetime."""
@@ -91,8 +98,8 @@ class NormalEngine(Engine):
 
     @abc.abstractmethod
     def notify(self, topk_idx: torch.Tensor, expert_alignment: int, worst_case: bool,
-               stream: torch.cuda.Stream) -> Notified:
-        """Launch the layout and the count exchange of a fresh dispatch."""
+               stream: torch.cuda.Stream, stamp: list[int]) -> Notified:
+        """Launch the layout and the count exchange of a fresh dispatch; the count rows carry `stamp`."""
 
     @abc.abstractmethod
     def raw_expert_counts(self, state: Any) -> torch.Tensor:
@@ -127,6 +134,11 @@ class NormalEngine(Engine):
         """(rows from each source, raw rows per local expert) of the last notify, once it has run."""
         return self._ctx.host_info()
 
+    def host_stamps(self) -> list[list[int]]:
+        """Every rank's stamp words as the last notify outside worst-case mode received them, once it has run."""
+        words = self._ctx.host_stamps()
+        return [words[s * STAMP_WORDS:(s + 1) * STAMP_WORDS] for s in range(self.cfg.world_size)]
+
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: DispatchHandle, out: torch.Tensor,
                 topk_weights: Optional[torch.Tensor], out_topk_weights: Optional[torch.Tensor], *, num_sms: int,
@@ -142,20 +154,25 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
                     topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
                     handle: Optional[DispatchHandle], expert_alignment: int, worst_case: bool, num_sms: int,
                     knobs: Config, stream: torch.cuda.Stream, async_op: bool,
-                    check: Callable[..., None], expert_major: bool = False) -> DispatchResult:
+                    check: Callable[..., None], stamp: CallStamp, expert_major: bool = False,
+                    notified: Optional[Notified] = None) -> DispatchResult:
     """The normal-mode dispatch flow of every normal engine (this module's docstring says the steps).
-    `check` is the Buffer's ErrorWatch.check. expert_major: the result is the engine's pairs (step 6)."""
+    `check` is the Buffer's ErrorWatch.check; `stamp` the call's (compared where the host waits for
+    the counts). expert_major: the result is the engine's pairs (step 6). `notified`: the call's
+    notify, already launched (first_notify)."""
     cfg = engine.cfg
     r, t = cfg.world_size, cfg.max_tokens_per_rank
     cached = handle is not None
     counts_ready: Optional[torch.cuda.Event] = None  # recorded after notify, outside worst-case mode
     recv_counts: Optional[list[int]] = None
+    stamps: Optional[list[list[int]]] = None  # every rank's, once the host has the counts
     if cached:
         state, worst_case, recv_counts = handle.state, handle.worst_case, handle.recv_counts
         in_rank = handle.is_token_in_rank
         tokens_per_expert = align_up_device(engine.raw_expert_counts(state), expert_alignment)
     else:
-        notified = engine.notify(topk_idx, expert_alignment, worst_case, stream)
+        if notified is None:
+            notified = engine.notify(topk_idx, expert_alignment, worst_case, stream, stamp.words)
         in_rank, state, tokens_per_expert = notified.is_token_in_rank, notified.state, notified.tokens_per_expert
         if not worst_case:
             counts_ready = torch.cuda.Event()
@@ -165,11 +182,12 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
 
     def wait_counts() -> list[int]:
         """Rows from each source; the handle state learns the raw rows per local expert."""
-        nonlocal state
+        nonlocal state, stamps
         counts_ready.synchronize()
         check(timeouts_only=True)  # a bad id is raised once every kernel of the call is launched
         from_source, raw = engine.host_counts()
         state = dataclasses.replace(state, tokens_per_expert=raw)
+        stamps = engine.host_stamps()
         return from_source
 
     if counts_ready is not None and not eager:
@@ -181,12 +199,33 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
     if eager:
         recv_counts = wait_counts()
         out = out.head(sum(recv_counts))
-    check()  # every kernel of the call is launched: raising keeps the ranks in step
+    verify_stamps(stamp, stamps, check)  # every kernel of the call is launched: raising keeps the ranks in step
     result = native_dispatch_result(
         cfg, handle, out, num_tokens=x.shape[0], is_token_in_rank=in_rank, recv_counts=recv_counts,
         worst_case=worst_case, state=state, tokens_per_expert_raw=state.tokens_per_expert,
         expert_alignment=expert_alignment, tokens_per_expert_tensor=tokens_per_expert, async_op=async_op, check=check)
     return engine.expand(result, expert_alignment) if expert_major else result
+
+
+def rounds_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
+    """Collective (at Buffer creation): a gloo group of `group`'s ranks that is the Buffer's own, for
+    agree_rounds. Its own, so that an all-reduce a silent peer leaves waiting can give up without
+    touching any group the caller uses; gloo, so that agreeing needs no device sync."""
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", timeout=timedelta(seconds=timeout_s),
+                          use_local_synchronization=True)
+
+
+def verify_stamps(stamp: CallStamp, stamps: Optional[list[list[int]]], check: Callable[..., None]) -> None:
+    """A dispatch's checks once its kernels are launched: every rank's stamps, when the host read them
+    (call_check.verify; a bad id this rank's kernels found raises, named, from its error record),
+    then the error record."""
+    if stamps is not None:
+        try:
+            verify(stamp, stamps)
+        except OwnRejection:
+            check()
+            raise
+    check()
 
 
 def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -201,12 +240,29 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     return _host_groups[ranks]
 
 
-def agree_rounds(group: dist.ProcessGroup, num_tokens: int, round_tokens: int) -> int:
-    """Collective (one host all-reduce over `group`, a host_group): the rounds of at most round_tokens
-    tokens that the group's largest call of this step needs, at least 1."""
+def first_notify(engine: NormalEngine, topk_idx: torch.Tensor, expert_alignment: int,
+                 stream: torch.cuda.Stream, stamp: CallStamp) -> Notified:
+    """The count exchange of an exact-size call's first round (its first T tokens, the call's stamp in
+    its count rows), launched before the host agrees on the rounds, so that the host collective overlaps it."""
+    return engine.notify(topk_idx[:engine.cfg.max_tokens_per_rank], expert_alignment, False, stream, stamp.words)
+
+
+def agree_rounds(group: dist.ProcessGroup, num_tokens: int, round_tokens: int, timeout_s: float) -> int:
+    """Collective (one host all-reduce over `group`, a rounds_group): the rounds of at most round_tokens
+    tokens that the group's largest call needs, at least 1. A peer that skipped the call, stalled or
+    died makes the all-reduce give up after timeout_s (or fail at once: gloo closes a group whose
+    operation timed out); this rank then goes on with its own rounds, and the call's kernels, which
+    wait for that peer too, report it as they always did (CommTimeoutError naming peer and phase)."""
     most = torch.tensor([num_tokens], dtype=torch.int64)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-    return max(1, -(-int(most.item()) // round_tokens))
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    opts.timeout = timedelta(seconds=timeout_s)
+    try:
+        group.allreduce([most], opts).wait(timedelta(seconds=timeout_s + 1))
+        most_tokens = int(most.item())
+    except RuntimeError:
+        most_tokens = num_tokens
+    return max(1, -(-most_tokens // round_tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,12 +292,15 @@ def streamed_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[
                       topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
                       handle: Optional[DispatchHandle], rounds: int, expert_alignment: int, num_sms: int,
                       knobs: Config, stream: torch.cuda.Stream, async_op: bool,
-                      check: Callable[..., None]) -> DispatchResult:
+                      check: Callable[..., None], stamp: CallStamp, first: Optional[Notified]) -> DispatchResult:
     """An exact-size dispatch in `rounds` rounds of at most T tokens (this module's docstring): the
-    same rows, bits and order as one round would give. A cached one reuses its handle's rounds."""
+    same rows, bits and order as one round would give. A cached one reuses its handle's rounds;
+    a fresh one gets round 0's notify, already launched (`first`: first_notify). Every round's notify
+    carries `stamp`, compared once every round is launched."""
     cfg = engine.cfg
     r, t, dev = cfg.world_size, cfg.max_tokens_per_rank, cfg.device
     cached = handle is not None
+    stamps: Optional[list[list[int]]] = None  # every rank's (a fresh call's, from the last round's notify)
 
     def cut(v: Optional[torch.Tensor], j: int) -> Optional[torch.Tensor]:
         return None if v is None else v[bounds[j][0]:bounds[j][1]]
@@ -252,10 +311,12 @@ def streamed_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[
         out = DispatchOutputs.allocate(cfg, handle.num_recv_rows, x.dtype, handle)
     else:
         bounds = round_bounds(x.shape[0], rounds, t)
-        notified = [engine.notify(cut(topk_idx, j), expert_alignment, False, stream) for j in range(rounds)]
+        notified = [first] + [engine.notify(cut(topk_idx, j), expert_alignment, False, stream, stamp.words)
+                              for j in range(1, rounds)]
         e_l = cfg.num_local_experts
         info = torch.stack([n.state.recv_info[:2 * r + e_l] for n in notified]).cpu()  # the call's one host sync
         check(timeouts_only=True)
+        stamps = engine.host_stamps()
         counts = info[:, :r].to(torch.int64)
         first = _first_rows(counts).to(device=dev, dtype=torch.int32)
         for j, n in enumerate(notified):
@@ -268,13 +329,13 @@ def streamed_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[
         row_round = torch.repeat_interleave(torch.arange(rounds, dtype=torch.int32).repeat(r), counts.t().reshape(-1))
     for j in range(rounds):
         if not cached and j > 0:  # the round's start barrier: peers finished reading round j - 1
-            engine.notify(cut(topk_idx, j), expert_alignment, False, stream)
+            engine.notify(cut(topk_idx, j), expert_alignment, False, stream, stamp.words)
         engine.launch_dispatch(cut(x, j), cut(x_scales, j), cut(topk_idx, j), cut(topk_weights, j), state.rounds[j],
                                out, cached=cached, worst_case=False, expert_major=False, num_sms=num_sms, knobs=knobs,
                                stream=stream)
     if not cached:  # the kernels wrote each row's index inside its round
         out.src_index.add_(row_round.to(dev) * t)
-    check()
+    verify_stamps(stamp, stamps, check)
     return native_dispatch_result(
         cfg, handle, out, num_tokens=x.shape[0], is_token_in_rank=in_rank, recv_counts=recv_counts, worst_case=False,
         state=state, tokens_per_expert_raw=state.tokens_per_expert, expert_alignment=expert_alignment,

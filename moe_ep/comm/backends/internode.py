@@ -124,7 +124,7 @@ class InternodeEngine(NormalEngine):
                               num_tokens_per_expert=layout.tokens_per_expert, is_token_in_rank=layout.in_rank)
 
     def notify(self, topk_idx: torch.Tensor, expert_alignment: int, worst_case: bool,
-               stream: torch.cuda.Stream) -> Notified:
+               stream: torch.cuda.Stream, stamp: list[int]) -> Notified:
         cfg, n, dev, t = self.cfg, topk_idx.shape[0], self.cfg.device, self.cfg.max_tokens_per_rank
         layout = self.route(topk_idx, stream)
         recv_info = torch.empty(2 * cfg.world_size + cfg.num_local_experts + 1, dtype=torch.int32, device=dev)
@@ -133,7 +133,7 @@ class InternodeEngine(NormalEngine):
             tokens_per_rank=layout.tokens_per_rank.data_ptr(), tokens_per_expert=layout.tokens_per_expert.data_ptr(),
             num_tokens=n, recv_info=recv_info.data_ptr(), tokens_per_expert_aligned=tokens_per_expert.data_ptr(),
             expert_alignment=expert_alignment, worst_case=worst_case,
-        ), stream.cuda_stream)
+        ), stream.cuda_stream, stamp)
         state = NodeDispatchState(layout.pos, layout.in_node, recv_info,
                                   torch.zeros(cfg.num_nodes, t, dtype=torch.int32, device=dev),
                                   torch.empty(cfg.num_nodes, t, dtype=torch.int32, device=dev), None)

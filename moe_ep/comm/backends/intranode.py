@@ -103,7 +103,7 @@ class IntranodeEngine(NormalEngine):
         return DispatchLayout(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank)
 
     def notify(self, topk_idx: torch.Tensor, expert_alignment: int, worst_case: bool,
-               stream: torch.cuda.Stream) -> Notified:
+               stream: torch.cuda.Stream, stamp: list[int]) -> Notified:
         cfg, n, r = self.cfg, topk_idx.shape[0], self.cfg.world_size
         dev = cfg.device
         in_rank = torch.empty(n, r, dtype=torch.bool, device=dev)
@@ -114,7 +114,7 @@ class IntranodeEngine(NormalEngine):
             topk_idx=topk_idx.data_ptr(), num_tokens=n, is_token_in_rank=in_rank.data_ptr(), pos=pos.data_ptr(),
             recv_info=recv_info.data_ptr(), tokens_per_expert=tokens_per_expert.data_ptr(),
             expert_alignment=expert_alignment, worst_case=worst_case,
-        ), stream.cuda_stream)
+        ), stream.cuda_stream, stamp)
         return Notified(in_rank, DispatchState(pos, recv_info, None), tokens_per_expert)
 
     def raw_expert_counts(self, state: DispatchState) -> torch.Tensor:

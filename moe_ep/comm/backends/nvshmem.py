@@ -33,9 +33,10 @@ from .engine import (
     NormalEngine,
     StreamedState,
     agree_rounds,
-    host_group,
+    first_notify,
     normal_dispatch,
     round_bounds,
+    rounds_group,
     streamed_combine,
     streamed_dispatch,
 )
@@ -54,6 +55,7 @@ class NvshmemBackend(Backend):
     def __init__(self, cfg: BufferConfig) -> None:
         super().__init__(cfg)
         native = _native.load()
+        self._rounds_group = rounds_group(cfg.group, cfg.timeout_s)  # agrees on a call's rounds (engine.agree_rounds)
         normal_cls: type[NormalEngine] = InternodeEngine if cfg.hierarchical else IntranodeEngine
         heap_bytes = normal_cls.heap_bytes(cfg)
         if cfg.low_latency:
@@ -67,7 +69,6 @@ class NvshmemBackend(Backend):
                                         error=self._error.device_ptr)
         self._normal: Optional[NormalEngine] = None
         self._low_latency: Optional[LowLatencyEngine] = None
-        self._host_group = host_group(cfg.group)  # agrees on a call's rounds (engine.agree_rounds)
         try:
             if cfg.hierarchical:
                 self._normal = InternodeEngine(cfg, self._session, runtime)
@@ -100,36 +101,46 @@ class NvshmemBackend(Backend):
                               is_token_in_rank=torch.cat([p.is_token_in_rank for p in parts]))
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
-                 num_sms, knobs, async_op) -> DispatchResult:
+                 num_sms, knobs, async_op, stamp) -> DispatchResult:
         """The engine's normal dispatch flow, or its rounds when a call carries more than T tokens on some
         rank (engine.streamed_dispatch). An expert-major result is the engine's own expansion of the rows
         into pairs (NormalEngine.expand); a streamed or worst-case one lands its rows and gathers them
-        (each round reuses the workspace; worst-case pairs have static shapes)."""
+        (each round reuses the workspace; worst-case pairs have static shapes). The stamp rides the
+        notifies' count rows: compared for fresh dispatches outside worst-case mode (the host reads
+        the counts)."""
         stream = self._stream()
         engine = self._normal
         static = handle.worst_case if handle is not None else worst_case
+        first = None
         if handle is not None:
             rounds = len(handle.state.rounds) if isinstance(handle.state, StreamedState) else 1
-        else:  # a static-shape (worst-case) call fits one round: Buffer checked it
-            rounds = 1 if worst_case else agree_rounds(self._host_group, x.shape[0], self.cfg.max_tokens_per_rank)
+        elif worst_case:  # a static-shape call fits one round: Buffer checked it
+            rounds = 1
+        else:  # round 0's count exchange runs on the GPU while the host agrees on the rounds
+            first = first_notify(engine, topk_idx, expert_alignment, stream, stamp)
+            rounds = agree_rounds(self._rounds_group, x.shape[0], self.cfg.max_tokens_per_rank, self.cfg.timeout_s)
         if rounds == 1 and not static:
             return normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                    expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
                                    knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
-                                   expert_major=expert_major)
+                                   stamp=stamp, expert_major=expert_major, notified=first)
         if rounds == 1:
             result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                      expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
-                                     knobs=knobs, stream=stream, async_op=async_op, check=self._error.check)
+                                     knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
+                                     stamp=stamp)
         else:
             result = streamed_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle, rounds=rounds,
                                        expert_alignment=expert_alignment, num_sms=num_sms, knobs=knobs,
-                                       stream=stream, async_op=async_op, check=self._error.check)
+                                       stream=stream, async_op=async_op, check=self._error.check, stamp=stamp,
+                                       first=first)
         return pairs.expand(result, expert_alignment) if expert_major else result
 
-    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, async_op):
+    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, async_op, stamp):
         """One kernel: the rows, and topk_weights when given, travel back together (an expert-major
-        handle's pairs summed into rows first, on the current stream)."""
+        handle's pairs summed into rows first, on the current stream). The stamp is not compared here:
+        the kernel exchanges no counts and the host never waits for it (Buffer(check_calls=True)
+        compares it on the host first)."""
         cfg = self.cfg
         stream = self._stream()
         x, topk_weights = pairs.combine_inputs(x, handle, topk_weights, pair_weights)
@@ -151,12 +162,14 @@ class NvshmemBackend(Backend):
         return self._low_latency
 
     def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0,
-                             return_recv_hook) -> LowLatencyDispatchResult:
+                             return_recv_hook, stamp) -> LowLatencyDispatchResult:
+        """The stamp is not compared here: no host sync (Buffer(check_calls=True) compares it first)."""
         return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                        return_recv_hook=return_recv_hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *,
-                            return_recv_hook) -> LowLatencyCombineResult:
+                            return_recv_hook, stamp) -> LowLatencyCombineResult:
+        """The stamp is not compared here: no host sync (Buffer(check_calls=True) compares it first)."""
         return self._engine().combine(x, topk_idx, topk_weights, handle, return_recv_hook=return_recv_hook)
 
     @property

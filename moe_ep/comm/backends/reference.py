@@ -1,9 +1,13 @@
 """Pure torch.distributed backend: the oracle, the CPU default and the NCCL baseline.
 
-Every exchange is one `all_to_all_single` of packed byte rows (after a count exchange), so it
-runs on gloo (CPU) and NCCL (GPU) alike. CUDA tensors over a gloo group (ranks sharing a GPU,
-docs/one_gpu.md) are staged through host memory: correct and slow. Arithmetic follows docs/api.md
-to the bit.
+Every exchange is one `all_to_all_single` of packed byte rows after a header exchange of fixed size
+(HEADER_WORDS int64 per peer: the rows this rank sends it, then the call's stamp, call_check), so it
+runs on gloo (CPU) and NCCL (GPU) alike. Every call opens with the header exchange, whatever its kind:
+ranks that make different calls meet there, so call_check.verify raises on every rank before any
+exchange whose sizes depend on the call. Dispatches carry their counts in it; combines, which need
+no counts, pay one small extra exchange for it (their row exchange's sizes come from the handle).
+CUDA tensors over a gloo group (ranks sharing a GPU, docs/one_gpu.md) are staged through host
+memory: correct and slow. Arithmetic follows docs/api.md to the bit.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch.distributed as dist
 
 from .. import expert_major as pairs
 from .. import fp8
+from ..call_check import STAMP_WORDS, CallStamp, verify
 from ..errors import CommTimeoutError
 from ..types import (
     DispatchHandle,
@@ -28,6 +33,8 @@ from ..types import (
     LowLatencyHandle,
 )
 from .base import Backend, BufferConfig, align_up, record_event
+
+HEADER_WORDS = 1 + STAMP_WORDS  # per peer: rows sent to it, then the stamp
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -84,14 +91,15 @@ class ReferenceBackend(Backend):
     def _all_to_all(self, phase: str, out: torch.Tensor, inp: torch.Tensor, out_split: Optional[list[int]] = None,
                     in_split: Optional[list[int]] = None, dead: Sequence[int] = ()) -> torch.Tensor:
         """all_to_all_single into `out` (returned), through host memory when the group cannot move `inp`;
-        with `dead` ranks (masked: their splits are 0 both ways; splits given) by point-to-point messages
-        among the others. Gives up after timeout_s with CommTimeoutError (peer unknown: -1) naming `phase`."""
+        with `dead` ranks (masked; splits given) by point-to-point messages among the others, leaving the
+        dead ranks' parts of `out` as they were (zero when staged). Gives up after timeout_s with
+        CommTimeoutError (peer unknown: -1) naming `phase`."""
         cfg = self.cfg
         if self._failed is not None:
             raise RuntimeError(f"moe_ep rank {cfg.rank}: this Buffer's exchange '{self._failed}' failed, so the "
                                "Buffer and its process group are unusable (docs/api.md, Errors)")
         src = inp.cpu() if self._staged else inp
-        host = torch.empty(out.shape, dtype=out.dtype) if self._staged else out
+        host = (torch.zeros if dead else torch.empty)(out.shape, dtype=out.dtype) if self._staged else out
         try:
             if dead:
                 self._point_to_point(host, src, out_split, in_split, dead)
@@ -112,8 +120,8 @@ class ReferenceBackend(Backend):
 
     def _point_to_point(self, out: torch.Tensor, inp: torch.Tensor, out_split: list[int], in_split: list[int],
                         dead: Sequence[int]) -> None:
-        """_all_to_all's exchange as isend/irecv pairs with every live peer (no message is empty), then
-        waits for all of them (timeout_s each)."""
+        """_all_to_all's exchange as isend/irecv pairs with every live peer (no empty message; nothing to
+        or from a dead one), then waits for all of them (timeout_s each)."""
         cfg = self.cfg
         in_at, out_at = [0, *itertools.accumulate(in_split)], [0, *itertools.accumulate(out_split)]
         out[out_at[cfg.rank]:out_at[cfg.rank + 1]] = inp[in_at[cfg.rank]:in_at[cfg.rank + 1]]
@@ -138,11 +146,23 @@ class ReferenceBackend(Backend):
         """The ranks masked in fault-tolerant mode (a host read of the mask)."""
         return [] if self._mask is None else torch.nonzero(self._mask.cpu()).flatten().tolist()
 
-    def _exchange_counts(self, phase: str, send_counts: torch.Tensor, dead: Sequence[int] = ()) -> list[int]:
-        """One count per rank each way (0 to and from dead ranks)."""
-        ones = [0 if r in dead else 1 for r in range(self.cfg.world_size)]
-        return self._all_to_all(f"{phase} counts", torch.zeros_like(send_counts), send_counts, ones, ones,
-                                dead).tolist()
+    def _exchange_header(self, phase: str, stamp: CallStamp, send_counts: Optional[torch.Tensor] = None,
+                         dead: Sequence[int] = ()) -> list[int]:
+        """The call's header exchange (module docstring): rows from each rank (0 to and from dead ranks);
+        raises on every rank alike (call_check.verify) when the live ranks made different calls or one
+        rejected its input."""
+        r = self.cfg.world_size
+        header = torch.zeros(r, HEADER_WORDS, dtype=torch.int64)
+        if send_counts is not None:
+            header[:, 0] = send_counts.cpu()
+        header[:, 1:] = torch.tensor(stamp.words, dtype=torch.int64)
+        if not self._staged and self.cfg.device.type == "cuda":
+            header = header.to(self.cfg.device)
+        ones = [0 if peer in dead else 1 for peer in range(r)]
+        got = self._all_to_all(f"{phase} header", torch.zeros_like(header), header, ones, ones, dead).cpu()
+        got[list(dead), 1:] = torch.tensor(stamp.words, dtype=torch.int64)  # masked ranks take no part
+        verify(stamp, got[:, 1:].tolist())
+        return got[:, 0].tolist()
 
     def _all_to_all_rows(self, phase: str, rows: torch.Tensor, send_counts: list[int],
                          recv_counts: list[int], dead: Sequence[int] = ()) -> torch.Tensor:
@@ -176,7 +196,7 @@ class ReferenceBackend(Backend):
         )
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, *, handle, expert_alignment, worst_case, expert_major,
-                 num_sms, knobs, async_op) -> DispatchResult:
+                 num_sms, knobs, async_op, stamp) -> DispatchResult:
         cfg = self.cfg
         cached = handle is not None
         mask = handle.is_token_in_rank if cached else self._rank_mask(topk_idx)
@@ -185,7 +205,7 @@ class ReferenceBackend(Backend):
         token_ids = torch.arange(n, device=x.device, dtype=torch.int32)
         send_idx = torch.cat([token_ids[mask[:, r]] for r in range(cfg.world_size)]).long()
         send_counts = mask.sum(0).to(torch.int64)
-        recv_counts = self._exchange_counts("reference dispatch", send_counts)
+        recv_counts = self._exchange_header("reference dispatch", stamp, send_counts)
         parts = [x[send_idx]] + ([x_scales[send_idx]] if x_scales is not None else [])
         parts.append(send_idx.to(torch.int32).unsqueeze(1))
         if not cached:
@@ -257,7 +277,8 @@ class ReferenceBackend(Backend):
         )
         return pairs.expand(result, expert_alignment) if expert_major else result
 
-    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, async_op):
+    def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, async_op, stamp):
+        self._exchange_header("reference combine", stamp)
         x, topk_weights = pairs.combine_inputs(x, handle, topk_weights, pair_weights)
         recv_counts = handle.state.recv_counts
         parts = [x] if topk_weights is None else [x, topk_weights]
@@ -293,7 +314,7 @@ class ReferenceBackend(Backend):
         return acc
 
     # ---- low-latency mode -----------------------------------------------------------------
-    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, return_recv_hook):
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, return_recv_hook, stamp):
         cfg = self.cfg
         e_l, slots = cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank
         out_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
@@ -318,7 +339,7 @@ class ReferenceBackend(Backend):
             token_ids = torch.arange(x_in.shape[0], device=x.device, dtype=torch.int32)
             send_idx = torch.cat([token_ids[mask[:, r]] for r in range(cfg.world_size)]).long()
             send_counts = mask.sum(0).to(torch.int64)
-            recv_counts = self._exchange_counts("reference low-latency dispatch", send_counts, dead)
+            recv_counts = self._exchange_header("reference low-latency dispatch", stamp, send_counts, dead)
             rows, specs = _pack([p[send_idx] for p in payload] + [send_idx.to(torch.int32).unsqueeze(1), topk_in[send_idx]])
             got = _unpack(self._all_to_all_rows("reference low-latency dispatch", rows, send_counts.tolist(), recv_counts,
                                                 dead), specs)
@@ -352,7 +373,7 @@ class ReferenceBackend(Backend):
             receive()
         return LowLatencyDispatchResult(out_x, out_scales, count, handle, receive if return_recv_hook else None)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, return_recv_hook):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, return_recv_hook, stamp):
         cfg = self.cfg
         n, k_top = topk_idx.shape
         out = torch.empty(n, cfg.hidden, dtype=torch.bfloat16, device=x.device)
@@ -361,6 +382,7 @@ class ReferenceBackend(Backend):
         def receive() -> None:
             e_all, e_l = cfg.num_experts, cfg.num_local_experts
             dead = self._dead()
+            self._exchange_header("reference low-latency combine", stamp, dead=dead)
             slots = torch.arange(x_in.shape[1], device=x.device)
             valid = slots.unsqueeze(0) < handle.count.unsqueeze(1)  # [E_l, R*T]
             valid &= ~torch.isin(handle.src_rank, torch.tensor(dead, dtype=torch.int32, device=x.device))
