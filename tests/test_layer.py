@@ -331,8 +331,9 @@ def _bad_input_case() -> None:
         moe(torch.randn(3, 16), mode="fast")
     with pytest.raises(ValueError, match="features"):
         moe(torch.randn(3, 8))
-    with pytest.raises(ValueError, match="max_tokens_per_rank"):
-        moe(torch.randn(9, 16))
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):  # static shapes hold T tokens at most
+        MoE(buf, 8, worst_case=True)(torch.randn(9, 16), mode="normal")
+    assert moe(torch.randn(9, 16), mode="normal").shape == (9, 16)  # exact-size calls stream any number
     with pytest.raises(ValueError, match="low_latency_fp8"):
         MoE(buf, 8, low_latency_fp8=True)
     with pytest.raises(RuntimeError, match="aux_loss"):
