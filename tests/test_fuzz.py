@@ -352,7 +352,7 @@ class Fuzzer:
             "weights_dtype": lambda: buf.dispatch(x, idx, w.double()),
             "expert_too_large": lambda: buf.dispatch(x, with_expert(self.shape.experts), w),
             "expert_below_minus_one": lambda: buf.get_dispatch_layout(with_expert(-2)),
-            "too_many_tokens": lambda: buf.dispatch(x, idx, w),
+            "too_many_tokens": lambda: buf.dispatch(x, idx, w, worst_case=True),  # static shapes hold at most T
             "misaligned": lambda: buf.dispatch(misaligned, idx, w),
             "non_contiguous": lambda: buf.dispatch(torch.stack([x, x], dim=-1)[..., 0], idx, w),
             "event_type": lambda: buf.dispatch(x, idx, w, previous_event=object()),

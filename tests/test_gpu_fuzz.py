@@ -164,7 +164,7 @@ class PairFuzzer:
             "x_dtype": lambda: buf.dispatch(x.float(), idx, w),
             "topk_dtype": lambda: buf.dispatch(x, idx.int(), w),
             "weights_dtype": lambda: buf.dispatch(x, idx, w.double()),
-            "too_many_tokens": lambda: buf.dispatch(x, idx, w),
+            "too_many_tokens": lambda: buf.dispatch(x, idx, w, worst_case=True),  # static shapes hold at most T
             "misaligned": lambda: buf.dispatch(misaligned, idx, w),
             "non_contiguous": lambda: buf.dispatch(torch.stack([x, x], dim=-1)[..., 0], idx, w),
             "event_type": lambda: buf.dispatch(x, idx, w, previous_event=object()),

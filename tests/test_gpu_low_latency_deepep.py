@@ -4,6 +4,8 @@
   UE8M0 (int32 [E_l, R*T, H/512], same layout): native bytes equal the reference backend's on the same
   inputs, with and without the receive hook, through moe_ep.Buffer and the DeepEP drop-in, on NVLink
   and (ranks_per_node=1) on the NVSHMEM put path; native outputs are poisoned between calls;
+- moe_ep.Buffer.set_rank_masked with both ranks alive, each masking the other: native bits equal a
+  fault-tolerant reference Buffer's with the same mask;
 - the mask API of deep_ep.Buffer(enable_shrink=True): a killed rank masked by the survivor before its
   next call (the Buffer's timeout is far longer than the test may run, so the call must not wait for
   the dead rank), and a stalled rank masked by the kernels' timeout and reported by the query; the
@@ -89,6 +91,48 @@ def _format_cases(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
 @pytest.mark.parametrize("ranks_per_node", [None, 1], ids=["nvlink", "put_path"])
 def test_scale_formats_native_equal_reference(ranks_per_node: Optional[int]) -> None:
     run_workers(WORLD, _format_cases, ranks_per_node, backend="gpu", timeout_s=600)
+
+
+def _partition_cases(rank: int, world: int) -> None:
+    """Both ranks alive, each masking the other (moe_ep.Buffer.set_rank_masked): the native Buffer and a
+    fault-tolerant reference Buffer with the same mask give the same bits, so each rank works alone."""
+    other, (hidden, experts, k, t) = 1 - rank, (1024, 16, 4, 64)
+    local = torch.Generator(device="cuda").manual_seed(11 + rank)
+    kwargs = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, low_latency=True,
+                  fault_tolerant=True)
+    with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", **kwargs) as buf, \
+            moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **kwargs) as ref:
+        for b in (buf, ref):
+            b.set_rank_masked(other)
+        for it in range(4):
+            n = [t, t - 9, 1, 0][(it + rank) % 4]
+            use_fp8, hook = it % 2 == 1, it >= 2
+            x, idx = _x(n, hidden, local), random_topk("random", n, experts, k, local)
+            w = torch.rand(n, k, generator=local, device="cuda")
+            got = buf.low_latency_dispatch(x, idx, use_fp8=use_fp8, return_recv_hook=hook)
+            if hook:
+                got.hook()
+            want = ref.low_latency_dispatch(x, idx, use_fp8=use_fp8)
+            what = f"partition it={it}"
+            assert torch.equal(got.count, want.count), what
+            valid = torch.arange(got.x.shape[1], device="cuda") < want.count.unsqueeze(1)
+            assert torch.equal(got.x.view(torch.uint8)[valid], want.x.view(torch.uint8)[valid]), what
+            if use_fp8:
+                assert torch.equal(got.x_scales.view(torch.int32)[valid], want.x_scales.view(torch.int32)[valid]), what
+            y = (torch.randn(got.x.shape, generator=local, device="cuda") * 3).to(torch.bfloat16)
+            out = buf.low_latency_combine(y, idx, w, got.handle, return_recv_hook=hook)
+            if hook:
+                out.hook()
+            want_out = ref.low_latency_combine(y, idx, w, want.handle).x
+            assert torch.equal(out.x.view(torch.int16), want_out.view(torch.int16)), f"{what}: combine"
+        assert buf.masked_ranks == ref.masked_ranks == [other]
+        for b in (buf, ref):
+            b.clear_rank_masks()
+        assert buf.masked_ranks == ref.masked_ranks == []
+
+
+def test_partition_native_equals_reference() -> None:
+    run_workers(WORLD, _partition_cases, backend="gpu", timeout_s=300)
 
 
 def _round(buf: deep_ep.Buffer, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -324,16 +324,16 @@ def _balancing_case(rank: int, world: int) -> None:
 
 
 def _bad_input_case() -> None:
-    """Wrong mode, width or token count fail with a clear error before any communication."""
+    """Wrong mode, width or (with static shapes) token count fail with a clear error."""
     buf = moe_ep.Buffer(None, device=device(), hidden=16, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
     moe = MoE(buf, 8)
     with pytest.raises(ValueError, match="mode"):
         moe(torch.randn(3, 16), mode="fast")
     with pytest.raises(ValueError, match="features"):
         moe(torch.randn(3, 8))
-    with pytest.raises(ValueError, match="max_tokens_per_rank"):  # static shapes hold T tokens at most
-        MoE(buf, 8, worst_case=True)(torch.randn(9, 16), mode="normal")
-    assert moe(torch.randn(9, 16), mode="normal").shape == (9, 16)  # exact-size calls stream any number
+    assert moe(torch.randn(9, 16)).shape == (9, 16)  # above max_tokens_per_rank: streamed in rounds
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):  # a static-shape forward holds at most 8
+        MoE(buf, 8, worst_case=True)(torch.randn(9, 16))
     with pytest.raises(ValueError, match="low_latency_fp8"):
         MoE(buf, 8, low_latency_fp8=True)
     with pytest.raises(RuntimeError, match="aux_loss"):

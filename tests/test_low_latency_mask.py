@@ -2,7 +2,8 @@
 a round with every rank, rank 2 leaves for good; the survivors mask it (moe_ep.Buffer.set_rank_masked,
 and DeepEP's low_latency_update_mask_buffer on a deep_ep.Buffer(enable_shrink=True)) and go on. Their
 dispatch and combine results must equal brute force over the inputs with rank 2's tokens gone and its
-experts dropped (their topk_idx entries -1); query / clean and the argument checks are checked too."""
+experts dropped (their topk_idx entries -1); query / clean, a partition set before a Buffer exists, and
+the argument checks are checked too."""
 from __future__ import annotations
 
 import pytest
@@ -88,6 +89,15 @@ def _worker(rank: int, world: int) -> None:
     moe_ep_round(buf, first, rank, set())
     drop_in_round(drop, first, rank, set())  # makes its low-latency Buffer (collective)
     assert buf.masked_ranks == [] and query(drop) == [0, 0, 0]
+
+    # A partition every rank agrees on, set before the drop-in makes its low-latency Buffer (masks reach
+    # Buffers made later): ranks 0 and 1 mask rank 2, rank 2 masks both of them and works alone.
+    late = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=True)
+    apart = {0, 1} if rank == DEAD else {DEAD}
+    for r in sorted(apart):
+        late.low_latency_update_mask_buffer(r, True)
+    drop_in_round(late, second, rank, apart)
+    assert query(late) == [int(r in apart) for r in range(WORLD)]
     dist.barrier()
     if rank == DEAD:
         return  # gone: no further call of any kind

@@ -26,7 +26,15 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.comm.backends import intranode
-from moe_ep.comm.backends.engine import NormalEngine, Notified, streamed_combine, streamed_dispatch
+from moe_ep.comm.backends.engine import (
+    NormalEngine,
+    Notified,
+    agree_rounds,
+    first_notify,
+    rounds_group,
+    streamed_combine,
+    streamed_dispatch,
+)
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import (
     assert_same_bits,
@@ -270,8 +278,8 @@ class _PlayedKernels(NormalEngine):
     def raw_expert_counts(self, state):
         return state.recv_info[2 * self.cfg.world_size:]
 
-    def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state, out, *, cached, worst_case, num_sms,
-                        knobs, stream) -> None:
+    def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state, out, *, cached, worst_case, expert_major,
+                        num_sms, knobs, stream) -> None:
         cfg, me, r = self.cfg, self.cfg.rank, self.cfg.world_size
         e_l = cfg.num_local_experts
         sends = []
@@ -346,7 +354,8 @@ def _played_worker(rank: int, world: int) -> None:
             rounds = max(1, -(-max(tokens) // T))
             run = dict(rounds=rounds, expert_alignment=3, num_sms=1, knobs=ref.config, stream=None, async_op=False,
                        check=lambda **_: None)
-            got = streamed_dispatch(engine, x, None, idx, w, handle=None, **run)
+            got = streamed_dispatch(engine, x, None, idx, w, handle=None, first=first_notify(engine, idx, 3, None),
+                                    **run)
             want = ref.dispatch(x, idx, w, expert_alignment=3)
             what = f"played {case} {routing}"
             for field in ("x", "topk_idx", "topk_weights", "src_rank", "src_index", "tokens_per_expert_tensor"):
@@ -363,7 +372,7 @@ def _played_worker(rank: int, world: int) -> None:
             assert_same_bits(got_out, out, f"{what}: combine")
             assert_same_bits(got_w, out_w, f"{what}: combined weights")
             x2 = (x.float() * -2).to(torch.bfloat16)
-            cached = streamed_dispatch(engine, x2, None, None, None, handle=got.handle, **run)
+            cached = streamed_dispatch(engine, x2, None, None, None, handle=got.handle, first=None, **run)
             assert_same_bits(cached.x, ref.dispatch(x2, handle=want.handle).x, f"{what}: cached dispatch")
         assert engine.max_tokens_seen == T
 
@@ -372,10 +381,52 @@ def test_streamed_flow_over_played_kernels() -> None:
     run_workers(2, _played_worker)
 
 
+def _agree_worker(rank: int, world: int) -> None:
+    """The ranks agree on the largest call's rounds; a rank whose peer skips the call goes on with its
+    own rounds after timeout_s (the kernels then report the peer), and the caller's group stays usable."""
+    group = rounds_group(dist.group.WORLD, 1.0)
+    assert agree_rounds(group, [5, 70][rank], T, 1.0) == 3
+    assert agree_rounds(group, 0, T, 1.0) == 1
+    if rank == 0:
+        assert agree_rounds(group, 2 * T - 1, T, 1.0) == 2  # rank 1 never joins
+    dist.barrier()
+
+
+def test_rounds_agreement_survives_a_silent_peer() -> None:
+    run_workers(2, _agree_worker, timeout_s=120)
+
+
+def check_low_latency_async(buf: moe_ep.Buffer) -> None:
+    """Low-latency dispatch and combine with async_op equal the synchronous calls (received rows below
+    each expert's count, combined rows) bit for bit; async_op with a receive hook is a ValueError."""
+    me = buf.rank
+    g = torch.Generator().manual_seed(77 + me)
+    x = torch.randn(T, HIDDEN, generator=g).to(torch.bfloat16).to(buf.device)
+    idx = torch.randint(-1, EXPERTS, (T, TOPK), generator=g).to(buf.device)
+    w = torch.rand(T, TOPK, generator=g).to(buf.device)
+
+    def received(d: moe_ep.LowLatencyDispatchResult) -> list[torch.Tensor]:
+        return [d.x[e, :int(c)].cpu() for e, c in enumerate(d.count.tolist())]
+
+    sync = buf.low_latency_dispatch(x, idx)
+    want_rows = received(sync)
+    want_out = buf.low_latency_combine(sync.x, idx, w, sync.handle).x.cpu()
+    lazy = buf.low_latency_dispatch(x, idx, async_op=True)
+    lazy.event.wait()
+    for e, (got, want) in enumerate(zip(received(lazy), want_rows)):
+        assert_same_bits(got, want, f"async low-latency dispatch: expert {e}")
+    out = buf.low_latency_combine(lazy.x, idx, w, lazy.handle, async_op=True)
+    out.event.wait()
+    assert_same_bits(out.x.cpu(), want_out, "async low-latency combine")
+    with pytest.raises(ValueError, match="exclude each other"):
+        buf.low_latency_dispatch(x, idx, async_op=True, return_recv_hook=True)
+
+
 # ---- CPU: the reference backend ---------------------------------------------------------------
 def _cpu_worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
     with moe_ep.Buffer(dist.group.WORLD, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=T,
-                       backend="reference", ranks_per_node=ranks_per_node) as buf:
+                       backend="reference", ranks_per_node=ranks_per_node, low_latency=True) as buf:
+        check_low_latency_async(buf)
         for seed, (case, routing) in enumerate(CASES):
             check_against_brute_force(buf, seed, _tokens(case, world), routing, f"reference {case} {routing}")
         _worst_case_cap(buf)
@@ -437,27 +488,32 @@ def _each_topology(rank: int, world: int, topos: list[dict]) -> None:
 
 
 def _gated_call(rank: int, world: int) -> None:
-    """The call's kernels run on the communication stream: gated behind previous_event (a long sleep on
-    a third stream), the call has not finished when a kernel the caller queued after it has."""
+    """The call's kernels run on the communication stream: rank 0's async dispatch cannot finish before
+    rank 1 joins it, and rank 1 joins only after rank 0 saw a kernel it queued on its own stream after
+    the call complete (were the call on that stream, the kernel would wait for it, and the call would
+    give up after timeout_s, failing the check)."""
     with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", hidden=HIDDEN, num_experts=EXPERTS,
-                       num_topk=TOPK, max_tokens_per_rank=T) as buf:
+                       num_topk=TOPK, max_tokens_per_rank=T, low_latency=True, timeout_s=20.0) as buf:
+        check_low_latency_async(buf)
         g = torch.Generator(device="cuda").manual_seed(rank)
         x = torch.randn(T, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
         idx = torch.randint(0, EXPERTS, (T, TOPK), generator=g, device="cuda")
         w = torch.rand(T, TOPK, generator=g, device="cuda")
         want = buf.dispatch(x, idx, w, worst_case=True)
         torch.cuda.synchronize()
-        gate_stream = torch.cuda.Stream()
-        with torch.cuda.stream(gate_stream):
-            torch.cuda._sleep(4_000_000_000)  # seconds of GPU cycles: the gate opens long after the checks
-            gate = torch.cuda.Event()
-            gate.record()
-        got = buf.dispatch(x, idx, w, worst_case=True, previous_event=moe_ep.EventHandle(gate), async_op=True)
-        mine = x * 2  # queued on the caller's stream after the call
-        after = torch.cuda.Event()
-        after.record()
-        after.synchronize()
-        assert not got.event.event.query(), "the call finished before its previous_event: it did not wait for it"
+        dist.barrier()
+        if rank == 0:
+            got = buf.dispatch(x, idx, w, worst_case=True, previous_event=_capture(), async_op=True)
+            mine = x * 2  # queued on the caller's stream after the call
+            after = torch.cuda.Event()
+            after.record()
+            after.synchronize()
+            assert not got.event.event.query(), "the call finished without its peer: it did not run on its own stream"
+            dist.barrier()  # now rank 1 joins the dispatch
+        else:
+            dist.barrier()
+            got = buf.dispatch(x, idx, w, worst_case=True, async_op=True)
+            mine = x * 2
         got.event.wait()
         for field in ("x", "topk_idx", "topk_weights", "src_rank", "src_index"):
             assert_same_bits(getattr(got, field).cpu(), getattr(want, field).cpu(), f"gated async dispatch {field}")

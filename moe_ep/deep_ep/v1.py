@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
@@ -19,9 +19,9 @@ import torch.distributed as dist
 import moe_ep
 from ..comm import _native
 from ..comm.backends.base import align_up, record_event
-from ..comm.buffer import _device_of, _resolve_topology, auto_backend
 from ..comm.streams import CommStream, tensors_in
 from ..comm.fp8 import BLOCK as FP8_BLOCK
+from .factory import BufferFactory
 
 topk_idx_t = torch.int64
 
@@ -91,12 +91,22 @@ class EventOverlap:
 
     event: Optional[moe_ep.EventHandle] = None
     extra_tensors: Optional[tuple[torch.Tensor, ...]] = None  # DeepEP's stream-lifetime hint; moe_ep needs none
+    hooks: list[Callable[[], None]] = field(default_factory=list)
 
-    def current_stream_wait(self) -> None:
-        """Make the current stream wait for the event; there must be one (async_finish=True)."""
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """Make the current stream wait for the event (there must be one: async_finish=True, or V2's
+        async_with_compute_stream=True), then run the hooks registered after it. release_handle
+        (DeepEP V2's) has nothing to release here: moe_ep keeps no tensors alive through events."""
         if self.event is None:
-            raise RuntimeError("this EventOverlap holds no event: pass async_finish=True to get one")
+            raise RuntimeError("this EventOverlap holds no event: pass async_finish=True (V2: "
+                               "async_with_compute_stream=True) to get one")
         self.event.wait()
+        for hook in self.hooks:
+            hook()
+
+    def register_hook_after_wait(self, hook: Callable[[], None]) -> None:
+        """DeepEP V2: run `hook` after current_stream_wait."""
+        self.hooks.append(hook)
 
     def __enter__(self) -> "EventOverlap":
         return self
@@ -192,6 +202,17 @@ def _scatter_rows(t: torch.Tensor, rows: torch.Tensor, num_inner: int) -> torch.
     return out
 
 
+def add_bias(out: torch.Tensor, bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """A combine's bf16 rows plus DeepEP's `bias` (one tensor or two), added in float32, rounded once more."""
+    biases = bias if isinstance(bias, tuple) else (bias,) if bias is not None else ()
+    if not biases:
+        return out
+    acc = out.float()
+    for b in biases:
+        acc = acc + b.float()
+    return acc.to(torch.bfloat16)
+
+
 def _chain(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
     """A receive hook that runs moe_ep's hook, then this module's follow-up on the received data."""
     def hook() -> None:
@@ -245,12 +266,8 @@ class Buffer:
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         self.enable_shrink = enable_shrink  # low-latency Buffers are fault-tolerant: the mask API below
         self._masked: set[int] = set()  # ranks masked by low_latency_update_mask_buffer (for Buffers made later)
-        self._backend, self._max_tokens, self._timeout_s = backend, max_tokens_per_rank, timeout_s
-        self._device_group: Optional[dist.ProcessGroup] = None
-        gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        topo = _resolve_topology(self.group, ranks_per_node, gpu)
-        self._ranks_per_node, self._num_nodes = topo.ranks_per_node, topo.num_nodes
-        self._ranks_per_gpu = topo.ranks_per_gpu
+        self._max_tokens, self._timeout_s = max_tokens_per_rank, timeout_s
+        self._factory = BufferFactory(self.group, backend, ranks_per_node)
         self._normal: dict[tuple[int, int], moe_ep.Buffer] = {}
         self._low_latency: dict[tuple[int, int, int, int], moe_ep.Buffer] = {}
         self._zero_copy: dict[moe_ep.Buffer, torch.Tensor] = {}
@@ -301,30 +318,10 @@ class Buffer:
         return Config(Buffer.num_sms)
 
     # ---- buffers --------------------------------------------------------------------------
-    def _group_for(self, device: torch.device) -> tuple[dist.ProcessGroup, Optional[torch.device]]:
-        """The group (and device argument) of the moe_ep Buffers for tensors on `device`: the caller's
-        group, except for CUDA tensors over a CPU (gloo) group, as vLLM passes its CPU group. Then the
-        native backend runs over that group with device=`device` (it needs the group only to start
-        NVSHMEM), and so does the reference backend when ranks share a GPU (NCCL refuses them);
-        otherwise the reference backend gets an NCCL group of the same ranks, created once, by the
-        members alone."""
-        if device.type != "cuda" or _device_of(self.group).type == "cuda":
-            return self.group, None
-        native = self._backend == "nvshmem" or (self._backend == "auto" and auto_backend(device)[0] == "nvshmem")
-        if native or self._ranks_per_gpu > 1:
-            return self.group, device
-        if self._device_group is None:
-            self._device_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="nccl",
-                                                use_local_synchronization=True)
-        return self._device_group, None
-
     def _new_buffer(self, x: torch.Tensor, num_experts: int, num_topk: int, max_tokens: int,
                     low_latency: bool) -> moe_ep.Buffer:
-        group, device = self._group_for(x.device)
-        return moe_ep.Buffer(group, hidden=x.shape[1], num_experts=num_experts, num_topk=num_topk,
-                             max_tokens_per_rank=max_tokens, backend=self._backend, low_latency=low_latency,
-                             ranks_per_node=self._ranks_per_node, device=device, timeout_s=self._timeout_s,
-                             fault_tolerant=low_latency and self.enable_shrink)
+        return self._factory.create(x, num_experts, num_topk, max_tokens, low_latency, timeout_s=self._timeout_s,
+                                    fault_tolerant=low_latency and self.enable_shrink)
 
     def _normal_buffer(self, x: torch.Tensor, num_experts: int) -> moe_ep.Buffer:
         """The normal-mode Buffer for x's hidden size and device (top-k padded to 16), created on first use."""
@@ -387,8 +384,9 @@ class Buffer:
         per_expert = hit[:, :num_experts]
         in_rank = per_expert.reshape(-1, r, e_l).any(dim=2)
         per_node = None
-        if self._num_nodes > 1:
-            per_node = in_rank.view(-1, self._num_nodes, self._ranks_per_node).any(dim=2).sum(0, dtype=torch.int32)
+        nodes = self._factory.num_nodes
+        if nodes > 1:
+            per_node = in_rank.view(-1, nodes, self._factory.ranks_per_node).any(dim=2).sum(0, dtype=torch.int32)
         return (in_rank.sum(0, dtype=torch.int32), per_node, per_expert.sum(0, dtype=torch.int32), in_rank,
                 self._finish(async_finish))
 
@@ -522,13 +520,7 @@ class Buffer:
         else:
             out, out_w = handle.buffer.combine(x, inner, topk_weights=weights, num_sms=sms)
             out_w = out_w[:, :k].contiguous()
-        biases = bias if isinstance(bias, tuple) else (bias,) if bias is not None else ()
-        if biases:
-            acc = out.float()
-            for b in biases:
-                acc = acc + b.float()
-            out = acc.to(torch.bfloat16)
-        return out, out_w, self._finish(async_finish)
+        return add_bias(out, bias), out_w, self._finish(async_finish)
 
     # ---- low-latency mode -----------------------------------------------------------------
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:

@@ -21,8 +21,10 @@ A normal dispatch, on either engine (`normal_dispatch`):
 
 Streaming (`streamed_dispatch`, `streamed_combine`): outside worst-case mode a call may carry any
 number of tokens. The group agrees on the number of rounds J = ceil(max N / T) (T =
-max_tokens_per_rank: the workspace holds one round) with one host all-reduce (`agree_rounds`); J = 1
-is the flow above, unchanged. With J > 1 round j carries tokens [jT, jT + T) of every rank (none
+max_tokens_per_rank: the workspace holds one round) with one host all-reduce on the Buffer's own
+gloo group (`rounds_group`, `agree_rounds`: bounded by timeout_s, so a silent peer is still reported
+by the kernels, as CommTimeoutError); J = 1 is the flow above, unchanged (its notify, the first
+round's, is launched before the all-reduce, which overlaps it). With J > 1 round j carries tokens [jT, jT + T) of every rank (none
 where a rank has fewer): the notify of every round runs first (J count exchanges, back to back:
 the kernels' two count sets allow that, csrc/kernels/*/notify.cu), the host waits once for all the
 counts and allocates the exact output, then each round's first output row per source is patched on
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
@@ -48,8 +51,6 @@ from ..config import Config
 from ..types import DispatchHandle, DispatchLayout, DispatchResult, ExpertMajorLayout
 from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result
 
-# Host groups for agree_rounds, by the ranks of an NCCL group (a gloo group serves itself).
-_host_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 class Engine(abc.ABC):
     """One kernel family of a native Buffer: its context, symmetric memory and lifetime."""
@@ -142,9 +143,11 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
                     topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
                     handle: Optional[DispatchHandle], expert_alignment: int, worst_case: bool, num_sms: int,
                     knobs: Config, stream: torch.cuda.Stream, async_op: bool,
-                    check: Callable[..., None], expert_major: bool = False) -> DispatchResult:
+                    check: Callable[..., None], expert_major: bool = False,
+                    notified: Optional[Notified] = None) -> DispatchResult:
     """The normal-mode dispatch flow of every normal engine (this module's docstring says the steps).
-    `check` is the Buffer's ErrorWatch.check. expert_major: the result is the engine's pairs (step 6)."""
+    `check` is the Buffer's ErrorWatch.check. expert_major: the result is the engine's pairs (step 6).
+    `notified`: the call's notify, already launched (first_notify)."""
     cfg = engine.cfg
     r, t = cfg.world_size, cfg.max_tokens_per_rank
     cached = handle is not None
@@ -155,7 +158,8 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
         in_rank = handle.is_token_in_rank
         tokens_per_expert = align_up_device(engine.raw_expert_counts(state), expert_alignment)
     else:
-        notified = engine.notify(topk_idx, expert_alignment, worst_case, stream)
+        if notified is None:
+            notified = engine.notify(topk_idx, expert_alignment, worst_case, stream)
         in_rank, state, tokens_per_expert = notified.is_token_in_rank, notified.state, notified.tokens_per_expert
         if not worst_case:
             counts_ready = torch.cuda.Event()
@@ -189,24 +193,37 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
     return engine.expand(result, expert_alignment) if expert_major else result
 
 
-def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A group of `group`'s ranks whose collectives run on the host, for agree_rounds (no device sync):
-    `group` itself when it takes CPU tensors, else a gloo group of its ranks, made (collectively, as
-    Buffer creation is) the first time."""
-    if "gloo" in str(dist.get_backend(group)):
-        return group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _host_groups:
-        _host_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-    return _host_groups[ranks]
+def rounds_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
+    """Collective (at Buffer creation): a gloo group of `group`'s ranks that is the Buffer's own, for
+    agree_rounds. Its own, so that an all-reduce a silent peer leaves waiting can give up without
+    touching any group the caller uses; gloo, so that agreeing needs no device sync."""
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", timeout=timedelta(seconds=timeout_s),
+                          use_local_synchronization=True)
 
 
-def agree_rounds(group: dist.ProcessGroup, num_tokens: int, round_tokens: int) -> int:
-    """Collective (one host all-reduce over `group`, a host_group): the rounds of at most round_tokens
-    tokens that the group's largest call of this step needs, at least 1."""
+def first_notify(engine: NormalEngine, topk_idx: torch.Tensor, expert_alignment: int,
+                 stream: torch.cuda.Stream) -> Notified:
+    """The count exchange of an exact-size call's first round (its first T tokens), launched before the
+    host agrees on the rounds, so that the host collective overlaps it."""
+    return engine.notify(topk_idx[:engine.cfg.max_tokens_per_rank], expert_alignment, False, stream)
+
+
+def agree_rounds(group: dist.ProcessGroup, num_tokens: int, round_tokens: int, timeout_s: float) -> int:
+    """Collective (one host all-reduce over `group`, a rounds_group): the rounds of at most round_tokens
+    tokens that the group's largest call needs, at least 1. A peer that skipped the call, stalled or
+    died makes the all-reduce give up after timeout_s (or fail at once: gloo closes a group whose
+    operation timed out); this rank then goes on with its own rounds, and the call's kernels, which
+    wait for that peer too, report it as they always did (CommTimeoutError naming peer and phase)."""
     most = torch.tensor([num_tokens], dtype=torch.int64)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-    return max(1, -(-int(most.item()) // round_tokens))
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    opts.timeout = timedelta(seconds=timeout_s)
+    try:
+        group.allreduce([most], opts).wait(timedelta(seconds=timeout_s + 1))
+        most_tokens = int(most.item())
+    except RuntimeError:
+        most_tokens = num_tokens
+    return max(1, -(-most_tokens // round_tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,9 +253,10 @@ def streamed_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[
                       topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
                       handle: Optional[DispatchHandle], rounds: int, expert_alignment: int, num_sms: int,
                       knobs: Config, stream: torch.cuda.Stream, async_op: bool,
-                      check: Callable[..., None]) -> DispatchResult:
+                      check: Callable[..., None], first: Optional[Notified]) -> DispatchResult:
     """An exact-size dispatch in `rounds` rounds of at most T tokens (this module's docstring): the
-    same rows, bits and order as one round would give. A cached one reuses its handle's rounds."""
+    same rows, bits and order as one round would give. A cached one reuses its handle's rounds;
+    a fresh one gets round 0's notify, already launched (`first`: first_notify)."""
     cfg = engine.cfg
     r, t, dev = cfg.world_size, cfg.max_tokens_per_rank, cfg.device
     cached = handle is not None
@@ -252,7 +270,8 @@ def streamed_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[
         out = DispatchOutputs.allocate(cfg, handle.num_recv_rows, x.dtype, handle)
     else:
         bounds = round_bounds(x.shape[0], rounds, t)
-        notified = [engine.notify(cut(topk_idx, j), expert_alignment, False, stream) for j in range(rounds)]
+        notified = [first] + [engine.notify(cut(topk_idx, j), expert_alignment, False, stream)
+                              for j in range(1, rounds)]
         e_l = cfg.num_local_experts
         info = torch.stack([n.state.recv_info[:2 * r + e_l] for n in notified]).cpu()  # the call's one host sync
         check(timeouts_only=True)

@@ -33,9 +33,10 @@ from .engine import (
     NormalEngine,
     StreamedState,
     agree_rounds,
-    host_group,
+    first_notify,
     normal_dispatch,
     round_bounds,
+    rounds_group,
     streamed_combine,
     streamed_dispatch,
 )
@@ -54,6 +55,7 @@ class NvshmemBackend(Backend):
     def __init__(self, cfg: BufferConfig) -> None:
         super().__init__(cfg)
         native = _native.load()
+        self._rounds_group = rounds_group(cfg.group, cfg.timeout_s)  # agrees on a call's rounds (engine.agree_rounds)
         normal_cls: type[NormalEngine] = InternodeEngine if cfg.hierarchical else IntranodeEngine
         heap_bytes = normal_cls.heap_bytes(cfg)
         if cfg.low_latency:
@@ -67,7 +69,6 @@ class NvshmemBackend(Backend):
                                         error=self._error.device_ptr)
         self._normal: Optional[NormalEngine] = None
         self._low_latency: Optional[LowLatencyEngine] = None
-        self._host_group = host_group(cfg.group)  # agrees on a call's rounds (engine.agree_rounds)
         try:
             if cfg.hierarchical:
                 self._normal = InternodeEngine(cfg, self._session, runtime)
@@ -108,15 +109,19 @@ class NvshmemBackend(Backend):
         stream = self._stream()
         engine = self._normal
         static = handle.worst_case if handle is not None else worst_case
+        first = None
         if handle is not None:
             rounds = len(handle.state.rounds) if isinstance(handle.state, StreamedState) else 1
-        else:  # a static-shape (worst-case) call fits one round: Buffer checked it
-            rounds = 1 if worst_case else agree_rounds(self._host_group, x.shape[0], self.cfg.max_tokens_per_rank)
+        elif worst_case:  # a static-shape call fits one round: Buffer checked it
+            rounds = 1
+        else:  # round 0's count exchange runs on the GPU while the host agrees on the rounds
+            first = first_notify(engine, topk_idx, expert_alignment, stream)
+            rounds = agree_rounds(self._rounds_group, x.shape[0], self.cfg.max_tokens_per_rank, self.cfg.timeout_s)
         if rounds == 1 and not static:
             return normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                    expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
                                    knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
-                                   expert_major=expert_major)
+                                   expert_major=expert_major, notified=first)
         if rounds == 1:
             result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                      expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
@@ -124,7 +129,7 @@ class NvshmemBackend(Backend):
         else:
             result = streamed_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle, rounds=rounds,
                                        expert_alignment=expert_alignment, num_sms=num_sms, knobs=knobs,
-                                       stream=stream, async_op=async_op, check=self._error.check)
+                                       stream=stream, async_op=async_op, check=self._error.check, first=first)
         return pairs.expand(result, expert_alignment) if expert_major else result
 
     def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, async_op):

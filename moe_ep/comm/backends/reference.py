@@ -84,14 +84,15 @@ class ReferenceBackend(Backend):
     def _all_to_all(self, phase: str, out: torch.Tensor, inp: torch.Tensor, out_split: Optional[list[int]] = None,
                     in_split: Optional[list[int]] = None, dead: Sequence[int] = ()) -> torch.Tensor:
         """all_to_all_single into `out` (returned), through host memory when the group cannot move `inp`;
-        with `dead` ranks (masked: their splits are 0 both ways; splits given) by point-to-point messages
-        among the others. Gives up after timeout_s with CommTimeoutError (peer unknown: -1) naming `phase`."""
+        with `dead` ranks (masked; splits given) by point-to-point messages among the others, leaving the
+        dead ranks' parts of `out` as they were (zero when staged). Gives up after timeout_s with
+        CommTimeoutError (peer unknown: -1) naming `phase`."""
         cfg = self.cfg
         if self._failed is not None:
             raise RuntimeError(f"moe_ep rank {cfg.rank}: this Buffer's exchange '{self._failed}' failed, so the "
                                "Buffer and its process group are unusable (docs/api.md, Errors)")
         src = inp.cpu() if self._staged else inp
-        host = torch.empty(out.shape, dtype=out.dtype) if self._staged else out
+        host = (torch.zeros if dead else torch.empty)(out.shape, dtype=out.dtype) if self._staged else out
         try:
             if dead:
                 self._point_to_point(host, src, out_split, in_split, dead)
@@ -112,8 +113,8 @@ class ReferenceBackend(Backend):
 
     def _point_to_point(self, out: torch.Tensor, inp: torch.Tensor, out_split: list[int], in_split: list[int],
                         dead: Sequence[int]) -> None:
-        """_all_to_all's exchange as isend/irecv pairs with every live peer (no message is empty), then
-        waits for all of them (timeout_s each)."""
+        """_all_to_all's exchange as isend/irecv pairs with every live peer (no empty message; nothing to
+        or from a dead one), then waits for all of them (timeout_s each)."""
         cfg = self.cfg
         in_at, out_at = [0, *itertools.accumulate(in_split)], [0, *itertools.accumulate(out_split)]
         out[out_at[cfg.rank]:out_at[cfg.rank + 1]] = inp[in_at[cfg.rank]:in_at[cfg.rank + 1]]
@@ -139,8 +140,8 @@ class ReferenceBackend(Backend):
         return [] if self._mask is None else torch.nonzero(self._mask.cpu()).flatten().tolist()
 
     def _exchange_counts(self, phase: str, send_counts: torch.Tensor, dead: Sequence[int] = ()) -> list[int]:
-        """One count per rank each way (0 to and from dead ranks)."""
-        ones = [0 if r in dead else 1 for r in range(self.cfg.world_size)]
+        """One count per rank each way; a dead rank's stays 0 (nothing is exchanged with it)."""
+        ones = [1] * self.cfg.world_size
         return self._all_to_all(f"{phase} counts", torch.zeros_like(send_counts), send_counts, ones, ones,
                                 dead).tolist()
 

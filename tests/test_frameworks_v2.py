@@ -1,0 +1,307 @@
+"""The DeepEP V2 paths of torchtitan 0.3.0, vLLM 0.33.0 and SGLang 0.5.23, their own code unchanged,
+on moe_ep.deep_ep.ElasticBuffer: `deep_ep` is aliased to moe_ep.deep_ep before their modules are
+imported. Each is checked against brute force over every rank's inputs (the experts are known
+functions, so each token's output is a sum over its experts wherever they live), 2 ranks on CPU
+(gloo, reference backend) and, marked gpu, 2 ranks sharing one GPU (native kernels).
+
+The frameworks are not installed: as in tests/test_frameworks_hybrid.py, the tests read their
+unpacked wheels (pip download --no-deps; the files imported are pure Python, so Python 3.11 reads
+the cp312 wheels) from $MOE_EP_FRAMEWORKS, else <repo>/.frameworks (git-ignored), and their
+pure-Python or light dependencies from its deps/ folder. .ci/run fills it with torchtitan and its
+dependencies; vLLM (vllm/) and SGLang (sglang/, with sglang/kernels/jit's data files) need theirs
+unpacked there by hand, with the dependencies the stubs below do not cover in deps/ (pydantic,
+msgspec, transformers, ...: docs/deep_ep_compat.md lists them). A test whose framework is not there
+skips, naming it. Stubs and shims, each for something unrelated to communication, are named where
+they are made.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Optional
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_ep.deep_ep
+from tests._dist import device, requires_gpus, run_workers
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAMEWORKS = Path(os.environ.get("MOE_EP_FRAMEWORKS", ROOT / ".frameworks"))
+WORLD, HIDDEN, EXPERTS, TOPK, T = 2, 256, 8, 3, 32
+NUM_LOCAL = EXPERTS // WORLD
+
+
+def _needs(package: str, version: str) -> pytest.MarkDecorator:
+    """Skip unless the framework's unpacked package is in FRAMEWORKS."""
+    return pytest.mark.skipif(not (FRAMEWORKS / package).is_dir(),
+                              reason=f"{package} {version} is not unpacked in {FRAMEWORKS} (MOE_EP_FRAMEWORKS)")
+
+
+class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Stand-in modules for packages a framework imports but the tested path never uses: every
+    attribute is a MagicMock."""
+
+    def __init__(self, roots: set[str]) -> None:
+        self.roots = roots
+
+    def find_spec(self, name: str, path: object, target: object = None) -> Optional[importlib.machinery.ModuleSpec]:
+        if name.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = lambda attr: mock.MagicMock(name=f"{spec.name}.{attr}")
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def _import_path(stubs: tuple[str, ...]) -> None:
+    """In a worker: the unpacked frameworks and their dependencies on sys.path, stand-ins for the named
+    packages where they are not importable, and `deep_ep` aliased to moe_ep.deep_ep (before any
+    framework module binds it)."""
+    for path in (FRAMEWORKS / "deps", FRAMEWORKS):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    missing = {name for name in stubs if importlib.util.find_spec(name) is None}
+    if missing:
+        sys.meta_path.append(_Stubs(missing))
+    sys.modules["deep_ep"] = moe_ep.deep_ep
+
+
+# ---- inputs and brute force --------------------------------------------------------------------
+def _scale(e: int) -> float:
+    """Expert e multiplies its rows by this (a power of two: exact in bf16)."""
+    return float(2 ** (e % 4 - 1))
+
+
+def _routing(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank inputs: x [n, H] bf16, distinct expert ids [n, K] int64, scores [n, K] float32 (~15% 0)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16)
+    idx = torch.rand(n, EXPERTS, generator=g).topk(TOPK, dim=1).indices
+    scores = torch.rand(n, TOPK, generator=g) + 0.1
+    scores = torch.where(torch.rand(n, TOPK, generator=g) < 0.15, 0.0, scores)
+    return x, idx, scores
+
+
+def _weighted(x: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """float32 [n, H]: sum over k of scores[:, k] * scale(idx[:, k]) * x (float64 inside)."""
+    factor = sum(scores[:, k].double() * torch.tensor([_scale(int(e)) for e in idx[:, k]], dtype=torch.float64)
+                 * (idx[:, k] >= 0) for k in range(idx.shape[1]))
+    return (x.double() * factor.unsqueeze(1)).float()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """bf16 results of a framework's arithmetic (its own roundings) against a float64 brute force."""
+    torch.testing.assert_close(got.float().cpu(), want.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"{what}: {m}")
+
+
+def _grouped_experts(rows: torch.Tensor, counts: torch.Tensor, first_expert: int) -> torch.Tensor:
+    """Expert-major rows [P, H], counts[e] rows of local expert e first, the rest untouched: each
+    block times its expert's scale (what torchtitan's grouped GEMM would be)."""
+    counts = counts.cpu().long()
+    scales = torch.ones(rows.shape[0], dtype=rows.dtype)
+    used = int(counts.sum())
+    scales[:used] = torch.repeat_interleave(
+        torch.tensor([_scale(first_expert + e) for e in range(counts.shape[0])], dtype=rows.dtype), counts)
+    return rows * scales.to(rows.device).unsqueeze(1)
+
+
+# ---- torchtitan 0.3.0: DeepEPTokenDispatcher ---------------------------------------------------
+def _torchtitan_worker(rank: int, world: int) -> None:
+    # stub (when absent): tyro is torchtitan.config's command-line parser (imported by torchtitan.distributed)
+    _import_path(("tyro",))
+    from torch.distributed.device_mesh import DeviceMesh
+    from torchtitan.distributed.deepep import deepep
+    from torchtitan.models.common.token_dispatcher import DeepEPTokenDispatcher
+
+    dev = device()
+    if dev.type == "cpu":  # shim: torchtitan registers its ops for CUDA only; its same functions serve CPU
+        torch.library.impl(deepep._lib, "dispatch", "CPU")(deepep._dispatch_op_impl)
+        torch.library.impl(deepep._lib, "combine", "CPU")(deepep._combine_op_impl)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, dev.type)
+    for case, (n, cudagraphable) in enumerate([(T, False), (13, False), (T, True), (7, True)]):
+        config = DeepEPTokenDispatcher.Config(num_experts=EXPERTS, top_k=TOPK, num_max_tokens_per_rank=T,
+                                              hidden_dim=HIDDEN, cudagraphable=cudagraphable)
+        dispatcher = DeepEPTokenDispatcher(config)
+        dispatcher.wire_meshes(ep_mesh=mesh)
+        x, idx, scores = _routing(100 * case + rank, n)
+        g = torch.Generator().manual_seed(7 + rank)
+        grad_out = torch.randn(n, HIDDEN, generator=g)
+        xd = x.to(dev).requires_grad_(not cudagraphable)
+        sd = scores.to(dev).requires_grad_(not cudagraphable)
+        with torch.set_grad_enabled(not cudagraphable):
+            routed, counts, meta = dispatcher.dispatch(xd, sd, idx.to(dev), torch.zeros(EXPERTS, device=dev))
+            assert meta.state.cudagraphable == cudagraphable
+            out = dispatcher.combine(_grouped_experts(routed, counts, rank * NUM_LOCAL), meta, xd)
+        live = torch.where(scores == 0, -1, idx)
+        _close(out, _weighted(x, live, scores), f"torchtitan out (n={n}, cudagraphable={cudagraphable})")
+        if cudagraphable:
+            continue
+        (out.float() * grad_out.to(dev)).sum().backward()
+        want_dx = _weighted(grad_out.to(torch.bfloat16), live, scores)
+        _close(xd.grad, want_dx, "torchtitan grad x")
+        per_slot = torch.stack([(x.float() * grad_out).sum(1) * torch.tensor([_scale(int(e)) for e in idx[:, k]])
+                                for k in range(TOPK)], 1)
+        want_ds = torch.where(live >= 0, per_slot, 0.0)
+        torch.testing.assert_close(sd.grad.cpu(), want_ds, rtol=3e-2, atol=0.5, msg=lambda m: f"grad scores: {m}")
+
+
+@_needs("torchtitan", "0.3.0")
+def test_torchtitan_deepep_cpu() -> None:
+    run_workers(WORLD, _torchtitan_worker)
+
+
+@_needs("torchtitan", "0.3.0")
+@requires_gpus(1)
+def test_torchtitan_deepep_gpu() -> None:
+    run_workers(WORLD, _torchtitan_worker, backend="gpu")
+
+
+# ---- vLLM 0.33.0: DeepEPV2PrepareAndFinalize -------------------------------------------------
+# stubs: model hub, HTTP server, tokenizer and grammar packages that vllm's config modules import
+_VLLM_STUBS = ("transformers", "huggingface_hub", "safetensors", "aiohttp", "uvloop", "xgrammar", "fastapi",
+               "httpx2", "llguidance", "truststore")
+
+
+def _reduced_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Rows [M, H] of experts that weight and reduce themselves (vLLM's TopKWeightAndReduceNoOP
+    contract): row m = sum over k with ids[m, k] >= 0 of weights[m, k] * scale(ids[m, k]) * x[m]."""
+    scale = torch.tensor([[_scale(int(e)) for e in row] for row in ids.cpu().tolist()], dtype=torch.float32)
+    factor = (torch.where(ids.cpu() >= 0, weights.float().cpu() * scale, 0.0)).sum(1, keepdim=True)
+    return (x.float() * factor.to(x.device)).to(torch.bfloat16)
+
+
+def _vllm_worker(rank: int, world: int) -> None:
+    _import_path(_VLLM_STUBS)
+    from vllm.forward_context import DPMetadata, override_forward_context
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_v2 import DeepEPV2PrepareAndFinalize
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
+
+    dev = device()
+    if dev.type == "cpu":  # shim: vLLM pins its host-side count tensors, which needs CUDA; unpinned on CPU
+        tensor = torch.tensor
+        torch.tensor = lambda *args, pin_memory=False, **kwargs: tensor(*args, **kwargs)
+    # the buffer as vLLM's DeepEPV2All2AllManager makes it (all2all.py, its default environment)
+    buffer = moe_ep.deep_ep.ElasticBuffer(
+        group=dist.group.WORLD, num_max_tokens_per_rank=T, hidden=HIDDEN, num_topk=TOPK, use_fp8_dispatch=False,
+        allow_hybrid_mode=True, prefer_overlap_with_compute=False, allow_multiple_reduction=False,
+        explicitly_destroy=True)
+    offset = rank * NUM_LOCAL
+    for case, (tokens, use_cudagraph) in enumerate([([13, 9], False), ([0, 17], False), ([13, 9], True),
+                                                    ([1, 5], True), ([T, 0], True)]):
+        pf = DeepEPV2PrepareAndFinalize(buffer, num_dispatchers=world, dp_size=world, rank_expert_offset=offset,
+                                        num_experts=EXPERTS, num_topk=TOPK, use_cudagraph=use_cudagraph)
+        # on CPU its Triton kernel cannot run: its own option hands globalising the ids to the experts
+        pf.defer_globalize = dev.type == "cpu"
+        x, idx, weights = _routing(200 * case + rank, tokens[rank])
+        # the forward context vLLM's model runner sets: only dp_metadata is read
+        context = types.SimpleNamespace(dp_metadata=DPMetadata(torch.tensor(tokens)))
+        with override_forward_context(context):
+            expert_x, _, meta, recv_ids, recv_w = pf.prepare(
+                x.to(dev), weights.to(dev), idx.to(dev), EXPERTS, None, False, FUSED_MOE_UNQUANTIZED_CONFIG)
+            if use_cudagraph:
+                assert meta.expert_num_tokens is None and meta.psum_recv_per_rank is not None
+                if pf.defer_globalize:  # what the experts do: local ids to global, rows past the received -1
+                    rows = torch.arange(recv_ids.shape[0], device=dev).unsqueeze(1)
+                    live = (recv_ids >= 0) & (rows < meta.psum_recv_per_rank[-1])
+                    recv_ids = torch.where(live, recv_ids + meta.rank_expert_offset, -1)
+            else:
+                assert recv_ids.shape == recv_w.shape == (expert_x.shape[0], 1)
+                every_idx = torch.cat([_routing(200 * case + s, tokens[s])[1] for s in range(world)])
+                want_counts = [int((every_idx == offset + e).sum()) for e in range(NUM_LOCAL)]
+                assert meta.expert_num_tokens.tolist() == want_counts
+            fused = _reduced_experts(expert_x, recv_ids, recv_w)
+            output = torch.full((tokens[rank], HIDDEN), float("nan"), dtype=torch.bfloat16, device=dev)
+            pf.finalize(output, fused, weights.to(dev), idx.to(dev), False, TopKWeightAndReduceNoOP())
+        _close(output, _weighted(x, idx, weights), f"vLLM output (tokens={tokens}, use_cudagraph={use_cudagraph})")
+    buffer.destroy()
+
+
+@_needs("vllm", "0.33.0")
+def test_vllm_deepep_v2_cpu() -> None:
+    run_workers(WORLD, _vllm_worker)
+
+
+@_needs("vllm", "0.33.0")
+@requires_gpus(1)
+def test_vllm_deepep_v2_gpu() -> None:
+    run_workers(WORLD, _vllm_worker, backend="gpu")
+
+
+# ---- SGLang 0.5.23: DeepEPv2Dispatcher -------------------------------------------------------
+# stubs: web server, notebook, image, tokenizer, model-format and TLS packages its modules import
+_SGLANG_STUBS = ("starlette", "IPython", "aiohttp", "torchvision", "truststore", "sentencepiece",
+                 "compressed_tensors", "gguf")
+
+
+def _sglang_worker(rank: int, world: int) -> None:
+    _import_path(_SGLANG_STUBS)
+    os.environ["SGLANG_DEEPEP_V2_NUM_MAX_DISPATCH_TOKENS_PER_RANK"] = str(T)
+    from sglang.srt.layers.moe.token_dispatcher import deepep_v2
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.layers.moe.utils import DeepEPv2Fp8ScaleFormat
+
+    dev = device()
+    # stand-ins for the server's runtime state the dispatcher reads (scheduler batch kind, resources,
+    # --deepep-v2-mode, the attention-DP layout) and for DeepGEMM's scale-format probe (bf16 dispatch)
+    state = types.SimpleNamespace(extend=False)
+    resources = types.SimpleNamespace(buffers={})
+    deepep_v2.get_is_extend_in_batch = lambda: state.extend
+    deepep_v2.get_resources = lambda: resources
+    deepep_v2.get_exec = lambda: types.SimpleNamespace(moe=types.SimpleNamespace(deepep_v2_mode="direct"))
+    deepep_v2.get_parallel = lambda: types.SimpleNamespace(attn_dp_size=world, attn_cp_size=1, tp_size=1,
+                                                           tp_group=None)
+    deepep_v2.get_deepep_v2_fp8_scale_format = lambda: DeepEPv2Fp8ScaleFormat(tma_aligned=False, ue8m0=False)
+    offset = rank * NUM_LOCAL
+    cases = [([13, 9], False, None), ([1, 6], False, None), ([13, 9], True, "1"), ([0, 9], True, "1"),
+             ([13, 9], True, "0"), ([5, 0], True, "0")]
+    for case, (tokens, extend, prefill_expand) in enumerate(cases):
+        state.extend = extend
+        os.environ["SGLANG_DEEPEP_V2_ENABLE_PREFILL_EXPAND"] = prefill_expand or "1"
+        dispatcher = deepep_v2.DeepEPv2Dispatcher(dist.group.WORLD, router_topk=TOPK, num_experts=EXPERTS,
+                                                  num_local_experts=NUM_LOCAL, hidden_size=HIDDEN,
+                                                  params_dtype=torch.bfloat16, use_fp8_dispatch=False)
+        x, idx, weights = _routing(300 * case + rank, tokens[rank])
+        out = dispatcher.dispatch(x.to(dev), StandardTopKOutput(weights.to(dev), idx.to(dev), None))
+        assert out.is_expanded == (not extend or prefill_expand == "1") and out.use_masked_gemm == (not extend)
+        if out.is_expanded:  # experts read their blocks from psum (DeepGEMM's contiguous/masked layout)
+            psum = out.psum_num_recv_tokens_per_expert.cpu().tolist()
+            scales = torch.zeros(out.hidden_states.shape[0])
+            start = 0
+            for e, end in enumerate(psum):
+                scales[start:end] = _scale(offset + e) * out.topk_weights[start:end].float().cpu()
+                start = -(-end // out.expert_alignment) * out.expert_alignment
+            y = (out.hidden_states.float() * scales.to(dev).unsqueeze(1)).to(torch.bfloat16)
+            combine_input = deepep_v2.DeepEPv2CombineInput(y, None)
+        else:  # experts weight and sum each received token's local experts (ep_gather), weights sent too
+            ids = torch.where(out.topk_ids >= 0, out.topk_ids + offset, -1)
+            combine_input = deepep_v2.DeepEPv2CombineInput(_reduced_experts(out.hidden_states, ids, out.topk_weights),
+                                                           out.topk_weights)
+        combined = dispatcher.combine(combine_input)
+        _close(combined, _weighted(x, idx, weights), f"SGLang output (tokens={tokens}, extend={extend}, "
+                                                     f"prefill_expand={prefill_expand})")
+
+
+@_needs("sglang", "0.5.23")
+def test_sglang_deepep_v2_cpu() -> None:
+    run_workers(WORLD, _sglang_worker)
+
+
+@_needs("sglang", "0.5.23")
+@requires_gpus(1)
+def test_sglang_deepep_v2_gpu() -> None:
+    run_workers(WORLD, _sglang_worker, backend="gpu")
