@@ -158,7 +158,7 @@ class ReferenceBackend(Backend):
         header[:, 1:] = torch.tensor(stamp.words, dtype=torch.int64)
         if not self._staged and self.cfg.device.type == "cuda":
             header = header.to(self.cfg.device)
-        ones = [0 if peer in dead else 1 for peer in range(r)]
+        ones = [1] * r  # one row per rank, in rank order; a dead rank's row is not exchanged and stays 0
         got = self._all_to_all(f"{phase} header", torch.zeros_like(header), header, ones, ones, dead).cpu()
         got[list(dead), 1:] = torch.tensor(stamp.words, dtype=torch.int64)  # masked ranks take no part
         verify(stamp, got[:, 1:].tolist())
