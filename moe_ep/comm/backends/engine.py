@@ -57,6 +57,9 @@ from ..config import Config
 from ..types import DispatchHandle, DispatchLayout, DispatchResult, ExpertMajorLayout
 from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result
 
+# Host groups for host_group, by the ranks of an NCCL group (a gloo group serves itself).
+_host_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
 
 class Engine(abc.ABC):
     """One kernel family of a native Buffer: its context, symmetric memory and lifetime."""
@@ -229,7 +232,7 @@ def verify_stamps(stamp: CallStamp, stamps: Optional[list[list[int]]], check: Ca
 
 
 def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A group of `group`'s ranks whose collectives run on the host, for agree_rounds (no device sync):
+    """A group of `group`'s ranks whose collectives run on the host (no device sync; call_check.HostCheck):
     `group` itself when it takes CPU tensors, else a gloo group of its ranks, made (collectively, as
     Buffer creation is) the first time."""
     if "gloo" in str(dist.get_backend(group)):
