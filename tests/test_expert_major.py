@@ -374,6 +374,8 @@ def _step(moe: moe_ep.MoE, x0: torch.Tensor, grad_out: torch.Tensor, old: bool) 
 
 def _check_layer(me: int, world: int) -> None:
     for case in GRAD_CASES:
+        if case.layer.get("worst_case"):  # a worst-case layer dispatches rows: no expert-major path to compare
+            continue
         for dtype in (torch.float32, torch.bfloat16):
             max_tokens = max(case.n(r) for r in range(world)) or 1
             buf = moe_ep.Buffer(None, device=device(), hidden=case.hidden, num_experts=case.experts,

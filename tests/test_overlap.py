@@ -26,7 +26,8 @@ from moe_ep import MoE
 from moe_ep.moe import experts as experts_module
 from moe_ep.moe import overlap
 from tests._dist import device, requires_gpus, run_workers
-from tests.test_layer import FP8_TOL, TOL, Case, _build, _close, _dense, _grad, _inputs, _reference_modules
+from tests.test_layer import (FP8_TOL, TOL, Case, _build, _close, _dense, _grad, _inputs, _reference_modules,
+                              _shared_f64)
 
 CASES = [
     Case(11, [23, 17, 0], 32, 12, 2, 24, dict(aux_loss_coef=0.01, z_loss_coef=1e-3)),  # a rank with no tokens
@@ -70,11 +71,11 @@ def _want(case: Case, moe: MoE, full: dict, x0: torch.Tensor, grad_out: torch.Te
     xr = x0.clone().requires_grad_(True)
     wr = {k: v.clone().requires_grad_(True) for k, v in full.items()}
     r = ref_router(xr)
-    out = _dense(xr, r, wr) + (ref_shared(xr) if ref_shared is not None else 0)
+    out = _dense(xr, r, wr) + _shared_f64(xr, ref_shared)
     ((out * grad_out).sum() + r.aux_loss + r.z_loss).backward()
     want = {"out": out.detach(), "x.grad": _grad(xr), "router.weight": _grad(ref_router.weight)}
     if ref_shared is not None:
-        want.update({f"shared.{n}": _grad(p) for n, p in ref_shared.named_parameters()})
+        want.update({f"shared.{n}": _grad(p) for n, p in ref_shared.items()})
     lo, e_l = moe.experts.first_expert, moe.experts.num_local_experts
     for name, w in wr.items():
         total = _grad(w).clone()
@@ -154,7 +155,8 @@ def _decode_case(rank: int, world: int, use_fp8: bool, opts: dict) -> None:
         for x, y, what in ((xa, ya, "A"), (xb * 0.5, yb, "B")):
             assert torch.equal(y, _one_call(moe, x)), f"micro-batch {what}: start/finish vs one call"
             r = ref_router(x)
-            _close(y, _dense(x, r, full) + ref_shared(x), f"micro-batch {what} vs dense", FP8_TOL if use_fp8 else TOL)
+            _close(y, _dense(x, r, full) + _shared_f64(x, ref_shared), f"micro-batch {what} vs dense",
+                   FP8_TOL if use_fp8 else TOL)
         again = _two_micro_batches(moe, xa, xb, lambda t: t * 0.5)
         assert torch.equal(again[0], ya) and torch.equal(again[1], yb), "decode differs run to run"
         assert torch.equal(moe(xa, mode="low_latency"), ya), "forward(mode='low_latency') vs start/finish"
@@ -199,8 +201,8 @@ def test_overlap(world: int) -> None:
 # ---- GPU: the native backend, random delays on both streams, the decode API in a CUDA graph ----
 def _delayed_streams(seed: int) -> None:
     """Random spin delays on the communication stream before each forward Buffer call, on the compute
-    stream before each expert call and each weight-gradient pass (which the backward's combine runs
-    beside), so that a missing event shows up as a wrong result."""
+    stream before each expert call and each weight-gradient pass (the end of the experts' backward, which
+    the backward's combine waits for), so that a missing event shows up as a wrong result."""
     rng = random.Random(seed)
     on_comm, run_experts, weight_grads = overlap._Streams.on_comm, MoE.run_experts, experts_module._weight_grads
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from . import _native, topology
 from .backends.base import Backend, BufferConfig, record_event
-from .backends.engine import host_group
+from .backends.engine import rounds_group
 from .call_check import (
     CACHED,
     COMBINE,
@@ -346,7 +346,7 @@ class Buffer:
         # check_calls=True: every call's stamps meet on the host first (the reference backend checks in band)
         self._host_check: Optional[HostCheck] = None
         if check_calls and self.backend_name != "reference":
-            self._host_check = HostCheck(host_group(group), self.cfg.rank, self.cfg.timeout_s)
+            self._host_check = HostCheck(rounds_group(group, self.cfg.timeout_s), self.cfg.rank, self.cfg.timeout_s)
         _open_buffers[self.cfg.buffer_id] = self
 
     def _checked(self, stamp: CallStamp, call: Callable[[], _Result]) -> _Result:

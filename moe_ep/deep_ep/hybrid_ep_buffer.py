@@ -109,9 +109,7 @@ def _fit(t: Optional[torch.Tensor], rows: int) -> Optional[torch.Tensor]:
         return t
     if t.shape[0] > rows:
         return t[:rows].contiguous()
-    pad = t.new_zeros((rows - t.shape[0], *t.shape[1:])) if t.element_size() > 1 else \
-        t.view(torch.uint8).new_zeros((rows - t.shape[0], *t.shape[1:])).view(t.dtype)
-    return torch.cat([t, pad])
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
 
 
 def _kept(counts: torch.Tensor, limit: int) -> torch.Tensor:
@@ -309,7 +307,7 @@ class HybridEPBuffer:
         config = HybridEpConfigInstance(x.shape[1], x.shape[0], e_l, buf.ranks_per_node, buf.num_nodes, align)
         new_handle = HybridEPHandle(
             (None, None, None, received, None, None, None, counts, x.shape[0], config, overflow),
-            buf, got.handle, torch.where(idx >= 0, idx, -1), e, out_rows)
+            buf, got.handle, idx, e, out_rows)
         scores = _fit(got.pair_weights, out_rows) if probs is not None else None
         return _fit(got.x, out_rows), scores, _fit(got.x_scales, out_rows), tokens_per_expert, new_handle
 

@@ -12,9 +12,7 @@ already grouped (the layer's default normal mode: an expert-major dispatch made 
 sums each row's); `forward` (the layer with expert_major=False) takes rows and does both ends
 itself: the sort and gather of the pairs, and a fixed-order sum of each row's pairs. The backward is written out (dX and dW as grouped GEMMs,
 the SwiGLU backward in one pass) rather than left to autograd, whose index backward adds with
-atomics (CUDA; CPU threads in float32) and so changes the bits from run to run. The weight gradients
-are a node of their own after the input gradient's, so the combine that carries the input gradient
-back need not wait for their GEMMs (moe_ep.moe.overlap).
+atomics (CUDA; CPU threads in float32) and so changes the bits from run to run.
 """
 from __future__ import annotations
 
@@ -98,50 +96,19 @@ def _weight_grads(groups: _Groups, f: int, xs: Optional[torch.Tensor], dh13: Opt
     return dw1, dw3, dw2
 
 
-@dataclass
-class _WeightGradStash:
-    """What the experts' backward leaves for their weight-gradient node (_WeightGrads)."""
-
-    need: tuple[bool, bool, bool]  # w1, w3, w2 want a gradient
-    args: Optional[tuple] = None  # _weight_grads' (groups, f, xs, dh13, dy, a), set by _SwiGLUExperts.backward
-
-
-class _WeightGrads(torch.autograd.Function):
-    """The weights (w1, w3, w2) -> an empty tensor that _SwiGLUExperts takes in their place; its backward
-    computes dW1, dW3, dW2 from what the experts' backward stashed. A node of its own so that autograd hands
-    the experts' input gradient on (to the dispatch's backward, a combine) before these GEMMs are issued:
-    with the layer's overlap that combine runs on the communication stream beside them (moe_ep.moe.overlap)."""
-
-    @staticmethod
-    def forward(ctx: Any, stash: _WeightGradStash, w1: torch.Tensor, w3: torch.Tensor,
-                w2: torch.Tensor) -> torch.Tensor:
-        ctx.stash = stash
-        return w1.new_empty(0)
-
-    @staticmethod
-    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        args, ctx.stash.args = ctx.stash.args, None
-        if args is None:
-            return None, None, None, None
-        return (None, *_weight_grads(*args, *ctx.stash.need))
-
-
 class _SwiGLUExperts(torch.autograd.Function):
     """Scaled SwiGLU experts over pairs; with `rows`, pairs are gathered from x and summed back per row.
 
-    forward(x [M, H], scale [P] float32, wgrad (_WeightGrads' output, or None without weight gradients),
-    stash, w1, w3, w2 (detached), rows [P] | None, slots [M, K] | None, counts [E_l], recompute) -> [M, H]
-    (rows given) or [P, H] (x already expert-sorted, one pair per row), in the weights' dtype. Keeps for
-    backward the gate/up output [P, 2F] and, unless `recompute`, the activation [P, F] and the gathered
-    rows [P, H] (else x [M, H] and rows). Its backward computes the input and router-weight gradients
-    and leaves the weight gradients' operands in `stash` for _WeightGrads.
+    forward(x [M, H], scale [P] float32, w1, w3, w2, rows [P] | None, slots [M, K] | None, counts [E_l],
+    recompute) -> [M, H] (rows given) or [P, H] (x already expert-sorted, one pair per row), in the
+    weights' dtype. Keeps for backward the gate/up output [P, 2F] and, unless `recompute`, the
+    activation [P, F] and the gathered rows [P, H] (else x [M, H] and rows).
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, wgrad: Optional[torch.Tensor],
-                stash: _WeightGradStash, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                rows: Optional[torch.Tensor], slots: Optional[torch.Tensor], counts: torch.Tensor,
-                recompute: bool) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                w2: torch.Tensor, rows: Optional[torch.Tensor], slots: Optional[torch.Tensor],
+                counts: torch.Tensor, recompute: bool) -> torch.Tensor:
         xs = (x if rows is None else x.index_select(0, rows)).to(w1.dtype)
         groups = _groups(xs, counts)
         h13 = groups.mm(xs, _fused_w13(w1, w3).transpose(1, 2))
@@ -149,7 +116,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         y = groups.mm(a, w2.transpose(1, 2))
         keep = (x, None) if recompute else (xs, a)
         ctx.save_for_backward(*keep, h13, scale, w1, w3, w2, rows, slots)
-        ctx.groups, ctx.recompute, ctx.x_dtype, ctx.stash = groups, recompute, x.dtype, stash
+        ctx.groups, ctx.recompute, ctx.x_dtype = groups, recompute, x.dtype
         return y if rows is None else sum_rows(y, slots)
 
     @staticmethod
@@ -158,8 +125,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         groups, f = ctx.groups, w1.shape[1]
         grad = grad.to(w1.dtype).contiguous()
         dy = grad if rows is None else grad.index_select(0, rows)
-        need_x, need_scale, need_weights = ctx.needs_input_grad[:3]
-        need_w1, need_w3, need_w2 = ctx.stash.need if need_weights else (False, False, False)
+        need_x, need_scale, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:5]
         dh13, dscale, a_again = swiglu_backward(h13, groups.mm(dy, w2), scale, want_a=ctx.recompute and need_w2)
         if ctx.recompute and (need_w1 or need_w3):
             xs = (xs if rows is None else xs.index_select(0, rows)).to(w1.dtype)
@@ -167,11 +133,9 @@ class _SwiGLUExperts(torch.autograd.Function):
         if need_x:
             dxs = groups.mm(dh13, _fused_w13(w1, w3))
             dx = dxs.to(ctx.x_dtype) if rows is None else sum_rows(dxs, slots, ctx.x_dtype)
-        wgrad = None
-        if need_weights:
-            ctx.stash.args = (groups, f, xs, dh13, dy, a_again if ctx.recompute else a)
-            wgrad = w1.new_empty(0)
-        return dx, dscale if need_scale else None, wgrad, None, None, None, None, None, None, None, None
+        dw1, dw3, dw2 = _weight_grads(groups, f, xs, dh13, dy, a_again if ctx.recompute else a,
+                                      need_w1, need_w3, need_w2)
+        return dx, dscale if need_scale else None, dw1, dw3, dw2, None, None, None, None
 
 
 def _fused_w13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -253,12 +217,8 @@ class GroupedExperts(nn.Module):
 
     def _apply_experts(self, x: torch.Tensor, scale: torch.Tensor, rows: Optional[torch.Tensor],
                        slots: Optional[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
-        """_SwiGLUExperts over this module's weights; their gradients come from a _WeightGrads node."""
-        weights = (self.w1, self.w3, self.w2)
-        stash = _WeightGradStash(tuple(w.requires_grad for w in weights))
-        wgrad = _WeightGrads.apply(stash, *weights) if torch.is_grad_enabled() and any(stash.need) else None
-        return _SwiGLUExperts.apply(x, scale, wgrad, stash, *(w.detach() for w in weights), rows, slots, counts,
-                                    self.recompute_swiglu)
+        """_SwiGLUExperts over this module's weights."""
+        return _SwiGLUExperts.apply(x, scale, self.w1, self.w3, self.w2, rows, slots, counts, self.recompute_swiglu)
 
     def forward_sorted(self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Rows already grouped by local expert, one pair per row (counts [E_l] rows per expert, in

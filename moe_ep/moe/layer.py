@@ -85,8 +85,8 @@ class MoE(nn.Module):
     recompute_swiglu=True: normal mode's experts recompute their SwiGLU activation in backward instead
     of keeping it (docs/api.md says what is kept).
     overlap=True: normal mode runs its dispatch and combine on the Buffer's communication stream, forward and
-    backward, so the shared expert runs beside the dispatch and, in backward, the experts' weight-gradient
-    GEMMs and the shared expert's backward beside the combine (moe_ep.moe.overlap). Every kernel is the
+    backward, so the shared expert runs beside the dispatch and, in backward, its backward beside the
+    combine (moe_ep.moe.overlap). Every kernel is the
     one overlap=False runs, on the same inputs: outputs and gradients are the same bits, each expert's
     GEMM stays whole, and where nothing runs beside the communication it costs a few CUDA events. Every
     rank must pass the same value: the first normal-mode forward checks it (one all_gather_object) and

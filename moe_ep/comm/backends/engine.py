@@ -57,9 +57,6 @@ from ..config import Config
 from ..types import DispatchHandle, DispatchLayout, DispatchResult, ExpertMajorLayout
 from .base import BufferConfig, DispatchOutputs, align_up_device, native_dispatch_result
 
-# Host groups for host_group, by the ranks of an NCCL group (a gloo group serves itself).
-_host_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
 
 class Engine(abc.ABC):
     """One kernel family of a native Buffer: its context, symmetric memory and lifetime."""
@@ -212,7 +209,7 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
 
 def rounds_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
     """Collective (at Buffer creation): a gloo group of `group`'s ranks that is the Buffer's own, for
-    agree_rounds. Its own, so that an all-reduce a silent peer leaves waiting can give up without
+    agree_rounds (and, with check_calls=True, call_check.HostCheck). Its own, so that an all-reduce a silent peer leaves waiting can give up without
     touching any group the caller uses; gloo, so that agreeing needs no device sync."""
     return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", timeout=timedelta(seconds=timeout_s),
                           use_local_synchronization=True)
@@ -231,16 +228,6 @@ def verify_stamps(stamp: CallStamp, stamps: Optional[list[list[int]]], check: Ca
     check()
 
 
-def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A group of `group`'s ranks whose collectives run on the host (no device sync; call_check.HostCheck):
-    `group` itself when it takes CPU tensors, else a gloo group of its ranks, made (collectively, as
-    Buffer creation is) the first time."""
-    if "gloo" in str(dist.get_backend(group)):
-        return group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _host_groups:
-        _host_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-    return _host_groups[ranks]
 
 
 def first_notify(engine: NormalEngine, topk_idx: torch.Tensor, expert_alignment: int,
