@@ -7,7 +7,9 @@ docs/one_gpu.md). Tests build their Buffers with device=device(), which is right
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
+import signal
 import socket
 import sys
 import time
@@ -36,6 +38,8 @@ SPINNING_RANKS_PER_GPU = 8
 
 # After a rank fails, how long its peers get to finish (or fail) before they are killed.
 FAILED_PEER_GRACE_S = 20.0
+
+_STACKS_FILE: list = []  # a worker's stack-dump file, open while the worker lives (faulthandler needs it)
 
 
 def _free_port() -> int:
@@ -76,6 +80,10 @@ def setup_gpu_rank(rank: int, world_size: int, backend: str = "gpu") -> tuple[to
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, errors: Any) -> None:
+    # _stop: where a rank that did not finish waits, to stderr or to the file run_gpu_suite.sh keeps
+    stacks = os.environ.get("MOE_EP_TEST_STACKS")
+    _STACKS_FILE.append(open(stacks, "a") if stacks else sys.stderr)
+    faulthandler.register(signal.SIGUSR1, file=_STACKS_FILE[-1], all_threads=True)
     try:
         dev: Optional[torch.device] = None
         if backend in ("gpu", "nccl"):
@@ -101,6 +109,23 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
     os._exit(0)
 
 
+def _stop(procs: list) -> list[int]:
+    """Ranks still running print every thread's stack to stderr (the test's captured output), then are
+    killed; returns their ranks."""
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        os.kill(procs[r].pid, signal.SIGUSR1)
+    if hung:
+        time.sleep(2.0)
+        where = os.environ.get("MOE_EP_TEST_STACKS", "above")
+        print(f"ranks {hung} did not finish: their stacks are {where}", file=sys.stderr, flush=True)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return hung
+
+
 def run_workers(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", timeout_s: float = 600) -> None:
     """Run fn(rank, world_size, *args) in `world_size` fresh processes; re-raise any failure.
 
@@ -116,15 +141,13 @@ def run_workers(world_size: int, fn: Callable, *args: Any, backend: str = "gloo"
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if any(p.exitcode not in (None, 0) for p in procs):  # a rank failed: its peers may wait for it
-            deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
-        time.sleep(0.1)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    try:
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):  # a rank failed: its peers may wait for it
+                deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
+            time.sleep(0.1)
+    finally:  # also when pytest is interrupted (run_gpu_suite.sh's per-file limit sends SIGINT)
+        hung = _stop(procs)
     reports = []
     while not errors.empty():
         reports.append(errors.get())

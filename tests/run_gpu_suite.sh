@@ -34,18 +34,19 @@ fi
 echo "$collected" | grep -c '::' | xargs echo "GPU tests collected:"
 
 # Lanes by longest file first, each file to the lane with the least work so far (seconds per file on one
-# H200 with several lanes: docs/one_gpu.md, the 2026-12-02 19:40 run; a file not listed counts 60 s).
+# H200 with 4 lanes: the 2026-12-03 01:00 run; a file not listed counts 60 s).
 # Prints one line per lane of FILE@LIMIT: each file may take 2.5 x its seconds (at least 60 s), so a
 # hang cannot starve its lane.
 plan_file=$(mktemp)
 python3 - "$lanes" $files >"$plan_file" <<'EOF'
 import sys
-secs = {"test_gpu_fuzz.py": 330, "test_gpu_intranode.py": 195, "test_gpu_faults.py": 110, "test_gpu_crossnode.py": 90,
-        "test_streaming.py": 75, "test_compile.py": 70, "test_train.py": 60, "test_fp8_experts.py": 55,
-        "test_overlap.py": 45, "test_bench.py": 45, "test_layer.py": 40, "test_deep_ep.py": 40,
-        "test_gpu_low_latency.py": 40, "test_gpu_determinism.py": 30, "test_expert_major.py": 21,
-        "test_gpu_config.py": 15, "test_gpu_runtime.py": 15, "test_one_rank_bad_input.py": 14, "test_experts.py": 12,
-        "test_fp8.py": 7}
+secs = {"test_gpu_fuzz.py": 440, "test_gpu_intranode.py": 320, "test_streaming.py": 150, "test_compile.py": 95,
+        "test_gpu_crossnode.py": 90, "test_overlap.py": 90, "test_gpu_faults.py": 85, "test_fp8_experts.py": 70,
+        "test_gpu_low_latency.py": 62, "test_gpu_low_latency_deepep.py": 60, "test_train.py": 57,
+        "test_deep_ep.py": 52, "test_bench.py": 50, "test_frameworks_hybrid.py": 50, "test_layer.py": 33,
+        "test_expert_major.py": 33, "test_gpu_determinism.py": 30, "test_hybrid_ep.py": 30, "test_gpu_config.py": 28,
+        "test_frameworks_v2.py": 22, "test_fp8.py": 19, "test_deep_ep_v2.py": 15, "test_gpu_runtime.py": 14,
+        "test_one_rank_bad_input.py": 14, "test_experts.py": 9, "test_gpu_scale.py": 7}
 lanes, files = int(sys.argv[1]), sys.argv[2:]
 work, plan = [0] * lanes, [[] for _ in range(lanes)]
 for f in sorted(files, key=lambda f: -secs.get(f.split("/")[-1], 60)):
@@ -61,11 +62,15 @@ lane() {  # lane NAME FILE@LIMIT...: each file's GPU tests, within its limit and
     local file=${spec%@*} limit=${spec##*@} began=$SECONDS left=$((deadline - SECONDS))
     [ $left -lt 10 ] && left=10
     [ $limit -gt $left ] && limit=$left
-    timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider -m gpu "$file" >"$out/$name.part" 2>&1
+    # SIGINT first: pytest reports the test it was in, and tests/_dist.py prints the ranks' stacks
+    MOE_EP_TEST_STACKS="$out/$name.stacks" timeout -s INT -k 20 "$limit" \
+      python3 -m pytest -q -rs -p no:cacheprovider -m gpu "$file" >"$out/$name.part" 2>&1
     local rc=$?
     cat "$out/$name.part" >>"$out/$name.log"
+    if [ -s "$out/$name.stacks" ]; then echo "--- stacks of ranks that did not finish:"; cat "$out/$name.stacks"; fi >>"$out/$name.log"
+    rm -f "$out/$name.stacks"
     local result; result=$(grep -E '[0-9]+ (passed|failed|error|skipped)' "$out/$name.part" | tail -1)
-    [ $rc -eq 124 ] && result="TIMED OUT after $((SECONDS - began)) s (limit ${limit} s)"
+    { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && result="TIMED OUT after $((SECONDS - began)) s (limit ${limit} s)"
     echo "$file | rc=$rc | $((SECONDS - began)) s | $result" >>"$out/summary.txt"
   done
   rm -f "$out/$name.part"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pytest
@@ -148,7 +149,7 @@ def _status(buf: deep_ep.Buffer) -> list[int]:
     return status.tolist()
 
 
-def _killed(rank: int, report: Callable[[str, Any], None]) -> None:
+def _killed(rank: int, report: Callable[[str, Any], None], _scratch: Path) -> None:
     buf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=True, backend="nvshmem",
                          timeout_s=LONG_TIMEOUT_S)
     for step in range(2):
@@ -177,7 +178,7 @@ def test_killed_rank_masked_through_the_drop_in() -> None:
     assert seen[(0, "after")] == [0, 1] and seen[(0, "cleaned")] == [0, 0]
 
 
-def _stalled(rank: int, report: Callable[[str, Any], None]) -> None:
+def _stalled(rank: int, report: Callable[[str, Any], None], _scratch: Path) -> None:
     buf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=True, backend="nvshmem",
                          timeout_s=TIMEOUT_S)
     _round(buf, rank, 0)

@@ -199,7 +199,7 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
     if eager:
         recv_counts = wait_counts()
         out = out.head(sum(recv_counts))
-    verify_stamps(stamp, stamps, check)  # every kernel of the call is launched: raising keeps the ranks in step
+    verify_stamps(stamp, stamps, check, stream)  # every kernel of the call is launched: raising keeps the ranks in step
     result = native_dispatch_result(
         cfg, handle, out, num_tokens=x.shape[0], is_token_in_rank=in_rank, recv_counts=recv_counts,
         worst_case=worst_case, state=state, tokens_per_expert_raw=state.tokens_per_expert,
@@ -215,14 +215,17 @@ def rounds_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGrou
                           use_local_synchronization=True)
 
 
-def verify_stamps(stamp: CallStamp, stamps: Optional[list[list[int]]], check: Callable[..., None]) -> None:
+def verify_stamps(stamp: CallStamp, stamps: Optional[list[list[int]]], check: Callable[..., None],
+                  stream: torch.cuda.Stream) -> None:
     """A dispatch's checks once its kernels are launched: every rank's stamps, when the host read them
-    (call_check.verify; a bad id this rank's kernels found raises, named, from its error record),
+    (call_check.verify; a bad id this rank's kernels found raises, named, from its error record, once
+    they finished: a dispatch kernel still reading the bad id would record it again for the next call),
     then the error record."""
     if stamps is not None:
         try:
             verify(stamp, stamps)
         except OwnRejection:
+            stream.synchronize()
             check()
             raise
     check()
@@ -325,7 +328,7 @@ def streamed_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[
                                stream=stream)
     if not cached:  # the kernels wrote each row's index inside its round
         out.src_index.add_(row_round.to(dev) * t)
-    verify_stamps(stamp, stamps, check)
+    verify_stamps(stamp, stamps, check, stream)
     return native_dispatch_result(
         cfg, handle, out, num_tokens=x.shape[0], is_token_in_rank=in_rank, recv_counts=recv_counts, worst_case=False,
         state=state, tokens_per_expert_raw=state.tokens_per_expert, expert_alignment=expert_alignment,
