@@ -287,5 +287,9 @@ def assert_same_bits(got: Optional[torch.Tensor], want: Optional[torch.Tensor], 
     # fresh standard strides: a view whose last dim has size 1 may keep any stride there (token-major scales)
     a, b = (t.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8) for t in (got, want))
     if not torch.equal(a, b):
-        first = int((a != b).nonzero()[0]) // want.element_size()
-        raise AssertionError(f"{what}: differs, first at flat element {first} of {want.numel()}")
+        size = want.element_size()
+        differ = (a != b).view(-1, size).any(1)
+        first = int(differ.nonzero()[0])
+        g, w = (t.clone(memory_format=torch.contiguous_format).view(-1)[first].item() for t in (got, want))
+        raise AssertionError(f"{what}: differs, first at flat element {first} of {want.numel()} ({g!r} != {w!r}), "
+                             f"{int(differ.sum())} elements differ")

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.comm import call_check as cc
+from moe_ep.comm.backends.engine import rounds_group
 from moe_ep.comm.errors import BadExpertIdError, CallMismatchError, PeerInputError
 from tests._dist import run_workers
 
@@ -71,14 +72,28 @@ def _ranks(*stamps: cc.CallStamp) -> list[list[int]]:
 def test_verify_gives_every_rank_its_verdict() -> None:
     orders = [cc.CallOrder(), cc.CallOrder(), cc.CallOrder()]
     good = [o.stamp(cc.COMBINE, handle=7, size=1) for o in orders]
-    cc.verify(good[0], _ranks(*good))  # the same call everywhere: nothing raised
+    cc.verify(good[0], _ranks(*good), 0)  # the same call everywhere: nothing raised
     error = TypeError("x must have dtype torch.bfloat16, got torch.float32")
     rejected = [o.stamp(cc.DISPATCH, error=error if r == 2 else None) for r, o in enumerate(orders)]
     with pytest.raises(cc.OwnRejection):
-        cc.verify(rejected[2], _ranks(*rejected))
+        cc.verify(rejected[2], _ranks(*rejected), 2)
     for me in (0, 1):
         with pytest.raises(PeerInputError, match=r"^dispatch #2: rank 2 rejected its input \(TypeError: x \(dtype\)\)"):
-            cc.verify(rejected[me], _ranks(*rejected))
+            cc.verify(rejected[me], _ranks(*rejected), me)
+
+
+def test_bad_ids_found_by_the_kernels_are_the_rank_own_rejection() -> None:
+    """A native notify sends status BadExpertIdError where its host gave 0 (the kernels found the id):
+    that rank raises its own error (from its record, which the check then clears), its peers
+    PeerInputError; before, the sending rank named itself as a peer and left its record set."""
+    orders = [cc.CallOrder() for _ in range(2)]
+    stamps = [o.stamp(cc.DISPATCH) for o in orders]
+    sent = _ranks(*stamps)
+    sent[1][4] = cc.STATUS.index(BadExpertIdError)
+    with pytest.raises(cc.OwnRejection):
+        cc.verify(stamps[1], sent, 1)
+    with pytest.raises(PeerInputError, match=r"rank 1 rejected its input \(BadExpertIdError: topk_idx \(expert ids\)\)"):
+        cc.verify(stamps[0], sent, 0)
 
 
 def test_different_calls_raise_on_every_rank_and_the_counters_resume() -> None:
@@ -88,7 +103,7 @@ def test_different_calls_raise_on_every_rank_and_the_counters_resume() -> None:
     want = "rank 0: dispatch #1, rank 1: combine #2 (handle of call #1, with topk_weights)"
     for me in (0, 1):
         with pytest.raises(CallMismatchError, match=re.escape(f"({want})")):
-            cc.verify(stamps[me], _ranks(*stamps))
+            cc.verify(stamps[me], _ranks(*stamps), me)
     assert [o.stamp(cc.DISPATCH).call for o in orders] == [3, 3]
 
 
@@ -97,13 +112,13 @@ def test_a_peer_rejection_wins_over_the_difference_it_made() -> None:
     a, b = cc.CallOrder(), cc.CallOrder()
     stamps = [a.stamp(cc.COMBINE, handle=1), b.stamp(cc.COMBINE, handle=2, error=ValueError("pair_weights needs ..."))]
     with pytest.raises(PeerInputError, match=r"rank 1 rejected its input \(ValueError: pair_weights \(value\)\)"):
-        cc.verify(stamps[0], _ranks(*stamps))
+        cc.verify(stamps[0], _ranks(*stamps), 0)
 
 
 def _host_check_worker(rank: int, world: int) -> None:
     """Two ranks' stamps meet over gloo: the same call passes; a rejection raises on both; different
     calls raise on both (a check that a peer never joins is the timeout's, tested elsewhere)."""
-    check = cc.HostCheck(dist.group.WORLD, rank, timeout_s=60.0)
+    check = cc.HostCheck(rounds_group(dist.group.WORLD, 60.0), rank, timeout_s=60.0)
     order = cc.CallOrder()
     check.verify(order.stamp(cc.DISPATCH))
     stamp = order.stamp(cc.COMBINE, handle=1, error=TypeError("x must have dtype") if rank == 1 else None)

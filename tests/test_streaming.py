@@ -399,6 +399,8 @@ def _agree_worker(rank: int, world: int) -> None:
     """The ranks agree on the largest call's rounds; a rank whose peer skips the call goes on with its
     own rounds after timeout_s (the kernels then report the peer), and the caller's group stays usable."""
     group = rounds_group(dist.group.WORLD, 1.0)
+    again = rounds_group(dist.group.WORLD, 1.0)  # a second one on the same ranks is a group of its own
+    assert agree_rounds(again, [70, 5][rank], T, 1.0) == 3
     assert agree_rounds(group, [5, 70][rank], T, 1.0) == 3
     assert agree_rounds(group, 0, T, 1.0) == 1
     if rank == 0:
@@ -514,6 +516,9 @@ def _gated_call(rank: int, world: int) -> None:
         idx = torch.randint(0, EXPERTS, (T, TOPK), generator=g, device="cuda")
         w = torch.rand(T, TOPK, generator=g, device="cuda")
         want = buf.dispatch(x, idx, w, worst_case=True)
+        # CUDA loads a kernel on its first launch (lazy loading), which may wait for the kernels running:
+        # the caller's kernel below must be loaded before the gated call spins
+        twice = x * 2
         torch.cuda.synchronize()
         dist.barrier()
         if rank == 0:
@@ -531,7 +536,7 @@ def _gated_call(rank: int, world: int) -> None:
         got.event.wait()
         for field in ("x", "topk_idx", "topk_weights", "src_rank", "src_index"):
             assert_same_bits(getattr(got, field).cpu(), getattr(want, field).cpu(), f"gated async dispatch {field}")
-        assert_same_bits(mine.cpu(), (x * 2).cpu(), "the caller's kernel")
+        assert_same_bits(mine.cpu(), twice.cpu(), "the caller's kernel")
         # exact-size and streamed calls: async equals synchronous
         for n in (T // 2, 7 * T + 3):
             xs = torch.randn(n, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)

@@ -406,11 +406,14 @@ class Buffer:
     def fill_workspace(self, value: int) -> None:
         """A testing aid (local, not collective): set every byte of this rank's normal-mode symmetric
         workspace to `value` (0..255), so rows a call fails to write cannot pass for results. Call it
-        only while no rank is inside a call of this Buffer (e.g. between barriers); nothing on the
-        reference backend."""
+        only while no rank is inside a call of this Buffer (e.g. between barriers); it returns once the
+        bytes are set, so a barrier after it orders them before any peer's next write (a fill still
+        queued would overwrite what a peer's next call put here); nothing on the reference backend."""
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 255:
             raise ValueError(f"value must be a byte (0..255), got {value!r}")
         self.backend.fill_workspace(value)
+        if self.cfg.device.type == "cuda":
+            torch.cuda.synchronize(self.cfg.device)
 
     @property
     def config(self) -> Config:

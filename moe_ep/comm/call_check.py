@@ -107,16 +107,17 @@ def describe_call(words: Sequence[int]) -> str:
     return f"{name} #{call}" + (f" ({', '.join(extra)})" if extra else "")
 
 
-def verify(mine: CallStamp, everyone: Sequence[Sequence[int]]) -> None:
-    """Every rank's stamp words for this call (rank order, this rank's included): raises OwnRejection
-    if this rank rejected its input, else PeerInputError naming each peer that did (a rejected
-    input may also make the call differ, e.g. a wrong handle), else CallMismatchError if the ranks
-    made different calls. Every rank sees the same words, so every rank raises; after different
-    calls the counters resume past every rank's, so the Buffer stays usable."""
+def verify(mine: CallStamp, everyone: Sequence[Sequence[int]], rank: int) -> None:
+    """Every rank's stamp words for this call (rank order, this rank's, `rank`, included): raises
+    OwnRejection if this rank rejected its input (its host said so, or its kernels found a bad id in
+    the words they sent), else PeerInputError naming each peer that did (a rejected input may also
+    make the call differ, e.g. a wrong handle), else CallMismatchError if the ranks made different
+    calls. Every rank sees the same words, so every rank raises; after different calls the counters
+    resume past every rank's, so the Buffer stays usable."""
     calls = [[int(w) for w in words[:4]] for words in everyone]
     if any(c != calls[0] for c in calls):
         mine.order.last = max(c[1] for c in calls)
-    if mine.status:
+    if mine.status or int(everyone[rank][4]):
         raise OwnRejection()
     peers = [(r, int(w[4]), int(w[5])) for r, w in enumerate(everyone) if int(w[4])]
     if peers:
@@ -139,11 +140,11 @@ class HostCheck:
     def verify(self, stamp: CallStamp) -> None:
         """call_check.verify on every rank's stamp; CommTimeoutError when a peer does not come."""
         mine = torch.tensor(stamp.words, dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        everyone = [torch.empty_like(mine) for _ in range(self.group.size())]
         try:
-            dist.all_gather(everyone, mine, group=self.group, async_op=True).wait(timedelta(seconds=self.timeout_s))
+            self.group.allgather([everyone], [mine]).wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as error:
             if "timeout" in str(error).lower() or "timed out" in str(error).lower():
                 raise CommTimeoutError(self.rank, -1, "host call check", self.timeout_s) from error
             raise
-        verify(stamp, [t.tolist() for t in everyone])
+        verify(stamp, [t.tolist() for t in everyone], self.rank)

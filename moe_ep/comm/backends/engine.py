@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import uuid
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -199,7 +200,7 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
     if eager:
         recv_counts = wait_counts()
         out = out.head(sum(recv_counts))
-    verify_stamps(stamp, stamps, check, stream)  # every kernel of the call is launched: raising keeps the ranks in step
+    verify_stamps(engine.cfg.rank, stamp, stamps, check, stream)  # every kernel of the call is launched: raising keeps the ranks in step
     result = native_dispatch_result(
         cfg, handle, out, num_tokens=x.shape[0], is_token_in_rank=in_rank, recv_counts=recv_counts,
         worst_case=worst_case, state=state, tokens_per_expert_raw=state.tokens_per_expert,
@@ -209,13 +210,18 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
 
 def rounds_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
     """Collective (at Buffer creation): a gloo group of `group`'s ranks that is the Buffer's own, for
-    agree_rounds (and, with check_calls=True, call_check.HostCheck). Its own, so that an all-reduce a silent peer leaves waiting can give up without
-    touching any group the caller uses; gloo, so that agreeing needs no device sync."""
-    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", timeout=timedelta(seconds=timeout_s),
-                          use_local_synchronization=True)
+    agree_rounds (and, with check_calls=True, call_check.HostCheck). Its own, so that an all-reduce a
+    silent peer leaves waiting can give up without touching any group the caller uses; gloo, so that
+    agreeing needs no device sync. Built on the default store under a key the group's first rank draws
+    (one broadcast over `group`): dist.new_group(use_local_synchronization=True) names every group of
+    the same ranks alike, so a second one met the first one's rendezvous keys and hung."""
+    key = [uuid.uuid4().hex]
+    dist.broadcast_object_list(key, src=dist.get_process_group_ranks(group)[0], group=group)
+    store = dist.PrefixStore(f"moe_ep/rounds/{key[0]}/", dist.distributed_c10d._get_default_store())
+    return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), timedelta(seconds=timeout_s))
 
 
-def verify_stamps(stamp: CallStamp, stamps: Optional[list[list[int]]], check: Callable[..., None],
+def verify_stamps(rank: int, stamp: CallStamp, stamps: Optional[list[list[int]]], check: Callable[..., None],
                   stream: torch.cuda.Stream) -> None:
     """A dispatch's checks once its kernels are launched: every rank's stamps, when the host read them
     (call_check.verify; a bad id this rank's kernels found raises, named, from its error record, once
@@ -223,7 +229,7 @@ def verify_stamps(stamp: CallStamp, stamps: Optional[list[list[int]]], check: Ca
     then the error record."""
     if stamps is not None:
         try:
-            verify(stamp, stamps)
+            verify(stamp, stamps, rank)
         except OwnRejection:
             stream.synchronize()
             check()
@@ -328,7 +334,7 @@ def streamed_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[
                                stream=stream)
     if not cached:  # the kernels wrote each row's index inside its round
         out.src_index.add_(row_round.to(dev) * t)
-    verify_stamps(stamp, stamps, check, stream)
+    verify_stamps(engine.cfg.rank, stamp, stamps, check, stream)
     return native_dispatch_result(
         cfg, handle, out, num_tokens=x.shape[0], is_token_in_rank=in_rank, recv_counts=recv_counts, worst_case=False,
         state=state, tokens_per_expert_raw=state.tokens_per_expert, expert_alignment=expert_alignment,

@@ -161,7 +161,7 @@ class ReferenceBackend(Backend):
         ones = [1] * r  # one row per rank, in rank order; a dead rank's row is not exchanged and stays 0
         got = self._all_to_all(f"{phase} header", torch.zeros_like(header), header, ones, ones, dead).cpu()
         got[list(dead), 1:] = torch.tensor(stamp.words, dtype=torch.int64)  # masked ranks take no part
-        verify(stamp, got[:, 1:].tolist())
+        verify(stamp, got[:, 1:].tolist(), self.cfg.rank)
         return got[:, 0].tolist()
 
     def _all_to_all_rows(self, phase: str, rows: torch.Tensor, send_counts: list[int],
