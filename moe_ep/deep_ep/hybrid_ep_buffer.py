@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 import moe_ep
 from ..comm import _native
-from ..comm.buffer import _device_of, _resolve_topology
+from ..comm.buffer import _device_of
+from .factory import BufferFactory
 from .v1 import _unsupported
 
 # What HybridEP's dispatch_with_permute returns: (hidden, probs, scaling_factor, tokens_per_expert, handle).
@@ -153,14 +154,13 @@ class HybridEPBuffer:
         domain = num_of_hybrid_ep_ranks_per_nvlink_domain
         if domain is None and os.environ.get("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"):
             domain = int(os.environ["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"])
-        gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        topo = _resolve_topology(self.group, domain, gpu)  # collective, as DeepEP's domain detection
-        self._ranks_per_node = topo.ranks_per_node if domain is not None else None
-        self.local_rank = self.rank % topo.ranks_per_node
-        self.node_rank = self.rank // topo.ranks_per_node
-        self.num_of_nodes = topo.num_nodes
+        self._factory = BufferFactory(self.group, backend, domain)  # collective, as DeepEP's domain detection
+        per_node = self._factory.ranks_per_node
+        self.local_rank = self.rank % per_node
+        self.node_rank = self.rank // per_node
+        self.num_of_nodes = self._factory.num_nodes
         self.configurer = Configurer(BufferConfig(hidden_dim, max_num_of_tokens_per_rank, num_local_experts,
-                                                  topo.ranks_per_node, topo.num_nodes))
+                                                  per_node, self.num_of_nodes))
         self.use_fp8 = use_fp8
         self.num_sms_dispatch_api, self.num_sms_combine_api = num_sms_dispatch_api, num_sms_combine_api
         # DeepEP's kernel-shape and memory knobs: moe_ep has no separate scan or permute kernels, no JIT
@@ -169,7 +169,6 @@ class HybridEPBuffer:
         self.num_blocks_permute, self.num_blocks_unpermute = num_blocks_permute, num_blocks_unpermute
         self.load_cached_kernels, self.use_shared_buffer = load_cached_kernels, use_shared_buffer
         self.enable_custom_allgather = enable_custom_allgather
-        self._backend = backend
         self._buffers: dict[tuple[int, int], moe_ep.Buffer] = {}
         self._retired: list[moe_ep.Buffer] = []  # outgrown Buffers, kept for their handles
 
@@ -199,12 +198,8 @@ class HybridEPBuffer:
         if buf is not None:
             self._retired.append(buf)
         cfg.max_num_of_tokens_per_rank = int(most.item())
-        nccl = dist.get_backend(self.group) == "nccl"
-        self._buffers[key] = moe_ep.Buffer(
-            self.group, hidden=x.shape[1], num_experts=num_experts,
-            num_topk=min(num_experts, _native.constant("MAX_TOPK")), max_tokens_per_rank=cfg.max_num_of_tokens_per_rank,
-            backend=self._backend, ranks_per_node=self._ranks_per_node,
-            device=x.device if x.is_cuda and not nccl else None)  # ranks over gloo with CUDA tensors
+        self._buffers[key] = self._factory.create(x, num_experts, min(num_experts, _native.constant("MAX_TOPK")),
+                                                  cfg.max_num_of_tokens_per_rank)
         return self._buffers[key]
 
     def _routing(self, buf: moe_ep.Buffer, routing_map: torch.Tensor, probs: Optional[torch.Tensor],
