@@ -5,8 +5,8 @@ warm-ups, then the median): the MoE layer's forward, backward and forward + back
 to None before every step), the grouped experts alone on the received rows, the layer's grouped
 GEMMs alone (equal groups), and a dense bf16 matmul ceiling; TFLOP/s count the expert GEMMs only
 (moe_ep.bench.layer_flop: forward 6 P H F, backward twice that, P = the (row, local expert) pairs
-the layer's routing gave). Writes a JSON file and, with --profile, the top kernels of one
-forward + backward.
+the layer's routing gave). Writes a JSON file and, with --profile, the top kernels and the
+per-stream timeline of one backward without and with MoE(overlap=True).
 
     python3 bench/layer_roofline.py --out DIR [--tag after] [--backend reference|auto] [--recompute]
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from moe_ep.bench import (LayerShape, Timer, dense_ceiling, expert_pairs, gemm_cases, layer_flop, layer_inputs,
+from moe_ep.bench import (LayerShape, Timer, dense_ceiling, expert_counts, gemm_cases, layer_flop, layer_inputs,
                           tflops, time_gemms, time_layer)
 
 ISSUE21 = LayerShape(experts=128)  # one rank with the per-rank load of EP2: 4096 tokens x top-8 over 128 experts
@@ -97,6 +97,28 @@ def _repeatable(step: Callable[[], None], tensors: Callable[[], list], zero: Cal
     return all(torch.equal(a, b) for a, b in zip(*got))
 
 
+def _timeline(prof: "torch.profiler.profile", min_us: float = 20.0) -> str:
+    """Each stream's busy time, then every kernel or copy of at least min_us: start (ms from the first),
+    duration, stream, name (from the profiler's Chrome trace)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))["traceEvents"]
+    ops = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    if not ops:
+        return "no device work recorded\n"
+    t0, busy = ops[0]["ts"], {}
+    for e in ops:
+        stream = e.get("args", {}).get("stream", "?")
+        busy[stream] = busy.get(stream, 0.0) + e["dur"]
+    span = max(e["ts"] + e["dur"] for e in ops) - t0
+    lines = [f"span {span / 1e3:.3f} ms; busy ms per stream: " + ", ".join(f"{k}: {v / 1e3:.3f}" for k, v in busy.items())]
+    lines += [f"{(e['ts'] - t0) / 1e3:8.3f} {e['dur'] / 1e3:7.3f} ms stream {e.get('args', {}).get('stream', '?')} "
+              f"{e['name'][:90]}" for e in ops if e["dur"] >= min_us]
+    return "\n".join(lines) + "\n"
+
+
 def layer_case(timer: Timer, shape: LayerShape, backend: str = "reference", recompute: bool = False,
                profile_to: Optional[str] = None, breakdown: bool = False) -> list[dict]:
     """moe_ep.MoE (normal mode, bf16 experts) forward, backward, forward + backward, and its experts
@@ -139,14 +161,21 @@ def layer_case(timer: Timer, shape: LayerShape, backend: str = "reference", reco
     stages = experts_breakdown(timer, moe.experts, d.x, d.topk_idx, d.topk_weights) if breakdown else []
     if profile_to:
         from torch.profiler import ProfilerActivity, profile
-        zero()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            moe(x, mode="normal").backward(grad)
-            torch.cuda.synchronize()
         with open(profile_to, "w") as fh:
-            fh.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
+            for on in (False, True):  # MoE(overlap=on): which stream runs what, and when
+                moe.overlap = on
+                zero()
+                y = moe(x, mode="normal")
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    y.backward(grad)
+                    torch.cuda.synchronize()
+                fh.write(f"=== backward, overlap={on}\n")
+                fh.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
+                fh.write(_timeline(prof))
+            moe.overlap = False
     tag = f"{buf.backend_name}{' recompute' if recompute else ''}"
-    flop = layer_flop(expert_pairs(buf, routing.topk_idx), s.hidden, s.ffn)
+    flop = layer_flop(int(expert_counts(buf, routing.topk_idx).sum()), s.hidden, s.ffn)
     buf.close()
     timed = [("MoE forward", fwd, 1), ("MoE backward", bwd, 2), ("MoE forward + backward", both, 3),
              ("experts alone forward", e_fwd, 1), ("experts alone backward", e_bwd, 2),

@@ -363,6 +363,29 @@ def bench_async_pattern(buf: Buffer, timer: Timer, case: str, tokens: int) -> li
             (("dispatch+shared+combine serial", serial), ("dispatch+shared+combine async", overlapped))]
 
 
+def bench_call_checks(timer: Timer, device: torch.device) -> list[Row]:
+    """What checking calls in order costs (issue 36): a dispatch + combine on a Buffer whose stamps ride
+    the count exchange (the default: bytes, no round trip) and on one made with check_calls=True (one
+    host all_gather per call before it launches), at a decode-sized and a prefill-sized token count."""
+    gpu = device.type == "cuda"
+    hidden, sizes = (7168, (128, 4096)) if gpu else (512, (32, 256))
+    rows: list[Row] = []
+    for check in (False, True):
+        with Buffer(hidden=hidden, num_experts=256, num_topk=8, max_tokens_per_rank=max(sizes), check_calls=check,
+                    device=device) as buf:
+            for tokens in sizes:
+                x, idx, w = n1_inputs(tokens, hidden, 256, 8, buf.device, seed=buf.rank)
+
+                def step() -> torch.Tensor:
+                    d = buf.dispatch(x, idx, w)
+                    return buf.combine(d.x, d.handle)
+
+                op = "dispatch+combine" + (", check_calls=True" if check else ", stamps in the counts")
+                call_us = timer.call_us(step)
+                rows.append(_row(buf, "calls", op, None, tokens, call_us, spread_us=timer.last_spread[0]))
+    return rows
+
+
 def bench_nccl_a2a(buf: Buffer, timer: Timer, case: str, tokens: int) -> Row:
     """Raw all_to_all_single moving the rows a BF16 dispatch moves (own rows included)."""
     cfg = buf.cfg
@@ -898,7 +921,7 @@ def layer_notes(use_gpu: bool, shared_gpu: bool, rows: list[Row]) -> list[str]:
     return notes
 
 
-CASES = ("n1", "n1-native", "l1", "sweep", "stream", "cpu", "layer")
+CASES = ("n1", "n1-native", "l1", "sweep", "stream", "cpu", "layer", "calls")
 
 
 def default_out_dir(stamp: str) -> Path:
@@ -917,8 +940,8 @@ def main() -> None:
                    help=f"comma list of {', '.join(CASES)}: n1 normal mode (n1-native: without the NCCL baselines), "
                         "l1 low latency, sweep hidden x tokens, stream 16384 tokens per rank in one round and in "
                         "rounds of 4096 and the async Megatron pattern, cpu the reference backend's small case, "
-                        "layer moe_ep.MoE forward/backward at the --layer-* sizes (default %(default)s: n1,l1 on "
-                        "GPU, cpu otherwise)")
+                        "layer moe_ep.MoE forward/backward at the --layer-* sizes, calls a dispatch + combine "
+                        "without and with check_calls=True (default %(default)s: n1,l1 on GPU, cpu otherwise)")
     p.add_argument("--sms", default="8,16,24,32",
                    help="comma list of SM budgets for the native backend's normal-mode calls (default %(default)s)")
     p.add_argument("--warmup", type=int, default=20, help="untimed calls before each measurement (default %(default)s)")
@@ -990,6 +1013,8 @@ def main() -> None:
                                      deepep=False)
                 if round_tokens == 4096:
                     rows += bench_async_pattern(buf, timer, "async", 4096)
+    if "calls" in cases:
+        rows += bench_call_checks(timer, device)
     if "sweep" in cases:
         for hidden in (2048, 4096, 7168):
             with Buffer(hidden=hidden, num_experts=256, num_topk=8, max_tokens_per_rank=16384, device=device) as buf:

@@ -33,28 +33,43 @@ if [ -z "$files" ]; then  # pytest's rc 5
 fi
 echo "$collected" | grep -c '::' | xargs echo "GPU tests collected:"
 
-# Lanes by longest file first, each file to the lane with the least work so far (seconds per file on one
-# H200 with 4 lanes: the 2026-12-03 01:00 run; a file not listed counts 60 s).
-# Prints one line per lane of FILE@LIMIT: each file may take 2.5 x its seconds (at least 60 s), so a
-# hang cannot starve its lane.
+# Lanes by longest unit first, each unit to the lane with the least work so far. A unit is a file, or one
+# test of a file that would take over 150 s (so its tests can run in parallel lanes; each pytest start
+# costs about 10 s). Seconds per file on one H200 with 4 lanes: the 2026-12-03 runs (a file not listed
+# counts 60 s). Prints one line per lane of UNIT@LIMIT: each unit may take 2.5 x its seconds (at least
+# 60 s), so a hang cannot starve its lane.
 plan_file=$(mktemp)
-python3 - "$lanes" $files >"$plan_file" <<'EOF'
+# shellcheck disable=SC2046
+python3 - "$lanes" $(echo "$collected" | grep '::') >"$plan_file" <<'EOF'
 import sys
-secs = {"test_gpu_fuzz.py": 440, "test_gpu_intranode.py": 320, "test_streaming.py": 400, "test_compile.py": 95,
-        "test_gpu_crossnode.py": 90, "test_overlap.py": 140, "test_gpu_faults.py": 85, "test_fp8_experts.py": 70,
+from collections import defaultdict
+secs = {"test_gpu_fuzz.py": 440, "test_gpu_intranode.py": 320, "test_gpu_crossnode.py": 138, "test_overlap.py": 104,
+        "test_streaming.py": 100, "test_compile.py": 95, "test_gpu_faults.py": 90, "test_fp8_experts.py": 70,
         "test_gpu_low_latency.py": 62, "test_gpu_low_latency_deepep.py": 60, "test_train.py": 57,
         "test_deep_ep.py": 52, "test_bench.py": 50, "test_frameworks_hybrid.py": 50, "test_layer.py": 33,
-        "test_expert_major.py": 33, "test_gpu_determinism.py": 30, "test_hybrid_ep.py": 30, "test_gpu_config.py": 28,
+        "test_expert_major.py": 33, "test_gpu_determinism.py": 34, "test_hybrid_ep.py": 30, "test_gpu_config.py": 28,
         "test_frameworks_v2.py": 22, "test_fp8.py": 19, "test_deep_ep_v2.py": 15, "test_gpu_runtime.py": 14,
-        "test_one_rank_bad_input.py": 40, "test_experts.py": 9, "test_gpu_scale.py": 7}
-lanes, files = int(sys.argv[1]), sys.argv[2:]
-work, plan = [0] * lanes, [[] for _ in range(lanes)]
-for f in sorted(files, key=lambda f: -secs.get(f.split("/")[-1], 60)):
+        "test_one_rank_bad_input.py": 15, "test_experts.py": 9, "test_gpu_scale.py": 7}
+SPLIT, START = 150, 10
+lanes = int(sys.argv[1])
+tests = defaultdict(list)
+for node in sys.argv[2:]:
+    tests[node.split("::")[0]].append(node)
+units = []  # (unit, seconds)
+for f, ids in tests.items():
+    t = secs.get(f.split("/")[-1], 60)
+    if t > SPLIT and len(ids) > 1:
+        units += [(node, t / len(ids) + START) for node in ids]
+    else:
+        units.append((f, t))
+work, plan = [0.0] * lanes, [[] for _ in range(lanes)]
+for unit, t in sorted(units, key=lambda u: -u[1]):
     i = work.index(min(work))
-    work[i] += secs.get(f.split("/")[-1], 60)
-    plan[i].append(f"{f}@{max(60, int(2.5 * secs.get(f.split('/')[-1], 60)))}")
+    work[i] += t
+    plan[i].append(f"{unit}@{max(60, int(2.5 * t))}")
 print("\n".join(" ".join(p) for p in plan if p))
 EOF
+units=$(grep -o '@' "$plan_file" | wc -l)
 deadline=$((SECONDS + budget))
 lane() {  # lane NAME FILE@LIMIT...: each file's GPU tests, within its limit and the budget
   local name=$1; shift
@@ -76,6 +91,7 @@ lane() {  # lane NAME FILE@LIMIT...: each file's GPU tests, within its limit and
   rm -f "$out/$name.part"
 }
 n=0
+set -f  # units such as tests/test_overlap.py::test_overlap_gpu[ep2] are not glob patterns
 while read -r line; do
   n=$((n + 1))
   # shellcheck disable=SC2086
@@ -103,7 +119,7 @@ cat "$out/summary.txt"
 echo "total $((SECONDS - start)) s"
 ran=$(grep -c ' | rc=' "$out/summary.txt")
 failed=$(grep ' | rc=' "$out/summary.txt" | grep -vc ' | rc=0 |')
-expected=$(echo "$files" | wc -l)
+expected=$units
 [ -z "${NO_TRAIN:-}" ] && expected=$((expected + 1))
 [ -n "${WITH_LAYER_BENCH:-}" ] && expected=$((expected + 1))
 if [ "$failed" -ne 0 ] || [ "$ran" -lt "$expected" ]; then

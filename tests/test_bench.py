@@ -51,7 +51,7 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     cwd, data_home = tmp_path / "cwd", tmp_path / "data"
     cwd.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "moe_ep.bench", "--cases", "cpu,layer", "--iters", "2", "--warmup", "1",
+           "moe_ep.bench", "--cases", "cpu,layer,calls", "--iters", "2", "--warmup", "1",
            "--layer-tokens", "32", "--layer-hidden", "128", "--layer-experts", "8", "--layer-topk", "2",
            "--layer-ffn", "128", "--layer-shared-ffn", "64", "--layer-decode-tokens", "8"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
@@ -59,7 +59,7 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
                               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert run.returncode == 0, run.stderr[-3000:]
     assert not list(cwd.iterdir()), "the bench wrote into the folder it ran in"
-    (json_path,) = data_home.glob("moe_ep/bench/*/bench_cpu_layer.json")
+    (json_path,) = data_home.glob("moe_ep/bench/*/bench_cpu_layer_calls.json")
     png_path = json_path.with_suffix(".png")
     assert f"wrote {json_path} and {png_path}" in run.stdout
 
@@ -76,6 +76,8 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
                  'layer rows "... overlap" ran MoE(overlap=True)'):
         assert any(line.startswith(note) for line in lines), note
     assert "meaningless for links" in run.stdout
+    calls = [line for line in lines if line.startswith("calls  dispatch+combine")]  # both Buffers, both sizes
+    assert len(calls) == 4 and sum("check_calls=True" in line for line in calls) == 2, calls
     (left_out,) = [line for line in run.stdout.splitlines() if line.startswith("not shown: ")]
     for column in GPU_ONLY_COLUMNS:
         assert column not in head, head
@@ -83,8 +85,8 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     assert "device time per kernel" not in run.stdout
     assert all(word in run.stdout for word in ("dispatch_bf16", "combine_bf16", *LAYER_OPS, *DECODE_OPS))
 
-    # Three panels (cpu; layer; its decode step), 6.5 inches each at 120 dpi.
-    assert _png_size(png_path)[0] == 3 * 6.5 * 120
+    # Four panels (cpu; layer; its decode step; calls), 6.5 inches each at 120 dpi.
+    assert _png_size(png_path)[0] == 4 * 6.5 * 120
 
     result = json.loads(json_path.read_text())
     meta = result["meta"]

@@ -27,7 +27,7 @@ from tests.test_fuzz import BAD_INPUTS, Call, FuzzShape, call_inputs, fp8_payloa
 
 pytestmark = requires_gpus()
 
-CALLS = 10_000
+CALLS = int(os.environ.get("MOE_EP_FUZZ_CALLS", "10000"))  # each run draws a fresh seed: coverage adds up over runs
 WARMUP = 200  # calls before the memory is first measured
 SHAPE = FuzzShape(hidden=256, experts=16, topk=6, max_tokens=32)
 GPU_BAD = ("x_dtype", "topk_dtype", "weights_dtype", "too_many_tokens", "misaligned", "non_contiguous", "event_type",

@@ -91,3 +91,13 @@ def test_the_checks_catch_a_bad_edge(edge: tuple[str, str], monkeypatch: pytest.
     check = test_comm_never_imports_the_layer_or_the_tools if ".comm." in edge[0] else test_no_import_cycle
     with pytest.raises(AssertionError):
         check()
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (PACKAGE.parent / "bench").glob("*.py")))
+def test_bench_scripts_import(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every bench/ script still imports what it names from the package (a renamed helper broke
+    bench/layer_roofline.py once, unnoticed until a GPU run)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(PACKAGE.parent / "bench"))
+    importlib.import_module(script[:-3])

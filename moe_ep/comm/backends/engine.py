@@ -213,8 +213,9 @@ def rounds_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGrou
     agree_rounds (and, with check_calls=True, call_check.HostCheck). Its own, so that an all-reduce a
     silent peer leaves waiting can give up without touching any group the caller uses; gloo, so that
     agreeing needs no device sync. Built on the default store under a key the group's first rank draws
-    (one broadcast over `group`): dist.new_group(use_local_synchronization=True) names every group of
-    the same ranks alike, so a second one met the first one's rendezvous keys and hung."""
+    (one broadcast over `group`), outside torch's group registry: dist.new_group(use_local_synchronization
+    =True), which names every group of the same ranks alike, hung in its creation on the H200 machine
+    (torch 2.11, 2026-12-03) once such a group existed, and left every Buffer's group registered."""
     key = [uuid.uuid4().hex]
     dist.broadcast_object_list(key, src=dist.get_process_group_ranks(group)[0], group=group)
     store = dist.PrefixStore(f"moe_ep/rounds/{key[0]}/", dist.distributed_c10d._get_default_store())
