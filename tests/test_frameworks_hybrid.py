@@ -3,11 +3,9 @@ torchtitan 0.3.0's HybridEPTokenDispatcher and Megatron-Core 0.19.2's flex dispa
 and Megatron's "deepep" backend (DeepEP V1's Buffer), forward and backward. 2 ranks on CPU (gloo, reference
 backend) and 2 ranks sharing one GPU (native kernels).
 
-The frameworks are not installed: the tests read their unpacked wheels from $MOE_EP_FRAMEWORKS, else
-<repo>/.frameworks (git-ignored), torchtitan's pure-Python dependencies from its deps/ folder; a test skips
-when its framework is not there. .ci/run fills it when the package index answers (pip download of the
-cp312 wheels, unpacked: megatron-core and torchtitan at the top, spmd_types, tyro, docstring-parser,
-shtab and typeguard in deps/; the parts imported are pure Python, so any Python 3.11+ reads them).
+The frameworks are not installed: the tests read the files of their wheels they use from $MOE_EP_FRAMEWORKS,
+else <repo>/.frameworks (git-ignored), their dependencies from its deps/ folder; a test skips when its
+framework is not there. tests/fetch_frameworks.py fills it (.ci/run does, with --training-only).
 
 `deep_ep` (and `deep_ep.utils`, `deep_ep.hybrid_ep_buffer`) are aliased to moe_ep.deep_ep before the
 frameworks' modules are imported. Shims, none about communication:

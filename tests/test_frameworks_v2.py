@@ -4,13 +4,10 @@ imported. Each is checked against brute force over every rank's inputs (the expe
 functions, so each token's output is a sum over its experts wherever they live), 2 ranks on CPU
 (gloo, reference backend) and, marked gpu, 2 ranks sharing one GPU (native kernels).
 
-The frameworks are not installed: as in tests/test_frameworks_hybrid.py, the tests read their
-unpacked wheels (pip download --no-deps; the files imported are pure Python, so Python 3.11 reads
-the cp312 wheels) from $MOE_EP_FRAMEWORKS, else <repo>/.frameworks (git-ignored), and their
-pure-Python or light dependencies from its deps/ folder. .ci/run fills it with torchtitan and its
-dependencies; vLLM (vllm/) and SGLang (sglang/, with sglang/kernels/jit's data files) need theirs
-unpacked there by hand, with the dependencies the stubs below do not cover in deps/ (pydantic,
-msgspec, transformers, ...: docs/deep_ep_compat.md lists them). A test whose framework is not there
+The frameworks are not installed: as in tests/test_frameworks_hybrid.py, the tests read the files
+of their wheels they use (the imported parts are pure Python) from $MOE_EP_FRAMEWORKS, else
+<repo>/.frameworks (git-ignored), their dependencies from its deps/ folder; tests/fetch_frameworks.py
+fills it (.ci/run: torchtitan and Megatron-Core; vLLM and SGLang without --training-only). A test whose framework is not there
 skips, naming it. Stubs and shims, each for something unrelated to communication, are named where
 they are made.
 """
