@@ -113,7 +113,12 @@ def _timeline(prof: "torch.profiler.profile", min_us: float = 20.0) -> str:
         stream = e.get("args", {}).get("stream", "?")
         busy[stream] = busy.get(stream, 0.0) + e["dur"]
     span = max(e["ts"] + e["dur"] for e in ops) - t0
-    lines = [f"span {span / 1e3:.3f} ms; busy ms per stream: " + ", ".join(f"{k}: {v / 1e3:.3f}" for k, v in busy.items())]
+    idle, reach = 0.0, t0  # time within the span when no stream ran anything
+    for e in ops:
+        idle += max(0.0, e["ts"] - reach)
+        reach = max(reach, e["ts"] + e["dur"])
+    lines = [f"span {span / 1e3:.3f} ms, device idle {idle / 1e3:.3f} ms; busy ms per stream: "
+             + ", ".join(f"{k}: {v / 1e3:.3f}" for k, v in busy.items())]
     lines += [f"{(e['ts'] - t0) / 1e3:8.3f} {e['dur'] / 1e3:7.3f} ms stream {e.get('args', {}).get('stream', '?')} "
               f"{e['name'][:90]}" for e in ops if e["dur"] >= min_us]
     return "\n".join(lines) + "\n"
@@ -164,14 +169,19 @@ def layer_case(timer: Timer, shape: LayerShape, backend: str = "reference", reco
         with open(profile_to, "w") as fh:
             for on in (False, True):  # MoE(overlap=on): which stream runs what, and when
                 moe.overlap = on
-                zero()
-                y = moe(x, mode="normal")
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    y.backward(grad)
+                for warm in (3, 2, 1, 0):  # three warm steps first: each stream's allocator pool is filled
+                    zero()
+                    y = moe(x, mode="normal")
+                    if warm:
+                        y.backward(grad)
+                        continue
                     torch.cuda.synchronize()
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        y.backward(grad)
+                        torch.cuda.synchronize()
                 fh.write(f"=== backward, overlap={on}\n")
                 fh.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
+                fh.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90))
                 fh.write(_timeline(prof))
             moe.overlap = False
     tag = f"{buf.backend_name}{' recompute' if recompute else ''}"
