@@ -42,6 +42,17 @@ def _needs(package: str, version: str) -> pytest.MarkDecorator:
                               reason=f"{package} {version} is not unpacked in {FRAMEWORKS} (MOE_EP_FRAMEWORKS)")
 
 
+def _skip_unless_its_torch(package: str, version: str) -> None:
+    """On the GPU, vLLM and SGLang import their CUDA platform and its compiled extensions, built for the
+    torch their wheel pins: skip, naming both versions, on another torch (their CPU paths are pure Python)."""
+    metadata = FRAMEWORKS / f"{package}-{version}.dist-info" / "METADATA"
+    pins = [line.split("==", 1)[1].strip() for line in metadata.read_text().splitlines()
+            if line.startswith("Requires-Dist: torch==")] if metadata.is_file() else []
+    if pins and pins[0] != torch.__version__.split("+")[0]:
+        pytest.skip(f"{package} {version}'s CUDA path loads extensions built for torch {pins[0]} (its wheel pins "
+                    f"torch=={pins[0]}); this machine has torch {torch.__version__}")
+
+
 class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Stand-in modules for packages a framework imports but the tested path never uses: every
     attribute is a MagicMock."""
@@ -236,6 +247,7 @@ def test_vllm_deepep_v2_cpu() -> None:
 @_needs("vllm", "0.33.0")
 @requires_gpus(1)
 def test_vllm_deepep_v2_gpu() -> None:
+    _skip_unless_its_torch("vllm", "0.33.0")
     run_workers(WORLD, _vllm_worker, backend="gpu")
 
 
@@ -301,4 +313,5 @@ def test_sglang_deepep_v2_cpu() -> None:
 @_needs("sglang", "0.5.23")
 @requires_gpus(1)
 def test_sglang_deepep_v2_gpu() -> None:
+    _skip_unless_its_torch("sglang", "0.5.23")
     run_workers(WORLD, _sglang_worker, backend="gpu")

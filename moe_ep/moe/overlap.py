@@ -8,9 +8,8 @@ events order the two. What runs beside the communication:
 - forward: the shared expert beside the dispatch (notify, the count sync, the rows);
 - backward: autograd runs each backward op on its forward op's stream, so the combine's backward (a
   cached dispatch) and the dispatch's backward (a combine) land on the communication stream and the
-  engine adds the events; the dispatch's backward runs beside the shared expert's backward. It waits
-  for the experts' whole backward: a combine beside their weight-gradient grouped GEMMs made the
-  backward 1.53x slower on one H200 (docs/design.md).
+  engine adds the events; the dispatch's backward runs beside the shared expert's backward, after the
+  experts' whole backward (docs/design.md says why).
 Where nothing runs beside it (one rank, no shared expert) the mode costs a few events. On the CPU,
 while torch.compile traces, and with overlap=False everything runs on the caller's stream.
 
