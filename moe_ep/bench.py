@@ -475,6 +475,23 @@ def time_layer(timer: Timer, moe: MoE, x: torch.Tensor, grad: torch.Tensor,
     return by_mode(timer.parts_us(calls, sums=[(2 * i, 2 * i + 1) for i in range(len(modes))]), modes)
 
 
+def overlap_same_bits(moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> bool:
+    """One forward + backward of moe without and with overlap on the same input: True when the outputs, the
+    input's gradient and every parameter's gradient are the same bits (the mode's promise, checked at the
+    bench's own shape)."""
+    results = []
+    for on in (False, True):
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+        moe.overlap = on
+        out = moe(x, mode="normal")
+        out.backward(grad)
+        results.append([out.detach(), x.grad, *(p.grad for p in moe.parameters())])
+    moe.overlap = False
+    return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(*results))
+
+
 def by_mode(columns: list, modes: tuple[bool, ...]) -> dict[bool, list]:
     """time_layer's parts_us columns (its times, or the timer's last_spread) as {overlap: [forward,
     backward, both]}."""
@@ -613,12 +630,15 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.dev
             if expert_major:
                 comm = time_communication(timer, moe, x, grad)
                 comm_spreads = timer.last_spread
+                same_bits = overlap_same_bits(moe, x, grad)
             counts = expert_counts(buf, moe.last_routing.topk_idx)
             pairs = int(counts.sum())
             flop = layer_flop(pairs, shape.hidden, shape.ffn) + layer_flop(shape.tokens, shape.hidden, shape.shared_ffn)
             for on, passes in times.items():
                 for i, ((op, k), us, spread) in enumerate(zip(LAYER_PASSES, passes, spreads[on])):
                     extra = {"overlap": on, "pairs": pairs, "expert_major": expert_major}
+                    if on:
+                        extra["same_bits"] = same_bits
                     if on and link:
                         extra["comm_hidden"] = (times[False][i] - us) / comm[i]
                     name = op + (" overlap" if on else "") + ("" if expert_major else " row path")
@@ -911,7 +931,9 @@ def layer_notes(use_gpu: bool, shared_gpu: bool, rows: list[Row]) -> list[str]:
              + ("; meaningless for links here (CPU or shared GPU: no link carries the rows)"
                 if not use_gpu or shared_gpu else ""),
               "layer rows \"... overlap\" ran MoE(overlap=True), alternating with the rows without it in every "
-              "iteration; "
+              "iteration; its output and every gradient the same bits as without overlap: "
+              + (", ".join(sorted({"yes" if r.extra["same_bits"] else "NO" for r in rows if "same_bits" in r.extra}))
+                 or "not run") + "; "
               + ("%hidden = (no overlap - overlap) / comm alone, the share of the layer's communication overlap hides"
                  if use_gpu and not shared_gpu else
                  "no %hidden for them: it is measured only with a GPU per rank (CPU or shared GPU here)")]

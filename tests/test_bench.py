@@ -110,6 +110,7 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     assert all((r["tokens"], r["hidden"], r["experts"], r["topk"]) == (32, 128, 8, 2) for r in layer)
     assert all(r["extra"]["overlap"] == r["op"].endswith(" overlap") for r in layer if "overlap" in r["extra"])
     assert all("comm_hidden" not in r["extra"] for r in layer)  # a GPU per rank only
+    assert all(r["extra"]["same_bits"] is True for r in layer if r["extra"].get("overlap"))  # same bits as without
     # FLOPs from the routing that ran (rank 0's experts' pairs, the same routing for every row).
     assert len({r["extra"]["pairs"] for r in layer}) == 1 and 0 < layer[0]["extra"]["pairs"] <= 2 * 32 * 2
     for r in layer:

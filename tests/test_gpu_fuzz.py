@@ -1,6 +1,5 @@
-"""GPU fuzz: 10,000 random calls, in 4 parts of 2,500 (each its own test, its own seed and processes,
-so the GPU suite runs them in parallel lanes), on one native Buffer (low_latency=True) with 2 ranks
-(on 2 GPUs, or sharing one: tests/_dist.py), interleaved as
+"""GPU fuzz: 10,000 random calls on one native Buffer (low_latency=True) with 2 ranks (on 2 GPUs, or
+sharing one: tests/_dist.py), interleaved as
 tests/test_fuzz.py draws them (normal dispatch with random N including 0, K routing kinds, skew, FP8,
 alignment, worst case, NaN/Inf; combine and cached dispatch through live handles; layout;
 low-latency with and without hooks, FP8; bad inputs that must raise), each run on the reference
@@ -28,8 +27,7 @@ from tests.test_fuzz import BAD_INPUTS, Call, FuzzShape, call_inputs, fp8_payloa
 
 pytestmark = requires_gpus()
 
-CALLS = int(os.environ.get("MOE_EP_FUZZ_CALLS", "10000"))  # each run draws fresh seeds: coverage adds up over runs
-PARTS = 4
+CALLS = int(os.environ.get("MOE_EP_FUZZ_CALLS", "10000"))  # each run draws a fresh seed: coverage adds up over runs
 WARMUP = 200  # calls before the memory is first measured
 SHAPE = FuzzShape(hidden=256, experts=16, topk=6, max_tokens=32)
 GPU_BAD = ("x_dtype", "topk_dtype", "weights_dtype", "too_many_tokens", "misaligned", "non_contiguous", "event_type",
@@ -199,7 +197,7 @@ def _worker(rank: int, world: int, seed: int) -> None:
     fuzzer = PairFuzzer(native, ref)
     counts: dict[str, int] = {}
     memory = []
-    for part, count in enumerate((WARMUP, CALLS // PARTS)):  # warm-up: allocator caches; then memory must stay put
+    for part, count in enumerate((WARMUP, CALLS)):  # warm-up: allocator caches; then memory must stay put
         for index, call in enumerate(fuzz_calls(seed + part, count, world, SHAPE, bad_inputs=GPU_BAD)):
             counts[call.kind] = counts.get(call.kind, 0) + part
             try:
@@ -214,13 +212,12 @@ def _worker(rank: int, world: int, seed: int) -> None:
             memory.append((torch.cuda.memory_allocated(), _heap_state()))
     assert len(set(memory)) <= 1, f"memory after the warm-up {memory[0]}, after the fuzz {memory[1]}"
     if rank == 0:
-        print(f"gpu fuzz seed {seed}: {CALLS // PARTS} calls {counts}, memory {memory} before and after", flush=True)
+        print(f"gpu fuzz seed {seed}: {CALLS} calls {counts}, memory {memory} before and after", flush=True)
     native.close()
     ref.close()
 
 
-@pytest.mark.parametrize("part", range(PARTS))
-def test_gpu_fuzz_matches_reference(part: int) -> None:
+def test_gpu_fuzz_matches_reference() -> None:
     seed = int(os.environ.get("MOE_EP_FUZZ_SEED", random.randrange(2**31)))
-    print(f"gpu fuzz part {part}, seed {seed} (MOE_EP_FUZZ_SEED={seed} repeats this part's calls)")
-    run_workers(2, _worker, seed, backend="gpu", timeout_s=300)
+    print(f"gpu fuzz seed {seed} (MOE_EP_FUZZ_SEED={seed} repeats this run)")
+    run_workers(2, _worker, seed, backend="gpu", timeout_s=500)
