@@ -7,7 +7,7 @@
 # files, as the device tool returns).
 # Usage: bash tests/run_gpu_suite.sh [PATH...]   (PATHs: where to collect, default tests/; e.g.
 #   `bash tests/run_gpu_suite.sh tests/test_fp8.py tests/test_my_failing.py` for a quick check)
-# Environment: LANES (default 4), BUDGET_S (seconds for all lanes, default 500; each file also has
+# Environment: LANES (default 4), BUDGET_S (seconds for all lanes, default 520; each file also has
 #   its own limit, below), SKIP_BUILD=1,
 #   NO_TRAIN=1 (skip the torchrun), WITH_LAYER_BENCH=1 (then the one-rank layer bench, alone, into $OUT/bench/).
 set -uo pipefail
@@ -15,7 +15,7 @@ export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHME
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 out=${OUT:-out}; mkdir -p "$out"; : >"$out/summary.txt"
 start=$SECONDS
-lanes=${LANES:-4} budget=${BUDGET_S:-500}
+lanes=${LANES:-4} budget=${BUDGET_S:-520}
 if [ -z "${SKIP_BUILD:-}" ]; then
   MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log"; exit 1; }
