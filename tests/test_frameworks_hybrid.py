@@ -1,7 +1,9 @@
 """The frameworks' own HybridEP code, unchanged, over moe_ep.deep_ep, against brute force over all ranks' inputs:
 torchtitan 0.3.0's HybridEPTokenDispatcher and Megatron-Core 0.19.2's flex dispatcher with backend "hybridep",
-and Megatron's "deepep" backend (DeepEP V1's Buffer), forward and backward. 2 ranks on CPU (gloo, reference
-backend) and 2 ranks sharing one GPU (native kernels).
+and Megatron's "deepep" backend (DeepEP V1's Buffer), forward and backward; "deepep" also with 16384 tokens per
+rank on the Buffer Megatron's fused_a2a sizes by Config.get_nvl_buffer_size_hint (rounds of 4096 tokens: the
+native backend streams them). 2 ranks on CPU (gloo, reference backend) and 2 ranks sharing one GPU (native
+kernels). The brute force is vectorized over all ranks' tokens, so it keeps up with 16384 per rank.
 
 The frameworks are not installed: the tests read the files of their wheels they use from $MOE_EP_FRAMEWORKS,
 else <repo>/.frameworks (git-ignored), their dependencies from its deps/ folder; a test skips when its
@@ -21,12 +23,13 @@ frameworks' modules are imported. Shims, none about communication:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import pytest
 import torch
@@ -36,7 +39,7 @@ import torch.distributed as dist
 import moe_ep.deep_ep
 from moe_ep.deep_ep import hybrid_ep_buffer
 from tests._dist import device, requires_gpus, run_workers
-from tests.oracle import Inputs, assert_same_bits, expected_combine
+from tests.oracle import Inputs, assert_same_bits
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = Path(os.environ.get("MOE_EP_FRAMEWORKS", ROOT / ".frameworks"))
@@ -91,71 +94,96 @@ def _inputs(seed: int, tokens: list[int]) -> Inputs:
     return Inputs(xs, idxs, ws)
 
 
-def _scale(e: int) -> float:
-    """Expert e multiplies its rows by (e + 1) / 8 (exact in bf16)."""
+def _scale(e: Union[int, torch.Tensor]) -> Union[float, torch.Tensor]:
+    """Expert e multiplies its rows by (e + 1) / 8 (exact in bf16; float32 for a tensor of expert ids)."""
     return (e + 1) / 8
+
+
+def _starts(inp: Inputs) -> list[int]:
+    """Where each rank's tokens begin in the ranks' tokens concatenated (rank, then token ascending)."""
+    return [0, *torch.tensor([x.shape[0] for x in inp.x]).cumsum(0).tolist()]
 
 
 @dataclass
 class Layout:
-    """Rank me's expert-major rows as HybridEP lays them out: per local expert, (source rank, token)
-    ascending, padded to `align`; only the first `rows` kept (pairs past them dropped)."""
+    """Rank me's expert-major rows as the dispatchers lay them out: per local expert, (source rank, token)
+    ascending, padded to `align`; only the first `rows` kept (pairs past them dropped). Rows are named by
+    pair: a token of all ranks' concatenated (_starts) and the top-k slot of the expert."""
 
-    src: list[Optional[tuple[int, int, int]]]  # (source rank, token, global expert) or None for padding
+    src: torch.Tensor  # [rows] the pair's token in the concatenation, -1 for padding
+    slot: torch.Tensor  # [rows] the pair's top-k slot, -1 for padding
     counts: list[int]  # rows per local expert (padded), after the cut
-    kept: set[tuple[int, int, int]]  # (source rank, token, global expert) pairs within the rows
+    kept: torch.Tensor  # [all ranks' tokens, K] bool: the pairs within the rows
 
 
 def _layout(inp: Inputs, me: int, align: int, rows: Optional[int]) -> Layout:
-    src: list[Optional[tuple[int, int, int]]] = []
+    idx = torch.cat(inp.topk_idx)
+    src, slot, sizes = [], [], []
     for e in range(me * NUM_LOCAL, (me + 1) * NUM_LOCAL):
-        block = [(s, i, e) for s in range(WORLD) for i, row in enumerate(inp.topk_idx[s].tolist()) if e in row]
-        block += [None] * (-len(block) % align)
-        src.append(block)
-    flat = [p for block in src for p in block]
-    limit = len(flat) if rows is None else rows
-    counts, start = [], 0
-    for block in src:
-        counts.append(max(0, min(start + len(block), limit) - start))
-        start += len(block)
-    flat = (flat + [None] * limit)[:limit]
-    return Layout(flat, counts, {p for p in flat if p is not None})
+        token, k = (idx == e).nonzero(as_tuple=True)  # row-major: (source rank, token) ascending
+        pad = torch.full((-len(token) % align,), -1)
+        src += [token, pad]
+        slot += [k, pad]
+        sizes.append(len(token) + len(pad))
+    src, slot = torch.cat(src), torch.cat(slot)
+    limit = len(src) if rows is None else rows
+    counts = [max(0, min(start + n, limit) - start) for start, n in zip([0, *itertools.accumulate(sizes)], sizes)]
+    src = torch.cat([src, torch.full((limit,), -1)])[:limit]
+    slot = torch.cat([slot, torch.full((limit,), -1)])[:limit]
+    kept = torch.zeros(idx.shape, dtype=torch.bool)
+    kept[src[src >= 0], slot[src >= 0]] = True
+    return Layout(src, slot, counts, kept)
 
 
-def _pair_rows(inp: Inputs, layout: Layout, value: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
-    return torch.stack([value(*p) if p is not None else torch.zeros_like(value(0, 0, 0)) for p in layout.src]) \
-        if layout.src else torch.zeros(0, HIDDEN, dtype=torch.bfloat16)
+def _pair_rows(layout: Layout, table: torch.Tensor) -> torch.Tensor:
+    """table [all ranks' tokens, K, ...] (a value per pair) at the layout's rows; zeros for padding."""
+    pad = layout.src < 0
+    got = table[layout.src.clamp(min=0), layout.slot.clamp(min=0)]
+    return got.masked_fill(pad.view(-1, *[1] * (got.dim() - 1)), 0)
 
 
-def _weight(inp: Inputs, s: int, i: int, e: int) -> torch.Tensor:
-    return inp.topk_weights[s][i][inp.topk_idx[s][i].tolist().index(e)]
+def _x_per_pair(inp: Inputs) -> torch.Tensor:
+    """[all ranks' tokens, K, H]: each pair's row is its token's x (a view)."""
+    return torch.cat(inp.x).unsqueeze(1).expand(-1, TOPK, -1)
 
 
-def _combined(inp: Inputs, me: int, kept: list[set], pair: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
-    """Brute-force combine: each receiving rank sums its kept pairs of the token in ascending expert order
-    (float32 from +0.0, one bf16 rounding), then the ranks' rows are summed (expected_combine)."""
-    def row_of(r: int, s: int, i: int) -> torch.Tensor:
-        acc = torch.zeros(HIDDEN, dtype=torch.float32)
-        for e in sorted(inp.topk_idx[s][i].tolist()):
-            if e // NUM_LOCAL == r:
-                acc = acc + (pair(s, i, e).float() if (s, i, e) in kept[r] else 0.0)
-        return acc.to(torch.bfloat16)
-
-    return expected_combine(inp, me, WORLD, EXPERTS, row_of)
+def _kept(inp: Inputs, me: int, layouts: list[Layout]) -> torch.Tensor:
+    """[N_me, K] bool: rank me's pairs some rank kept."""
+    starts = _starts(inp)
+    return torch.stack([layout.kept for layout in layouts]).any(0)[starts[me]:starts[me + 1]]
 
 
-def _check_grads(inp: Inputs, me: int, kept: list[set], probe: torch.Tensor, grad_x: torch.Tensor,
+def _sum_over_ranks(partials: torch.Tensor) -> torch.Tensor:
+    """partials [WORLD, N, H] bf16 (zeros from ranks a token did not reach) -> bf16 of their float32 sum,
+    ranks ascending from +0.0: the combine's sum over receiving ranks (as tests/oracle.expected_combine)."""
+    acc = torch.zeros(partials.shape[1:], dtype=torch.float32)
+    for r in range(WORLD):
+        acc = acc + partials[r].float()
+    return acc.to(torch.bfloat16)
+
+
+def _combined(inp: Inputs, me: int, kept: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """Brute-force combine of rank me's pairs [N_me, K, H] bf16: each receiving rank sums the token's kept
+    pairs in ascending expert order (float32 from +0.0, one bf16 rounding), then _sum_over_ranks."""
+    idx = inp.topk_idx[me]
+    order = idx.argsort(1)
+    partials = torch.zeros(WORLD, *pairs[:, 0].shape)
+    for slot in order.T:  # each token's slot of its k-th smallest expert, k ascending
+        owner = idx.gather(1, slot[:, None]).squeeze(1) // NUM_LOCAL
+        take = kept.gather(1, slot[:, None])
+        row = pairs[torch.arange(len(slot)), slot].float()
+        for r in range(WORLD):
+            partials[r] += torch.where(take & (owner == r)[:, None], row, 0.0)
+    return _sum_over_ranks(partials.to(torch.bfloat16))
+
+
+def _check_grads(inp: Inputs, me: int, kept: torch.Tensor, probe: torch.Tensor, grad_x: torch.Tensor,
                  grad_w: torch.Tensor, what: str) -> None:
     """d(sum(out * probe)) against the dense formula out[t] = sum over kept pairs of w * scale(e) * x[t],
     within bf16 roundings (gradient rows cross ranks as bf16)."""
-    x = inp.x[me].float()
-    want_x = torch.zeros_like(x)
-    want_w = torch.zeros(inp.topk_weights[me].shape)
-    for t, row in enumerate(inp.topk_idx[me].tolist()):
-        for k, e in enumerate(row):
-            if (me, t, e) in kept[e // NUM_LOCAL]:
-                want_x[t] += float(inp.topk_weights[me][t, k]) * _scale(e) * probe[t]
-                want_w[t, k] = _scale(e) * float((probe[t] * x[t]).sum())
+    scale = torch.where(kept, _scale(inp.topk_idx[me]), 0.0)
+    want_x = (inp.topk_weights[me] * scale).sum(1, keepdim=True) * probe
+    want_w = scale * (probe * inp.x[me].float()).sum(1, keepdim=True)
     for got, want, name in ((grad_x.float().cpu(), want_x, "x"), (grad_w.float().cpu(), want_w, "weights")):
         err = float((got - want).abs().max()) if want.numel() else 0.0
         assert err <= 2 ** -6 * float(want.abs().max()), f"{what}: gradient of {name}: max error {err:.3e}"
@@ -208,20 +236,19 @@ def _check_torchtitan(me: int, seed: int, tokens: list[int], capacity: Optional[
         x = inp.x[me].to(dev).requires_grad_()
         w = inp.topk_weights[me].to(dev).requires_grad_()
         hidden, counts, metadata = dispatcher.dispatch(x, w, inp.topk_idx[me].to(dev), torch.zeros(EXPERTS))
-        assert_same_bits(hidden.detach().cpu(), _pair_rows(inp, mine, lambda s, i, e: inp.x[s][i]), f"{what}: rows")
+        assert_same_bits(hidden.detach().cpu(), _pair_rows(mine, _x_per_pair(inp)), f"{what}: rows")
         assert counts.tolist() == mine.counts, f"{what}: tokens per expert {counts.tolist()} != {mine.counts}"
         scores = metadata.state.permuted_scores
-        want_scores = [float(_weight(inp, *p)) if p is not None else 0.0 for p in mine.src]
-        assert_same_bits(scores.detach().cpu(), torch.tensor(want_scores).to(torch.bfloat16), f"{what}: scores")
+        want_scores = _pair_rows(mine, torch.cat(inp.topk_weights)).to(torch.bfloat16)
+        assert_same_bits(scores.detach().cpu(), want_scores, f"{what}: scores")
         y = _experts(hidden, mine.counts, me, None)
         out = dispatcher.combine(y, metadata, x)
 
-    def pair(s: int, i: int, e: int) -> torch.Tensor:
-        expert = (inp.x[s][i].float() * _scale(e)).to(torch.bfloat16)
-        return (expert.float() * _weight(inp, s, i, e).to(torch.bfloat16).float()).to(torch.bfloat16)
-
-    kept = [layout.kept for layout in layouts]
-    assert_same_bits(out.detach().cpu(), _combined(inp, me, kept, pair), f"{what}: combined")
+    # a pair: the expert's bf16 row times the bf16 score, rounded to bf16
+    expert = (inp.x[me].float().unsqueeze(1) * _scale(inp.topk_idx[me]).unsqueeze(2)).to(torch.bfloat16)
+    pairs = (expert.float() * inp.topk_weights[me].to(torch.bfloat16).float().unsqueeze(2)).to(torch.bfloat16)
+    kept = _kept(inp, me, layouts)
+    assert_same_bits(out.detach().cpu(), _combined(inp, me, kept, pairs), f"{what}: combined")
     probe = torch.linspace(-1.0, 1.0, out.numel()).view(out.shape)
     (out.float() * probe.to(dev)).sum().backward()
     _check_grads(inp, me, kept, probe, x.grad, w.grad, what)
@@ -263,56 +290,72 @@ def _megatron_dispatcher(backend: str, **knobs: object) -> object:
                                       config, pg_collection=groups)
 
 
-def _combined_rows(inp: Inputs, me: int, tokens: list[int], rows: torch.Tensor) -> torch.Tensor:
+def _combined_rows(inp: Inputs, me: int, rows: torch.Tensor) -> torch.Tensor:
     """Brute-force combine of the rows each rank hands the combine (every rank's, gathered): rank r's
     rows are its received tokens, source rank then token ascending."""
     every: list = [None] * WORLD
     dist.all_gather_object(every, rows.detach().cpu())
-    received = [[(s, i) for s in range(WORLD) for i in range(tokens[s])
-                 if any(e >= 0 and e // NUM_LOCAL == r for e in inp.topk_idx[s][i].tolist())] for r in range(WORLD)]
-    return expected_combine(inp, me, WORLD, EXPERTS, lambda r, s, i: every[r][received[r].index((s, i))])
+    idx, mine = torch.cat(inp.topk_idx), slice(*_starts(inp)[me:me + 2])
+    partials = []
+    for r, handed in enumerate(every):
+        received = ((idx >= 0) & (idx // NUM_LOCAL == r)).any(1)
+        assert handed.shape[0] == int(received.sum()), f"rank {r} handed the combine {handed.shape[0]} rows"
+        at = (received.cumsum(0) - 1).clamp(min=0)
+        partials.append(torch.where(received[mine, None], handed[at[mine]], 0))
+    return _sum_over_ranks(torch.stack(partials))
+
+
+def _check_hint_budget(what: str) -> None:
+    """Megatron's fused_a2a.get_buffer sized its deep_ep.Buffer (module-level `_buffer`) by
+    Config.get_nvl_buffer_size_hint at bf16's 2 bytes per channel, so the drop-in's one normal-mode moe_ep
+    Buffer holds a round of HINT_TOKENS_PER_RANK tokens per rank (larger calls stream through it)."""
+    from megatron.core.transformer.moe import fused_a2a
+
+    buf = fused_a2a._buffer
+    hint = moe_ep.deep_ep.Config().get_nvl_buffer_size_hint(2 * HIDDEN, WORLD)
+    assert buf.num_nvl_bytes == hint, f"{what}: num_nvl_bytes {buf.num_nvl_bytes} != the hint {hint}"
+    rounds = [b.max_tokens_per_rank for b in buf.moe_ep_buffers]
+    assert rounds == [moe_ep.deep_ep.v1.HINT_TOKENS_PER_RANK], f"{what}: moe_ep Buffers' rounds {rounds}"
 
 
 def _check_megatron(me: int, seed: int, tokens: list[int], backend: str, **knobs: object) -> None:
-    what = f"megatron {backend} {knobs} rank {me}"
+    what = f"megatron {backend} {knobs} {tokens} tokens rank {me}"
     inp = _inputs(seed, tokens)
     dev = device()
     dispatcher = _megatron_dispatcher(backend, **knobs)
-    routing_map = torch.zeros(tokens[me], EXPERTS, dtype=torch.bool)
-    probs = torch.zeros(tokens[me], EXPERTS)
-    for t, row in enumerate(inp.topk_idx[me].tolist()):
-        for k, e in enumerate(row):
-            routing_map[t, e], probs[t, e] = True, inp.topk_weights[me][t, k]
+    idx, w = inp.topk_idx[me], inp.topk_weights[me]
+    routing_map = torch.zeros(tokens[me], EXPERTS, dtype=torch.bool).scatter_(1, idx, True)
     x = inp.x[me].to(dev).requires_grad_()
-    probs = probs.to(dev).requires_grad_()
+    probs = torch.zeros(tokens[me], EXPERTS).scatter_(1, idx, w).to(dev).requires_grad_()
     hidden, p = dispatcher.dispatch_preprocess(x, routing_map.to(dev), probs)
     hidden, p = dispatcher.token_dispatch(hidden, p)
     hidden, counts, permuted_probs = dispatcher.dispatch_postprocess(hidden, p)
     counts = [int(c) for c in counts.tolist()]
     layouts = [_layout(inp, r, 1, None) for r in range(WORLD)]
-    assert counts == layouts[me].counts, f"{what}: tokens per expert {counts} != {layouts[me].counts}"
-    assert_same_bits(hidden.detach().cpu(), _pair_rows(inp, layouts[me], lambda s, i, e: inp.x[s][i]), f"{what}: rows")
-    want_probs = torch.tensor([float(_weight(inp, *q)) for q in layouts[me].src])
+    mine = layouts[me]
+    assert counts == mine.counts, f"{what}: tokens per expert {counts} != {mine.counts}"
+    assert_same_bits(hidden.detach().cpu(), _pair_rows(mine, _x_per_pair(inp)), f"{what}: rows")
+    want_probs = _pair_rows(mine, torch.cat(inp.topk_weights))
     assert_same_bits(permuted_probs.detach().float().cpu(), want_probs, f"{what}: probs")
     y = _experts(hidden, counts, me, permuted_probs.float())
     rows = dispatcher.combine_preprocess(y)
     out = dispatcher.combine_postprocess(dispatcher.token_combine(rows))
 
-    def pair(s: int, i: int, e: int) -> torch.Tensor:
-        return (inp.x[s][i].float() * _scale(e) * _weight(inp, s, i, e)).to(torch.bfloat16)
-
-    kept = [layout.kept for layout in layouts]
+    kept = _kept(inp, me, layouts)
     if backend == "deepep":  # Megatron sums a token's pairs on each rank itself (unpermute: on the GPU one
         # bf16 ulp off the float32 model in a few elements); the combine must sum exactly those rows
-        want = _combined_rows(inp, me, tokens, rows)
-    else:
-        want = _combined(inp, me, kept, pair)
+        want = _combined_rows(inp, me, rows)
+    else:  # a pair: x times the expert's scale times the prob, in float32, rounded to bf16
+        pairs = inp.x[me].float().unsqueeze(1) * _scale(idx).unsqueeze(2) * w.unsqueeze(2)
+        want = _combined(inp, me, kept, pairs.to(torch.bfloat16))
     assert_same_bits(out.detach().cpu(), want, f"{what}: combined")
     probe = torch.linspace(-1.0, 1.0, out.numel()).view(out.shape)
     (out.float() * probe.to(dev)).sum().backward()
-    grad_w = probs.grad.gather(1, inp.topk_idx[me].to(dev))
+    grad_w = probs.grad.gather(1, idx.to(dev))
     _check_grads(inp, me, kept, probe, x.grad, grad_w, what)
     assert bool((probs.grad.cpu()[~routing_map] == 0).all()), f"{what}: probs gradient off the routing map"
+    if backend == "deepep":
+        _check_hint_budget(what)
 
 
 # ---- the workers ------------------------------------------------------------------------------------
@@ -323,6 +366,9 @@ MEGATRON_CASES = [  # (seed, tokens per rank, backend, TransformerConfig knobs)
     (5, [13, 9], "hybridep", {}), (6, [10, 14], "hybridep", {"moe_hybridep_pad_uneven_dispatch_inputs": True}),
     (7, [13, 9], "deepep", {}),
 ]
+# Megatron's "deepep" backend with 16384 tokens per rank on its Buffer sized by the hint: four rounds of
+# HINT_TOKENS_PER_RANK (streamed on the native backend; the reference backend has no rounds to stream)
+HINT_BUDGET_CASES = [(8, [16384, 16384], "deepep", {})]
 
 
 def _worker(rank: int, world: int, framework: str) -> None:
@@ -331,7 +377,8 @@ def _worker(rank: int, world: int, framework: str) -> None:
         for seed, tokens, capacity, pad in TORCHTITAN_CASES:
             _check_torchtitan(rank, seed, tokens, capacity, pad)
     else:
-        for seed, tokens, backend, knobs in MEGATRON_CASES:
+        cases = {"megatron": MEGATRON_CASES, "megatron_hint_budget": HINT_BUDGET_CASES}[framework]
+        for seed, tokens, backend, knobs in cases:
             _check_megatron(rank, seed, tokens, backend, **knobs)
 
 
@@ -346,6 +393,11 @@ def test_megatron_flex() -> None:
     run_workers(WORLD, _worker, "megatron")
 
 
+@needs_megatron
+def test_megatron_deepep_hint_budget() -> None:
+    run_workers(WORLD, _worker, "megatron_hint_budget")
+
+
 @needs_torchtitan
 @requires_gpus()
 def test_torchtitan_hybridep_gpu() -> None:
@@ -357,3 +409,9 @@ def test_torchtitan_hybridep_gpu() -> None:
 @requires_gpus()
 def test_megatron_flex_gpu() -> None:
     run_workers(WORLD, _worker, "megatron", backend="gpu", timeout_s=300)
+
+
+@needs_megatron
+@requires_gpus()
+def test_megatron_deepep_hint_budget_gpu() -> None:
+    run_workers(WORLD, _worker, "megatron_hint_budget", backend="gpu", timeout_s=300)
