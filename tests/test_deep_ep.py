@@ -286,8 +286,11 @@ def _check_unsupported(buf: deep_ep.Buffer) -> None:
         buf.low_latency_dispatch(x, idx, 4, 8, use_ue8m0=True)
     with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
         buf.low_latency_dispatch(x, idx, 4, 8, dispatch_wait_recv_cost_stats=torch.zeros(1, 1, dtype=torch.int64))
-    with pytest.raises(NotImplementedError, match="use_nvfp4"):
+    with pytest.raises(ValueError, match="use_nvfp4=True needs use_fp8=False"):  # use_fp8 defaults to True
         buf.low_latency_dispatch(x, idx, 4, 8, use_nvfp4=True, x_global_scale=torch.ones(1))
+    with pytest.raises(NotImplementedError, match="use_ue8m0_for_sf"):
+        buf.low_latency_dispatch(x, idx, 4, 8, use_fp8=False, use_nvfp4=True, x_global_scale=torch.ones(1),
+                                 use_ue8m0_for_sf=True)
     with pytest.raises(NotImplementedError, match="overlap=True.*cooperative grid"):
         buf.low_latency_combine(x, idx, torch.zeros(2, 2), None, overlap=True, comp_signal=torch.zeros(4, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="use_logfmt"):

@@ -13,7 +13,7 @@ from typing import Any, Callable, NoReturn, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import _native, topology
+from . import _native, nvfp4, topology
 from .backends.base import Backend, BufferConfig, record_event
 from .backends.engine import rounds_group
 from .call_check import (
@@ -22,6 +22,7 @@ from .call_check import (
     DISPATCH,
     LL_COMBINE,
     LL_DISPATCH,
+    NVFP4_ROWS,
     CallOrder,
     CallStamp,
     HostCheck,
@@ -772,22 +773,31 @@ class Buffer:
                 result.event = record_event(bool(async_op), device)
                 return result
 
-            return self._comm.run(work, previous_event=None, async_op=bool(async_op), inputs=args)
+            return self._comm.run(work, previous_event=None, async_op=bool(async_op), inputs=(args, kwargs))
 
         return run
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool = False,
-                             round_scale: bool = False, use_ue8m0: bool = False,
+                             round_scale: bool = False, use_ue8m0: bool = False, use_nvfp4: bool = False,
+                             x_global_scale: Optional[torch.Tensor] = None,
                              return_recv_hook: bool = False, async_op: bool = False) -> LowLatencyDispatchResult:
         """Expert-major dispatch with fixed capacity and no host sync (docs/api.md); FP8 scales in DeepEP's
-        token-major layout per expert, with use_ue8m0 packed as DeepEP's UE8M0 int32. Rejected tensors
+        token-major layout per expert, with use_ue8m0 packed as DeepEP's UE8M0 int32; use_nvfp4 casts each
+        rank's rows with its x_global_scale to NVFP4 in DeepEP's views (moe_ep.comm.nvfp4; the reference
+        backend only: on the native backend NotImplementedError before any communication). Rejected tensors
         or flags: this rank takes part as a rank without tokens, then raises (with a receive hook: the
         hook does); its peers raise PeerInputError where the call checks its stamps."""
         self._check_low_latency()
         if use_fp8:
             self._check_fp8_hidden()
-        run = self._low_latency_run(self.backend.low_latency_dispatch, async_op, return_recv_hook,
-                                    use_fp8=bool(use_fp8))
+        if use_nvfp4 and not self.backend.serves_nvfp4:  # a per-call flag every rank passes alike
+            raise NotImplementedError(
+                f"use_nvfp4=True is not implemented on the {self.backend_name!r} backend: its low-latency kernels "
+                "(csrc/) cast to FP8 (e4m3) only and do not have NVFP4 yet; the reference backend serves it "
+                "(Buffer(backend='reference'))")
+        run = self._low_latency_run(self.backend.low_latency_dispatch, async_op, return_recv_hook)
+        # the stamp's size word: the row format every rank must agree on (0 bf16, 1 FP8, 2 NVFP4)
+        row_format = NVFP4_ROWS if use_nvfp4 else int(bool(use_fp8))
 
         def routed(x: torch.Tensor, idx: torch.Tensor, stamp: CallStamp, **kwargs: Any) -> LowLatencyDispatchResult:
             """The call; its handle keeps the topk_idx it exchanged (a combine whose own is rejected uses it)."""
@@ -803,18 +813,57 @@ class Buffer:
             if use_ue8m0 and not (use_fp8 and round_scale and self.cfg.hidden % 512 == 0):
                 raise ValueError("use_ue8m0=True needs use_fp8=True, round_scale=True (power-of-two scales) and "
                                  f"hidden % 512 == 0 (four exponents per int32), got hidden {self.cfg.hidden}")
+            x_global_scale = self._check_nvfp4(bool(use_nvfp4), bool(use_fp8), x_global_scale)
         except (TypeError, ValueError) as error:
-            stamp = self._calls.stamp(LL_DISPATCH, 0, int(bool(use_fp8)), error)
+            stamp = self._calls.stamp(LL_DISPATCH, 0, row_format, error)
             rows, _ = self._zero_rows((0,), False)
             idx, _ = self._no_routing(0)
-            return _raise_after_receive(error, lambda: routed(rows, idx, stamp, round_scale=False, use_ue8m0=False))
+            nvfp4_ok = bool(use_nvfp4) and not use_fp8 and self.cfg.hidden % nvfp4.BLOCK == 0
+            standin_scale = torch.ones((), dtype=torch.float32, device=self.cfg.device) if nvfp4_ok else None
+            return _raise_after_receive(error, lambda: routed(
+                rows, idx, stamp, use_fp8=bool(use_fp8) and not use_nvfp4, round_scale=False, use_ue8m0=False,
+                use_nvfp4=nvfp4_ok, x_global_scale=standin_scale))
         topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        stamp = self._calls.stamp(LL_DISPATCH, 0, int(bool(use_fp8)), bad_ids)
+        stamp = self._calls.stamp(LL_DISPATCH, 0, row_format, bad_ids)
 
         def call() -> LowLatencyDispatchResult:
-            return routed(x, topk_idx, stamp, round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0))
+            return routed(x, topk_idx, stamp, use_fp8=bool(use_fp8), round_scale=bool(round_scale),
+                          use_ue8m0=bool(use_ue8m0), use_nvfp4=bool(use_nvfp4), x_global_scale=x_global_scale)
 
         return call() if bad_ids is None else _raise_after_receive(bad_ids, call)
+
+    def _check_nvfp4(self, use_nvfp4: bool, use_fp8: bool, x_global_scale: object) -> Optional[torch.Tensor]:
+        """NVFP4's flags and its global scale: one float32 value on the Buffer's device, shape [] or [k]
+        (DeepEP's kernel reads the first element; vLLM passes one value per local expert, all equal), every
+        element equal, finite and positive (one host sync, none while a CUDA graph is being captured)."""
+        cfg = self.cfg
+        if not use_nvfp4:
+            if x_global_scale is not None:
+                raise ValueError("x_global_scale applies only with use_nvfp4=True")
+            return None
+        if use_fp8:
+            raise ValueError("use_nvfp4=True and use_fp8=True exclude each other: pass use_fp8=False with NVFP4")
+        if cfg.hidden % nvfp4.BLOCK:
+            raise ValueError(f"use_nvfp4=True needs hidden % {nvfp4.BLOCK} == 0 (one e4m3 scale per "
+                             f"{nvfp4.BLOCK} channels), got hidden {cfg.hidden}")
+        if x_global_scale is None:
+            raise ValueError("use_nvfp4=True needs x_global_scale, a float32 tensor holding the call's global scale")
+        if not isinstance(x_global_scale, torch.Tensor):
+            raise TypeError(f"x_global_scale must be a torch.Tensor, got {type(x_global_scale).__name__}")
+        if x_global_scale.dtype != torch.float32:
+            raise TypeError(f"x_global_scale must have dtype torch.float32, got {x_global_scale.dtype}")
+        if x_global_scale.dim() > 1 or x_global_scale.numel() == 0:
+            raise ValueError("x_global_scale must have shape [] or [k] (k >= 1, one value for the whole call), "
+                             f"got {list(x_global_scale.shape)}")
+        if x_global_scale.device != cfg.device:
+            raise ValueError(f"x_global_scale must be on {cfg.device}, got {x_global_scale.device}")
+        if not (cfg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            values = x_global_scale.detach().reshape(-1)
+            first = values[:1]
+            if not bool(torch.isfinite(first).all() & (first > 0).all() & (values == first).all()):
+                raise ValueError("x_global_scale must hold one finite positive value (every element equal), got "
+                                 f"{values.tolist()[:8]}")
+        return x_global_scale
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, return_recv_hook: bool = False,

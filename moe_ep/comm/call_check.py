@@ -26,11 +26,12 @@ _WRAP = 1 << 30  # call numbers wrap below int32's range
 
 KINDS = ("?", "dispatch", "cached dispatch", "combine", "low-latency dispatch", "low-latency combine")
 DISPATCH, CACHED, COMBINE, LL_DISPATCH, LL_COMBINE = 1, 2, 3, 4, 5
+NVFP4_ROWS = 2  # a low-latency dispatch's size word: 0 bf16 rows, 1 FP8, 2 NVFP4
 
 # status: what the rank rejected (0: nothing); reason: argument * 16 + check, from the rank's message
 STATUS = (None, TypeError, ValueError, BadExpertIdError)
 ARGUMENTS = ("?", "x", "x_scales", "topk_idx", "topk_weights", "pair_weights", "expert_alignment", "expert_major",
-             "round_scale", "num_sms", "config", "previous_event")
+             "round_scale", "num_sms", "config", "previous_event", "x_global_scale", "use_nvfp4")
 CHECKS = (("value", ""), ("type", "must be a torch.Tensor"), ("dtype", "must have dtype"),
           ("shape", "must have shape"), ("device", "must be on "), ("contiguity", "must be contiguous"),
           ("alignment", "16-byte aligned"), ("token count", "above max_tokens_per_rank"),
@@ -100,7 +101,9 @@ def describe_call(words: Sequence[int]) -> str:
     extra = []
     if handle:
         extra.append(f"handle of call #{handle}")
-    if size and kind in (DISPATCH, CACHED, LL_DISPATCH):
+    if size == NVFP4_ROWS and kind == LL_DISPATCH:
+        extra.append("NVFP4 rows")
+    elif size and kind in (DISPATCH, CACHED, LL_DISPATCH):
         extra.append("FP8 rows")
     elif size and kind == COMBINE:
         extra.append("with topk_weights")

@@ -98,8 +98,12 @@ class LowLatencyHandle:
 class LowLatencyDispatchResult:
     """Expert-major receive buffers: local expert e holds count[e] rows, by source rank then index."""
 
-    x: torch.Tensor  # [E_l, R * T, H] bf16 or e4m3
-    x_scales: Optional[torch.Tensor]  # [E_l, R * T, H / 128] float32 when use_fp8
+    # [E_l, R * T, H] bf16 or e4m3; use_nvfp4: [R * T, H / 2, E_l] uint8, the view of [E_l, R * T, H / 2]
+    # storage (moe_ep.comm.nvfp4.NvFp4Layout)
+    x: torch.Tensor
+    # [E_l, R * T, H / 128] float32 when use_fp8 ([E_l, R * T, H / 512] int32 with use_ue8m0); use_nvfp4:
+    # (32, 4, rm, 4, rk, E_l) float8_e4m3fn, the view of (E_l, rm, rk, 32, 4, 4) storage
+    x_scales: Optional[torch.Tensor]
     count: torch.Tensor  # [E_l] int32 on device
     handle: LowLatencyHandle
     hook: Optional[Callable[[], None]] = None

@@ -534,12 +534,18 @@ class Buffer:
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False, *, use_nvfp4: bool = False,
-                             x_global_scale: Optional[torch.Tensor] = None):
+                             x_global_scale: Optional[torch.Tensor] = None, use_ue8m0_for_sf: bool = False):
         """(recv_x or (e4m3, scales), recv_count, handle, event, hook), expert-major [E_l, R * T, ...]; the
-        scales in DeepEP's token-major layout per expert (float32, or UE8M0 int32 with use_ue8m0)."""
-        if use_nvfp4 or x_global_scale is not None:
-            raise _unsupported("use_nvfp4 / x_global_scale (NVFP4 dispatch)",
-                               "the low-latency kernels cast to FP8 (e4m3) only")
+        scales in DeepEP's token-major layout per expert (float32, or UE8M0 int32 with use_ue8m0). use_nvfp4
+        (DeepEP's hybrid-ep branch, as vLLM calls it: use_fp8=False, x_global_scale): ((uint8 values
+        [R * T, H / 2, E_l], e4m3 scales (32, 4, rm, 4, rk, E_l)), ...) in DeepEP's views
+        (moe_ep.comm.nvfp4); x_global_scale without use_nvfp4 is ignored, as DeepEP does."""
+        if use_ue8m0_for_sf:
+            raise _unsupported("use_ue8m0_for_sf=True (NVFP4 with UE8M0 block scales)",
+                               "moe_ep's NVFP4 scales are e4m3, as vLLM's CuteDSL GEMM reads them")
+        if use_nvfp4 and use_fp8:
+            raise ValueError("use_nvfp4=True needs use_fp8=False (DeepEP asserts they exclude each other; use_fp8 "
+                             "defaults to True)")
         if use_ue8m0 and not (use_fp8 and round_scale and x.shape[1] % (4 * FP8_BLOCK) == 0):
             raise ValueError("use_ue8m0=True needs use_fp8=True, round_scale=True and hidden % 512 == 0")
         if dispatch_wait_recv_cost_stats is not None:
@@ -547,6 +553,7 @@ class Buffer:
         t = num_max_dispatch_tokens_per_rank
         buf = self._low_latency_buffer(x, num_experts, topk_idx.shape[1], t)
         got = buf.low_latency_dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                       use_nvfp4=use_nvfp4, x_global_scale=x_global_scale if use_nvfp4 else None,
                                        return_recv_hook=return_recv_hook)
         layout_range = torch.empty(buf.num_local_experts, self.group_size, dtype=torch.int64, device=x.device)
 
@@ -559,7 +566,7 @@ class Buffer:
         if not return_recv_hook:
             received()
         handle = LowLatencyHandle((got.handle.src_index, layout_range, t, x.shape[1], num_experts), buf, got.handle)
-        recv = (got.x, got.x_scales) if use_fp8 else got.x
+        recv = (got.x, got.x_scales) if use_fp8 or use_nvfp4 else got.x
         return recv, got.count, handle, self._finish(async_finish), hook
 
     @_on_comm_stream

@@ -157,6 +157,7 @@ class Backend(abc.ABC):
 
     name: str = "?"
     checks_expert_ids = False  # its kernels check every expert id (no host sync; the call raises ValueError)
+    serves_nvfp4 = False  # its low-latency dispatch casts to NVFP4 (moe_ep.comm.nvfp4); Buffer refuses it otherwise
 
     def __init__(self, cfg: BufferConfig) -> None:
         self.cfg = cfg
@@ -229,12 +230,15 @@ class Backend(abc.ABC):
         use_fp8: bool,
         round_scale: bool,
         use_ue8m0: bool,
+        use_nvfp4: bool,
+        x_global_scale: Optional[torch.Tensor],
         return_recv_hook: bool,
         stamp: CallStamp,
     ) -> LowLatencyDispatchResult:
         """Expert-major rows [E_l, R*T, H]; FP8 scales [E_l, R*T, H/128] float32 (or with use_ue8m0
         [E_l, R*T, H/512] int32, moe_ep.comm.fp8.pack_ue8m0), both stored token-major per expert
-        (moe_ep.comm.fp8.expert_major_scales: DeepEP's layout)."""
+        (moe_ep.comm.fp8.expert_major_scales: DeepEP's layout). use_nvfp4 (backends with serves_nvfp4
+        only): each rank's rows cast with its x_global_scale, in moe_ep.comm.nvfp4.NvFp4Layout's views."""
 
     @abc.abstractmethod
     def low_latency_combine(

@@ -161,9 +161,10 @@ class NvshmemBackend(Backend):
             raise RuntimeError("this Buffer was created without low_latency=True")
         return self._low_latency
 
-    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0,
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, use_nvfp4, x_global_scale,
                              return_recv_hook, stamp) -> LowLatencyDispatchResult:
-        """The stamp is not compared here: no host sync (Buffer(check_calls=True) compares it first)."""
+        """The stamp is not compared here: no host sync (Buffer(check_calls=True) compares it first).
+        use_nvfp4 never arrives: serves_nvfp4 is False, so Buffer refuses it first."""
         return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                        return_recv_hook=return_recv_hook)
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import expert_major as pairs
-from .. import fp8
+from .. import fp8, nvfp4
 from ..call_check import STAMP_WORDS, CallStamp, verify
 from ..errors import CommTimeoutError
 from ..types import (
@@ -75,6 +75,8 @@ class ReferenceDispatchState:
 
 class ReferenceBackend(Backend):
     """All-to-all over the Buffer's process group; fresh tensors for every result."""
+
+    serves_nvfp4 = True
 
     name = "reference"
 
@@ -314,12 +316,17 @@ class ReferenceBackend(Backend):
         return acc
 
     # ---- low-latency mode -----------------------------------------------------------------
-    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, return_recv_hook, stamp):
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, use_nvfp4, x_global_scale,
+                             return_recv_hook, stamp):
         cfg = self.cfg
         e_l, slots = cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank
-        out_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-        out_x = torch.zeros(e_l, slots, cfg.hidden, dtype=out_dtype, device=x.device)
+        layout = nvfp4.NvFp4Layout(e_l, slots, cfg.hidden)
         out_scales = None
+        if use_nvfp4:  # values and scales in their storage order, zeroed; the result holds DeepEP's views
+            out_x, out_scales = layout.empty_values(x.device), layout.empty_scales(x.device)
+        else:
+            out_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+            out_x = torch.zeros(e_l, slots, cfg.hidden, dtype=out_dtype, device=x.device)
         if use_fp8:  # DeepEP's token-major layout per expert, zeroed
             num, dtype = (cfg.num_scales // 4, torch.int32) if use_ue8m0 else (cfg.num_scales, torch.float32)
             out_scales = fp8.expert_major_scales(e_l, slots, num, dtype, x.device).zero_()
@@ -328,9 +335,14 @@ class ReferenceBackend(Backend):
         src_index = torch.full((e_l, slots), -1, dtype=torch.int32, device=x.device)
         handle = LowLatencyHandle(cfg.buffer_id, x.shape[0], src_rank, src_index, count)
         x_in, topk_in = x.clone(), topk_idx.clone()
+        scale_in = x_global_scale.clone() if use_nvfp4 else None
 
         def receive() -> None:
-            payload = list(fp8.quantize(x_in, round_scale)) if use_fp8 else [x_in]
+            if use_nvfp4:  # each rank casts its own rows (DeepEP's sender-side cast)
+                rows = nvfp4.quantize(x_in, scale_in)
+                payload = [rows.values, rows.scales.view(torch.uint8)]
+            else:
+                payload = list(fp8.quantize(x_in, round_scale)) if use_fp8 else [x_in]
             if use_ue8m0:
                 payload[1] = fp8.pack_ue8m0(payload[1])
             dead = self._dead()
@@ -365,13 +377,18 @@ class ReferenceBackend(Backend):
             out_x[experts, slot] = got[0][row]
             if use_fp8:
                 out_scales[experts, slot] = got[1][row]
+            if use_nvfp4:
+                linear = torch.zeros(e_l, slots, layout.num_scales, dtype=torch.uint8, device=x.device)
+                linear[experts, slot] = got[1][row]
+                out_scales.copy_(layout.swizzle(linear))
             count.copy_(per_expert.to(torch.int32))
             src_rank[experts, slot] = recv_rank[row]
             src_index[experts, slot] = recv_index[row]
 
         if not return_recv_hook:
             receive()
-        return LowLatencyDispatchResult(out_x, out_scales, count, handle, receive if return_recv_hook else None)
+        views = (layout.values_view(out_x), layout.scales_view(out_scales)) if use_nvfp4 else (out_x, out_scales)
+        return LowLatencyDispatchResult(*views, count, handle, receive if return_recv_hook else None)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, return_recv_hook, stamp):
         cfg = self.cfg
