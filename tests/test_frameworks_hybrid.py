@@ -142,9 +142,10 @@ def _pair_rows(layout: Layout, table: torch.Tensor) -> torch.Tensor:
     return got.masked_fill(pad.view(-1, *[1] * (got.dim() - 1)), 0)
 
 
-def _x_per_pair(inp: Inputs) -> torch.Tensor:
-    """[all ranks' tokens, K, H]: each pair's row is its token's x (a view)."""
-    return torch.cat(inp.x).unsqueeze(1).expand(-1, TOPK, -1)
+def _per_pair(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[all ranks' tokens, K, ...]: each pair's value is its token's row of `rows` (one tensor per rank; a view)."""
+    table = torch.cat(rows).unsqueeze(1)
+    return table.expand(-1, TOPK, *table.shape[2:])
 
 
 def _kept(inp: Inputs, me: int, layouts: list[Layout]) -> torch.Tensor:
@@ -236,7 +237,7 @@ def _check_torchtitan(me: int, seed: int, tokens: list[int], capacity: Optional[
         x = inp.x[me].to(dev).requires_grad_()
         w = inp.topk_weights[me].to(dev).requires_grad_()
         hidden, counts, metadata = dispatcher.dispatch(x, w, inp.topk_idx[me].to(dev), torch.zeros(EXPERTS))
-        assert_same_bits(hidden.detach().cpu(), _pair_rows(mine, _x_per_pair(inp)), f"{what}: rows")
+        assert_same_bits(hidden.detach().cpu(), _pair_rows(mine, _per_pair(inp.x)), f"{what}: rows")
         assert counts.tolist() == mine.counts, f"{what}: tokens per expert {counts.tolist()} != {mine.counts}"
         scores = metadata.state.permuted_scores
         want_scores = _pair_rows(mine, torch.cat(inp.topk_weights)).to(torch.bfloat16)
@@ -334,7 +335,7 @@ def _check_megatron(me: int, seed: int, tokens: list[int], backend: str, **knobs
     layouts = [_layout(inp, r, 1, None) for r in range(WORLD)]
     mine = layouts[me]
     assert counts == mine.counts, f"{what}: tokens per expert {counts} != {mine.counts}"
-    assert_same_bits(hidden.detach().cpu(), _pair_rows(mine, _x_per_pair(inp)), f"{what}: rows")
+    assert_same_bits(hidden.detach().cpu(), _pair_rows(mine, _per_pair(inp.x)), f"{what}: rows")
     want_probs = _pair_rows(mine, torch.cat(inp.topk_weights))
     assert_same_bits(permuted_probs.detach().float().cpu(), want_probs, f"{what}: probs")
     y = _experts(hidden, counts, me, permuted_probs.float())

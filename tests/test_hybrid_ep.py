@@ -13,7 +13,8 @@ from moe_ep.deep_ep import HybridEPBuffer
 from moe_ep.deep_ep.hybrid_ep_buffer import indices_to_map
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import Inputs, assert_same_bits
-from tests.test_frameworks_hybrid import EXPERTS, HIDDEN, NUM_LOCAL, T, WORLD, _combined, _inputs, _layout, _pair_rows
+from tests.test_frameworks_hybrid import (EXPERTS, HIDDEN, NUM_LOCAL, T, WORLD, Layout, _combined, _inputs, _kept, _layout,
+                                          _pair_rows, _per_pair, _starts)
 
 TOKENS = [13, 9]
 PAD = 4
@@ -23,6 +24,17 @@ def _rows_of(seed: int, r: int, n: int, dtype: torch.dtype = torch.bfloat16) -> 
     """Rank r's expert outputs or probs gradient: fresh values, the same on every rank."""
     g = torch.Generator().manual_seed(seed * 100 + r)
     return torch.randn(n, HIDDEN, generator=g).to(dtype) if dtype == torch.bfloat16 else torch.randn(n, generator=g)
+
+
+def _rows_at_pairs(inp: Inputs, me: int, layouts: list[Layout], rows: list[torch.Tensor]) -> torch.Tensor:
+    """[N_me, K, ...]: for each of rank me's pairs some rank kept, the row that rank's `rows` has at the pair's
+    place in its layout (zeros elsewhere): what each expert returned for the pair."""
+    begin, end = _starts(inp)[me:me + 2]
+    out = torch.zeros(end - begin, inp.topk_idx[me].shape[1], *rows[0].shape[1:], dtype=rows[0].dtype)
+    for layout, theirs in zip(layouts, rows):
+        at = ((layout.src >= begin) & (layout.src < end)).nonzero().squeeze(1)
+        out[layout.src[at] - begin, layout.slot[at]] = theirs[at]
+    return out
 
 
 def _check_map(inp: Inputs, me: int) -> None:
@@ -49,33 +61,26 @@ def _check_dispatch(buf: HybridEPBuffer, inp: Inputs, me: int, rows: Optional[li
     h, p, sf, tpe, handle = buf.dispatch_with_permute(
         hidden=inp.x[me].to(dev), routing_map=routing_map, probs=probs, num_of_experts_per_rank=NUM_LOCAL,
         pad_multiple=PAD, num_permuted_tokens=None if rows is None else rows[me], non_blocking=non_blocking)
-    assert_same_bits(h.cpu(), _pair_rows(inp, mine, lambda s, i, e: inp.x[s][i]), f"{what}: rows")
-    weight = {q: inp.topk_weights[q[0]][q[1]][inp.topk_idx[q[0]][q[1]].tolist().index(q[2])] for q in mine.kept}
-    assert_same_bits(p.cpu(), torch.tensor([float(weight[q]) if q else 0.0 for q in mine.src]), f"{what}: probs")
+    assert_same_bits(h.cpu(), _pair_rows(mine, _per_pair(inp.x)), f"{what}: rows")
+    assert_same_bits(p.cpu(), _pair_rows(mine, torch.cat(inp.topk_weights)), f"{what}: probs")
     assert sf is None and tpe.dtype == torch.int64 and tpe.tolist() == mine.counts, f"{what}: {tpe.tolist()}"
     assert tpe.device.type == (dev.type if non_blocking else "cpu"), f"{what}: tokens_per_expert on {tpe.device}"
     assert len(handle) == 11 and handle[-1].tolist() == [int(full > len(mine.src))], f"{what}: overflow flag"
 
     ys = [_rows_of(1, r, len(layouts[r].src)) for r in range(WORLD)]
     qs = [_rows_of(2, r, len(layouts[r].src), torch.float32) for r in range(WORLD)]
-    at = [{q: j for j, q in enumerate(layouts[r].src) if q is not None} for r in range(WORLD)]
     out, dense = buf.combine_with_unpermute(hidden=ys[me].to(dev), probs=qs[me].to(dev), handle=handle,
                                             pad_multiple=PAD)
-    pair = lambda s, i, e: ys[e // NUM_LOCAL][at[e // NUM_LOCAL][(s, i, e)]]  # noqa: E731
-    assert_same_bits(out.cpu(), _combined(inp, me, [lay.kept for lay in layouts], pair), f"{what}: combined")
-    want = torch.zeros(TOKENS[me], EXPERTS)
-    for t, row in enumerate(inp.topk_idx[me].tolist()):
-        for e in row:
-            r = e // NUM_LOCAL
-            if (me, t, e) in at[r]:
-                want[t, e] = qs[r][at[r][(me, t, e)]]
+    pairs = _rows_at_pairs(inp, me, layouts, ys)
+    assert_same_bits(out.cpu(), _combined(inp, me, _kept(inp, me, layouts), pairs), f"{what}: combined")
+    want = torch.zeros(TOKENS[me], EXPERTS).scatter_(1, inp.topk_idx[me], _rows_at_pairs(inp, me, layouts, qs))
     assert_same_bits(dense.cpu(), want, f"{what}: probs gradient")
     assert buf.combine_with_unpermute(hidden=ys[me].to(dev), handle=handle)[1] is None
 
     grads = [_rows_of(3, r, TOKENS[r]) for r in range(WORLD)]  # the cached dispatch of combine's backward
     g, none_p, _, g_tpe, _ = buf.dispatch_with_permute(hidden=grads[me].to(dev), handle=handle, pad_multiple=PAD,
                                                        num_permuted_tokens=len(mine.src))
-    assert_same_bits(g.cpu(), _pair_rows(inp, mine, lambda s, i, e: grads[s][i]), f"{what}: cached rows")
+    assert_same_bits(g.cpu(), _pair_rows(mine, _per_pair(grads)), f"{what}: cached rows")
     assert none_p is None and g_tpe.tolist() == mine.counts
 
 
@@ -87,15 +92,16 @@ def _check_topk_and_fp8(buf: HybridEPBuffer, inp: Inputs, me: int) -> None:
     h, *_ = buf.dispatch_with_permute(hidden=inp.x[me].to(dev), topk_idx=inp.topk_idx[me].to(dev),
                                       topk_weights=inp.topk_weights[me].to(dev), num_of_experts=EXPERTS,
                                       pad_multiple=PAD)
-    assert_same_bits(h.cpu(), _pair_rows(inp, mine, lambda s, i, e: inp.x[s][i]), f"rank {me}: topk input")
+    assert_same_bits(h.cpu(), _pair_rows(mine, _per_pair(inp.x)), f"rank {me}: topk input")
     gens = [torch.Generator().manual_seed(7 + r) for r in range(WORLD)]
     rows = [torch.randn(n, 128, generator=g).to(torch.float8_e4m3fn) for n, g in zip(TOKENS, gens)]
     scales = [torch.rand(n, 1, generator=g) for n, g in zip(TOKENS, gens)]
     h, _, sf, _, _ = buf.dispatch_with_permute(hidden=rows[me].to(dev), scaling_factor=scales[me].to(dev),
                                                topk_idx=inp.topk_idx[me].to(dev), num_of_experts=EXPERTS,
                                                pad_multiple=PAD)
-    assert_same_bits(h.cpu(), _pair_rows(inp, mine, lambda s, i, e: rows[s][i]), f"rank {me}: fp8 rows")
-    assert_same_bits(sf.cpu(), _pair_rows(inp, mine, lambda s, i, e: scales[s][i]), f"rank {me}: fp8 scales")
+    fp8_rows = _pair_rows(mine, _per_pair([r.view(torch.uint8) for r in rows])).view(torch.float8_e4m3fn)
+    assert_same_bits(h.cpu(), fp8_rows, f"rank {me}: fp8 rows")
+    assert_same_bits(sf.cpu(), _pair_rows(mine, _per_pair(scales)), f"rank {me}: fp8 scales")
 
 
 def _check_errors(buf: HybridEPBuffer, inp: Inputs, me: int) -> None:
