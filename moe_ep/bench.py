@@ -464,15 +464,18 @@ def time_layer(timer: Timer, moe: MoE, x: torch.Tensor, grad: torch.Tensor,
     them to None is host work only, done while the device still runs the previous call. `overlap` is
     set alike on every rank before each forward."""
     outputs: list[torch.Tensor] = []
-
-    def forward(on: bool) -> None:
-        moe.zero_grad(set_to_none=True)
-        x.grad = None
-        moe.overlap = on
-        outputs.append(moe(x, mode="normal"))
-
-    calls = [c for on in modes for c in (lambda on=on: forward(on), lambda: outputs.pop().backward(grad))]
+    calls = [c for on in modes
+             for c in (lambda on=on: outputs.append(fresh_forward(moe, x, on)), lambda: outputs.pop().backward(grad))]
     return by_mode(timer.parts_us(calls, sums=[(2 * i, 2 * i + 1) for i in range(len(modes))]), modes)
+
+
+def fresh_forward(moe: MoE, x: torch.Tensor, overlap: bool) -> torch.Tensor:
+    """moe's normal-mode forward with `overlap`, every gradient (x's too) set to None first, as after
+    optimizer.zero_grad(), so its backward accumulates into nothing."""
+    moe.zero_grad(set_to_none=True)
+    x.grad = None
+    moe.overlap = overlap
+    return moe(x, mode="normal")
 
 
 def overlap_same_bits(moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -481,10 +484,7 @@ def overlap_same_bits(moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> bool:
     bench's own shape)."""
     results = []
     for on in (False, True):
-        moe.zero_grad(set_to_none=True)
-        x.grad = None
-        moe.overlap = on
-        out = moe(x, mode="normal")
+        out = fresh_forward(moe, x, on)
         out.backward(grad)
         results.append([out.detach(), x.grad, *(p.grad for p in moe.parameters())])
     moe.overlap = False
