@@ -270,6 +270,18 @@ def _check_low_latency(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, ex
     buf.get_next_low_latency_combine_buffer(handle)[:] = y
     out, _, _ = buf.low_latency_combine(torch.zeros_like(y), idx, w, handle, zero_copy=True)
     assert _same(out, ref)
+    # SGLang's single-batch overlap on Hopper, every block already signalled: the same bits
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, t, experts, use_fp8=False)
+    signal = torch.full((num_local * -(-world * t // 64),), 3, dtype=torch.int32, device=dev)
+    for hook in (False, True):
+        out, event, hook_fn = buf.low_latency_combine(y, idx, w, handle, async_finish=not hook, return_recv_hook=hook,
+                                                      overlap=True, packed_recv_count=count, comp_signal=signal,
+                                                      block_m=64, threshold=3, num_sms=3)
+        if hook:
+            hook_fn()
+        else:
+            event.current_stream_wait()
+        assert _same(out, ref)
 
 
 def _check_unsupported(buf: deep_ep.Buffer) -> None:
@@ -291,8 +303,9 @@ def _check_unsupported(buf: deep_ep.Buffer) -> None:
     with pytest.raises(NotImplementedError, match="use_ue8m0_for_sf"):
         buf.low_latency_dispatch(x, idx, 4, 8, use_fp8=False, use_nvfp4=True, x_global_scale=torch.ones(1),
                                  use_ue8m0_for_sf=True)
-    with pytest.raises(NotImplementedError, match="overlap=True.*cooperative grid"):
-        buf.low_latency_combine(x, idx, torch.zeros(2, 2), None, overlap=True, comp_signal=torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="src_signals / src_signal_expect_value"):
+        buf.low_latency_combine(x, idx, torch.zeros(2, 2), None, overlap=True, src_signals=torch.zeros(4, dtype=torch.int32),
+                                src_signal_expect_value=3)
     with pytest.raises(NotImplementedError, match="use_logfmt"):
         buf.low_latency_combine(x, idx, torch.zeros(2, 2), None, use_logfmt=True)
     with pytest.raises(NotImplementedError, match="combine_wait_recv_cost_stats"):

@@ -538,6 +538,27 @@ def test_contexts_check_their_addresses_before_allocating() -> None:
 
 
 @needs_native
+def test_low_latency_combine_overlap_fields_are_checked() -> None:
+    """num_sms > 0 (single-batch overlap) needs comp_signal (for a send), block_m and threshold; without it
+    none of the three may be set."""
+    native = _native.load()
+    d = _low_latency_dims(native)
+    base = dict(y=1, src_rank=2, src_index=3, src_k=4, count=5, topk_idx=6, topk_weights=7, num_tokens=1, out=8,
+                send=True, receive=True)
+    overlap = dict(num_sms=3, comp_signal=9, block_m=64, threshold=2)
+    native.LowLatencyCombineArgs(**base, **overlap).check(d)
+    native.LowLatencyCombineArgs(**{**base, "send": False}, **{**overlap, "comp_signal": 0}).check(d)  # receive only
+    where = r"^LowLatencyContext\.combine: "
+    for change, message in ((dict(comp_signal=0), "comp_signal is null"),
+                            (dict(block_m=0), "block_m = 0, expected at least 1"),
+                            (dict(threshold=-1), "threshold = -1, expected at least 1"),
+                            (dict(num_sms=-2), "num_sms = -2 is negative"),
+                            (dict(num_sms=0), "comp_signal, block_m and threshold need num_sms > 0 (overlap)")):
+        with pytest.raises(ValueError, match=where + re.escape(message) + "$"):
+            native.LowLatencyCombineArgs(**base, **{**overlap, **change}).check(d)
+
+
+@needs_native
 def test_cross_node_sm_budget_is_checked_not_capped() -> None:
     """A cross-node call runs one block per channel: a budget above INTERNODE_MAX_CHANNELS is an error naming
     the field (it used to be capped silently)."""

@@ -58,7 +58,8 @@ enum Phase : int {
   kPhaseNodeCombineCredit = 15,      // cross-node combine: waiting for a rank to free a buffer
   kPhaseNodeCombineRecv = 16,        // cross-node combine: waiting for a node's partial sums
   kPhaseNodeStart = 17,              // cross-node: waiting for a peer to finish its previous call
-  kNumPhases = 18,
+  kPhaseLowLatencyCombineWaitCompute = 18,  // low-latency combine: waiting for this rank's GEMM to signal comp_signal
+  kNumPhases = 19,
 };
 
 // Lives in host-mapped memory so the host reads it without a device sync (moe_ep/backends/symmetric.py

@@ -30,6 +30,7 @@ constexpr const char* kPhaseNames[] = {
     "cross-node combine: waiting for a rank to free a buffer",
     "cross-node combine: waiting for a node's partial sums",
     "cross-node: waiting for a peer to finish its previous call",
+    "low-latency combine: waiting for this rank's GEMM to signal comp_signal",
 };
 static_assert(sizeof(kPhaseNames) / sizeof(kPhaseNames[0]) == kNumPhases, "kPhaseNames must name every Phase");
 

@@ -39,6 +39,7 @@ from .types import (
     LowLatencyCombineResult,
     LowLatencyDispatchResult,
     LowLatencyHandle,
+    LowLatencyOverlap,
 )
 
 _buffer_ids = itertools.count(1)
@@ -865,21 +866,61 @@ class Buffer:
                                  f"{values.tolist()[:8]}")
         return x_global_scale
 
+    def _check_overlap(self, handle: LowLatencyHandle, overlap: object, packed_recv_count: object,
+                       comp_signal: object, block_m: object, threshold: object,
+                       num_sms: object) -> Optional[LowLatencyOverlap]:
+        """low_latency_combine's single-batch-overlap arguments (None without overlap=True, where none
+        of them may be given). packed_recv_count is DeepEP's (the dispatch's count, which the handle
+        already holds): only its shape is checked."""
+        cfg = self.cfg
+        given = {"packed_recv_count": packed_recv_count, "comp_signal": comp_signal, "block_m": block_m,
+                 "threshold": threshold, "num_sms": num_sms}
+        if not overlap:
+            extra = [name for name, value in given.items() if value is not None]
+            if extra:
+                raise ValueError(f"{', '.join(extra)} apply only with overlap=True (single-batch overlap)")
+            return None
+        missing = [name for name, value in given.items() if value is None]
+        if missing:
+            raise ValueError(f"overlap=True needs {', '.join(missing)}")
+        _check_tensor("packed_recv_count", packed_recv_count, (torch.int32,), tuple(handle.count.shape), cfg.device)
+        for name in ("block_m", "threshold", "num_sms"):
+            value = given[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        num_sms = _check_num_sms(num_sms, cfg.device)
+        words = cfg.num_local_experts * -(-cfg.world_size * cfg.max_tokens_per_rank // block_m)
+        signal = _check_tensor("comp_signal", comp_signal, (torch.int32,), (None,), cfg.device)
+        if signal.numel() < words:
+            raise ValueError(f"comp_signal must have shape [*] with at least num_local_experts * ceil(R * T / block_m)"
+                             f" = {words} words, got {signal.numel()}")
+        return LowLatencyOverlap(signal, block_m, threshold, num_sms)
+
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, return_recv_hook: bool = False,
-                            async_op: bool = False) -> LowLatencyCombineResult:
+                            async_op: bool = False, overlap: bool = False,
+                            packed_recv_count: Optional[torch.Tensor] = None,
+                            comp_signal: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
+                            threshold: Optional[int] = None,
+                            num_sms: Optional[int] = None) -> LowLatencyCombineResult:
         """Weighted sum of each token's expert outputs, ascending k, one rounding (docs/api.md). Rejected
         tensors: this rank sends zero rows back and receives by its dispatch's topk_idx (rejected ids
         alone: it sends x), then raises (with a receive hook: the hook does); its peers raise
-        PeerInputError where the call checks its stamps."""
+        PeerInputError where the call checks its stamps.
+
+        overlap=True (SGLang's single-batch overlap): x is still being written by a GEMM beside the call,
+        which brings comp_signal[e * ceil(R*T / block_m) + j] to `threshold` once rows [j * block_m,
+        (j + 1) * block_m) of local expert e are in x; the call reads each block only then and runs on at
+        most num_sms SMs. packed_recv_count: the dispatch's count (DeepEP's argument; the handle has it).
+        The result is the same bits as without overlap."""
         cfg = self.cfg
         self._check_low_latency()
         self._check_handle(handle, LowLatencyHandle)
         run = self._low_latency_run(self.backend.low_latency_combine, async_op, return_recv_hook, handle=handle)
 
-        def checked(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                    stamp: CallStamp) -> LowLatencyCombineResult:
-            return self._checked(stamp, lambda: run(x, idx, weights, stamp=stamp))
+        def checked(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, stamp: CallStamp,
+                    signals: Optional[LowLatencyOverlap] = None) -> LowLatencyCombineResult:
+            return self._checked(stamp, lambda: run(x, idx, weights, stamp=stamp, overlap=signals))
 
         lead, n = (cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank), handle.num_tokens
         try:
@@ -887,6 +928,7 @@ class Buffer:
             self._check_topk_idx(topk_idx, n)
             self._check_weights(topk_weights, n)
             _check_aligned("x", x)
+            signals = self._check_overlap(handle, overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms)
         except (TypeError, ValueError) as error:
             stamp = self._calls.stamp(LL_COMBINE, handle.call, 0, error)
             rows, _ = self._zero_rows(lead, False)
@@ -894,8 +936,8 @@ class Buffer:
         bad_ids = self._in_range_ids(topk_idx)[1]
         stamp = self._calls.stamp(LL_COMBINE, handle.call, 0, bad_ids)
         if bad_ids is not None:  # receive what the dispatch's routing says the peers send back
-            return _raise_after_receive(bad_ids, lambda: checked(x, handle.topk_idx, topk_weights, stamp))
-        return checked(x, topk_idx, topk_weights, stamp)
+            return _raise_after_receive(bad_ids, lambda: checked(x, handle.topk_idx, topk_weights, stamp, signals))
+        return checked(x, topk_idx, topk_weights, stamp, signals)
 
     # ---- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

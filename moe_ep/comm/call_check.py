@@ -11,6 +11,7 @@ for the calls that make no such exchange.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,7 +32,8 @@ NVFP4_ROWS = 2  # a low-latency dispatch's size word: 0 bf16 rows, 1 FP8, 2 NVFP
 # status: what the rank rejected (0: nothing); reason: argument * 16 + check, from the rank's message
 STATUS = (None, TypeError, ValueError, BadExpertIdError)
 ARGUMENTS = ("?", "x", "x_scales", "topk_idx", "topk_weights", "pair_weights", "expert_alignment", "expert_major",
-             "round_scale", "num_sms", "config", "previous_event", "x_global_scale", "use_nvfp4")
+             "round_scale", "num_sms", "config", "previous_event", "x_global_scale", "use_nvfp4", "overlap",
+             "packed_recv_count", "comp_signal", "block_m", "threshold")
 CHECKS = (("value", ""), ("type", "must be a torch.Tensor"), ("dtype", "must have dtype"),
           ("shape", "must have shape"), ("device", "must be on "), ("contiguity", "must be contiguous"),
           ("alignment", "16-byte aligned"), ("token count", "above max_tokens_per_rank"),
@@ -92,6 +94,12 @@ class CallStamp:
     @property
     def words(self) -> list[int]:
         return [self.kind, self.call, self.handle, self.size, self.status, self.reason]
+
+    def rejecting(self, error: Exception) -> "CallStamp":
+        """This stamp saying that the rank rejected its input for `error` (a backend that finds it only
+        once the call is under way, before its exchange)."""
+        status, reason = _reason(error)
+        return dataclasses.replace(self, status=status, reason=reason)
 
 
 def describe_call(words: Sequence[int]) -> str:

@@ -110,6 +110,19 @@ class LowLatencyDispatchResult:
     event: Optional["EventHandle"] = None  # async_op=True: recorded on the communication stream
 
 
+@dataclass(frozen=True)
+class LowLatencyOverlap:
+    """Buffer.low_latency_combine(overlap=True)'s arguments past validation (SGLang's single-batch overlap):
+    the combine reads rows [j * block_m, (j + 1) * block_m) of local expert e only once the GEMM writing
+    x beside it has brought comp_signal[e * ceil(R*T / block_m) + j] to threshold, and runs on at most
+    num_sms SMs (the GEMM is persistent on the others)."""
+
+    comp_signal: torch.Tensor  # int32, at least E_l * ceil(R*T / block_m) words
+    block_m: int
+    threshold: int
+    num_sms: int
+
+
 @dataclass
 class LowLatencyCombineResult:
     """Combined [N, H] bf16 rows; with return_recv_hook, valid only after hook() ran."""

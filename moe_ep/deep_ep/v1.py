@@ -582,11 +582,14 @@ class Buffer:
                             ) -> tuple[torch.Tensor, EventOverlap, Optional[Callable[[], None]]]:
         """(combined_x, event, hook): moe_ep's weighted sum over k ascending, one rounding (docs/api.md).
         zero_copy=True combines what get_next_low_latency_combine_buffer's tensor holds instead of x.
-        The single-batch-overlap arguments (SGLang's) are accepted with overlap=False and ignored."""
-        if overlap:
-            raise _unsupported("overlap=True (single-batch overlap: a combine that waits on comp_signal per expert)",
-                               "moe_ep's combine send half is one cooperative grid over every SM, so it cannot "
-                               "wait on the device for a GEMM running beside it; use return_recv_hook=True")
+        overlap=True (SGLang's single-batch overlap on Hopper): packed_recv_count, comp_signal, block_m,
+        threshold and num_sms go to moe_ep's Buffer.low_latency_combine, which checks them and reads each
+        expert's block of rows once the GEMM beside it signalled it; without overlap they are ignored.
+        Blackwell's src_signals / src_signal_expect_value raise NotImplementedError."""
+        if overlap and (src_signals is not None or src_signal_expect_value):
+            raise _unsupported("src_signals / src_signal_expect_value (Blackwell's single-batch overlap)",
+                               "moe_ep's overlap combine waits on Hopper's comp_signal per expert block; pass "
+                               "packed_recv_count, comp_signal, block_m, threshold and num_sms")
         if use_logfmt:
             raise _unsupported("use_logfmt=True", "moe_ep has no LogFMT combine; it sends bf16 rows")
         if combine_wait_recv_cost_stats is not None:
@@ -597,8 +600,10 @@ class Buffer:
             if handle.buffer not in self._zero_copy:
                 raise ValueError("zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled first")
             x = self._zero_copy[handle.buffer]
+        signals = dict(overlap=True, packed_recv_count=packed_recv_count, comp_signal=comp_signal, block_m=block_m,
+                       threshold=threshold, num_sms=num_sms) if overlap else {}
         got = handle.buffer.low_latency_combine(x, topk_idx, topk_weights, handle.inner,
-                                                return_recv_hook=return_recv_hook)
+                                                return_recv_hook=return_recv_hook, **signals)
 
         def received() -> None:
             if out is not None:

@@ -113,6 +113,14 @@ void check(const Dims& d, const CombineLaunchArgs& a) {
   c.pointer("topk_idx", a.topk_idx, a.send && a.num_tokens > 0);
   c.pointer("topk_weights", a.topk_weights, a.send && a.num_tokens > 0);
   c.pointer("out", a.out, a.receive && a.num_tokens > 0);
+  c.at_least("num_sms", a.num_sms, 0);
+  if (a.num_sms > 0) {  // overlap: the send half waits on comp_signal
+    c.pointer("comp_signal", a.comp_signal, a.send);
+    c.at_least("block_m", a.block_m, 1);
+    c.at_least("threshold", a.threshold, 1);
+  } else if (a.comp_signal != 0 || a.block_m != 0 || a.threshold != 0) {
+    c.fail("comp_signal, block_m and threshold need num_sms > 0 (overlap)");
+  }
 }
 
 }  // namespace
@@ -172,7 +180,9 @@ void register_low_latency(py::module_& m) {
       na::required("y", &CA::y), na::required("src_rank", &CA::src_rank), na::required("src_index", &CA::src_index),
       na::required("src_k", &CA::src_k), na::required("count", &CA::count), na::required("topk_idx", &CA::topk_idx),
       na::required("topk_weights", &CA::topk_weights), na::required("num_tokens", &CA::num_tokens),
-      na::required("out", &CA::out), na::required("send", &CA::send), na::required("receive", &CA::receive));
+      na::required("out", &CA::out), na::optional("num_sms", &CA::num_sms),
+      na::optional("comp_signal", &CA::comp_signal), na::optional("block_m", &CA::block_m),
+      na::optional("threshold", &CA::threshold), na::required("send", &CA::send), na::required("receive", &CA::receive));
   na::def_check<D>(combine, &ll::check);
 
   py::class_<LowLatencyParams>(m, "LowLatencyContext",

@@ -15,9 +15,10 @@
 // Protocol: one kernel, `combine`, with a send half and a receive half, launched as the dispatch
 // kernel is (dispatch.cu in this folder: one launch for both halves, or the send half and then the
 // receive half in hook(); grid G = kernel_blocks, all blocks resident). Node ranks / net ranks as
-// in dispatch.cu (from ranks_per_node).
+// in dispatch.cu (from ranks_per_node). The send half is written for G virtual blocks b < G: without
+// overlap the launched block b is virtual block b; with overlap (below) fewer blocks run them all.
 //
-// Send half — items (p, e), local expert e, part p < P; block b serves items b, b + G, ...
+// Send half — items (p, e), local expert e, part p < P; virtual block b serves items b, b + G, ...
 //   Reads the call's epoch e = epochs[10] + 1 and uses set e & 1. All blocks together first copy
 //   this rank's topk_idx / topk_weights into a private stash (the receive half may run later, after
 //   the caller reused its tensors). The item's rows m = p + P * r < count[e] are cut into 4 KB
@@ -32,14 +33,36 @@
 //   scope before the transport reads them), then nvshmemx_putmem_nbi_warp of the row (2H bytes) to
 //   the same staging slot at that rank. Before a further round rewrites the scratch, a barrier and
 //   nvshmem_quiet() on thread 0 (another barrier after it) complete those puts (NVSHMEM's quiet
-//   guarantee: done with the source). finish_send_block (low_latency.h): block barrier, thread 0
+//   guarantee: done with the source). After each virtual block's items, finish_send_block
+//   (low_latency.h, counting G blocks): block barrier, thread 0
 //   calls nvshmem_quiet() (several nodes: this block's puts are complete at their targets), issues
 //   one fence.acq_rel.sys and adds 1 (relaxed) to node signal [2 + (e & 1)][me] at every node rank;
 //   the last block (local counter) writes epochs[10] = e and, with several nodes, sets net signal
 //   [5][me] = e at every net rank by nvshmemx_signal_op (after every block's quiet: all of this
 //   call's puts to that rank are complete).
-// Receive half — items (token n, 512-int4 column group), block b serves items b, b + G, ...;
-//   thread = 8 channels. A receive-only launch reads e = epochs[10]. wait_all_sources, once per
+// Overlap (SGLang's single-batch overlap on Hopper: the combine starts while DeepGEMM's masked GEMM,
+//   persistent on the other SMs, still writes y). The call passes comp_signal (int32, one word per
+//   (local expert e, block j of block_m rows): [e * signal_blocks + j], signal_blocks =
+//   ceil(R*T / block_m)), threshold and num_sms. The GEMM adds to word (e, j) with release semantics
+//   (at least gpu scope) after its stores of those rows of y; the word reaches threshold once every
+//   one of its adds for the block is in. Both launches of the call run min(num_sms, G) blocks
+//   (never more: a block spinning on an SM the GEMM waits for would deadlock it), and launched block
+//   i runs the virtual send blocks i, i + gridDim, ... < G one after the other, each exactly as
+//   above (the same items, its own finish_send_block). So every rank still adds G to each peer's
+//   node counter per epoch and the last of G local counts publishes the epoch: receivers count as
+//   without overlap, on every rank, whichever ranks overlap. Before a thread loads its part of row m
+//   of expert e it waits (relaxed polls at gpu scope, then one ld.acquire.gpu, pairing with the
+//   GEMM's release add: the rows' stores are visible to its later loads) until word (e, m / block_m)
+//   >= threshold; each thread remembers the last block it acquired (rows of a warp ascend), so it
+//   loads that word about once per block. It never waits for anything else in the send half, so
+//   sends start per expert and block as the GEMM finishes them. A wait that passes the timeout
+//   records ErrorState (this rank, phase LowLatencyCombineWaitCompute; no masking, it is no peer)
+//   and the thread sends NaN in place of the row (later waits see the abort and do the same): the
+//   protocol completes on every rank, the rows that could not be read arrive as NaN, and this
+//   rank's host raises CommTimeoutError.
+// Receive half — items (token n, 512-int4 column group), launched block i serves items i, i + gridDim,
+//   ...; thread = 8 channels (no counts here, so the launched blocks need no virtual ones). A
+//   receive-only launch reads e = epochs[10]. wait_all_sources, once per
 //   block and also with N == 0 (low_latency.h; timeout -> ErrorState naming rank, peer and phase
 //   LowLatencyCombineRecv; the block then writes NaN over its items' outputs): a node rank until
 //   its block counter in node signal [2 + (e & 1)][r] reaches G * ((e + 1) / 2) (every send block
@@ -62,9 +85,12 @@
 // low_latency_combine. The stash and the scratch are single: the send of the next combine follows
 // this combine's receive in the stream, and this send's puts are complete when it ends (quiet).
 // Within a launch running both halves a block's receive half waits for every block's send half,
-// this rank's included; all G blocks are resident (cooperative launch), so that cannot deadlock.
+// this rank's included; all launched blocks are resident (cooperative launch) and each finishes all
+// of its virtual send blocks before its receive half, so that cannot deadlock, with overlap too.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "kernels/low_latency/low_latency.h"
 
@@ -90,6 +116,13 @@ struct CombineArgs {
   // receive half
   const int4* payload;  // this rank's combine payload area
   uint4* out;           // [N, H] bf16
+  // overlap (file comment): the send half reads row m of expert e once comp_signal[e * signal_blocks +
+  // m / block_m] >= threshold
+  const int* comp_signal;  // [E_l * signal_blocks] int32, or null: no waits
+  int block_m;
+  int threshold;
+  int signal_blocks;  // ceil(R*T / block_m)
+  int grid;           // G = kernel_blocks: the send half's virtual blocks (peers count them)
   int num_tokens;
   int num_topk;
   int hidden;
@@ -117,10 +150,37 @@ __device__ __forceinline__ void stash_routing(const CombineArgs& a) {
   }
 }
 
+// Overlap: whether this thread may read rows [j * block_m, (j + 1) * block_m) of local expert e, i.e.
+// signal word (e, j) reached the threshold. Relaxed polls at gpu scope (no L1 invalidation per spin),
+// then an acquire load pairing with the GEMM's release add; false once the call aborted or the timeout
+// passed (recorded for this rank: the signal is its own GEMM's, so nothing is masked).
+__device__ __forceinline__ bool wait_computed(const CombineArgs& a, int e, int j) {
+  const Comm& c = a.peers.comm;
+  const int* word = a.comp_signal + static_cast<size_t>(e) * a.signal_blocks + j;
+  int v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(word) : "memory");
+  if (v < a.threshold) {
+    if (comm_aborted(c)) return false;
+    const uint64_t start = global_timer_ns();
+    for (uint32_t spin = 1; v < a.threshold; ++spin) {
+      asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(word) : "memory");
+      if ((spin & 1023u) == 0 && v < a.threshold) {
+        if (comm_aborted(c)) return false;
+        if (global_timer_ns() - start > c.timeout_ns) {
+          report_timeout(c, kPhaseLowLatencyCombineWaitCompute, c.rank);
+          return false;
+        }
+      }
+    }
+  }
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(word) : "memory");
+  return true;  // words only grow: the acquire load sees >= threshold too
+}
+
 // Send half for item (local expert e, part p of P) of epoch `epoch`; protocol in the file comment.
 // kNetwork: the group spans several nodes (within one node there are no scratch rounds and no
-// NVSHMEM calls).
-template <bool kNetwork>
+// NVSHMEM calls). kOverlap: wait for the GEMM's signal before reading a row (a.comp_signal set).
+template <bool kNetwork, bool kOverlap>
 __device__ __forceinline__ void send_rows(const CombineArgs& a, unsigned long long epoch, int e, int p) {
   const Peers& s = a.peers;
   const Comm& c = s.comm;
@@ -134,13 +194,22 @@ __device__ __forceinline__ void send_rows(const CombineArgs& a, unsigned long lo
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int round_rows = kNetwork ? kScratchRows : max(block_rows, 1);  // one round within a node
   int4* const scratch = a.scratch + static_cast<size_t>(e * parts + p) * kScratchRows * row_int4;  // the item's own
+  int acquired = -1;  // kOverlap: the last signal block this thread acquired (its rows ascend)
   for (int r0 = 0; r0 < block_rows; r0 += round_rows) {
     const int n = min(round_rows, block_rows - r0);
     for (int item = warp; item < n * row_chunks; item += warps) {
       const int r = item / row_chunks, chunk = item - r * row_chunks;
       const size_t m = expert_row0 + p + static_cast<size_t>(parts) * (r0 + r);
+      const int expert_row = p + parts * (r0 + r);
       int4 v[kChunkUnroll];
-      warp_load_chunk(v, a.y + m * row_int4, row_int4, chunk, lane);  // issued with the src_* loads below
+      const int j = kOverlap ? expert_row / a.block_m : -1;
+      if (j == acquired || wait_computed(a, e, j)) {
+        acquired = j;
+        warp_load_chunk(v, a.y + m * row_int4, row_int4, chunk, lane);  // issued with the src_* loads below
+      } else {
+#pragma unroll
+        for (int u = 0; u < kChunkUnroll; ++u) v[u] = bf16_nan_x8();  // the row was never computed
+      }
       const int dst = a.src_rank[m];
       if (skip_rank(c, dst)) continue;
       int4* row = in_node(s, dst)
@@ -225,28 +294,42 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& a, unsigned long
   a.out[static_cast<size_t>(n) * row_int4 + i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
+// Virtual send block b of `grid` (file comment): its items b, b + grid, ..., then its finish_send_block.
+template <bool kNetwork, bool kOverlap>
+__device__ __forceinline__ void send_block(const CombineArgs& a, unsigned long long epoch, int b, int grid) {
+  const int items = a.blocks_per_expert * a.num_local_experts;
+  for (int item = b; item < items; item += grid)
+    send_rows<kNetwork, kOverlap>(a, epoch, item / a.blocks_per_expert, item % a.blocks_per_expert);
+  finish_send_block(a.peers, a.done, grid, kSigCombineNode + static_cast<int>(epoch & 1), kSigCombineNet,
+                    kEpochCombine, epoch);
+}
+
 }  // namespace
 
-// The combine kernel: the send half and/or the receive half (file comment).
-template <bool kNetwork, int kSlots>
-__global__ void __launch_bounds__(kBlockThreads, 2) combine(const CombineArgs a) {
+// The combine kernel: the send half and/or the receive half (file comment). kOverlap: at most num_sms
+// blocks run the G = a.grid virtual send blocks, and the send half waits for comp_signal; one block
+// per SM is enough for them, so they get up to 128 registers (no spills with the waits). Otherwise
+// launched block b is virtual block b: a separate instantiation, since a loop over virtual blocks
+// costs the plain kernel register spills.
+template <bool kNetwork, int kSlots, bool kOverlap>
+__global__ void __launch_bounds__(kBlockThreads, kOverlap ? 1 : 2) combine(const CombineArgs a) {
   const Comm& c = a.peers.comm;
   // A send (with or without the receive) starts epoch e = epochs[10] + 1; a receive alone follows
   // the send launch of the same call, which published e into epochs[10].
   const unsigned long long epoch = c.epochs[kEpochCombine] + (a.send ? 1 : 0);
   if (a.send) {
     stash_routing(a);
-    const int items = a.blocks_per_expert * a.num_local_experts;
-    for (int item = blockIdx.x; item < items; item += gridDim.x)
-      send_rows<kNetwork>(a, epoch, item / a.blocks_per_expert, item % a.blocks_per_expert);
-    finish_send_block(a.peers, a.done, kSigCombineNode + static_cast<int>(epoch & 1), kSigCombineNet, kEpochCombine,
-                      epoch);
+    if constexpr (kOverlap) {
+      for (int b = blockIdx.x; b < a.grid; b += gridDim.x) send_block<kNetwork, true>(a, epoch, b, a.grid);
+    } else {
+      send_block<kNetwork, false>(a, epoch, blockIdx.x, static_cast<int>(gridDim.x));
+    }
   }
   if (!a.receive) return;
   // Every block waits, also with N == 0: that wait is a link of the buffer reuse chain above (this
   // rank's next send must follow the other ranks' receives).
   const bool ok = wait_all_sources(a.peers, kSigCombineNode + static_cast<int>(epoch & 1),
-                                   arrivals_after(epoch, gridDim.x), kSigCombineNet, epoch,
+                                   arrivals_after(epoch, a.grid), kSigCombineNet, epoch,
                                    kPhaseLowLatencyCombineRecv);
   const int cols = (a.hidden / 8 + kBlockThreads - 1) / kBlockThreads;
   for (int item = blockIdx.x; item < a.num_tokens * cols; item += gridDim.x)
@@ -270,6 +353,12 @@ void launch_combine(const LowLatencyParams& p, const CombineLaunchArgs& call, ui
   a.done = reinterpret_cast<int*>(p.done_counters) + 1;
   a.payload = reinterpret_cast<const int4*>(p.sym + p.combine_payload_offset);
   a.out = reinterpret_cast<uint4*>(call.out);
+  a.comp_signal = reinterpret_cast<const int*>(call.comp_signal);
+  a.block_m = call.block_m;
+  a.threshold = call.threshold;
+  const bool overlap = call.num_sms > 0;
+  a.signal_blocks = overlap ? (p.nranks * p.max_tokens + call.block_m - 1) / call.block_m : 0;
+  a.grid = kernel_blocks(p);
   a.num_tokens = call.num_tokens;
   a.num_topk = p.num_topk;
   a.hidden = p.hidden;
@@ -278,11 +367,16 @@ void launch_combine(const LowLatencyParams& p, const CombineLaunchArgs& call, ui
   a.blocks_per_expert = p.blocks_per_expert;
   a.send = call.send;
   a.receive = call.receive;
+  const int blocks = overlap ? std::min(call.num_sms, a.grid) : a.grid;
   const bool wide = p.num_topk > 8;
+  void (*kernel)(CombineArgs);
   if (a.peers.network)
-    launch_cooperative(wide ? combine<true, kMaxTopk> : combine<true, 8>, p, a, stream, "combine kernel launch");
+    kernel = overlap ? (wide ? combine<true, kMaxTopk, true> : combine<true, 8, true>)
+                     : (wide ? combine<true, kMaxTopk, false> : combine<true, 8, false>);
   else
-    launch_cooperative(wide ? combine<false, kMaxTopk> : combine<false, 8>, p, a, stream, "combine kernel launch");
+    kernel = overlap ? (wide ? combine<false, kMaxTopk, true> : combine<false, 8, true>)
+                     : (wide ? combine<false, kMaxTopk, false> : combine<false, 8, false>);
+  launch_cooperative(kernel, blocks, a, stream, "combine kernel launch");
 }
 
 }  // namespace ll

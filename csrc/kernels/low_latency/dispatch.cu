@@ -277,7 +277,8 @@ __device__ __forceinline__ void send_tokens(const DispatchArgs& a, unsigned long
       nvshmemx_putmem_nbi_warp(own_row, own_row, payload_bytes, d);
     }
   }
-  finish_send_block(s, a.done, kSigDispatchNode + set, kSigDispatchNet, kEpochDispatch, epoch);
+  finish_send_block(s, a.done, static_cast<int>(gridDim.x), kSigDispatchNode + set, kSigDispatchNet, kEpochDispatch,
+                    epoch);
 }
 
 // First k at which staged token j = s * T + t names local expert e (global expert `expert`), or -1
@@ -416,11 +417,11 @@ void launch_dispatch(const LowLatencyParams& p, const DispatchLaunchArgs& call, 
   a.send = call.send;
   a.receive = call.receive;
   if (!call.use_fp8)
-    launch_cooperative(dispatch<false, false>, p, a, stream, "dispatch kernel launch");
+    launch_cooperative(dispatch<false, false>, kernel_blocks(p), a, stream, "dispatch kernel launch");
   else if (call.round_scale)
-    launch_cooperative(dispatch<true, true>, p, a, stream, "dispatch kernel launch");
+    launch_cooperative(dispatch<true, true>, kernel_blocks(p), a, stream, "dispatch kernel launch");
   else
-    launch_cooperative(dispatch<true, false>, p, a, stream, "dispatch kernel launch");
+    launch_cooperative(dispatch<true, false>, kernel_blocks(p), a, stream, "dispatch kernel launch");
 }
 
 }  // namespace ll

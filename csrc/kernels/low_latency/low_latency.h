@@ -100,6 +100,7 @@ constexpr int kBlockThreads = 512;  // threads per block of both kernels
 // of every rank, its own included (launched cooperatively, so a grid that cannot be co-resident
 // fails to launch instead of hanging). Blocks loop over items when the grid is smaller. Fixed per
 // Buffer and equal on every rank (the same GPU model): receivers count the senders' block arrivals.
+// An overlap combine (combine.cu) launches at most num_sms blocks that run these G as virtual blocks.
 inline int kernel_blocks(const LowLatencyParams& p) {
   const int items = p.blocks_per_expert * p.num_local_experts;
   return items < 2 * p.num_sms ? items : 2 * p.num_sms;
@@ -146,6 +147,9 @@ struct DispatchLaunchArgs {
 // Low-latency combine, one kernel with two halves as above. Send: push every received row's expert
 // output back to its token's rank; this rank's own topk_idx and topk_weights are stashed for the
 // receive half. Receive: wait for every rank, then out[n] = bf16(sum_k w[n,k] * row) in ascending k.
+// Overlap (SGLang's single-batch overlap, combine.cu's file comment): both launches of the call run
+// on at most num_sms blocks, and the send half reads a row of y only once the GEMM writing y beside
+// it has signalled the row's block in comp_signal.
 struct CombineLaunchArgs {
   uintptr_t y;             // [E_l, R*T, H] bf16 (send half, as the six below)
   uintptr_t src_rank;      // [E_l, R*T] int32, from the dispatch
@@ -156,6 +160,12 @@ struct CombineLaunchArgs {
   uintptr_t topk_weights;  // [N, K] float32 of this rank's own tokens
   int num_tokens;          // N
   uintptr_t out;           // [N, H] bf16 (receive half)
+  int num_sms;             // > 0: overlap, at most this many blocks per launch and the waits below;
+                           // 0: no overlap, kernel_blocks blocks (the three below then 0)
+  uintptr_t comp_signal;   // overlap: int32 [E_l * ceil(R*T / block_m)], row m of expert e is read once
+                           // comp_signal[e * ceil(R*T / block_m) + m / block_m] >= threshold (send half)
+  int block_m;             // overlap: rows per signal word
+  int threshold;           // overlap: signal value of a finished block
   bool send;
   bool receive;
 };
@@ -226,12 +236,12 @@ inline void check_launch(const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("moe_ep low-latency ") + what + ": " + cudaGetErrorString(err));
 }
 
-// Launches kernel(args) on kernel_blocks(p) blocks of kBlockThreads, cooperatively (all blocks resident).
+// Launches kernel(args) on `blocks` blocks of kBlockThreads (kernel_blocks(p), or fewer for an overlap
+// combine), cooperatively (all blocks resident).
 template <typename Args>
-void launch_cooperative(void (*kernel)(Args), const LowLatencyParams& p, const Args& args, uintptr_t stream,
-                        const char* what) {
+void launch_cooperative(void (*kernel)(Args), int blocks, const Args& args, uintptr_t stream, const char* what) {
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(kernel_blocks(p));
+  cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(kBlockThreads);
   cfg.stream = reinterpret_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr{};
@@ -303,8 +313,9 @@ __device__ __forceinline__ bool skip_rank(const Comm& c, int r) { return c.maske
 //   - one fence.acq_rel.sys and a relaxed add of 1 to this rank's node block counter in
 //     `node_slot` at every rank of the node (a release pattern, cumulative over the barrier: every
 //     thread's NVLink stores to node ranks are performed before the add; one fence per block);
-//   - counts the block done locally. The last block of the grid (it has seen every block's count,
-//     so no block still reads the epoch) publishes `epoch` into epochs[epoch_index] for a receive-only
+//   - counts the block done locally. The last of the `blocks` send blocks (the grid, or G virtual
+//     blocks, combine.cu; it has seen every other block's count, so no block still reads the epoch:
+//     every launched block counts at least one) publishes `epoch` into epochs[epoch_index] for a receive-only
 //     launch that follows in the stream and resets the local counter (send halves never wait, so
 //     it always resets). With several nodes it first issues fence.acq_rel.sys (an acquire after
 //     seeing every block's count: where a transport's puts are plain stores, e.g. P2P, they are
@@ -312,7 +323,7 @@ __device__ __forceinline__ bool skip_rank(const Comm& c, int r) { return c.maske
 //     of another node (nvshmemx_signal_op, NVSHMEM_SIGNAL_SET): every block quieted its puts before
 //     it counted itself done, so each signal is issued after all of this call's puts to that rank
 //     completed, whatever transport carries them.
-__device__ __forceinline__ void finish_send_block(const Peers& s, int* done, int node_slot, int net_slot,
+__device__ __forceinline__ void finish_send_block(const Peers& s, int* done, int blocks, int node_slot, int net_slot,
                                                   int epoch_index, unsigned long long epoch) {
   __shared__ int last;
   const Comm& c = s.comm;
@@ -322,7 +333,6 @@ __device__ __forceinline__ void finish_send_block(const Peers& s, int* done, int
     fence_acq_rel_sys();
     for (int i = 0; i < s.node_ranks; ++i)
       if (!skip_rank(c, s.node_first + i)) red_add_relaxed_sys(signal_word(s, s.node_sym[i], node_slot, c.rank), 1);
-    const int blocks = static_cast<int>(gridDim.x * gridDim.y);
     last = atomicAdd(done, 1) == blocks - 1;
     if (last) {
       if (s.network) fence_acq_rel_sys();  // acquire: every block's completed puts before the signals

@@ -18,6 +18,7 @@ from ..types import (
     LowLatencyCombineResult,
     LowLatencyDispatchResult,
     LowLatencyHandle,
+    LowLatencyOverlap,
 )
 
 
@@ -249,8 +250,11 @@ class Backend(abc.ABC):
         handle: LowLatencyHandle,
         *,
         return_recv_hook: bool,
+        overlap: Optional[LowLatencyOverlap],
         stamp: CallStamp,
-    ) -> LowLatencyCombineResult: ...
+    ) -> LowLatencyCombineResult:
+        """Weighted sum of each token's expert outputs in ascending k. `overlap`: rows of x are read only
+        once their comp_signal words reached the threshold (types.LowLatencyOverlap); same result."""
 
     def close(self) -> None:
         """Release communication resources (collective: every rank calls it)."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from .. import _native, fp8
-from ..types import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
+from ..types import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle, LowLatencyOverlap
 from .base import BufferConfig
 from .engine import Engine
 from .symmetric import ALLOCATION_SLACK_BYTES
@@ -233,8 +233,10 @@ class LowLatencyEngine(Engine):
         return LowLatencyDispatchResult(out.x_fp8 if use_fp8 else out.x_bf16, scales_out, out.count, handle, hook)
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
-                *, return_recv_hook: bool) -> LowLatencyCombineResult:
-        """Send expert outputs back to their tokens' ranks; reduce them there in ascending k."""
+                *, return_recv_hook: bool, overlap: Optional[LowLatencyOverlap]) -> LowLatencyCombineResult:
+        """Send expert outputs back to their tokens' ranks; reduce them there in ascending k. With `overlap`
+        both launches run on at most overlap.num_sms blocks and the send half reads each block of rows once
+        its comp_signal word reached the threshold (combine.cu's file comment)."""
         stream = self._begin("combine")
         n = topk_idx.shape[0]
         out = torch.empty(n, self.cfg.hidden, dtype=torch.bfloat16, device=self.cfg.device)
@@ -243,6 +245,9 @@ class LowLatencyEngine(Engine):
                       src_k=handle.state.src_k.data_ptr(), count=handle.count.data_ptr(),
                       topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), num_tokens=n,
                       out=out.data_ptr())
+        if overlap is not None:
+            fields.update(num_sms=overlap.num_sms, comp_signal=overlap.comp_signal.data_ptr(),
+                          block_m=overlap.block_m, threshold=overlap.threshold)
 
         def launch(s: int, send: bool, receive: bool) -> None:
             ctx.combine(args_of(**fields, send=send, receive=receive), s)

@@ -27,6 +27,7 @@ from ..types import (
     LowLatencyCombineResult,
     LowLatencyDispatchResult,
     LowLatencyHandle,
+    LowLatencyOverlap,
 )
 from .base import Backend, BufferConfig, record_event
 from .engine import (
@@ -169,9 +170,10 @@ class NvshmemBackend(Backend):
                                        return_recv_hook=return_recv_hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *,
-                            return_recv_hook, stamp) -> LowLatencyCombineResult:
+                            return_recv_hook, overlap: Optional[LowLatencyOverlap], stamp) -> LowLatencyCombineResult:
         """The stamp is not compared here: no host sync (Buffer(check_calls=True) compares it first)."""
-        return self._engine().combine(x, topk_idx, topk_weights, handle, return_recv_hook=return_recv_hook)
+        return self._engine().combine(x, topk_idx, topk_weights, handle, return_recv_hook=return_recv_hook,
+                                      overlap=overlap)
 
     @property
     def normal_path(self) -> str:

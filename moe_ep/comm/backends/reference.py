@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .. import expert_major as pairs
 from .. import fp8, nvfp4
-from ..call_check import STAMP_WORDS, CallStamp, verify
+from ..call_check import STAMP_WORDS, CallStamp, OwnRejection, verify
 from ..errors import CommTimeoutError
 from ..types import (
     DispatchHandle,
@@ -31,6 +31,7 @@ from ..types import (
     LowLatencyCombineResult,
     LowLatencyDispatchResult,
     LowLatencyHandle,
+    LowLatencyOverlap,
 )
 from .base import Backend, BufferConfig, align_up, record_event
 
@@ -390,16 +391,46 @@ class ReferenceBackend(Backend):
         views = (layout.values_view(out_x), layout.scales_view(out_scales)) if use_nvfp4 else (out_x, out_scales)
         return LowLatencyDispatchResult(*views, count, handle, receive if return_recv_hook else None)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, return_recv_hook, stamp):
+    def _short_signal(self, handle: LowLatencyHandle, overlap: LowLatencyOverlap) -> Optional[ValueError]:
+        """Overlap: the error for the first (local expert, block of block_m rows) holding rows whose
+        comp_signal word is below the threshold, after the device's work so far (the native kernel would
+        wait for it, DeepEP's forever); None when every such word reached it. Reads the count only."""
+        cfg = self.cfg
+        if handle.count.is_cuda:
+            torch.cuda.synchronize(handle.count.device)
+        m, blocks = overlap.block_m, -(-cfg.world_size * cfg.max_tokens_per_rank // overlap.block_m)
+        words = overlap.comp_signal[: cfg.num_local_experts * blocks].view(cfg.num_local_experts, blocks).cpu()
+        with_rows = torch.arange(blocks) < ((handle.count.cpu().long() + m - 1) // m).unsqueeze(1)
+        short = (with_rows & (words < overlap.threshold)).nonzero()
+        if not short.numel():
+            return None
+        e, j = short[0].tolist()
+        return ValueError(f"comp_signal[{e * blocks + j}] = {int(words[e, j])} is below threshold {overlap.threshold}: "
+                          f"local expert {e}, block {j} (rows {j * m}..{min((j + 1) * m, int(handle.count[e])) - 1}) "
+                          "was not signalled computed when the combine read it (DeepEP's kernel would wait there "
+                          "forever)")
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, return_recv_hook, overlap, stamp):
+        """With `overlap` the rows are read (cloned) now, so every comp_signal word covering rows must
+        already be at the threshold: otherwise this rank takes part as rejecting its input and raises
+        ValueError naming the first short word, its peers PeerInputError."""
         cfg = self.cfg
         n, k_top = topk_idx.shape
         out = torch.empty(n, cfg.hidden, dtype=torch.bfloat16, device=x.device)
+        short = self._short_signal(handle, overlap) if overlap is not None else None
+        if short is not None:
+            stamp = stamp.rejecting(short)
         x_in, topk_in, weights_in = x.clone(), topk_idx.clone(), topk_weights.clone()
 
         def receive() -> None:
             e_all, e_l = cfg.num_experts, cfg.num_local_experts
             dead = self._dead()
-            self._exchange_header("reference low-latency combine", stamp, dead=dead)
+            try:
+                self._exchange_header("reference low-latency combine", stamp, dead=dead)
+            except OwnRejection:
+                if short is None:
+                    raise
+                raise short from None
             slots = torch.arange(x_in.shape[1], device=x.device)
             valid = slots.unsqueeze(0) < handle.count.unsqueeze(1)  # [E_l, R*T]
             valid &= ~torch.isin(handle.src_rank, torch.tensor(dead, dtype=torch.int32, device=x.device))
