@@ -64,13 +64,8 @@
 #include <cstdint>
 
 #include "runtime/call_stamp.h"
+#include "runtime/host_device.h"
 #include "runtime/limits.h"
-
-#if defined(__CUDACC__)
-#define MOE_EP_HOST_DEVICE __host__ __device__
-#else
-#define MOE_EP_HOST_DEVICE
-#endif
 
 namespace moe_ep {
 namespace internode {
