@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep.comm import _native, call_check
+from moe_ep.comm import _native, call_check, nvfp4
 from moe_ep.comm.backends.symmetric import NvshmemSession
 from moe_ep.comm.errors import BadExpertIdError, CommTimeoutError, ErrorWatch, _ErrorState
 
@@ -252,6 +252,12 @@ def test_fallback_constants_equal_the_kernels_limits() -> None:
     limits = (ROOT / "csrc" / "runtime" / "limits.h").read_text()
     for name, constant in (("MAX_TOPK", "kMaxTopk"), ("MAX_NODE_RANKS", "kMaxNodeRanks")):
         assert int(re.search(rf"constexpr int {constant} = (\d+);", limits)[1]) == _native.FALLBACK_CONSTANTS[name]
+    low_latency = (ROOT / "csrc" / "kernels" / "low_latency" / "low_latency.h").read_text()
+    for name, constant in (("NVFP4_BLOCK", "kNvfp4Block"), ("NVFP4_E2M1_MAX", "kNvfp4E2m1Max"),
+                           ("NVFP4_TILE_ROWS", "kNvfp4TileRows"), ("NVFP4_TILE_GROUP_ROWS", "kNvfp4TileGroupRows"),
+                           ("NVFP4_TILE_SCALES", "kNvfp4TileScales")):
+        value = int(re.search(rf"constexpr int {constant} = (\d+);", low_latency)[1])
+        assert value == _native.FALLBACK_CONSTANTS[name], name
     if _native.available()[0]:
         native = _native.load()
         for name, fallback in _native.FALLBACK_CONSTANTS.items():
@@ -298,6 +304,26 @@ def test_low_latency_region_layout_is_csrc_s() -> None:
     assert meta == 7296 - payload
     with pytest.raises(ValueError, match="sizes must be positive"):
         _native.load().ll_region_layout(0, 3, 128, 2, 0)
+
+
+@needs_native
+@pytest.mark.parametrize("slots, hidden", [(130, 112), (256, 2064), (40, 16)])
+def test_nvfp4_scale_layout_is_csrc_s(slots: int, hidden: int) -> None:
+    """moe_ep.comm.nvfp4's swizzled scale storage puts row t's scale j at low_latency.h's nvfp4_scale_offset
+    (per expert), and nothing else but zero padding: the Python views and the kernel agree on every byte."""
+    native = _native.load()
+    layout = nvfp4.NvFp4Layout(2, slots, hidden)
+    t, j = torch.meshgrid(torch.arange(slots), torch.arange(hidden // 16), indexing="ij")
+    linear = torch.stack([(t * 7 + j * 3) % 255 + 1, (t * 5 + j * 11) % 255 + 1]).to(torch.uint8)  # none zero
+    storage = layout.swizzle(linear.view(torch.float8_e4m3fn)).view(torch.uint8).view(2, -1)
+    per_expert = storage.shape[1]
+    offsets = torch.tensor([native.ll_nvfp4_scale_offset(layout.scale_tiles, r, c)
+                            for r, c in zip(t.flatten().tolist(), j.flatten().tolist())])
+    assert int(offsets.max()) < per_expert and offsets.unique().numel() == offsets.numel()
+    assert torch.equal(storage[:, offsets], linear.view(2, -1))
+    assert int((storage != 0).sum()) == linear.numel()  # the rest is padding, zero
+    with pytest.raises(ValueError, match="ll_nvfp4_scale_offset"):
+        native.ll_nvfp4_scale_offset(layout.scale_tiles, 0, 4 * layout.scale_tiles)
 
 
 # ---- Named launcher arguments (csrc/runtime/named_args.h; each folder's bindings.cpp) ----

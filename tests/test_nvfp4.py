@@ -1,10 +1,14 @@
-"""NVFP4 low-latency dispatch (DeepEP hybrid-ep's use_nvfp4=True, as vLLM 0.33 calls it), on CPU:
+"""NVFP4 low-latency dispatch (DeepEP hybrid-ep's use_nvfp4=True, as vLLM 0.33 calls it).
 
+On CPU:
 - a float64 quantiser written here from the format's definition (moe_ep/comm/nvfp4.py's docstring: e4m3 block
   scale of g * amax / 6 with float32 steps, e2m1 values nearest-even saturating at 6, the sign bit kept, two per
-  byte low nibble first) gives the same bytes as moe_ep.comm.nvfp4.quantize for fresh random rows: values on the
-  e2m1 and e4m3 rounding boundaries, zero and -0.0 rows, magnitudes from 1e-6 to 1e3, negative values;
+  byte low nibble first, NaN rules) gives the same bytes as moe_ep.comm.nvfp4.quantize for fresh random rows:
+  values on the e2m1 and e4m3 rounding boundaries, zero and -0.0 rows, magnitudes from 1e-6 to 1e3, negative
+  values; and for a g that is not finite and positive, the bytes the docstring promises;
 - the dequantised values lie within the format's error bound of the input;
+- the native dispatch kernel's per-block cast, run on the host (the same source), gives the float64 quantiser's
+  bytes for every bf16 bit pattern and rows with special values, for every kind of g;
 - 2 ranks (gloo, reference backend) through moe_ep.Buffer and moe_ep.deep_ep.Buffer: the values and swizzled
   scales of every received row equal the float64 quantiser's of its source row (brute force over both ranks'
   inputs), in DeepEP's views with their shapes and strides, padding zero; bad inputs raise naming themselves.
@@ -20,7 +24,7 @@ import torch.distributed as dist
 
 import moe_ep
 import moe_ep.deep_ep as deep_ep
-from moe_ep.comm import nvfp4
+from moe_ep.comm import _native, nvfp4
 from tests._dist import device, run_workers
 from tests.oracle import expected_low_latency_dispatch, make_inputs
 from tests.test_low_latency_formats import e4m3_float64
@@ -42,31 +46,75 @@ def f32(v: torch.Tensor) -> torch.Tensor:
 
 def e2m1_float64(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 -> (e2m1 value, 4-bit code): the magnitude rounded to the e2m1 grid (quantum 0.5 below 2, 1 below 4,
-    2 above; ties to even), saturating at 6; bit 3 the sign bit of v (so -0.0 -> 0x8)."""
+    2 above; ties to even), saturating at 6; bit 3 the sign bit of v (so -0.0 -> 0x8); NaN -> code 7."""
     mag = v.abs()
     quantum = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0)).double()
     q = (torch.round(mag / quantum) * quantum).clamp_max(6.0)  # torch.round: half to even
     code = torch.zeros_like(q, dtype=torch.int64)
     for i, g in enumerate(GRID):
         code = torch.where(q == g, i, code)
-    return torch.where(torch.signbit(v), -q, q), code | (torch.signbit(v).long() << 3)
+    code = torch.where(torch.isnan(v), 7, code | (torch.signbit(v).long() << 3))
+    return torch.where(torch.signbit(v), -q, q), code
+
+
+def pack_codes(code: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, H] -> bytes [N, H/2], code 2i in the low nibble of byte i."""
+    pairs = code.reshape(code.shape[0], -1, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
 
 
 def reference_nvfp4(x: torch.Tensor, g: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, H] bf16 -> (values [N, H/2] uint8, scale bytes [N, H/16] uint8), per 16 channels in float64 with
-    each float32 step rounded: s = f32(g * f32(amax * f32(1/6))), scale = e4m3(min(s, 448)), out = 0 if
-    scale == 0 else f32(1 / f32(scale * f32(1/g))), value = e2m1(f32(x * out)); value 2i in the low nibble."""
+    """x [N, H] bf16 and a finite positive float32 g -> (values [N, H/2] uint8, scale bytes [N, H/16] uint8), per
+    16 channels in float64 with each float32 step rounded: amax ignoring NaN (NaN where all are),
+    s = f32(g * f32(amax * f32(1/6))), scale = e4m3(min(s, 448)) (a NaN s: 0x7F), out = 0 if scale == 0 else
+    f32(1 / f32(scale * f32(1/g))), value = e2m1(f32(x * out))."""
     n, h = x.shape
     blocks = x.double().view(n, h // 16, 16)
     g64 = f32(torch.tensor(g, dtype=torch.float64))
     inv6 = f32(torch.tensor(1 / 6, dtype=torch.float64))
-    s = f32(g64 * f32(blocks.abs().amax(-1) * inv6))
+    mag = blocks.abs()
+    amax = torch.where(mag.isnan().all(-1), math.nan, mag.nan_to_num(nan=0.0, posinf=math.inf).amax(-1))
+    s = f32(g64 * f32(amax * inv6))
     scale = e4m3_float64(s.clamp_max(448.0))
     out = torch.where(scale == 0, 0.0, f32(1 / f32(scale * f32(1 / g64)))).double()
     _, code = e2m1_float64(f32(blocks * out.unsqueeze(-1)))
-    code = code.view(n, h // 2, 2)
-    values = (code[..., 0] | (code[..., 1] << 4)).to(torch.uint8)
-    return values, scale.float().to(torch.float8_e4m3fn).view(torch.uint8)
+    scale_bytes = scale.float().to(torch.float8_e4m3fn).view(torch.uint8)
+    return pack_codes(code.view(n, h)), torch.where(s.isnan(), 0x7F, scale_bytes).to(torch.uint8)
+
+
+def special_nvfp4(x: torch.Tensor, g: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bytes moe_ep/comm/nvfp4.py's docstring gives for a float32 g that is not finite and positive, built
+    from its rules (on top of reference_nvfp4 for |g|): NaN -> scales 0x7F, values 0x7; g < 0 -> the scales of
+    |g| with the sign bit set (0x7F stays), the values of |g|; g = +-0 -> scales +-0 and values +-0 by x's
+    sign; g = +-inf -> scales +-448 and values +-6 by x's sign. A block whose g * amax is NaN (+-0 with an inf,
+    +-inf with amax 0, or every value NaN) stores 0x7F and values 0x7; a NaN x, or a zero x with g = +-inf, 0x7."""
+    n, h = x.shape
+    blocks = x.double().view(n, h // 16, 16)
+    nan_x, sign = blocks.isnan(), torch.signbit(blocks).long() << 3
+    mag = blocks.abs().nan_to_num(nan=-1.0, posinf=math.inf)
+    amax = mag.amax(-1)  # -1: every value NaN
+    negative = math.copysign(1.0, g) < 0
+    if math.isnan(g):
+        return torch.full((n, h // 2), 0x77, dtype=torch.uint8), torch.full((n, h // 16), 0x7F, dtype=torch.uint8)
+    if math.isfinite(g) and g != 0:
+        values, scales = reference_nvfp4(x, -g)
+        return values, torch.where(scales == 0x7F, scales, scales | 0x80)
+    if g == 0:
+        bad_block = (amax == math.inf) | (amax < 0)
+        scale = 0x80 if negative else 0x00
+        code = torch.where(nan_x, 7, sign)
+    else:
+        bad_block = amax <= 0
+        scale = 0xFE if negative else 0x7E
+        code = torch.where(nan_x | (blocks == 0), 7, 7 | sign)
+    code = torch.where(bad_block.unsqueeze(-1), 7, code)
+    scales = torch.where(bad_block, 0x7F, scale).to(torch.uint8)
+    return pack_codes(code.view(n, h)), scales
+
+
+def expected_nvfp4(x: torch.Tensor, g: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle's bytes for any float32 g."""
+    return reference_nvfp4(x, g) if math.isfinite(g) and g > 0 else special_nvfp4(x, g)
 
 
 def dequantize_float64(values: torch.Tensor, scale_bytes: torch.Tensor, g: float) -> torch.Tensor:
@@ -167,6 +215,80 @@ def test_non_finite_values() -> None:
     assert (codes[2] == 7).all() and got.scales.view(torch.uint8)[2].tolist() == [0x7F]
 
 
+# bf16 bit patterns of special values: quiet NaN, signalling NaN, negative NaN, +inf, -inf, -0.0, subnormals, the
+# least normal, the largest finite
+SPECIAL_BF16 = (0x7FC0, 0x7F81, 0xFFC1, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x8003, 0x0080, 0x7F7F)
+
+
+def special_rows(n: int, h: int, g: torch.Generator) -> torch.Tensor:
+    """make_rows with special values: in every row four random channels set to SPECIAL_BF16 patterns; then (where
+    the rows exist) row 0's first block NaN only, row 1's second block one inf among zeros, row 2's last block
+    1e30 times the rest of the data (its scale saturates at 448 for a g fitted to the rest)."""
+    x = make_rows(n, h, g).view(torch.int16).clone()
+    patterns = torch.tensor(SPECIAL_BF16, dtype=torch.int32).to(torch.int16)
+    for r in range(n):
+        cols = torch.randint(0, h, (4,), generator=g)
+        x[r, cols] = patterns[torch.randint(0, len(SPECIAL_BF16), (4,), generator=g)]
+    x = x.view(torch.bfloat16)
+    if n > 0:
+        x[0, :16] = math.nan
+    if n > 1:
+        x[1, 16:32] = 0.0
+        x[1, 16 + int(torch.randint(0, 16, (1,), generator=g))] = -math.inf
+    if n > 2:
+        x[2, -16:] = (torch.randn(16, generator=g) * 1e30).to(torch.bfloat16)
+    return x
+
+
+def test_global_scale_not_finite_positive() -> None:
+    """moe_ep's quantiser gives the bytes its docstring promises for g = +-0, g < 0, +-inf and NaN (the test's
+    special_nvfp4, on top of the float64 quantiser for |g|), on rows with special values."""
+    seed = fresh_seed()
+    x = special_rows(48, 128, torch.Generator().manual_seed(seed))
+    for g in (0.0, -0.0, -0.37, -1e30, math.inf, -math.inf, math.nan):
+        got = nvfp4.quantize(x, torch.tensor(g, dtype=torch.float32))
+        g32 = float(torch.tensor(g, dtype=torch.float32))
+        values, scales = special_nvfp4(x, g32)
+        assert torch.equal(got.values, values), f"seed {seed}, g {g}: e2m1 bytes differ"
+        assert torch.equal(got.scales.view(torch.uint8), scales), f"seed {seed}, g {g}: e4m3 scale bytes differ"
+    got = nvfp4.quantize(x, torch.tensor(math.nan))
+    assert (got.values == 0x77).all() and (got.scales.view(torch.uint8) == 0x7F).all()
+
+
+def native_cast(x: torch.Tensor, g: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatch kernel's NVFP4 cast (csrc/kernels/low_latency/nvfp4.cuh) run on the host by moe_ep.comm._C."""
+    n, h = x.shape
+    values = torch.full((n, h // 2), 0xAB, dtype=torch.uint8)
+    scales = torch.full((n, h // 16), 0xAB, dtype=torch.uint8)
+    _native.load().ll_nvfp4_cast_host(x=x.contiguous().data_ptr(), num_rows=n, hidden=h, global_scale=g,
+                                      values=values.data_ptr(), scales=scales.data_ptr())
+    return values, scales
+
+
+@pytest.mark.skipif(not _native.available()[0], reason=f"moe_ep.comm._C unavailable: {_native.available()[1]}")
+def test_native_cast_matches_the_definition() -> None:
+    """The native kernel's per-block arithmetic, run on the host (the same source: __fmul_rn / __frcp_rn become
+    IEEE * and /, cuda_fp8.h's and cuda_fp4.h's conversions their host emulation, which sm_90 runs for e2m1
+    too), gives the float64 quantiser's bytes, for g finite and positive, and the docstring's otherwise: on
+    every bf16 bit pattern (in order and shuffled) and on fresh rows with special values. The device's own
+    bytes are the GPU test's (test_native_matches_the_reference_backend)."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = torch.cat([every.view(-1, 256), every[torch.randperm(1 << 16, generator=gen)].view(-1, 256),
+                   special_rows(64, 256, gen)])
+    amax = float(x.float().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().max())
+    for g in (1.0, 0.37, 5.5, 448 * 6 / 3.0, 448 * 6 / amax, 1e-30, 1e30, 3e38, 1e-40, 2.0 ** -126, 0.0, -0.0,
+              -1.5, math.inf, -math.inf, math.nan):
+        g32 = float(torch.tensor(g, dtype=torch.float32))
+        values, scales = native_cast(x, g32)
+        want_values, want_scales = expected_nvfp4(x, g32)
+        assert torch.equal(values, want_values), f"seed {seed}, g {g32}: e2m1 bytes differ"
+        assert torch.equal(scales, want_scales), f"seed {seed}, g {g32}: e4m3 scale bytes differ"
+        got = nvfp4.quantize(x, torch.tensor(g32))
+        assert torch.equal(got.values, values) and torch.equal(got.scales.view(torch.uint8), scales), (seed, g32)
+
+
 def test_layout_swizzle_round_trip() -> None:
     """NvFp4Layout.swizzle places row t's scale j at [l, t // 128, j // 4, t % 32, (t % 128) // 32, j % 4] and
     unswizzle inverts it; DeepEP's views have DeepEP's shapes."""
@@ -207,10 +329,12 @@ def check_received(inp, me: int, experts: int, t: int, hidden: int, scales_per_r
         assert not got_v[c:].any() and not got_s[c:].any() and not got_s[:, s:].any(), \
             f"seed {seed}, expert {e}: padding or rows past count not zero"
         for i, (src, n) in enumerate(want.src[e]):
-            values, sbytes = reference_nvfp4(inp.x[src][n : n + 1], scales_per_rank[src])
-            assert torch.equal(got_v[i], values[0]), f"seed {seed}, expert {e} row {i}: e2m1 bytes differ"
-            assert torch.equal(got_s[i, :s], sbytes[0]), f"seed {seed}, expert {e} row {i}: scale bytes differ"
-            check_bound(inp.x[src][n : n + 1], values, sbytes, scales_per_rank[src])
+            g = scales_per_rank[src]
+            values, sbytes = expected_nvfp4(inp.x[src][n : n + 1], g)
+            assert torch.equal(got_v[i], values[0]), f"seed {seed}, g {g}, expert {e} row {i}: e2m1 bytes differ"
+            assert torch.equal(got_s[i, :s], sbytes[0]), f"seed {seed}, g {g}, expert {e} row {i}: scale bytes differ"
+            if math.isfinite(g) and g > 0:
+                check_bound(inp.x[src][n : n + 1], values, sbytes, g)
 
 
 def _global_scales(inp, rank_scale: str) -> list[float]:
@@ -317,3 +441,4 @@ def _worker(rank: int, world: int, seed: int) -> None:
 
 def test_nvfp4_low_latency_dispatch() -> None:
     run_workers(WORLD, _worker, fresh_seed())
+

@@ -18,15 +18,22 @@ from typing import Any
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUILD_INFO = PACKAGE_DIR / "_build_info.json"
 HOST_LIBRARY = "libnvshmem_host.so.3"
-# Limits compiled into the kernels, for Python to validate against. `constant` reads them from moe_ep.comm._C
-# where it loads and exports them; these fallbacks, equal to the C++ values (tests/test_native.py
-# checks), serve the pure-Python install, so that the reference backend accepts what the kernels do.
+# Limits and format constants compiled into the kernels, for Python to validate against and lay data out by.
+# `constant` reads them from moe_ep.comm._C where it loads and exports them; these fallbacks, equal to the C++
+# values (tests/test_native.py checks), serve the pure-Python install, so that the reference backend accepts
+# what the kernels do and returns what they return.
 FALLBACK_CONSTANTS = {
     "MAX_TOPK": 16,  # top-k entries per token, every path (csrc/runtime/limits.h kMaxTopk)
     "MAX_NODE_RANKS": 8,  # ranks of one NVLink domain (csrc/runtime/limits.h kMaxNodeRanks)
     "INTERNODE_MAX_CHANNELS": 64,  # SMs (channels) of a cross-node call (csrc/kernels/internode/internode.h kMaxChannels)
     "LL_META_BYTES": 48,  # one staged low-latency token's meta row (csrc/kernels/low_latency/low_latency.h kMetaBytes)
     "TUNING_MAX_WARPS": 32,  # warps of a normal-mode dispatch / combine block (csrc/kernels/intranode/intranode.h kHostWarps)
+    # NVFP4 rows and their scale tiles (csrc/kernels/low_latency/low_latency.h kNvfp4*; moe_ep/comm/nvfp4.py)
+    "NVFP4_BLOCK": 16,
+    "NVFP4_E2M1_MAX": 6,
+    "NVFP4_TILE_ROWS": 128,
+    "NVFP4_TILE_GROUP_ROWS": 32,
+    "NVFP4_TILE_SCALES": 4,
 }
 REBUILD = ("reinstall with `python -m pip install .` (offline: `python -m pip install --no-build-isolation "
            "--no-deps -e .`) and read the build's output")

@@ -819,7 +819,7 @@ class Buffer:
             stamp = self._calls.stamp(LL_DISPATCH, 0, row_format, error)
             rows, _ = self._zero_rows((0,), False)
             idx, _ = self._no_routing(0)
-            nvfp4_ok = bool(use_nvfp4) and not use_fp8 and self.cfg.hidden % nvfp4.BLOCK == 0
+            nvfp4_ok = bool(use_nvfp4) and not use_fp8 and self.cfg.hidden % nvfp4.constants().block == 0
             standin_scale = torch.ones((), dtype=torch.float32, device=self.cfg.device) if nvfp4_ok else None
             return _raise_after_receive(error, lambda: routed(
                 rows, idx, stamp, use_fp8=bool(use_fp8) and not use_nvfp4, round_scale=False, use_ue8m0=False,
@@ -844,9 +844,10 @@ class Buffer:
             return None
         if use_fp8:
             raise ValueError("use_nvfp4=True and use_fp8=True exclude each other: pass use_fp8=False with NVFP4")
-        if cfg.hidden % nvfp4.BLOCK:
-            raise ValueError(f"use_nvfp4=True needs hidden % {nvfp4.BLOCK} == 0 (one e4m3 scale per "
-                             f"{nvfp4.BLOCK} channels), got hidden {cfg.hidden}")
+        block = nvfp4.constants().block
+        if cfg.hidden % block:
+            raise ValueError(f"use_nvfp4=True needs hidden % {block} == 0 (one e4m3 scale per {block} channels), "
+                             f"got hidden {cfg.hidden}")
         if x_global_scale is None:
             raise ValueError("use_nvfp4=True needs x_global_scale, a float32 tensor holding the call's global scale")
         if not isinstance(x_global_scale, torch.Tensor):

@@ -149,6 +149,38 @@ void register_low_latency(py::module_& m) {
   m.attr("LL_META_BYTES") = moe_ep::ll::kMetaBytes;
   m.attr("LL_SCRATCH_ROWS") = moe_ep::ll::kScratchRows;
   m.attr("LL_NUM_SIGNALS") = moe_ep::ll::kNumSignals;
+  m.attr("NVFP4_BLOCK") = moe_ep::ll::kNvfp4Block;
+  m.attr("NVFP4_E2M1_MAX") = moe_ep::ll::kNvfp4E2m1Max;
+  m.attr("NVFP4_TILE_ROWS") = moe_ep::ll::kNvfp4TileRows;
+  m.attr("NVFP4_TILE_GROUP_ROWS") = moe_ep::ll::kNvfp4TileGroupRows;
+  m.attr("NVFP4_TILE_SCALES") = moe_ep::ll::kNvfp4TileScales;
+  m.def(
+      "ll_nvfp4_scale_offset",
+      [](int scale_tiles, int row, int scale) {
+        if (scale_tiles < 1 || row < 0 || scale < 0 || scale >= scale_tiles * moe_ep::ll::kNvfp4TileScales)
+          throw std::invalid_argument(
+              "ll_nvfp4_scale_offset: needs scale_tiles >= 1, row >= 0 and 0 <= scale < 4 * scale_tiles");
+        return moe_ep::ll::nvfp4_scale_offset(scale_tiles, row, scale);
+      },
+      py::arg("scale_tiles"), py::arg("row"), py::arg("scale"),
+      "Byte offset of row `row`'s scale `scale` in one local expert's NVFP4 scale tiles (kernels/low_latency/"
+      "low_latency.h nvfp4_scale_offset), where moe_ep.comm.nvfp4's swizzled layout must put it.");
+  m.def(
+      "ll_nvfp4_cast_host",
+      [](uintptr_t x, int num_rows, int hidden, float global_scale, uintptr_t values, uintptr_t scales) {
+        const moe_ep::ArgCheck c("ll_nvfp4_cast_host");
+        c.at_least("num_rows", num_rows, 0);
+        c.positive_multiple("hidden", hidden, moe_ep::ll::kNvfp4Block);
+        c.pointer("x", x, num_rows > 0);
+        c.pointer("values", values, num_rows > 0);
+        c.pointer("scales", scales, num_rows > 0);
+        moe_ep::ll::nvfp4_cast_host(moe_ep::ll::Nvfp4HostCastArgs{x, num_rows, hidden, global_scale, values, scales});
+      },
+      py::kw_only(), py::arg("x"), py::arg("num_rows"), py::arg("hidden"), py::arg("global_scale"), py::arg("values"),
+      py::arg("scales"),
+      "The dispatch kernel's NVFP4 cast (kernels/low_latency/nvfp4.cuh) on the host: bf16 rows [num_rows, hidden] "
+      "at host address x -> values [num_rows, hidden/2] uint8 and e4m3 scales [num_rows, hidden/16], row-major, "
+      "with global scale g; for checks without a GPU.");
   namespace ll = moe_ep::ll;
   namespace na = moe_ep::named_args;
   using ll::LowLatencyParams;

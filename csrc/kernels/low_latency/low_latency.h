@@ -28,8 +28,10 @@
 //     4     dispatch, other nodes: the last epoch whose every put from src is complete here
 //     5     combine, other nodes: the same for combine
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
+#include "runtime/host_device.h"
 #include "runtime/limits.h"
 
 namespace moe_ep {
@@ -58,6 +60,41 @@ inline RegionLayout region_layout(int nranks, int max_tokens, int hidden, int nu
   l.signals = align(l.combine_scratch + static_cast<uint64_t>(scratch_blocks) * kScratchRows * h * 2);
   l.total = align(l.signals + kNumSignals * r * 8);
   return l;
+}
+
+// NVFP4 rows (use_nvfp4; DeepEP hybrid-ep's format, recipe in moe_ep/comm/nvfp4.py's docstring): every
+// kNvfp4Block channels of a bf16 row share one e4m3 scale, g * amax / kNvfp4E2m1Max for the call's global
+// scale g, and the values are e2m1, two per byte (channel 2i in the low nibble of byte i). Received values
+// are [E_l, R*T, H/2] uint8, row-major like the bf16 rows. Received scales are, per local expert, CUTLASS's
+// 128x4 scale-factor tiles: rm = ceil(R*T / 128) row tiles by rk = ceil(H/16 / 4) scale tiles of 512
+// bytes, tile (t / 128, j / 4) holding row t's scale j at byte (t % 32) * 16 + (t % 128) / 32 * 4 + j % 4
+// (nvfp4_scale_offset): the (E_l, rm, rk, 32, 4, 4) array that moe_ep/comm/nvfp4.py views as DeepEP's.
+// The dispatch writes its padding zero (the scales past H/16 of every received row, the rows past R*T);
+// rows in [count, R*T) keep what they held. Python reads these constants as NVFP4_* (bindings.cpp).
+constexpr int kNvfp4Block = 16;          // channels per e4m3 scale
+constexpr int kNvfp4E2m1Max = 6;         // e2m1's largest magnitude: a scale maps a block's amax to it
+constexpr int kNvfp4TileRows = 128;      // rows of one scale tile, in groups of kNvfp4TileGroupRows
+constexpr int kNvfp4TileGroupRows = 32;  // row t is row t % 32 of group (t % 128) / 32
+constexpr int kNvfp4TileScales = 4;      // scales of one row in one tile: 4 adjacent bytes
+constexpr int kNvfp4TileBytes = kNvfp4TileRows * kNvfp4TileScales;
+
+// Scale tiles of one local expert: rm row tiles for `slots` rows (R*T), rk scale tiles for `hidden`.
+struct Nvfp4Tiles {
+  int rows;    // rm
+  int scales;  // rk
+};
+
+MOE_EP_HOST_DEVICE inline Nvfp4Tiles nvfp4_tiles(int slots, int hidden) {
+  const int scales = hidden / kNvfp4Block;
+  return Nvfp4Tiles{(slots + kNvfp4TileRows - 1) / kNvfp4TileRows, (scales + kNvfp4TileScales - 1) / kNvfp4TileScales};
+}
+
+// Byte offset of row t's scale j in one local expert's scales of rk = scale_tiles scale tiles.
+MOE_EP_HOST_DEVICE inline size_t nvfp4_scale_offset(int scale_tiles, int row, int scale) {
+  constexpr int kGroups = kNvfp4TileRows / kNvfp4TileGroupRows;
+  const size_t tile = static_cast<size_t>(row / kNvfp4TileRows) * scale_tiles + scale / kNvfp4TileScales;
+  return tile * kNvfp4TileBytes + (row % kNvfp4TileGroupRows) * (kGroups * kNvfp4TileScales) +
+         (row % kNvfp4TileRows) / kNvfp4TileGroupRows * kNvfp4TileScales + scale % kNvfp4TileScales;
 }
 
 struct LowLatencyParams {
@@ -175,6 +212,18 @@ struct CombineLaunchArgs {
 // fit the Dims).
 void launch_dispatch(const LowLatencyParams& p, const DispatchLaunchArgs& a, uintptr_t stream);
 void launch_combine(const LowLatencyParams& p, const CombineLaunchArgs& a, uintptr_t stream);
+
+// The dispatch kernel's NVFP4 cast (nvfp4.cuh) run on the host, so that tests without a GPU compare its
+// bytes with moe_ep.comm.nvfp4.quantize: host memory in, host memory out, row-major.
+struct Nvfp4HostCastArgs {
+  uintptr_t x;         // [num_rows, hidden] bf16
+  int num_rows;
+  int hidden;          // a multiple of kNvfp4Block
+  float global_scale;  // g
+  uintptr_t values;    // [num_rows, hidden / 2] uint8
+  uintptr_t scales;    // [num_rows, hidden / 16] e4m3
+};
+void nvfp4_cast_host(const Nvfp4HostCastArgs& a);
 
 }  // namespace ll
 }  // namespace moe_ep
