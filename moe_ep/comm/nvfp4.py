@@ -19,8 +19,8 @@ Buffer::low_latency_dispatch; vLLM 0.33 passes it to FlashInfer's CuteDSL masked
       value     = e2m1(x * out_scale), nearest even, saturating at 6; the sign bit is the product's
                   (so -0.0 and negative values that round to 0 give the nibble 0x8); NaN gives 0x7
   (amax ignores NaN values, as the kernel's __hmax2 does; an inf saturates the scale at 448)
-- a g that is not finite and positive gives no usable rows, but well defined bytes, as the recipe above
-  makes them:
+- g is read on the device and never checked (a check would cost a host sync). A g that is not finite and
+  positive gives no usable rows, but the same bytes on every backend, as the recipe above makes them:
   g = +-0 stores scales +-0 and values +-0 by x's sign; g < 0 the scales of |g| with their sign bit set
   and the values of |g|; g = +-inf scales +-448 and values +-6 by x's sign; g = NaN scale 0x7F and values
   0x7. Where g * amax is NaN (g = +-0 and an inf in the block, g = +-inf and a zero block) the block's
