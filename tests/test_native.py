@@ -522,6 +522,33 @@ def test_launch_args_checks_follow_the_call_sizes() -> None:
 
 
 @needs_native
+def test_low_latency_nvfp4_fields_are_checked() -> None:
+    """use_nvfp4 needs recv_scales (a receive) and x_global_scale (a send: every send block reads g, even one
+    without tokens), excludes use_fp8, needs hidden % 16 == 0; x_global_scale without it is an error."""
+    native = _native.load()
+    d = _low_latency_dims(native)
+    both = dict(x=1, topk_idx=2, num_tokens=3, recv_x=4, recv_scales=5, src_rank=6, src_index=7, src_k=8, count=9,
+                use_fp8=False, round_scale=False, use_nvfp4=True, x_global_scale=10, send=True, receive=True)
+    native.LowLatencyDispatchArgs(**both).check(d)
+    native.LowLatencyDispatchArgs(**{**both, "x_global_scale": 0, "send": False}).check(d)  # receive only
+    native.LowLatencyDispatchArgs(**{**both, "recv_scales": 0, "receive": False}).check(d)  # send only
+    native.LowLatencyDispatchArgs(**{**both, "num_tokens": 0, "x": 0, "topk_idx": 0}).check(d)
+    where = r"^LowLatencyContext\.dispatch: "
+    for change, message in ((dict(x_global_scale=0), "x_global_scale is null"),
+                            (dict(x_global_scale=0, num_tokens=0), "x_global_scale is null"),
+                            (dict(recv_scales=0), "recv_scales is null"),
+                            (dict(use_fp8=True), "use_nvfp4 and use_fp8 exclude each other"),
+                            (dict(use_nvfp4=False), "x_global_scale needs use_nvfp4")):
+        with pytest.raises(ValueError, match=where + re.escape(message) + "$"):
+            native.LowLatencyDispatchArgs(**{**both, **change}).check(d)
+    odd = native.LowLatencyDims(rank=1, nranks=_R, ranks_per_node=2, num_local_experts=_E // _R, num_topk=_K,
+                                hidden=_H + 8, max_tokens=_T)
+    message = f"use_nvfp4 needs hidden to be a multiple of 16, got {_H + 8}"
+    with pytest.raises(ValueError, match=where + re.escape(message) + "$"):
+        native.LowLatencyDispatchArgs(**both).check(odd)
+
+
+@needs_native
 def test_contexts_check_their_addresses_before_allocating() -> None:
     """A null address given to a context names its field (checked before any CUDA call, so also here)."""
     native = _native.load()

@@ -12,6 +12,7 @@ On CPU:
 - 2 ranks (gloo, reference backend) through moe_ep.Buffer and moe_ep.deep_ep.Buffer: the values and swizzled
   scales of every received row equal the float64 quantiser's of its source row (brute force over both ranks'
   inputs), in DeepEP's views with their shapes and strides, padding zero; bad inputs raise naming themselves.
+On GPUs (skipped without one): the native backend against the reference backend, bit for bit (the last section).
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ import torch.distributed as dist
 import moe_ep
 import moe_ep.deep_ep as deep_ep
 from moe_ep.comm import _native, nvfp4
-from tests._dist import device, run_workers
-from tests.oracle import expected_low_latency_dispatch, make_inputs
+from tests._dist import device, requires_gpus, run_workers
+from tests.oracle import expected_low_latency_dispatch, make_inputs, random_topk
+from tests.test_gpu_low_latency import _busy
 from tests.test_low_latency_formats import e4m3_float64
 
 WORLD = 2
@@ -400,11 +402,6 @@ def _moe_ep_cases(rank: int, seed: int) -> None:
         one = torch.ones((), device=dev)
         with pytest.raises(ValueError, match="hidden % 16 == 0"):
             buf.low_latency_dispatch(x, idx, use_nvfp4=True, x_global_scale=one)
-        # a backend without NVFP4 (the native one today) refuses it at once, before any communication
-        buf.backend.serves_nvfp4 = False
-        with pytest.raises(NotImplementedError, match="use_nvfp4=True is not implemented .*do not have NVFP4 yet"):
-            buf.low_latency_dispatch(x, idx, use_nvfp4=True, x_global_scale=one)
-        del buf.backend.serves_nvfp4
         buf.low_latency_dispatch(x, idx)  # the ranks are still in step
 
 
@@ -446,3 +443,201 @@ def _worker(rank: int, world: int, seed: int) -> None:
 def test_nvfp4_low_latency_dispatch() -> None:
     run_workers(WORLD, _worker, fresh_seed())
 
+
+# ---- GPU: the native kernels' NVFP4 dispatch against the reference backend ----------------------------------
+# (hidden, experts, topk, max_tokens_per_rank): the decode hidden size (448 scales per row); H = 2064, whose 129
+# scales leave 3 zero columns in the last scale tile and whose H/2 value bytes are a multiple of 8, not 16; a small
+# H. No R * T is a multiple of 128, so the last row tile always has padding rows.
+GPU_SHAPES = [(7168, 16, 8, 40), (2064, 8, 4, 72), (144, 12, 3, 33)]
+GPU_ITERS = 8
+GRAPH_REPLAYS = 12
+SPECIAL_G = (0.0, -0.37, math.inf, math.nan, -0.0, -math.inf)
+
+
+def _scale_rows(view: torch.Tensor) -> torch.Tensor:
+    """DeepEP's (32, 4, rm, 4, rk, E_l) scale view -> [E_l, rm * 128, rk * 4] uint8, row t's scale j read by the
+    layout's formula (row t at [t % 32, (t % 128) // 32, t // 128], scale j at [j % 4, j // 4]), padding included."""
+    _, _, rm, _, rk, _ = view.shape
+    t = torch.arange(rm * 128, device=view.device).unsqueeze(1)
+    j = torch.arange(rk * 4, device=view.device).unsqueeze(0)
+    return view.view(torch.uint8)[t % 32, (t % 128) // 32, t // 128, j % 4, j // 4].permute(2, 0, 1)
+
+
+def _same_rows(x: torch.Tensor, x_scales: torch.Tensor, count: torch.Tensor, want, hidden: int,
+               what: str) -> torch.Tensor:
+    """Counts, and per expert the rows below count (values, scales with their padding columns) and the last row
+    tile's padding rows equal the reference's bitwise, in DeepEP's views; the padding is zero. Returns the
+    [E_l, R * T] mask of rows below count."""
+    assert torch.equal(count, want.count), f"{what}: count {count.tolist()} != {want.count.tolist()}"
+    slots = x.shape[0]
+    valid = torch.arange(slots, device=count.device) < want.count.unsqueeze(1)
+    assert x.shape == want.x.shape and x.stride() == want.x.stride() and x.dtype == want.x.dtype, what
+    assert torch.equal(x.permute(2, 0, 1)[valid], want.x.permute(2, 0, 1)[valid]), f"{what}: e2m1 bytes differ"
+    assert x_scales.shape == want.x_scales.shape and x_scales.stride() == want.x_scales.stride(), what
+    assert x_scales.dtype == want.x_scales.dtype, what
+    scales, want_scales = _scale_rows(x_scales), _scale_rows(want.x_scales)
+    compared = torch.cat([valid, torch.ones_like(valid[:, :1]).expand(-1, scales.shape[1] - slots)], dim=1)
+    assert torch.equal(scales[compared], want_scales[compared]), f"{what}: scale bytes differ"
+    padding = scales[:, slots:].any() or scales[:, :slots][valid][:, hidden // 16:].any()
+    assert not padding, f"{what}: padding not zero"
+    return valid
+
+
+def _same_nvfp4(got, want, hidden: int, what: str) -> None:
+    """_same_rows, and the source rank and index of every row below count."""
+    valid = _same_rows(got.x, got.x_scales, got.count, want, hidden, what)
+    assert torch.equal(got.handle.src_rank[valid], want.handle.src_rank[valid]), f"{what}: src_rank differs"
+    assert torch.equal(got.handle.src_index[valid], want.handle.src_index[valid]), f"{what}: src_index differs"
+
+
+def _poison_nvfp4(res) -> None:
+    """Overwrite a native result (values, every byte of the scale tiles, source info, counts), so anything a later
+    call into the same output set leaves unwritten cannot pass."""
+    res.x.fill_(0xFF)
+    res.x_scales.view(torch.uint8).fill_(0xFF)
+    res.handle.src_rank.fill_(-7)
+    res.handle.src_index.fill_(-7)
+    res.count.fill_(-7)
+
+
+def _draw_g(rank: int, it: int, local: torch.Generator) -> float:
+    """This rank's float32 global scale for iteration `it`: 10^u (u in [-2, 3], so some blocks saturate at 448 and
+    some underflow to scale 0), different on every rank; every fourth iteration rank 0 passes one that is not
+    finite and positive (SPECIAL_G in turn)."""
+    if it % 4 == 3 and rank == 0:
+        return SPECIAL_G[(it // 4) % len(SPECIAL_G)]
+    return float(torch.tensor(10.0 ** float(torch.empty(1).uniform_(-2, 3, generator=local)), dtype=torch.float32))
+
+
+def _global_scale(g: float, shape: tuple[int, ...]) -> torch.Tensor:
+    """x_global_scale holding g first; any further elements differ (only the first is read)."""
+    gs = torch.full(shape, g, dtype=torch.float32, device="cuda")
+    gs.view(-1)[1:] = 7.0
+    return gs
+
+
+def _gpu_cases(nat, ref, shape, rank: int, world: int, seed: int, what: str) -> None:
+    """GPU_ITERS NVFP4 dispatches (tokens per rank t, 0 or random; hook on every other one; x_global_scale [], [1]
+    or [E_l]) on outputs poisoned before the call, each against the reference and followed by a combine."""
+    hidden, experts, k, t = shape
+    e_l = experts // world
+    shared = torch.Generator().manual_seed(seed)  # the same draws on every rank
+    local = torch.Generator().manual_seed(seed * 7919 + rank)
+    local_cuda = torch.Generator(device="cuda").manual_seed(seed * 7919 + rank)
+    for _ in range(2):  # both output sets poisoned before the first checked call
+        x = special_rows(t, hidden, local).cuda()
+        idx = random_topk("random", t, experts, k, local_cuda)
+        _poison_nvfp4(nat.low_latency_dispatch(x, idx, use_nvfp4=True, x_global_scale=_global_scale(1.0, ())))
+    for it in range(GPU_ITERS):
+        pick = int(torch.randint(0, 3, (1,), generator=shared))
+        n = [t, 0, int(torch.randint(1, t + 1, (1,), generator=local))][(pick + rank) % 3]
+        routing = ["random", "skewed", "one_expert", "random"][it % 4]
+        x = special_rows(n, hidden, local).cuda()
+        idx = random_topk(routing, n, experts, k, local_cuda)
+        w = torch.rand(n, k, generator=local_cuda, device="cuda")
+        g = _draw_g(rank, it, local)
+        gs = _global_scale(g, [(), (1,), (e_l,)][it % 3])
+        hook = it % 2 == 1
+        case = f"{what} it={it} n={n} routing={routing} g={g} hook={hook}"
+        got = nat.low_latency_dispatch(x, idx, use_nvfp4=True, x_global_scale=gs, return_recv_hook=hook)
+        if hook:
+            assert got.hook is not None
+            _busy()
+            got.hook()
+        want = ref.low_latency_dispatch(x, idx, use_nvfp4=True, x_global_scale=gs)
+        _same_nvfp4(got, want, hidden, case)
+        y = (torch.randn(e_l, world * t, hidden, generator=local_cuda, device="cuda") * 3).to(torch.bfloat16)
+        back = nat.low_latency_combine(y, idx, w, got.handle, return_recv_hook=hook)
+        if hook:
+            back.hook()
+        want_back = ref.low_latency_combine(y, idx, w, want.handle)
+        assert torch.equal(back.x.view(torch.int16), want_back.x.view(torch.int16)), f"{case}: combine differs"
+        _poison_nvfp4(got)
+
+
+def _graph_case(nat, ref, shape, rank: int, world: int, seed: int, what: str) -> None:
+    """An NVFP4 dispatch and a combine captured in one CUDA graph; each replay gets fresh rows, routing, weights,
+    expert outputs and a fresh global scale copied into the captured tensors (the kernel reads g on the device)."""
+    hidden, experts, k, t = shape
+    e_l = experts // world
+    n = t - rank
+    local = torch.Generator().manual_seed(seed * 104729 + rank)
+    local_cuda = torch.Generator(device="cuda").manual_seed(seed * 104729 + rank)
+    x_s = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
+    idx_s = torch.empty(n, k, dtype=torch.int64, device="cuda")
+    w_s = torch.empty(n, k, dtype=torch.float32, device="cuda")
+    y_s = torch.empty(e_l, world * t, hidden, dtype=torch.bfloat16, device="cuda")
+    g_s = torch.empty(e_l, dtype=torch.float32, device="cuda")
+
+    def fill(i: int) -> None:
+        x_s.copy_(special_rows(n, hidden, local))
+        idx_s.copy_(random_topk(["random", "skewed", "one_expert"][i % 3], n, experts, k, local_cuda))
+        w_s.copy_(torch.rand(n, k, generator=local_cuda, device="cuda"))
+        y_s.copy_((torch.randn(y_s.shape, generator=local_cuda, device="cuda") * 3).to(torch.bfloat16))
+        g_s.copy_(_global_scale(_draw_g(rank, i, local), (e_l,)))
+
+    fill(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        disp = nat.low_latency_dispatch(x_s, idx_s, use_nvfp4=True, x_global_scale=g_s)
+        comb = nat.low_latency_combine(y_s, idx_s, w_s, disp.handle)
+    for i in range(GRAPH_REPLAYS):
+        _poison_nvfp4(disp)
+        fill(i)
+        graph.replay()
+        case = f"{what} graph replay {i} g={float(g_s[0])}"
+        want = ref.low_latency_dispatch(x_s, idx_s, use_nvfp4=True, x_global_scale=g_s)
+        _same_nvfp4(disp, want, hidden, case)
+        want_back = ref.low_latency_combine(y_s, idx_s, w_s, want.handle).x
+        assert torch.equal(comb.x.view(torch.int16), want_back.view(torch.int16)), f"{case}: combine differs"
+    del graph
+
+
+def _drop_in_case(rank: int, world: int, topo: dict, shape, seed: int, what: str) -> None:
+    """One NVFP4 call through moe_ep.deep_ep.Buffer on the native backend, as vLLM makes it, against the
+    reference Buffer."""
+    hidden, experts, k, t = shape
+    local = torch.Generator().manual_seed(seed * 31 + rank)
+    x = special_rows(t, hidden, local).cuda()
+    idx = random_topk("random", t, experts, k, torch.Generator(device="cuda").manual_seed(seed * 31 + rank))
+    gs = _global_scale(_draw_g(rank, 0, local), (experts // world,))
+    buf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True, explicitly_destroy=True, backend="nvshmem", **topo)
+    with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", hidden=hidden, num_experts=experts,
+                       num_topk=k, max_tokens_per_rank=t, low_latency=True, **topo) as ref:
+        (q, sf), count, _, _, _ = buf.low_latency_dispatch(x, idx, t, experts, use_fp8=False, use_nvfp4=True,
+                                                           x_global_scale=gs)
+        want = ref.low_latency_dispatch(x, idx, use_nvfp4=True, x_global_scale=gs)
+        _same_rows(q, sf, count, want, hidden, f"{what} deep_ep drop-in")
+        assert q.permute(2, 0, 1).is_contiguous()  # vLLM's x[0].permute(2, 0, 1)
+        torch.cuda.synchronize()
+    buf.destroy()
+
+
+def _gpu_worker(rank: int, world: int, topos: list[dict], seed: int) -> None:
+    for topo in topos:
+        for shape in GPU_SHAPES:
+            hidden, experts, k, t = shape
+            what = f"seed {seed} world {world} {topo or 'one node'} shape {shape}"
+            kwargs = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, low_latency=True,
+                          **topo)
+            with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", **kwargs) as nat, \
+                    moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **kwargs) as ref:
+                assert nat.backend_name == "nvshmem"
+                _gpu_cases(nat, ref, shape, rank, world, seed, what)
+                if shape != GPU_SHAPES[2]:
+                    _graph_case(nat, ref, shape, rank, world, seed, what)
+                torch.cuda.synchronize()
+        _drop_in_case(rank, world, topo, GPU_SHAPES[1], seed, f"seed {seed} world {world} {topo or 'one node'}")
+
+
+@requires_gpus()
+@pytest.mark.parametrize("world, topos", [(2, [{}, {"ranks_per_node": 1}]), (4, [{}, {"ranks_per_node": 2}])],
+                         ids=["EP2", "EP4"])
+def test_native_matches_the_reference_backend(world: int, topos: list[dict]) -> None:
+    """The native low-latency dispatch with use_nvfp4 against the reference backend, bitwise (values, swizzled
+    scales with their padding, counts, source info; the combine that follows), at EP2 and EP4, each as one node
+    (NVLink stores) and as two nodes (ranks_per_node: every byte between the halves by NVSHMEM puts and signals),
+    on GPU_SHAPES, with and without the receive hook, in a CUDA graph, with rows holding special values and
+    per-rank global scales (some not finite and positive). Ranks share the GPUs present (tests/_dist.py)."""
+    run_workers(world, _gpu_worker, topos, fresh_seed(), backend="gpu", timeout_s=600)

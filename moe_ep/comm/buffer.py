@@ -785,18 +785,12 @@ class Buffer:
         """Expert-major dispatch with fixed capacity and no host sync (docs/api.md); FP8 scales in DeepEP's
         token-major layout per expert, with use_ue8m0 packed as DeepEP's UE8M0 int32; use_nvfp4 casts each
         rank's rows with its x_global_scale to NVFP4 in DeepEP's views (moe_ep.comm.nvfp4; the global scale
-        is never read on the host; the reference backend only: on the native backend NotImplementedError before
-        any communication). Rejected tensors or flags: this rank takes part as a rank without tokens, then
-        raises (with a receive hook: the hook does); its peers raise PeerInputError where the call checks its
-        stamps."""
+        is read on the device, never on the host). Rejected tensors or flags: this rank takes part as a rank
+        without tokens, then raises (with a receive hook: the hook does); its peers raise PeerInputError where
+        the call checks its stamps."""
         self._check_low_latency()
         if use_fp8:
             self._check_fp8_hidden()
-        if use_nvfp4 and not self.backend.serves_nvfp4:  # a per-call flag every rank passes alike
-            raise NotImplementedError(
-                f"use_nvfp4=True is not implemented on the {self.backend_name!r} backend: its low-latency kernels "
-                "(csrc/) cast to FP8 (e4m3) only and do not have NVFP4 yet; the reference backend serves it "
-                "(Buffer(backend='reference'))")
         run = self._low_latency_run(self.backend.low_latency_dispatch, async_op, return_recv_hook)
         # the stamp's size word: the row format every rank must agree on (0 bf16, 1 FP8, 2 NVFP4)
         row_format = NVFP4_ROWS if use_nvfp4 else int(bool(use_fp8))

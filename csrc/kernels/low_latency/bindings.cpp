@@ -90,11 +90,17 @@ void check(const Dims& d, const DispatchLaunchArgs& a) {
     c.fail("ue8m0 needs use_fp8, round_scale and hidden a multiple of 512, got " + std::to_string(d.hidden));
   if (a.use_fp8 && d.hidden % 128 != 0)
     c.fail("use_fp8 needs hidden to be a multiple of 128, got " + std::to_string(d.hidden));
+  if (a.use_nvfp4 && a.use_fp8) c.fail("use_nvfp4 and use_fp8 exclude each other");
+  if (a.use_nvfp4 && d.hidden % kNvfp4Block != 0)
+    c.fail("use_nvfp4 needs hidden to be a multiple of " + std::to_string(kNvfp4Block) + ", got " +
+           std::to_string(d.hidden));
+  if (!a.use_nvfp4 && a.x_global_scale != 0) c.fail("x_global_scale needs use_nvfp4");
   const bool in = a.send && a.num_tokens > 0;
   c.pointer("x", a.x, in);
   c.pointer("topk_idx", a.topk_idx, in);
+  c.pointer("x_global_scale", a.x_global_scale, a.send && a.use_nvfp4);  // every send block reads it
   c.pointer("recv_x", a.recv_x, a.receive);
-  c.pointer("recv_scales", a.recv_scales, a.receive && a.use_fp8);
+  c.pointer("recv_scales", a.recv_scales, a.receive && (a.use_fp8 || a.use_nvfp4));
   c.pointer("src_rank", a.src_rank, a.receive);
   c.pointer("src_index", a.src_index, a.receive);
   c.pointer("src_k", a.src_k, a.receive);
@@ -201,6 +207,7 @@ void register_low_latency(py::module_& m) {
       na::required("src_rank", &DA::src_rank), na::required("src_index", &DA::src_index),
       na::required("src_k", &DA::src_k), na::required("count", &DA::count), na::required("use_fp8", &DA::use_fp8),
       na::required("round_scale", &DA::round_scale), na::optional("ue8m0", &DA::ue8m0),
+      na::optional("use_nvfp4", &DA::use_nvfp4), na::optional("x_global_scale", &DA::x_global_scale),
       na::required("send", &DA::send),
       na::required("receive", &DA::receive));
   na::def_check<D>(dispatch, &ll::check);

@@ -1,7 +1,9 @@
 // Low-latency dispatch: every token travels once to each rank that holds at least one of its
 // experts, into that rank's symmetric staging (NVLink stores for ranks of this node, NVSHMEM puts
 // for ranks of other nodes), and the receiver expands the staged tokens into expert-major rows
-// [E_l, R*T, H] packed by (source rank, source token).
+// [E_l, R*T, H] packed by (source rank, source token). Rows travel as bf16, FP8 (e4m3 with a float32
+// scale per 128 channels) or NVFP4 (e2m1 pairs with an e4m3 scale per 16 channels, low_latency.h), each
+// format its own instantiation dispatch<RowFormat, round_scale>, cast by the sending rank.
 //
 // Protocol: one kernel, `dispatch`, with a send half and a receive half. A call without the receive
 // hook is one launch running both halves; with the hook it is a launch running the send half, then
@@ -13,9 +15,12 @@
 // call's epoch e = epochs[8] + 1 in every block before the block arrives (below); a receive-only
 // launch reads e = epochs[8], which the send launch published.
 //
-// Send half — block b takes tokens b, b + G, ... One thread per 16 channels (FP8) or 8 channels
-// (bf16) of a step; a row takes ceil(H / (512 * 16 or 8)) steps. Every block uses staging set e & 1. Token t's staging
-// slot at every rank is [set][me][t] (meta row and payload row).
+// Send half — block b takes tokens b, b + G, ... One thread per 16 channels (FP8, NVFP4) or 8 channels
+// (bf16) of a step; a row takes ceil(H / (512 * 16 or 8)) steps. Every block uses staging set e & 1. Token
+// t's staging slot at every rank is [set][me][t] (meta row and payload row). With NVFP4 every thread of
+// every block first reads g = x_global_scale[0] (device memory the caller wrote earlier in the stream, so
+// a CUDA graph replay reads the value of that replay; read even by a block without tokens: the launch
+// check asks for the pointer) and takes 1/g once (__frcp_rn).
 //   1. Per token: every thread first issues the loads of its channels of x (step 2), so their latency
 //      overlaps the routing. Warp 0 derives it: lane k < K reads topk id k (one coalesced load),
 //      computes its rank (32-bit division), and the distinct destination ranks other than me
@@ -28,13 +33,16 @@
 //      amax by shuffles, and each rank quantises its own token exactly once; bf16: one int4 per
 //      thread. The 16-byte chunk (and the block scale) is stored to the own slot (always: it is the
 //      source of the puts below, and the own receiver skips a token naming none of its experts) and
-//      to the slot of each node destination through its NVLink address.
+//      to the slot of each node destination through its NVLink address. NVFP4: each thread holds one
+//      16-channel block (two int4) and casts it alone (nvfp4.cuh, no shuffles); block i's 8 value
+//      bytes go to payload bytes [8i, 8i + 8) and its scale byte to byte H/2 + i, in the own slot and
+//      at each node destination as above.
 //   3. Net destinations (only when the group spans several nodes): a block barrier ends the own
 //      slot's stores; warp j takes net destinations j, j + warps, ...: one fence.acq_rel.sys (the
 //      barrier's stores are performed at system scope before the transport reads them), then
-//      nvshmemx_putmem_nbi_warp of the meta row (48 bytes) and of the payload (2H bytes bf16, or
-//      H + H/32 with FP8) from the own slot (symmetric memory, registered for every transport) to
-//      the same slot at that rank. No completion is awaited here.
+//      nvshmemx_putmem_nbi_warp of the meta row (48 bytes) and of the payload (2H bytes bf16,
+//      H + H/32 with FP8, H/2 + H/16 with NVFP4) from the own slot (symmetric memory, registered for
+//      every transport) to the same slot at that rank. No completion is awaited here.
 //   4. finish_send_block (low_latency.h): the block joins; thread 0 calls nvshmem_quiet() (several
 //      nodes: the block's puts are complete at their targets), issues one fence.acq_rel.sys
 //      (cumulative over the block's NVLink stores) and adds 1 (relaxed) to node signal
@@ -59,15 +67,21 @@
 //      deterministic, no atomics.
 //      Rows m with m % P == p are this block's: it writes src_rank / src_index / src_k (first k
 //      naming e, for combine) for them, and keeps the staged token of its first 1024 rows in shared
-//      memory; item p == 0 writes count[e]. All P items of e compute the same scan.
-//   3. After a barrier, the block's rows are cut into 4 KB chunks (plus, with FP8, one item for the
-//      row's scales), and the (row, chunk) items are spread over all warps: a warp loads its chunk
-//      from the local staging (8 int4 per lane, all in flight) and stores it into recv_x[e][m], so
-//      each item costs about one round trip whatever the rows per block. Scales are stored in
-//      DeepEP's layout, token-major per expert: float32 scale i of row m at recv_scales[e][i][m]
-//      (the [E_l, R*T, H/128] result is that [E_l, H/128, R*T] array transposed); with ue8m0 the
+//      memory; item p == 0 writes count[e]. All P items of e compute the same scan. NVFP4: item
+//      p == 0 also zeroes expert e's scale tile words of the rows R*T .. rm * 128 - 1 (the last row
+//      tile's padding; no token's row, so no other item writes them).
+//   3. After a barrier, the block's rows are cut into 4 KB chunks (2 KB with NVFP4) (plus, with FP8
+//      or NVFP4, one item for the row's scales), and the (row, chunk) items are spread over all
+//      warps: a warp loads its chunk from the local staging (8 int4 per lane, all in flight; NVFP4:
+//      8 int2, as H/2 bytes need only be a multiple of 8) and stores it into recv_x[e][m], so each
+//      item costs about one round trip whatever the rows per block. Scales are stored in DeepEP's
+//      layout, token-major per expert: float32 scale i of row m at recv_scales[e][i][m] (the
+//      [E_l, R*T, H/128] result is that [E_l, H/128, R*T] array transposed); with ue8m0 the
 //      exponent byte (bits 23..30) of scale i is byte i % 4 of int32 [e][i / 4][m] of a
-//      [E_l, H/512, R*T] array (round_scale made every scale a power of two: exact).
+//      [E_l, H/512, R*T] array (round_scale made every scale a power of two: exact). NVFP4: lane q
+//      moves row m's scales 4q .. 4q + 3 as one 4-byte word (those past H/16 zeroed: the padding) to
+//      expert e's tiles at nvfp4_scale_offset(rk, m, 4q) (low_latency.h). Rows in [count[e], R*T)
+//      are left as they were, in every format.
 //
 // Why the staging of a set is never overwritten while a receiver still reads it: rank s writes set
 // (e & 1) at rank d during its send of epoch e. d last read that set in its receive of epoch e - 2.
@@ -93,6 +107,13 @@
 // are true IEEE divisions: on CUDA, torch turns `tensor / python_float` into a multiply by the
 // rounded reciprocal, so the reference must divide by a tensor to match (moe_ep/fp8.py).
 //
+// NVFP4 arithmetic matches moe_ep.comm.nvfp4.quantize bit for bit for every input and every g (NaN, inf,
+// -0, values that round to 0, all-zero blocks, scales saturating at 448, g not finite and positive): the
+// recipe of nvfp4.cuh, float32 with __fmul_rn / __frcp_rn (no FMA contraction, no approximate
+// reciprocal), amax by fmaxf (PTX max.f32 ignores every NaN operand), e4m3 by cuda_fp8.h's satfinite
+// conversion with a NaN scale stored as 0x7F, e2m1 by e2m1_code. tests/test_nvfp4.py runs the same
+// source on the host against a float64 oracle over every bf16 bit pattern.
+//
 // The output rows (recv_x, scales, src_*, count) are ordinary device memory in two sets that the
 // host alternates per call (a CUDA graph replays into the set it captured); only the staging and
 // the signals follow the device epoch's parity.
@@ -102,9 +123,14 @@
 
 #include "kernels/common/scan.cuh"
 #include "kernels/low_latency/low_latency.h"
+#include "kernels/low_latency/nvfp4.cuh"
 
 namespace moe_ep {
 namespace ll {
+// What a dispatch moves: bf16 rows, FP8 rows (e4m3, float32 or UE8M0 scales per 128 channels) or NVFP4
+// rows (e2m1 pairs, e4m3 scales per 16 channels); each its own kernel instantiation.
+enum class RowFormat { kBf16, kFp8, kNvfp4 };
+
 // The kernel's argument (outside the anonymous namespace, like the kernel, so that profilers show
 // the kernel as moe_ep::ll::dispatch<...>).
 struct DispatchArgs {
@@ -116,11 +142,12 @@ struct DispatchArgs {
   const int64_t* topk_idx;  // [N, K]
   int num_tokens;
   int* done;
+  const float* global_scale;  // NVFP4: g, the first element
   // receive half
   const uint8_t* payload;  // this rank's dispatch payload area
   const uint8_t* meta;     // this rank's dispatch meta area
   uint8_t* recv_x;
-  float* recv_scales;
+  float* recv_scales;  // FP8 scales (float32, or UE8M0 bytes), or NVFP4's e4m3 scale tiles
   int* src_rank;
   int* src_index;
   int* src_k;
@@ -175,7 +202,7 @@ __device__ __forceinline__ void store_meta(uint8_t* row, const unsigned (&w)[kMa
 }
 
 // Send half of epoch `epoch`; protocol in the file comment (send half).
-template <bool kFp8, bool kRoundScale>
+template <RowFormat kRows, bool kRoundScale>
 __device__ __forceinline__ void send_tokens(const DispatchArgs& a, unsigned long long epoch) {
   // Destinations of the current token other than me, by token iteration parity (no barrier needed
   // before reuse): node ranks as their payload slot's address, net ranks as rank numbers.
@@ -185,11 +212,18 @@ __device__ __forceinline__ void send_tokens(const DispatchArgs& a, unsigned long
   const Peers& s = a.peers;
   const Comm& c = s.comm;
   const int set = static_cast<int>(epoch & 1);
-  constexpr int kChannels = kFp8 ? 16 : 8;  // channels per thread and step
-  constexpr int kVecs = kChannels / 8;      // uint4 loads per thread and step
+  constexpr bool kFp8 = kRows == RowFormat::kFp8, kNvfp4 = kRows == RowFormat::kNvfp4;
+  static_assert(kNvfp4Block == 16, "an NVFP4 thread casts the 16 channels of its two uint4 loads");
+  constexpr int kChannels = kRows == RowFormat::kBf16 ? 8 : 16;  // channels per thread and step
+  constexpr int kVecs = kChannels / 8;                            // uint4 loads per thread and step
   const int chunks = a.hidden / kChannels;
   const size_t row_bytes = 2 * static_cast<size_t>(a.hidden);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  float g = 0.0f, inv_g = 0.0f;  // NVFP4's global scale and its correctly rounded reciprocal
+  if constexpr (kNvfp4) {
+    g = *a.global_scale;
+    inv_g = rcp_rn(g);
+  }
   int it = 0;
   for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x, ++it) {  // block-uniform (barrier, shuffles)
     const int par = it & 1;
@@ -260,6 +294,17 @@ __device__ __forceinline__ void send_tokens(const DispatchArgs& a, unsigned long
           reinterpret_cast<uint4*>(row)[i] = q;
           if ((i & 7) == 0) reinterpret_cast<float*>(row + a.hidden)[i >> 3] = scale;
         }
+      } else if constexpr (kNvfp4) {
+        if (!active) continue;
+        float f[kNvfp4Block];
+        bf16x8_to_float(v[0], f);
+        bf16x8_to_float(v[1], f + 8);
+        const Nvfp4Block q = nvfp4_cast(f, g, inv_g);
+        for (int d = -1; d < nodes; ++d) {  // -1: the own slot
+          uint8_t* row = d < 0 ? own_row : node_rows[par][d];
+          reinterpret_cast<uint2*>(row)[i] = q.values;
+          row[a.hidden / 2 + i] = q.scale;
+        }
       } else {
         if (!active) continue;
         for (int d = -1; d < nodes; ++d) reinterpret_cast<uint4*>(d < 0 ? own_row : node_rows[par][d])[i] = v[0];
@@ -269,7 +314,9 @@ __device__ __forceinline__ void send_tokens(const DispatchArgs& a, unsigned long
     const int nets = num_net[par];
     if (nets == 0) continue;
     __syncthreads();  // the own slot is complete: it is the source of the puts
-    const size_t payload_bytes = kFp8 ? a.hidden + static_cast<size_t>(a.hidden / 128) * sizeof(float) : row_bytes;
+    const size_t payload_bytes = kFp8     ? a.hidden + static_cast<size_t>(a.hidden / 128) * sizeof(float)
+                                 : kNvfp4 ? static_cast<size_t>(a.hidden / 2 + a.hidden / kNvfp4Block)
+                                          : row_bytes;
     for (int j = warp; j < nets; j += warps) {
       const int d = net_ranks[par][j];
       fence_acq_rel_sys();
@@ -300,7 +347,7 @@ __device__ __forceinline__ int first_k(const DispatchArgs& a, int set, unsigned 
 }
 
 // Receive half for local expert e, part p of P, after wait_all_sources; protocol in the file comment.
-template <bool kFp8>
+template <RowFormat kRows>
 __device__ __forceinline__ void receive_expert(const DispatchArgs& a, unsigned long long epoch, int e, int p) {
   __shared__ int warp_sums[32];
   __shared__ int staged_j[kSharedRows];  // staged token (s * T + t) of the block's first rows
@@ -331,29 +378,59 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& a, unsigned l
     ++m;
   }
   if (p == 0 && threadIdx.x == 0) a.count[e] = total;
+  constexpr bool kFp8 = kRows == RowFormat::kFp8, kNvfp4 = kRows == RowFormat::kNvfp4;
+  Nvfp4Tiles tiles{};  // NVFP4: expert e's scale tiles, at nvfp4_scales
+  uint8_t* nvfp4_scales = nullptr;
+  if constexpr (kNvfp4) {
+    static_assert(kNvfp4TileScales == sizeof(unsigned), "a tile row's scales move as one 4-byte word");
+    tiles = nvfp4_tiles(capacity, a.hidden);
+    nvfp4_scales = reinterpret_cast<uint8_t*>(a.recv_scales) +
+                   static_cast<size_t>(e) * tiles.rows * tiles.scales * kNvfp4TileBytes;
+    if (p == 0)  // the last row tile's rows past R*T: padding, zero
+      for (int i = threadIdx.x; i < (tiles.rows * kNvfp4TileRows - capacity) * tiles.scales; i += blockDim.x)
+        *reinterpret_cast<unsigned*>(nvfp4_scales + nvfp4_scale_offset(tiles.scales, capacity + i / tiles.scales,
+                                                                       kNvfp4TileScales * (i % tiles.scales))) = 0u;
+  }
   __syncthreads();
 
-  // Copy items: (block row, chunk) pairs spread over all warps, one round trip each; with FP8 one
-  // more item per row moves its scales.
+  // Copy items: (block row, chunk) pairs spread over all warps, one round trip each; with FP8 or
+  // NVFP4 one more item per row moves its scales. A row moves in int4 units, an NVFP4 row (H/2 bytes,
+  // a multiple of 8) in int2 units.
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const size_t staged_bytes = 2 * static_cast<size_t>(a.hidden);
-  const int row_int4 = kFp8 ? a.hidden / 16 : a.hidden / 8;
-  const int row_chunks = chunks_of(row_int4);
-  const int items_per_row = row_chunks + (kFp8 ? 1 : 0);
+  const int row_units = kNvfp4 ? a.hidden / 16 : kFp8 ? a.hidden / 16 : a.hidden / 8;
+  const int row_chunks = chunks_of(row_units);
+  const int items_per_row = row_chunks + (kRows == RowFormat::kBf16 ? 0 : 1);
   const int block_rows = total > p ? (total - p + parts - 1) / parts : 0;
   for (int item = warp; item < block_rows * items_per_row; item += warps) {
     const int r = item / items_per_row, chunk = item - r * items_per_row;
     const size_t row = expert_row0 + p + static_cast<size_t>(parts) * r;
     const int j = r < kSharedRows ? staged_j[r] : a.src_rank[row] * a.max_tokens + a.src_index[row];
     const uint8_t* staged = a.payload + (static_cast<size_t>(set * c.nranks) * a.max_tokens + j) * staged_bytes;
-    if (chunk < row_chunks) {
+    const size_t m = p + static_cast<size_t>(parts) * r;  // the row inside expert e
+    if (chunk < row_chunks && kNvfp4) {
+      int2 v[kChunkUnroll];
+      warp_load_chunk(v, reinterpret_cast<const int2*>(staged), row_units, chunk, lane);
+      warp_store_chunk(reinterpret_cast<int2*>(a.recv_x) + row * row_units, v, row_units, chunk, lane);
+    } else if (chunk < row_chunks) {
       int4 v[kChunkUnroll];
-      warp_load_chunk(v, reinterpret_cast<const int4*>(staged), row_int4, chunk, lane);
-      warp_store_chunk(reinterpret_cast<int4*>(a.recv_x + row * row_int4 * 16), v, row_int4, chunk, lane);
+      warp_load_chunk(v, reinterpret_cast<const int4*>(staged), row_units, chunk, lane);
+      warp_store_chunk(reinterpret_cast<int4*>(a.recv_x + row * row_units * 16), v, row_units, chunk, lane);
+    } else if constexpr (kNvfp4) {
+      // scales 4q..4q+3 of row m as one word into their tile; those past H/16 zero (the staged row's
+      // bytes there are not its scales)
+      const int scales = a.hidden / kNvfp4Block;
+      const uint8_t* staged_scales = staged + a.hidden / 2;
+      for (int q = lane; q < tiles.scales; q += 32) {
+        unsigned w = *reinterpret_cast<const unsigned*>(staged_scales + kNvfp4TileScales * q);
+        const int past = kNvfp4TileScales * (q + 1) - scales;
+        if (past > 0) w &= 0xffffffffu >> (8 * past);
+        *reinterpret_cast<unsigned*>(nvfp4_scales + nvfp4_scale_offset(tiles.scales, static_cast<int>(m),
+                                                                       kNvfp4TileScales * q)) = w;
+      }
     } else {
       const int scales = a.hidden / 128;
       const float* staged_scales = reinterpret_cast<const float*>(staged + a.hidden);
-      const size_t m = p + static_cast<size_t>(parts) * r;  // the row inside expert e
       const size_t expert0 = static_cast<size_t>(e) * scales * capacity;  // elements (float) or bytes (ue8m0)
       if (a.ue8m0) {
         uint8_t* out = reinterpret_cast<uint8_t*>(a.recv_scales) + expert0;
@@ -372,13 +449,13 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& a, unsigned l
 }  // namespace
 
 // The dispatch kernel: the send half and/or the receive half (file comment).
-template <bool kFp8, bool kRoundScale>
+template <RowFormat kRows, bool kRoundScale>
 __global__ void __launch_bounds__(kBlockThreads, 2) dispatch(const DispatchArgs a) {
   const Comm& c = a.peers.comm;
   // A send (with or without the receive) starts epoch e = epochs[8] + 1; a receive alone follows
   // the send launch of the same call, which published e into epochs[8].
   const unsigned long long epoch = c.epochs[kEpochDispatch] + (a.send ? 1 : 0);
-  if (a.send) send_tokens<kFp8, kRoundScale>(a, epoch);
+  if (a.send) send_tokens<kRows, kRoundScale>(a, epoch);
   if (!a.receive) return;
   const int items = a.blocks_per_expert * a.num_local_experts;
   if (!wait_all_sources(a.peers, kSigDispatchNode + static_cast<int>(epoch & 1), arrivals_after(epoch, gridDim.x),
@@ -388,7 +465,7 @@ __global__ void __launch_bounds__(kBlockThreads, 2) dispatch(const DispatchArgs 
     return;
   }
   for (int item = blockIdx.x; item < items; item += gridDim.x)
-    receive_expert<kFp8>(a, epoch, item / a.blocks_per_expert, item % a.blocks_per_expert);
+    receive_expert<kRows>(a, epoch, item / a.blocks_per_expert, item % a.blocks_per_expert);
 }
 
 void launch_dispatch(const LowLatencyParams& p, const DispatchLaunchArgs& call, uintptr_t stream) {
@@ -400,6 +477,7 @@ void launch_dispatch(const LowLatencyParams& p, const DispatchLaunchArgs& call, 
   a.topk_idx = reinterpret_cast<const int64_t*>(call.topk_idx);
   a.num_tokens = call.num_tokens;
   a.done = reinterpret_cast<int*>(p.done_counters);
+  a.global_scale = reinterpret_cast<const float*>(call.x_global_scale);
   a.payload = reinterpret_cast<const uint8_t*>(p.sym + p.dispatch_payload_offset);
   a.meta = reinterpret_cast<const uint8_t*>(p.sym + p.dispatch_meta_offset);
   a.recv_x = reinterpret_cast<uint8_t*>(call.recv_x);
@@ -416,12 +494,14 @@ void launch_dispatch(const LowLatencyParams& p, const DispatchLaunchArgs& call, 
   a.ue8m0 = call.ue8m0;
   a.send = call.send;
   a.receive = call.receive;
-  if (!call.use_fp8)
-    launch_cooperative(dispatch<false, false>, kernel_blocks(p), a, stream, "dispatch kernel launch");
+  if (call.use_nvfp4)
+    launch_cooperative(dispatch<RowFormat::kNvfp4, false>, kernel_blocks(p), a, stream, "dispatch kernel launch");
+  else if (!call.use_fp8)
+    launch_cooperative(dispatch<RowFormat::kBf16, false>, kernel_blocks(p), a, stream, "dispatch kernel launch");
   else if (call.round_scale)
-    launch_cooperative(dispatch<true, true>, kernel_blocks(p), a, stream, "dispatch kernel launch");
+    launch_cooperative(dispatch<RowFormat::kFp8, true>, kernel_blocks(p), a, stream, "dispatch kernel launch");
   else
-    launch_cooperative(dispatch<true, false>, kernel_blocks(p), a, stream, "dispatch kernel launch");
+    launch_cooperative(dispatch<RowFormat::kFp8, false>, kernel_blocks(p), a, stream, "dispatch kernel launch");
 }
 
 }  // namespace ll

@@ -15,7 +15,8 @@
 // below, which moe_ep/backends/low_latency.py reads through moe_ep._C and passes back in
 // LowLatencyParams). The staging areas have two sets, picked by the parity of the call's device-side
 // epoch:
-//   dispatch payload [2][R src][T][2H bytes]  bf16 row, or e4m3 row (H bytes) then H/128 float scales
+//   dispatch payload [2][R src][T][2H bytes]  bf16 row, or e4m3 row (H bytes) then H/128 float scales,
+//                                             or NVFP4 values (H/2 bytes) then H/16 e4m3 scales (below)
 //   dispatch meta    [2][R src][T][48 bytes]  the token's global expert id per k as int16 (-1 past K
 //                                             or for topk id -1), 16 of them, then the low 32 bits of
 //                                             the epoch that wrote it (tag), then 12 bytes of padding
@@ -162,14 +163,16 @@ inline Dims dims_of(const LowLatencyParams& p) {
 // launch for the whole call; with the receive hook the send launch now and the receive launch in
 // hook()). Send: quantise (optionally) and push every token to each rank holding one of its
 // experts, then release its arrival. Receive: wait for every source, expand staged tokens into the
-// expert-major rows. Both launches of a call pass the same use_fp8, round_scale and ue8m0.
+// expert-major rows. Both launches of a call pass the same use_fp8, round_scale, ue8m0 and use_nvfp4.
 struct DispatchLaunchArgs {
   uintptr_t x;            // [N, H] bf16 (send half)
   uintptr_t topk_idx;     // [N, K] int64 (send half)
   int num_tokens;         // N
-  uintptr_t recv_x;       // [E_l, R*T, H] bf16, or e4m3 with use_fp8 (receive half, as the five below)
+  uintptr_t recv_x;       // [E_l, R*T, H] bf16, or e4m3 with use_fp8, or with use_nvfp4 [E_l, R*T, H/2]
+                          // uint8 (receive half, as the five below)
   uintptr_t recv_scales;  // use_fp8: [E_l, H/128, R*T] float32, or with ue8m0 [E_l, H/512, R*T] int32
-                          // (DeepEP's layout: the result is its [E_l, R*T, ...] transpose); else 0
+                          // (DeepEP's layout: the result is its [E_l, R*T, ...] transpose); use_nvfp4:
+                          // E_l * rm * rk tiles of e4m3 (the NVFP4 comment above); else 0
   uintptr_t src_rank;     // [E_l, R*T] int32
   uintptr_t src_index;    // [E_l, R*T] int32
   uintptr_t src_k;        // [E_l, R*T] int32
@@ -177,6 +180,8 @@ struct DispatchLaunchArgs {
   bool use_fp8;
   bool round_scale;       // power-of-two scales (use_fp8 only)
   bool ue8m0;             // scales as UE8M0 exponent bytes, 4 per int32 (needs round_scale, hidden % 512 == 0)
+  bool use_nvfp4;         // NVFP4 rows (excludes use_fp8; hidden % 16 == 0)
+  uintptr_t x_global_scale;  // use_nvfp4: float32 on the device, its first element is g (send half); else 0
   bool send;
   bool receive;
 };
@@ -323,28 +328,31 @@ __device__ __forceinline__ uint64_t arrivals_after(unsigned long long epoch, int
   return static_cast<uint64_t>(blocks) * ((epoch + 1) >> 1);
 }
 
-// A copy unit: one warp moves up to kChunkInt4 int4 with every load in flight before any store
-// (one memory round trip per chunk). Rows are cut into chunks so that all warps of a block share
-// the rows instead of one warp walking a whole row through several dependent round trips.
+// A copy chunk: one warp moves up to kChunkUnits units with every load in flight before any store
+// (one memory round trip per chunk). A unit V is an int4 (a chunk is 4 KB), or an int2 where a row is
+// a multiple of 8 bytes only (dispatch.cu's NVFP4 rows). Rows are cut into chunks so that all warps of
+// a block share the rows instead of one warp walking a whole row through several dependent round trips.
 constexpr int kChunkUnroll = 8;
-constexpr int kChunkInt4 = 32 * kChunkUnroll;  // 4 KB
+constexpr int kChunkUnits = 32 * kChunkUnroll;
 
-__device__ __forceinline__ int chunks_of(int n_int4) { return (n_int4 + kChunkInt4 - 1) / kChunkInt4; }
+__device__ __forceinline__ int chunks_of(int n_units) { return (n_units + kChunkUnits - 1) / kChunkUnits; }
 
-// Loads int4 [chunk * kChunkInt4, min(n, (chunk + 1) * kChunkInt4)) of src into v (lane's share).
-__device__ __forceinline__ void warp_load_chunk(int4 (&v)[kChunkUnroll], const int4* src, int n, int chunk, int lane) {
+// Loads units [chunk * kChunkUnits, min(n, (chunk + 1) * kChunkUnits)) of src into v (lane's share).
+template <typename V>
+__device__ __forceinline__ void warp_load_chunk(V (&v)[kChunkUnroll], const V* src, int n, int chunk, int lane) {
 #pragma unroll
   for (int u = 0; u < kChunkUnroll; ++u) {
-    const int i = chunk * kChunkInt4 + u * 32 + lane;
+    const int i = chunk * kChunkUnits + u * 32 + lane;
     if (i < n) v[u] = src[i];
   }
 }
 
 // Stores what warp_load_chunk loaded for the same (n, chunk, lane).
-__device__ __forceinline__ void warp_store_chunk(int4* dst, const int4 (&v)[kChunkUnroll], int n, int chunk, int lane) {
+template <typename V>
+__device__ __forceinline__ void warp_store_chunk(V* dst, const V (&v)[kChunkUnroll], int n, int chunk, int lane) {
 #pragma unroll
   for (int u = 0; u < kChunkUnroll; ++u) {
-    const int i = chunk * kChunkInt4 + u * 32 + lane;
+    const int i = chunk * kChunkUnits + u * 32 + lane;
     if (i < n) dst[i] = v[u];
   }
 }

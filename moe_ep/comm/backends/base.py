@@ -158,7 +158,6 @@ class Backend(abc.ABC):
 
     name: str = "?"
     checks_expert_ids = False  # its kernels check every expert id (no host sync; the call raises ValueError)
-    serves_nvfp4 = False  # its low-latency dispatch casts to NVFP4 (moe_ep.comm.nvfp4); Buffer refuses it otherwise
 
     def __init__(self, cfg: BufferConfig) -> None:
         self.cfg = cfg
@@ -238,8 +237,8 @@ class Backend(abc.ABC):
     ) -> LowLatencyDispatchResult:
         """Expert-major rows [E_l, R*T, H]; FP8 scales [E_l, R*T, H/128] float32 (or with use_ue8m0
         [E_l, R*T, H/512] int32, moe_ep.comm.fp8.pack_ue8m0), both stored token-major per expert
-        (moe_ep.comm.fp8.expert_major_scales: DeepEP's layout). use_nvfp4 (backends with serves_nvfp4
-        only): each rank's rows cast with its x_global_scale, in moe_ep.comm.nvfp4.NvFp4Layout's views."""
+        (moe_ep.comm.fp8.expert_major_scales: DeepEP's layout). use_nvfp4: each rank's rows cast with its
+        x_global_scale (its first element, read on the device), in moe_ep.comm.nvfp4.NvFp4Layout's views."""
 
     @abc.abstractmethod
     def low_latency_combine(

@@ -1,9 +1,9 @@
 """Low-latency (decode) dispatch/combine on the native kernels (csrc/kernels/low_latency/).
 
 Fixed-capacity expert-major receive buffers, no host synchronisation (both calls capture into a CUDA
-graph), in-kernel FP8 cast, and an optional receive hook that splits each call into a send half and
-a receive half. The NvshmemBackend creates one LowLatencyEngine per low_latency Buffer and forwards
-the low-latency calls to it (the engine interface: backends/engine.py).
+graph), in-kernel FP8 and NVFP4 casts, and an optional receive hook that splits each call into a send
+half and a receive half. The NvshmemBackend creates one LowLatencyEngine per low_latency Buffer and
+forwards the low-latency calls to it (the engine interface: backends/engine.py).
 
 Lifetimes: dispatch results are views of two alternating output sets, so a result (x, x_scales,
 count and its handle) stays valid until the second low_latency_dispatch after it: at most two
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from .. import _native, fp8
+from .. import _native, fp8, nvfp4
 from ..types import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle, LowLatencyOverlap
 from .base import BufferConfig
 from .engine import Engine
@@ -50,7 +50,7 @@ class SymmetricLayout:
     """Byte offsets of the areas in the one symmetric allocation (staging areas hold both buffer sets);
     csrc/kernels/low_latency/low_latency.h region_layout owns them."""
 
-    dispatch_payload: int  # [2][R][T][2H] bytes: bf16 row, or e4m3 row + H/128 float32 scales
+    dispatch_payload: int  # [2][R][T][2H] bytes: bf16 row, e4m3 row + H/128 float32 scales, or NVFP4 row + scales
     dispatch_meta: int  # [2][R][T][LL_META_BYTES]: int16 global expert ids, epoch tag
     combine_payload: int  # [2][T][K][H] bf16
     combine_scratch: int  # [P * E_l][LL_SCRATCH_ROWS][H] bf16, only when the group spans several nodes
@@ -81,11 +81,14 @@ class _OutputSet:
     x_fp8: torch.Tensor  # [E_l, R*T, H] e4m3, aliasing the first half of x_bf16's storage
     scales: Optional[torch.Tensor]  # [E_l, R*T, H/128] float32 token-major per expert; None when hidden % 128 != 0
     ue8m0: Optional[torch.Tensor]  # [E_l, R*T, H/512] int32 the same way, aliasing scales' storage; None unless % 512
+    nvfp4_values: Optional[torch.Tensor]  # [E_l, R*T, H/2] uint8, aliasing x_bf16's storage; None unless H % 16 == 0
+    nvfp4_scales: Optional[torch.Tensor]  # (E_l, rm, rk, 32, 4, 4) e4m3 scale tiles (nvfp4.NvFp4Layout), own storage
     src_rank: torch.Tensor  # [E_l, R*T] int32
     src_index: torch.Tensor
     src_k: torch.Tensor
     count: torch.Tensor  # [E_l] int32
     recv_ptrs: tuple[int, int, int, int, int, int]  # the dispatch receive half's outputs: x, scales, src_*, count
+    nvfp4_scales_ptr: int  # the receive half's scales with use_nvfp4 (0 where there are none)
 
     @classmethod
     def allocate(cls, cfg: BufferConfig) -> "_OutputSet":
@@ -97,6 +100,11 @@ class _OutputSet:
         if h % 512 == 0:  # the first E_l * H/512 * R*T words of scales' storage, in the same layout
             words = scales.transpose(1, 2).reshape(-1)[: e_l * (h // 512) * slots].view(torch.int32)
             ue8m0 = words.view(e_l, h // 512, slots).transpose(1, 2)
+        nvfp4_values = nvfp4_scales = None
+        if h % nvfp4.constants().block == 0:  # the scale tiles need more bytes than FP8's scales: their own
+            layout = nvfp4.NvFp4Layout(e_l, slots, h)
+            nvfp4_values = x_bf16.view(-1).view(torch.uint8)[: e_l * slots * h // 2].view(e_l, slots, h // 2)
+            nvfp4_scales = layout.empty_scales(dev)
 
         def rows() -> torch.Tensor:
             return torch.empty(e_l, slots, dtype=torch.int32, device=dev)
@@ -104,7 +112,8 @@ class _OutputSet:
         src_rank, src_index, src_k, count = rows(), rows(), rows(), torch.zeros(e_l, dtype=torch.int32, device=dev)
         ptrs = (x_bf16.data_ptr(), 0 if scales is None else scales.data_ptr(), src_rank.data_ptr(),
                 src_index.data_ptr(), src_k.data_ptr(), count.data_ptr())
-        return cls(x_bf16, x_fp8, scales, ue8m0, src_rank, src_index, src_k, count, ptrs)
+        return cls(x_bf16, x_fp8, scales, ue8m0, nvfp4_values, nvfp4_scales, src_rank, src_index, src_k, count, ptrs,
+                   0 if nvfp4_scales is None else nvfp4_scales.data_ptr())
 
 
 @dataclass
@@ -211,8 +220,10 @@ class LowLatencyEngine(Engine):
         self._error.check()
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool, round_scale: bool,
-                 use_ue8m0: bool, return_recv_hook: bool) -> LowLatencyDispatchResult:
-        """Send each token once per destination rank; expand into expert-major rows on receipt."""
+                 use_ue8m0: bool, use_nvfp4: bool, x_global_scale: Optional[torch.Tensor],
+                 return_recv_hook: bool) -> LowLatencyDispatchResult:
+        """Send each token once per destination rank; expand into expert-major rows on receipt. use_nvfp4:
+        the kernel casts each row with x_global_scale's first element, read on the device."""
         stream = self._begin("dispatch")
         out = self._sets[self._dispatches & 1]
         self._dispatches += 1
@@ -220,8 +231,10 @@ class LowLatencyEngine(Engine):
         ctx, args_of = self._ctx, self._native.LowLatencyDispatchArgs
         recv_x, scales, src_rank, src_index, src_k, count = out.recv_ptrs
         fields = dict(x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), num_tokens=n, recv_x=recv_x,
-                      recv_scales=scales if use_fp8 else 0, src_rank=src_rank, src_index=src_index, src_k=src_k,
-                      count=count, use_fp8=use_fp8, round_scale=round_scale, ue8m0=use_ue8m0)
+                      recv_scales=out.nvfp4_scales_ptr if use_nvfp4 else scales if use_fp8 else 0,
+                      src_rank=src_rank, src_index=src_index, src_k=src_k, count=count, use_fp8=use_fp8,
+                      round_scale=round_scale, ue8m0=use_ue8m0, use_nvfp4=use_nvfp4,
+                      x_global_scale=0 if x_global_scale is None else x_global_scale.data_ptr())
 
         def launch(s: int, send: bool, receive: bool) -> None:
             ctx.dispatch(args_of(**fields, send=send, receive=receive), s)
@@ -229,8 +242,13 @@ class LowLatencyEngine(Engine):
         hook = self._launch("dispatch", launch, stream, return_recv_hook)
         handle = LowLatencyHandle(self.cfg.buffer_id, n, out.src_rank, out.src_index, out.count,
                                   LowLatencyState(out.src_k))
-        scales_out = (out.ue8m0 if use_ue8m0 else out.scales) if use_fp8 else None
-        return LowLatencyDispatchResult(out.x_fp8 if use_fp8 else out.x_bf16, scales_out, out.count, handle, hook)
+        if use_nvfp4:  # DeepEP's views of the storage
+            x_out = nvfp4.NvFp4Layout.values_view(out.nvfp4_values)
+            scales_out = nvfp4.NvFp4Layout.scales_view(out.nvfp4_scales)
+        else:
+            x_out = out.x_fp8 if use_fp8 else out.x_bf16
+            scales_out = (out.ue8m0 if use_ue8m0 else out.scales) if use_fp8 else None
+        return LowLatencyDispatchResult(x_out, scales_out, out.count, handle, hook)
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 *, return_recv_hook: bool, overlap: Optional[LowLatencyOverlap]) -> LowLatencyCombineResult:

@@ -164,9 +164,9 @@ class NvshmemBackend(Backend):
 
     def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, use_nvfp4, x_global_scale,
                              return_recv_hook, stamp) -> LowLatencyDispatchResult:
-        """The stamp is not compared here: no host sync (Buffer(check_calls=True) compares it first).
-        use_nvfp4 never arrives: serves_nvfp4 is False, so Buffer refuses it first."""
+        """The stamp is not compared here: no host sync (Buffer(check_calls=True) compares it first)."""
         return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                       use_nvfp4=use_nvfp4, x_global_scale=x_global_scale,
                                        return_recv_hook=return_recv_hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *,

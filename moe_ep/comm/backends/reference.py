@@ -77,8 +77,6 @@ class ReferenceDispatchState:
 class ReferenceBackend(Backend):
     """All-to-all over the Buffer's process group; fresh tensors for every result."""
 
-    serves_nvfp4 = True
-
     name = "reference"
 
     def __init__(self, cfg: BufferConfig) -> None:
