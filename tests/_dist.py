@@ -126,6 +126,19 @@ def _stop(procs: list) -> list[int]:
     return hung
 
 
+def _ended(procs: list) -> dict[int, int]:
+    """rank -> exit code of each rank that has ended unsuccessfully so far (negative: killed by that signal)."""
+    return {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+
+
+def _causes(ended: dict[int, int], reported: set[int]) -> str:
+    """'rank R was killed by SIGNAME' / 'rank R exited with code C' for the ranks that left no traceback,
+    e.g. one the kernel's OOM killer took."""
+    def cause(code: int) -> str:
+        return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return ", ".join(f"rank {r} {cause(code)}" for r, code in sorted(ended.items()) if r not in reported)
+
+
 def run_workers(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", timeout_s: float = 600) -> None:
     """Run fn(rank, world_size, *args) in `world_size` fresh processes; re-raise any failure.
 
@@ -147,16 +160,19 @@ def run_workers(world_size: int, fn: Callable, *args: Any, backend: str = "gloo"
                 deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
             time.sleep(0.1)
     finally:  # also when pytest is interrupted (run_gpu_suite.sh's per-file limit sends SIGINT)
+        ended = _ended(procs)  # before _stop kills the rest
         hung = _stop(procs)
     reports = []
     while not errors.empty():
         reports.append(errors.get())
+    silent = _causes(ended, {r for r, _ in reports})
     if reports:
         reports.sort()
-        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in reports))
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in reports)
+                             + (f"--- without a traceback: {silent}" if silent else ""))
     if hung:
         raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s (or {FAILED_PEER_GRACE_S} s after "
-                             "a peer failed)")
+                             f"a peer failed){'; before that ' + silent if silent else ''}")
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise AssertionError(f"ranks exited with codes {bad}")

@@ -48,9 +48,20 @@ pathlib.Path('$out/quickstart.py').write_text(quick_start_code(README.read_text(
     ;;
   32|64)
     began=$SECONDS
+    # host and GPU memory every 3 s: a rank that dies without a traceback (e.g. the OOM killer) shows there
+    ( while :; do
+        echo "$((SECONDS - began)) s | host used $(free -m | awk '/Mem:/{print $3}') MB, available" \
+             "$(free -m | awk '/Mem:/{print $7}') MB | GPU used" \
+             "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits) MB | $(pgrep -c python3) python3"
+        sleep 3
+      done ) >"$out/memory_$part.log" 2>&1 &
+    monitor=$!
     MOE_EP_SCALE=1 timeout 580 python3 -m pytest -q -s -rs -p no:cacheprovider \
       "tests/test_gpu_scale.py::test_many_ranks_on_one_gpu[$part]" >"$out/scale_$part.log" 2>&1
     rc=$?
+    kill $monitor
+    awk -F'host used ' '{split($2, a, " "); if (a[1] + 0 > most) {most = a[1] + 0; line = $0}} END {print line}' \
+      "$out/memory_$part.log" | sed 's/^/memory at the most host use: /' >>"$out/summary.txt"
     grep "^EP$part" "$out/scale_$part.log" >>"$out/summary.txt"
     echo "EP$part on one GPU | rc=$rc | $((SECONDS - began)) s | $(grep -E '[0-9]+ (passed|failed|error)' \
       "$out/scale_$part.log" | tail -1)" >>"$out/summary.txt"

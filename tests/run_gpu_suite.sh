@@ -7,7 +7,7 @@
 # files, as the device tool returns).
 # Usage: bash tests/run_gpu_suite.sh [PATH...]   (PATHs: where to collect, default tests/; e.g.
 #   `bash tests/run_gpu_suite.sh tests/test_fp8.py tests/test_my_failing.py` for a quick check)
-# Environment: LANES (default 4), BUDGET_S (seconds for all lanes, default 520; each file also has
+# Environment: LANES (default 5), BUDGET_S (seconds for all lanes, default 520; each file also has
 #   its own limit, below), SKIP_BUILD=1,
 #   NO_TRAIN=1 (skip the torchrun), WITH_LAYER_BENCH=1 (then the one-rank layer bench, alone, into $OUT/bench/).
 set -uo pipefail
@@ -15,7 +15,7 @@ export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHME
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 out=${OUT:-out}; mkdir -p "$out"; : >"$out/summary.txt"
 start=$SECONDS
-lanes=${LANES:-4} budget=${BUDGET_S:-520}
+lanes=${LANES:-5} budget=${BUDGET_S:-520}
 if [ -z "${SKIP_BUILD:-}" ]; then
   MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log"; exit 1; }
@@ -35,9 +35,9 @@ echo "$collected" | grep -c '::' | xargs echo "GPU tests collected:"
 
 # Lanes by longest unit first, each unit to the lane with the least work so far. A unit is a file, or one
 # test of a file that would take over 150 s (so its tests can run in parallel lanes; each pytest start
-# costs about 10 s). Seconds per file on one H200 with 4-5 lanes: the 2026-12-03 runs (a file not listed
-# counts 60 s). Prints one line per lane of UNIT@LIMIT: each unit may take 2.5 x its seconds (at least
-# 60 s), so a hang cannot starve its lane.
+# costs about 10 s). Seconds per file on one H200 with 4-5 lanes: the 2026-12-03 runs; test_nvfp4 and
+# test_low_latency_overlap ran together in 176 s (a file not listed counts 60 s). Prints one line per lane
+# of UNIT@LIMIT: each unit may take 2.5 x its seconds (at least 60 s), so a hang cannot starve its lane.
 plan_file=$(mktemp)
 # shellcheck disable=SC2046
 python3 - "$lanes" $(echo "$collected" | grep '::') >"$plan_file" <<'EOF'
@@ -49,7 +49,7 @@ secs = {"test_gpu_fuzz.py": 440, "test_gpu_intranode.py": 345, "test_gpu_crossno
         "test_frameworks_hybrid.py": 75, "test_gpu_determinism.py": 35, "test_layer.py": 34, "test_bench.py": 33,
         "test_expert_major.py": 30, "test_hybrid_ep.py": 28, "test_frameworks_v2.py": 25, "test_one_rank_bad_input.py": 23,
         "test_gpu_config.py": 17, "test_deep_ep_v2.py": 15, "test_gpu_runtime.py": 14, "test_fp8.py": 9,
-        "test_experts.py": 7, "test_gpu_scale.py": 6}
+        "test_experts.py": 7, "test_gpu_scale.py": 6, "test_nvfp4.py": 160, "test_low_latency_overlap.py": 40}
 SPLIT, START = 150, 10
 lanes = int(sys.argv[1])
 tests = defaultdict(list)

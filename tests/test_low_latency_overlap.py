@@ -8,7 +8,9 @@ left unsignalled); a short signal raises ValueError naming the word, the expert 
 rank and PeerInputError on the other; each bad argument raises its message on every rank that passed
 it, and the Buffer stays usable.
 
-GPU (2 ranks on one GPU or two, native backend): x starts as NaN everywhere; the combine starts on a side
+GPU (2 ranks on one GPU or two, native backend): the Buffer refuses overlap=True (NotImplementedError)
+while the kernel is not verified; the test then opts the backend in and checks the kernel, a strict xfail
+until it passes (its first run, 2026-12-03, gave other bits than the plain combine). x starts as NaN everywhere; the combine starts on a side
 stream (num_sms=2, with and without the hook), then the caller's stream writes each expert's true rows
 and raises its signals, expert by expert in a random order with GPU sleeps between: the result must be
 the bits of the plain combine of the true x (a row read before its signal shows as NaN). A signal that
@@ -49,6 +51,14 @@ def _setup(buf: moe_ep.Buffer, rank: int, dev: torch.device) -> tuple:
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _differences(got: torch.Tensor, want: torch.Tensor) -> str:
+    """What differs, for the failure message: NaN tokens (rows read before their signal) and other tokens."""
+    differs = (got.view(torch.int16) != want.view(torch.int16)).any(dim=1)
+    nan = torch.isnan(got.float()).any(dim=1)
+    return (f"{int(differs.sum())} of {got.shape[0]} tokens differ: NaN in {nan.nonzero().flatten().tolist()}, "
+            f"other values in {(differs & ~nan).nonzero().flatten().tolist()}")
 
 
 def _cpu_worker(rank: int, world: int) -> None:
@@ -145,12 +155,19 @@ def _gpu_worker(rank: int, world: int) -> None:
                   backend="nvshmem")
     g = torch.Generator().manual_seed(11 + rank)
     with moe_ep.Buffer(dist.group.WORLD, device=dev, **kwargs) as buf:
+        disp, idx, w, y_true, _ = _setup(buf, rank, dev)
+        signal = torch.full((EXPERTS // WORLD * _words(),), THRESHOLD, dtype=torch.int32, device=dev)
+        with pytest.raises(NotImplementedError, match="overlap=True is not served by the 'nvshmem' backend"):
+            buf.low_latency_combine(y_true, idx, w, disp.handle, overlap=True, packed_recv_count=disp.count,
+                                    comp_signal=signal, block_m=BLOCK_M, threshold=THRESHOLD, num_sms=2)
+        buf.backend.serves_overlap_combine = True  # opt in: the kernel under test
         for it in range(4):
             disp, idx, w, y_true, plain = _setup(buf, rank, dev)
             order = torch.randperm(EXPERTS // WORLD, generator=g).tolist()
             got = _overlapped(buf, disp, idx, w, y_true, hook=it % 2 == 1, order=order)
-            assert _same(got.x, plain), f"it={it} order={order}: rows read before their signal (NaN) or wrong"
+            assert _same(got.x, plain), f"it={it} order={order}: {_differences(got.x, plain)}"
     with moe_ep.Buffer(dist.group.WORLD, device=dev, timeout_s=1.0, **kwargs) as buf:
+        buf.backend.serves_overlap_combine = True
         disp, idx, w, y_true, _ = _setup(buf, rank, dev)
         torch.cuda.synchronize()
         e = next(e for e in range(EXPERTS // WORLD) if int(disp.count[e]) > 0)
@@ -166,6 +183,8 @@ def _gpu_worker(rank: int, world: int) -> None:
 
 
 @requires_gpus()
+@pytest.mark.xfail(strict=True, reason="the native overlap combine gave other bits than the plain combine on its first "
+                                       "GPU run (2026-12-03); Buffer refuses it until this passes")
 def test_overlap_combine_native() -> None:
     """2 ranks (sharing one GPU where there is one), native backend."""
     run_workers(WORLD, _gpu_worker, backend="gpu", timeout_s=600)
