@@ -18,6 +18,8 @@ never comes makes the call's rank raise CommTimeoutError naming the phase.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -154,7 +156,9 @@ def _gpu_worker(rank: int, world: int) -> None:
     kwargs = dict(hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=T, low_latency=True,
                   backend="nvshmem")
     g = torch.Generator().manual_seed(11 + rank)
-    with moe_ep.Buffer(dist.group.WORLD, device=dev, **kwargs) as buf:
+    # timeout_s: a wait that never ends (e.g. the GEMM's stream held behind the combine) shows in 20 s, as
+    # NaN tokens after about that long
+    with moe_ep.Buffer(dist.group.WORLD, device=dev, timeout_s=20.0, **kwargs) as buf:
         disp, idx, w, y_true, _ = _setup(buf, rank, dev)
         signal = torch.full((EXPERTS // WORLD * _words(),), THRESHOLD, dtype=torch.int32, device=dev)
         with pytest.raises(NotImplementedError, match="overlap=True is not served by the 'nvshmem' backend"):
@@ -164,8 +168,10 @@ def _gpu_worker(rank: int, world: int) -> None:
         for it in range(4):
             disp, idx, w, y_true, plain = _setup(buf, rank, dev)
             order = torch.randperm(EXPERTS // WORLD, generator=g).tolist()
+            began = time.monotonic()
             got = _overlapped(buf, disp, idx, w, y_true, hook=it % 2 == 1, order=order)
-            assert _same(got.x, plain), f"it={it} order={order}: {_differences(got.x, plain)}"
+            took = time.monotonic() - began
+            assert _same(got.x, plain), f"it={it} order={order}, {took:.1f} s: {_differences(got.x, plain)}"
     with moe_ep.Buffer(dist.group.WORLD, device=dev, timeout_s=1.0, **kwargs) as buf:
         buf.backend.serves_overlap_combine = True
         disp, idx, w, y_true, _ = _setup(buf, rank, dev)
