@@ -15,10 +15,21 @@ stream (num_sms=2, with and without the hook), then the caller's stream writes e
 and raises its signals, expert by expert in a random order with GPU sleeps between: the result must be
 the bits of the plain combine of the true x (a row read before its signal shows as NaN). A signal that
 never comes makes the call's rank raise CommTimeoutError naming the phase.
+
+Every kernel the caller's stream runs while the combine waits must have run once before in the process
+(_warm_up): CUDA loads a kernel at its first launch (lazy loading, the default) and that load may wait
+for the context's running kernels, here the combine, which waits for the signals that kernel raises,
+until its timeout; then every row arrives as NaN (the first run, 2026-12-03: NaN on both ranks at the
+first iteration, ~100 s, the default timeout). First, with the signals at the threshold and x true
+before the launch, the kernel must give the plain combine's bits (its logic with 2 blocks running the G
+virtual send blocks, apart from any concurrency); a cold run (before the warm-up, on a Buffer of its own
+with a 5 s timeout) prints its duration and result (pytest -s) and is not checked; the last warm
+iteration raises the signals on a third stream instead of the caller's (legacy default) stream.
 """
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -117,30 +128,63 @@ def test_overlap_combine_reference() -> None:
     run_workers(WORLD, _cpu_worker)
 
 
-def _overlapped(buf: moe_ep.Buffer, disp, idx: torch.Tensor, w: torch.Tensor, y_true: torch.Tensor, hook: bool,
-                order: list[int], skip: int = -1) -> moe_ep.LowLatencyCombineResult:
-    """The combine on a side stream over NaN rows, then expert by expert in `order` (GPU sleeps between)
-    the true rows and their signals on the caller's stream, brought up in two adds as a GEMM's blocks
-    would; word `skip` of the signal stays 0. With the hook, the send halves of both ranks are done
-    (device sync, then a group barrier) before it runs. Returns once every stream is done."""
-    e_l, words = EXPERTS // WORLD, _words()
-    y = torch.full_like(y_true, float("nan"))
-    signal = torch.zeros(e_l * words, dtype=torch.int32, device=y.device)
-    bump = torch.ones(e_l * words, dtype=torch.int32, device=y.device)
-    if skip >= 0:
-        bump[skip] = 0
-    caller, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    side.wait_stream(caller)
-    with torch.cuda.stream(side):
-        got = buf.low_latency_combine(y, idx, w, disp.handle, return_recv_hook=hook, overlap=True,
-                                      packed_recv_count=disp.count, comp_signal=signal, block_m=BLOCK_M,
-                                      threshold=THRESHOLD, num_sms=2)
+def _raise_signals(y: torch.Tensor, y_true: torch.Tensor, signal: torch.Tensor, bump: torch.Tensor,
+                   order: list[int]) -> None:
+    """The GEMM's part, on the current stream: expert by expert in `order` (GPU sleeps between) the true
+    rows, then their signal words brought up in two adds as a GEMM's blocks would."""
+    words = _words()
     for e in order:
         torch.cuda._sleep(2_000_000)
         y[e].copy_(y_true[e])
         part = slice(e * words, (e + 1) * words)
         signal[part] += bump[part]
         signal[part] += bump[part] * (THRESHOLD - 1)
+
+
+def _warm_up(y_true: torch.Tensor) -> None:
+    """Runs every kernel of _overlapped's GEMM part once, on tensors shaped (and so aligned) as there, for
+    every expert: each is then loaded before a combine waits for it (the module docstring)."""
+    e_l, words = EXPERTS // WORLD, _words()
+    y = torch.full_like(y_true, float("nan"))
+    signal = torch.zeros(e_l * words, dtype=torch.int32, device=y.device)
+    bump = torch.ones(e_l * words, dtype=torch.int32, device=y.device)
+    bump[0] = 0
+    _raise_signals(y, y_true, signal, bump, list(range(e_l)))
+    torch.cuda.synchronize()
+
+
+def _overlapped(buf: moe_ep.Buffer, disp, idx: torch.Tensor, w: torch.Tensor, y_true: torch.Tensor, hook: bool,
+                order: list[int], skip: int = -1, writer: Optional[torch.cuda.Stream] = None,
+                presignalled: bool = False) -> moe_ep.LowLatencyCombineResult:
+    """The combine on a side stream over NaN rows, then expert by expert in `order` (GPU sleeps between)
+    the true rows and their signals on the caller's stream (or on `writer`), brought up in two adds as a
+    GEMM's blocks would; word `skip` of the signal stays 0. presignalled: the true rows and every signal
+    word at the threshold before the combine launches (no concurrency needed). With the hook, the send
+    halves of both ranks are done (device sync, then a group barrier) before it runs. Returns once every
+    stream is done."""
+    e_l, words = EXPERTS // WORLD, _words()
+    y = torch.full_like(y_true, float("nan"))
+    signal = torch.zeros(e_l * words, dtype=torch.int32, device=y.device)
+    bump = torch.ones(e_l * words, dtype=torch.int32, device=y.device)
+    if skip >= 0:
+        bump[skip] = 0
+    if presignalled:
+        y.copy_(y_true)
+        signal.fill_(THRESHOLD)
+    caller, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(caller)
+    with torch.cuda.stream(side):
+        got = buf.low_latency_combine(y, idx, w, disp.handle, return_recv_hook=hook, overlap=True,
+                                      packed_recv_count=disp.count, comp_signal=signal, block_m=BLOCK_M,
+                                      threshold=THRESHOLD, num_sms=2)
+    if not presignalled:
+        if writer is None:
+            _raise_signals(y, y_true, signal, bump, order)
+        else:
+            writer.wait_stream(caller)
+            with torch.cuda.stream(writer):
+                _raise_signals(y, y_true, signal, bump, order)
+            caller.wait_stream(writer)
     if hook:
         torch.cuda.synchronize()
         dist.barrier()
@@ -165,13 +209,36 @@ def _gpu_worker(rank: int, world: int) -> None:
             buf.low_latency_combine(y_true, idx, w, disp.handle, overlap=True, packed_recv_count=disp.count,
                                     comp_signal=signal, block_m=BLOCK_M, threshold=THRESHOLD, num_sms=2)
         buf.backend.serves_overlap_combine = True  # opt in: the kernel under test
-        for it in range(4):
+        for hook in (False, True):  # the kernel's logic alone: everything signalled before the launch
+            disp, idx, w, y_true, plain = _setup(buf, rank, dev)
+            got = _overlapped(buf, disp, idx, w, y_true, hook=hook, order=[], presignalled=True)
+            assert _same(got.x, plain), f"presignalled, hook={hook}: {_differences(got.x, plain)}"
+    with moe_ep.Buffer(dist.group.WORLD, device=dev, timeout_s=5.0, **kwargs) as buf:
+        # a cold run: the GEMM part's kernels are launched for the first time while the combine waits
+        buf.backend.serves_overlap_combine = True
+        disp, idx, w, y_true, plain = _setup(buf, rank, dev)
+        began = time.monotonic()
+        got = _overlapped(buf, disp, idx, w, y_true, hook=False, order=list(range(EXPERTS // WORLD)))
+        cold = f"rank {rank}: cold overlapped run took {time.monotonic() - began:.1f} s: {_differences(got.x, plain)}"
+        try:
+            buf.low_latency_combine(y_true, idx, w, disp.handle)  # raises here if the cold run timed out
+            torch.cuda.synchronize()
+        except moe_ep.CommTimeoutError as error:
+            cold += f"; then {type(error).__name__}: {error}"
+        print(cold, flush=True)
+    _warm_up(y_true)  # already warm after the cold run; kept so that the runs below never depend on it
+    with moe_ep.Buffer(dist.group.WORLD, device=dev, timeout_s=20.0, **kwargs) as buf:
+        buf.backend.serves_overlap_combine = True
+        third = torch.cuda.Stream()
+        for it in range(5):
             disp, idx, w, y_true, plain = _setup(buf, rank, dev)
             order = torch.randperm(EXPERTS // WORLD, generator=g).tolist()
+            writer = third if it == 4 else None  # the last: the signals on a third stream, not the default one
             began = time.monotonic()
-            got = _overlapped(buf, disp, idx, w, y_true, hook=it % 2 == 1, order=order)
+            got = _overlapped(buf, disp, idx, w, y_true, hook=it % 2 == 1, order=order, writer=writer)
             took = time.monotonic() - began
-            assert _same(got.x, plain), f"it={it} order={order}, {took:.1f} s: {_differences(got.x, plain)}"
+            assert _same(got.x, plain), (f"it={it} order={order} writer={'third' if writer else 'caller'}, "
+                                         f"{took:.1f} s ({cold}): {_differences(got.x, plain)}")
     with moe_ep.Buffer(dist.group.WORLD, device=dev, timeout_s=1.0, **kwargs) as buf:
         buf.backend.serves_overlap_combine = True
         disp, idx, w, y_true, _ = _setup(buf, rank, dev)

@@ -46,7 +46,10 @@
 //   ceil(R*T / block_m)), threshold and num_sms. The GEMM adds to word (e, j) with release semantics
 //   (at least gpu scope) after its stores of those rows of y; the word reaches threshold once every
 //   one of its adds for the block is in. Both launches of the call run min(num_sms, G) blocks
-//   (never more: a block spinning on an SM the GEMM waits for would deadlock it), and launched block
+//   (never more: a block spinning on an SM the GEMM waits for would deadlock it; for the same reason
+//   every kernel that writes y or comp_signal must already be loaded when the combine launches: with
+//   CUDA's lazy loading, the default, a kernel's first launch may wait for the context's running
+//   kernels, so it would wait for this one, which waits for it, until the timeout), and launched block
 //   i runs the virtual send blocks i, i + gridDim, ... < G one after the other, each exactly as
 //   above (the same items, its own finish_send_block). So every rank still adds G to each peer's
 //   node counter per epoch and the last of G local counts publishes the epoch: receivers count as
