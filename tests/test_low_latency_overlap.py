@@ -128,7 +128,7 @@ def test_overlap_combine_reference() -> None:
     run_workers(WORLD, _cpu_worker)
 
 
-def _raise_signals(y: torch.Tensor, y_true: torch.Tensor, signal: torch.Tensor, bump: torch.Tensor,
+def _raise_signals(y: torch.Tensor, signal: torch.Tensor, bump: torch.Tensor, y_true: torch.Tensor,
                    order: list[int]) -> None:
     """The GEMM's part, on the current stream: expert by expert in `order` (GPU sleeps between) the true
     rows, then their signal words brought up in two adds as a GEMM's blocks would."""
@@ -141,15 +141,21 @@ def _raise_signals(y: torch.Tensor, y_true: torch.Tensor, signal: torch.Tensor, 
         signal[part] += bump[part] * (THRESHOLD - 1)
 
 
+def _gemm_tensors(y_true: torch.Tensor, skip: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the GEMM part writes and adds: y (NaN until written), the signal words (0) and the per-word
+    increment (1; word `skip` 0, so it never reaches the threshold)."""
+    words = EXPERTS // WORLD * _words()
+    bump = torch.ones(words, dtype=torch.int32, device=y_true.device)
+    if skip >= 0:
+        bump[skip] = 0
+    return torch.full_like(y_true, float("nan")), torch.zeros_like(bump), bump
+
+
 def _warm_up(y_true: torch.Tensor) -> None:
     """Runs every kernel of _overlapped's GEMM part once, on tensors shaped (and so aligned) as there, for
     every expert: each is then loaded before a combine waits for it (the module docstring)."""
-    e_l, words = EXPERTS // WORLD, _words()
-    y = torch.full_like(y_true, float("nan"))
-    signal = torch.zeros(e_l * words, dtype=torch.int32, device=y.device)
-    bump = torch.ones(e_l * words, dtype=torch.int32, device=y.device)
-    bump[0] = 0
-    _raise_signals(y, y_true, signal, bump, list(range(e_l)))
+    y, signal, bump = _gemm_tensors(y_true)
+    _raise_signals(y, signal, bump, y_true, list(range(EXPERTS // WORLD)))
     torch.cuda.synchronize()
 
 
@@ -162,12 +168,7 @@ def _overlapped(buf: moe_ep.Buffer, disp, idx: torch.Tensor, w: torch.Tensor, y_
     word at the threshold before the combine launches (no concurrency needed). With the hook, the send
     halves of both ranks are done (device sync, then a group barrier) before it runs. Returns once every
     stream is done."""
-    e_l, words = EXPERTS // WORLD, _words()
-    y = torch.full_like(y_true, float("nan"))
-    signal = torch.zeros(e_l * words, dtype=torch.int32, device=y.device)
-    bump = torch.ones(e_l * words, dtype=torch.int32, device=y.device)
-    if skip >= 0:
-        bump[skip] = 0
+    y, signal, bump = _gemm_tensors(y_true, skip)
     if presignalled:
         y.copy_(y_true)
         signal.fill_(THRESHOLD)
@@ -179,11 +180,11 @@ def _overlapped(buf: moe_ep.Buffer, disp, idx: torch.Tensor, w: torch.Tensor, y_
                                       threshold=THRESHOLD, num_sms=2)
     if not presignalled:
         if writer is None:
-            _raise_signals(y, y_true, signal, bump, order)
+            _raise_signals(y, signal, bump, y_true, order)
         else:
             writer.wait_stream(caller)
             with torch.cuda.stream(writer):
-                _raise_signals(y, y_true, signal, bump, order)
+                _raise_signals(y, signal, bump, y_true, order)
             caller.wait_stream(writer)
     if hook:
         torch.cuda.synchronize()

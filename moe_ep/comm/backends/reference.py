@@ -398,13 +398,14 @@ class ReferenceBackend(Backend):
             torch.cuda.synchronize(handle.count.device)
         m, blocks = overlap.block_m, -(-cfg.world_size * cfg.max_tokens_per_rank // overlap.block_m)
         words = overlap.comp_signal[: cfg.num_local_experts * blocks].view(cfg.num_local_experts, blocks).cpu()
-        with_rows = torch.arange(blocks) < ((handle.count.cpu().long() + m - 1) // m).unsqueeze(1)
+        count = handle.count.cpu().long()
+        with_rows = torch.arange(blocks) < ((count + m - 1) // m).unsqueeze(1)
         short = (with_rows & (words < overlap.threshold)).nonzero()
         if not short.numel():
             return None
         e, j = short[0].tolist()
         return ValueError(f"comp_signal[{e * blocks + j}] = {int(words[e, j])} is below threshold {overlap.threshold}: "
-                          f"local expert {e}, block {j} (rows {j * m}..{min((j + 1) * m, int(handle.count[e])) - 1}) "
+                          f"local expert {e}, block {j} (rows {j * m}..{min((j + 1) * m, int(count[e])) - 1}) "
                           "was not signalled computed when the combine read it (DeepEP's kernel would wait there "
                           "forever)")
 
