@@ -908,11 +908,6 @@ class Buffer:
         cfg = self.cfg
         self._check_low_latency()
         self._check_handle(handle, LowLatencyHandle)
-        if overlap and not self.backend.serves_overlap_combine:  # a per-call flag every rank passes alike
-            raise NotImplementedError(
-                f"overlap=True is not served by the {self.backend_name!r} backend yet: its overlap combine kernel "
-                "gave results different from the plain combine on its first GPU check (docs/deep_ep_compat.md); "
-                "call without overlap (the same result, without the early start), or use backend='reference'")
         run = self._low_latency_run(self.backend.low_latency_combine, async_op, return_recv_hook, handle=handle)
 
         def checked(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, stamp: CallStamp,

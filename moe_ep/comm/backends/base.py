@@ -158,7 +158,6 @@ class Backend(abc.ABC):
 
     name: str = "?"
     checks_expert_ids = False  # its kernels check every expert id (no host sync; the call raises ValueError)
-    serves_overlap_combine = True  # low_latency_combine(overlap=True); Buffer refuses it otherwise
 
     def __init__(self, cfg: BufferConfig) -> None:
         self.cfg = cfg

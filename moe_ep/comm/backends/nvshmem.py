@@ -52,9 +52,6 @@ class NvshmemBackend(Backend):
 
     name = "nvshmem"
     checks_expert_ids = True
-    # The overlap combine kernel (combine.cu, kOverlap) gave other bits than the plain combine in its first
-    # GPU run (tests/test_low_latency_overlap.py, 2026-12-03): refused until it passes there.
-    serves_overlap_combine = False
 
     def __init__(self, cfg: BufferConfig) -> None:
         super().__init__(cfg)
