@@ -5,12 +5,13 @@
 #   bash tests/run_gpu_scale.sh tools   the same for the README quick start (8 ranks, 3 runs), moe_ep.train
 #                                       (8 ranks, 3 runs) and moe_ep.bench (2 ranks, one low-latency case)
 #   bash tests/run_gpu_scale.sh 32      the contract checks with 32 ranks (4 nodes x 8): tests/test_gpu_scale.py
-#   bash tests/run_gpu_scale.sh 64      the same with 64 ranks (8 nodes x 8)
-# SKIP_BUILD=1 skips the install; LIMIT_S (default 580) bounds the 32/64-rank pytest run.
+#   bash tests/run_gpu_scale.sh 48      the same with 48 ranks (6 nodes x 8), the most NVSHMEM runs on one GPU
+#   bash tests/run_gpu_scale.sh 64      64 ranks on one GPU: every rank's native Buffer refused (ValueError)
+# SKIP_BUILD=1 skips the install; LIMIT_S (default 580) bounds the 32/48-rank pytest run.
 set -uo pipefail
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NVLS=1 \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-part=${1:?usage: bash tests/run_gpu_scale.sh exits|tools|32|64}
+part=${1:?usage: bash tests/run_gpu_scale.sh exits|tools|32|48|64}
 out=${OUT:-out}; mkdir -p "$out"
 start=$SECONDS
 if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: moe_ep is already installed from this tree
@@ -49,7 +50,15 @@ pathlib.Path('$out/quickstart.py').write_text(quick_start_code(README.read_text(
       --warmup 2 --iters 5 --out "$out/bench"
     grep -c "terminate called" "$out"/*.log | sed 's/^/"terminate called" lines: /' >>"$out/summary.txt"
     ;;
-  32|64)
+  64)
+    began=$SECONDS
+    MOE_EP_SCALE=1 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/test_gpu_scale.py::test_more_ranks_on_one_gpu_than_nvshmem_serves >"$out/scale_64.log" 2>&1
+    rc=$?
+    echo "EP64 on one GPU, refused on every rank | rc=$rc | $((SECONDS - began)) s | $(grep -E \
+      '[0-9]+ (passed|failed|error|skipped)' "$out/scale_64.log" | tail -1)" >>"$out/summary.txt"
+    ;;
+  32|48)
     began=$SECONDS
     # host and GPU memory every 3 s: a rank that dies without a traceback (e.g. the OOM killer) shows there
     ( while :; do
@@ -69,7 +78,7 @@ pathlib.Path('$out/quickstart.py').write_text(quick_start_code(README.read_text(
     echo "EP$part on one GPU | rc=$rc | $((SECONDS - began)) s | $(grep -E '[0-9]+ (passed|failed|error)' \
       "$out/scale_$part.log" | tail -1)" >>"$out/summary.txt"
     ;;
-  *) echo "unknown part $part: exits, tools, 32 or 64"; exit 2 ;;
+  *) echo "unknown part $part: exits, tools, 32, 48 or 64"; exit 2 ;;
 esac
 cat "$out/summary.txt"
 echo "total $((SECONDS - start)) s"

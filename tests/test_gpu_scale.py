@@ -1,6 +1,8 @@
-"""EP32 (4 nodes x 8) and EP64 (8 nodes x 8) with every rank on one GPU: the native normal-mode and
+"""EP32 (4 nodes x 8) and EP48 (6 nodes x 8) with every rank on one GPU: the native normal-mode and
 low-latency kernels against the reference backend, bitwise, as tests/test_gpu_crossnode.py and
 tests/test_gpu_low_latency.py check them at 2-8 ranks (their comparisons, poisoning and inputs).
+EP64 on one GPU is beyond NVSHMEM (at most 48 processes per GPU; its init crashed at 64): every rank's
+native Buffer raises ValueError saying so, and the reference backend serves the same group.
 
 Sized for time-slicing: R processes share the GPU, so a kernel that waits for a peer waits until the
 peer's process gets its slice (~2 ms, docs/one_gpu.md), and a call costs about one slice per rank
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
+from moe_ep.comm import _native
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import random_topk
 from tests.test_gpu_crossnode import _tokens
@@ -44,8 +47,12 @@ def _normal_shapes(world: int) -> dict[tuple[int, int, int, int], list[Case]]:
     }
 
 
-# (hidden, experts, topk, max_tokens_per_rank): the decode shape at T = 16; K = 16 with 128 experts
-LOW_LATENCY_SHAPES = [(7168, 256, 8, 16), (512, 128, 16, 24)]
+def _low_latency_shapes(world: int) -> list[tuple[int, int, int, int]]:
+    """(hidden, experts, topk, max_tokens_per_rank): the decode shape at T = 16 and K = 16, with 256 and
+    128 experts, or the largest multiple of the world below (EP48: 240 and 96)."""
+    return [(7168, world * (256 // world), 8, 16), (512, world * (128 // world), 16, 24)]
+
+
 LOW_LATENCY_ITERS = 4
 GRAPH_REPLAYS = 3
 
@@ -133,7 +140,8 @@ def _low_latency_graph(buf, ref, shape, rank: int, local: torch.Generator) -> No
 def _low_latency(rank: int, world: int) -> None:
     shared = torch.Generator().manual_seed(1234)
     local = torch.Generator(device="cuda").manual_seed(99 + rank)
-    for shape in LOW_LATENCY_SHAPES:
+    shapes = _low_latency_shapes(world)
+    for shape in shapes:
         began = time.monotonic()
         hidden, experts, k, t = shape
         kwargs = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, low_latency=True,
@@ -141,7 +149,7 @@ def _low_latency(rank: int, world: int) -> None:
         with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", **kwargs) as buf, \
                 moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **kwargs) as ref:
             _low_latency_calls(buf, ref, shape, rank, world, shared, local)
-            if shape == LOW_LATENCY_SHAPES[-1]:
+            if shape == shapes[-1]:
                 _low_latency_graph(buf, ref, shape, rank, local)
         _phase(rank, world, f"low latency {shape}", began)
 
@@ -157,7 +165,30 @@ def _worker(rank: int, world: int) -> None:
         print(f"EP{world}: peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated by rank 0", flush=True)
 
 
-@pytest.mark.parametrize("world", [32, 64])
+@pytest.mark.parametrize("world", [32, 48])
 def test_many_ranks_on_one_gpu(world: int) -> None:
     """world ranks as world / 8 nodes of 8, all on the GPUs present (one H200: all on it)."""
     run_workers(world, _worker, backend="gpu", timeout_s=540)
+
+
+def _refused(rank: int, world: int) -> None:
+    kwargs = dict(hidden=512, num_experts=world, num_topk=4, max_tokens_per_rank=8, ranks_per_node=RANKS_PER_NODE)
+    most = _native.constant("MAX_RANKS_PER_GPU")
+    with pytest.raises(ValueError, match=rf"{world} ranks of the group share one GPU, but NVSHMEM serves at most "
+                                         rf"{most} processes per GPU"):
+        moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", **kwargs)
+    with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **kwargs) as ref:
+        x = torch.randn(8, 512, device="cuda").to(torch.bfloat16)
+        idx = random_topk("random", 8, world, 4, torch.Generator(device="cuda").manual_seed(rank), device="cuda")
+        disp = ref.dispatch(x, idx, torch.rand(8, 4, device="cuda"))
+        every = [torch.empty_like(idx) for _ in range(world)]
+        dist.all_gather(every, idx)  # brute force: this rank's one expert, over every rank's top-k
+        assert disp.tokens_per_expert == [sum(int((i == rank).sum()) for i in every)]
+
+
+def test_more_ranks_on_one_gpu_than_nvshmem_serves() -> None:
+    """64 ranks on one GPU: every rank's native Buffer is refused alike, none crashes; the reference serves."""
+    world = 64
+    if world // torch.cuda.device_count() <= _native.constant("MAX_RANKS_PER_GPU"):
+        pytest.skip(f"{world} ranks on {torch.cuda.device_count()} GPUs share none beyond NVSHMEM's limit")
+    run_workers(world, _refused, backend="gpu", timeout_s=300)

@@ -250,7 +250,8 @@ def test_info_reports_build_and_backend() -> None:
 
 def test_fallback_constants_equal_the_kernels_limits() -> None:
     limits = (ROOT / "csrc" / "runtime" / "limits.h").read_text()
-    for name, constant in (("MAX_TOPK", "kMaxTopk"), ("MAX_NODE_RANKS", "kMaxNodeRanks")):
+    for name, constant in (("MAX_TOPK", "kMaxTopk"), ("MAX_NODE_RANKS", "kMaxNodeRanks"),
+                           ("MAX_RANKS_PER_GPU", "kMaxRanksPerGpu")):
         assert int(re.search(rf"constexpr int {constant} = (\d+);", limits)[1]) == _native.FALLBACK_CONSTANTS[name]
     low_latency = (ROOT / "csrc" / "kernels" / "low_latency" / "low_latency.h").read_text()
     for name, constant in (("NVFP4_BLOCK", "kNvfp4Block"), ("NVFP4_E2M1_MAX", "kNvfp4E2m1Max"),

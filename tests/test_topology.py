@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.comm import _native, topology
-from moe_ep.comm.buffer import auto_backend
+from moe_ep.comm.buffer import _check_ranks_per_gpu, auto_backend
 from tests._dist import run_workers
 from tests.oracle import (
     expected_combine,
@@ -157,6 +157,24 @@ def test_ranks_per_host_rejects_uneven_layouts(hosts: list[str], message: str) -
 @pytest.mark.parametrize("per_host, size", [(1, 1), (2, 2), (7, 7), (8, 8), (9, 3), (10, 5), (12, 6), (16, 8)])
 def test_node_size_is_at_most_8_and_divides_the_host(per_host: int, size: int) -> None:
     assert topology.node_size(per_host) == size
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_more_ranks_on_one_gpu_than_nvshmem_serves_is_refused(gpus: int) -> None:
+    """NVSHMEM's init crashes past MAX_RANKS_PER_GPU processes on one GPU: counted per GPU (host, UUID)
+    over every rank's placement, refused for the native backend only."""
+    most = _native.constant("MAX_RANKS_PER_GPU")
+    for per_gpu in (most, most + 1):
+        places = [("host0", f"GPU-{r % gpus}") for r in range(per_gpu * gpus)]
+        topo = topology.from_placements(places, 8)
+        assert topo.ranks_per_gpu == per_gpu
+        _check_ranks_per_gpu("reference", topo.ranks_per_gpu)
+        if per_gpu == most:
+            _check_ranks_per_gpu("nvshmem", topo.ranks_per_gpu)
+        else:
+            with pytest.raises(ValueError, match=rf"{per_gpu} ranks of the group share one GPU, but NVSHMEM serves at "
+                                                 rf"most {most} processes per GPU"):
+                _check_ranks_per_gpu("nvshmem", topo.ranks_per_gpu)
 
 
 def test_auto_picks_native_whatever_the_group_size(monkeypatch: pytest.MonkeyPatch) -> None:

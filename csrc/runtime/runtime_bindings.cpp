@@ -14,6 +14,7 @@ void register_runtime(py::module_& m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   m.attr("MAX_NODE_RANKS") = moe_ep::kMaxNodeRanks;
   m.attr("MAX_TOPK") = moe_ep::kMaxTopk;
+  m.attr("MAX_RANKS_PER_GPU") = moe_ep::kMaxRanksPerGpu;
 
   m.def(
       "get_unique_id",

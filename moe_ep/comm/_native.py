@@ -25,6 +25,7 @@ HOST_LIBRARY = "libnvshmem_host.so.3"
 FALLBACK_CONSTANTS = {
     "MAX_TOPK": 16,  # top-k entries per token, every path (csrc/runtime/limits.h kMaxTopk)
     "MAX_NODE_RANKS": 8,  # ranks of one NVLink domain (csrc/runtime/limits.h kMaxNodeRanks)
+    "MAX_RANKS_PER_GPU": 48,  # NVSHMEM PEs sharing one GPU (csrc/runtime/limits.h kMaxRanksPerGpu)
     "INTERNODE_MAX_CHANNELS": 64,  # SMs (channels) of a cross-node call (csrc/kernels/internode/internode.h kMaxChannels)
     "LL_META_BYTES": 48,  # one staged low-latency token's meta row (csrc/kernels/low_latency/low_latency.h kMetaBytes)
     "TUNING_MAX_WARPS": 32,  # warps of a normal-mode dispatch / combine block (csrc/kernels/intranode/intranode.h kHostWarps)

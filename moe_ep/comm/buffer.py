@@ -255,6 +255,16 @@ def _check_same_topology(everyone: list[dict[str, Any]], detected: int) -> None:
     _check_same(resolved)
 
 
+def _check_ranks_per_gpu(backend: str, ranks_per_gpu: int) -> None:
+    """NVSHMEM serves at most MAX_RANKS_PER_GPU ranks sharing one GPU and crashes in its init beyond
+    (csrc/runtime/limits.h); every rank has the same count (the topology's exchange), so all raise alike."""
+    most = _native.constant("MAX_RANKS_PER_GPU")
+    if backend == "nvshmem" and ranks_per_gpu > most:
+        raise ValueError(f"moe_ep: {ranks_per_gpu} ranks of the group share one GPU, but NVSHMEM serves at most "
+                         f"{most} processes per GPU (its init would crash): use at most {most} ranks per GPU, "
+                         "or backend='reference'")
+
+
 def _take_part(error: Exception, standin: Callable[[], object]) -> NoReturn:
     """Make the call on stand-in inputs whose stamp carries the rejection, so that every peer's exchange
     finds this rank (and raises PeerInputError where the call checks stamps), then raise this rank's
@@ -331,6 +341,7 @@ class Buffer:
         self.backend_name: str = settings["backend"]
         topo = _resolve_topology(group, ranks_per_node, device)  # collective
         _check_same_topology(everyone, topo.detected)
+        _check_ranks_per_gpu(self.backend_name, topo.ranks_per_gpu)
         if hierarchical is False and topo.num_nodes > 1:
             raise ValueError(f"hierarchical=False needs one node, but the group spans {topo.num_nodes} nodes of "
                              f"{topo.ranks_per_node} ranks")
