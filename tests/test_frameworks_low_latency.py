@@ -38,10 +38,12 @@ $MOE_EP_FRAMEWORKS as tests/_frameworks.py says; a test whose framework is not t
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import types
-from typing import Optional
+from typing import Iterator, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -54,7 +56,7 @@ from tests.oracle import Inputs, expected_low_latency_dispatch, fp8_dequantize, 
 from tests.test_nvfp4 import check_received, dequantize_float64, expected_nvfp4
 
 # HIDDEN: the smallest hidden size vLLM's DeepEPLLPrepareAndFinalize accepts (its SUPPORTED_HIDDEN_SIZES)
-WORLD, HIDDEN, EXPERTS, TOPK, T = 2, 2048, 8, 3, 16
+WORLD, HIDDEN, EXPERTS, TOPK, T = 2, 2048, 8, 3, 64
 NUM_LOCAL = EXPERTS // WORLD
 
 
@@ -271,3 +273,142 @@ def test_vllm_deepep_low_latency_cpu() -> None:
 def test_vllm_deepep_low_latency_gpu() -> None:
     skip_unless_its_torch("vllm", "0.33.0")
     run_workers(WORLD, _vllm_worker, backend="gpu")
+
+
+# ---- SGLang 0.5.23: DeepEPDispatcher in low-latency mode, and its single-batch overlap ----------------
+class _CpuStream:
+    """Stand-in (CPU only) for the CUDA stream SGLang's model gives compute_overlap_args (its alt_stream):
+    the CPU runs everything in order, so waiting on events and streams has nothing to do."""
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+
+class _CpuEvent:
+    """Stand-in (CPU only) for torch.cuda.Event, which compute_overlap_args creates (the down GEMM records it)."""
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _sbo_flags(flags) -> Iterator[None]:
+    """The server flags --enable-single-batch-overlap and --moe-runner-backend deep_gemm (SGLang's runtime
+    flags, which its initialize_moe_config would set from them; it refuses SBO on SM90 GPUs, see above)."""
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+
+    saved = flags.sbo_enabled, flags.runner_backend
+    flags.sbo_enabled, flags.runner_backend = True, MoeRunnerBackend.DEEP_GEMM
+    try:
+        yield
+    finally:
+        flags.sbo_enabled, flags.runner_backend = saved
+
+
+def _down_gemm(out, combine_args, down_args, meta: dict, block_m: int, short: bool) -> None:
+    """Stand-in for SGLang's DeepGEMM masked down GEMM with overlap (moe_runner/deep_gemm.py): records the
+    start event, then raises every comp_signal word covering received rows (block j of local expert e:
+    word e * ceil(R*T / block_m) + j) to the threshold it returns with block_m into meta_overlap_args;
+    words past the rows stay 0. `short`: the last covering word stays one below."""
+    down_args.start_event.record()
+    assert combine_args.overlap and combine_args.signal is down_args.signal
+    signal = down_args.signal
+    blocks = -(-WORLD * T // block_m)
+    threshold = -(-HIDDEN // 256)  # the GEMM's N blocks of 256 columns, each signalling once
+    words = [e * blocks + j for e, c in enumerate(out.masked_m.cpu().tolist()) for j in range(-(-c // block_m))]
+    signal.zero_()
+    signal[torch.tensor(words, dtype=torch.long, device=signal.device)] = threshold
+    if short:
+        signal[words[-1]] = threshold - 1
+    meta["block_m"], meta["threshold"] = block_m, threshold
+
+
+def _sglang_worker(rank: int, world: int) -> None:
+    import_path(SGLANG_STUBS)
+    os.environ["SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"] = str(T)
+    from sglang.srt.batch_overlap import single_batch_overlap
+    from sglang.srt.layers import deep_gemm_wrapper
+    from sglang.srt.layers.moe.token_dispatcher import deepep
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.layers.moe import utils as moe_utils
+    from sglang.srt.layers.moe.utils import DeepEPMode
+    from sglang.srt.runtime_context import get_flags
+
+    dev = device()
+    if dev.type == "cpu":
+        # shims (CPU only): SGLang reads the GPU's SM count when it sizes the Buffer and splits SMs for the
+        # overlap (an H200's 132 here), and makes a CUDA event for the overlap
+        torch.cuda.get_device_properties = lambda *args, **kwargs: types.SimpleNamespace(multi_processor_count=132)
+        torch.cuda.Event = _CpuEvent
+    alt_stream = _CpuStream() if dev.type == "cpu" else torch.cuda.Stream()
+    # stand-ins for the server's runtime state: the scheduler's batch kind (a decode batch: low-latency mode),
+    # and no published server args (no --deepep-dispatcher-output-dtype: the dispatcher's quant config decides)
+    deepep.get_is_extend_in_batch = lambda: False
+    moe_utils.get_server_args = lambda: None
+    dispatchers = {hook: deepep.DeepEPDispatcher(dist.group.WORLD, router_topk=TOPK, num_experts=EXPERTS,
+                                                 num_local_experts=NUM_LOCAL, hidden_size=HIDDEN,
+                                                 params_dtype=torch.bfloat16, deepep_mode=DeepEPMode.LOW_LATENCY,
+                                                 return_recv_hook=hook) for hook in (False, True)}
+    # (format, receive hook, tokens, routing, single-batch overlap: (block_m, short signal) or None)
+    cases = [("bf16", False, [40, 64], "random", None), ("bf16", True, [0, 23], "random", None),
+             ("fp8", False, [64, 31], "random", None), ("fp8", True, [17, 5], "skewed", None),
+             ("ue8m0", True, [33, 48], "random", None), ("ue8m0", False, [8, 0], "random", None),
+             ("nvfp4", False, [29, 64], "random", None), ("nvfp4", True, [12, 3], "skewed", None),
+             ("bf16", False, [64, 60], "skewed", (64, False)), ("fp8", True, [50, 64], "skewed", (128, False)),
+             ("ue8m0", False, [64, 64], "skewed", (64, False)), ("bf16", True, [64, 57], "skewed", (64, True))]
+    for case, (fmt, hook, tokens, routing, sbo) in enumerate(cases):
+        what = f"SGLang {fmt} hook={hook} tokens={tokens} sbo={sbo}"
+        inp = make_inputs(900 + case, tokens, HIDDEN, EXPERTS, TOPK, routing)
+        g = [_global_scale(inp, "drawn" if fmt == "nvfp4" else None, 900 + case)] * world
+        dispatcher = dispatchers[hook]
+        # the quant config SGLang's MoE layer hands the dispatcher: bf16 by name, FP8 by default, NVFP4 by
+        # its input_global_scale (a 0-dim float32 tensor, as DeepEP documents x_global_scale)
+        quant = {"bf16": {"dispatcher_output_dtype": "bf16"}, "fp8": {}, "ue8m0": {},
+                 "nvfp4": {"input_global_scale": torch.tensor(g[rank], device=dev)}}[fmt]
+        dispatcher.set_quant_config(quant)
+        # stand-ins for DeepGEMM's probe (JIT DeepGEMM on Blackwell: UE8M0 scales) for the ue8m0 cases
+        deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM = deep_gemm_wrapper.DEEPGEMM_BLACKWELL = fmt == "ue8m0"
+        x, idx, w = inp.x[rank].to(dev), inp.topk_idx[rank].to(dev), inp.topk_weights[rank].to(dev)
+        out = dispatcher.dispatch(x, StandardTopKOutput(w, idx, None))
+        values = out.hidden_states.permute(2, 0, 1) if fmt == "nvfp4" else out.hidden_states
+        _check_received(fmt, inp, rank, g, values, out.hidden_states_scale, out.masked_m, what)
+        fused = _experts(_received_rows(fmt, values, out.hidden_states_scale, g[rank]), out.masked_m, rank).to(dev)
+        combine = deepep.DeepEPLLCombineInput(fused, out.topk_ids, out.topk_weights)
+        if sbo is None:
+            combined = dispatcher.combine(combine)
+            close(combined, weighted(_as_carried(inp, fmt, g)[rank], inp.topk_idx[rank], inp.topk_weights[rank]),
+                  what)
+            continue
+        block_m, short = sbo
+        with _sbo_flags(get_flags().moe):
+            combine_args, down_args, meta = single_batch_overlap.compute_overlap_args(out, alt_stream)
+        assert combine_args is not None and down_args is not None, f"{what}: SGLang chose no down-GEMM overlap"
+        dispatcher.set_overlap_args(combine_args, meta)
+        _down_gemm(out, combine_args, down_args, meta, block_m, short and rank == 0)
+        if short:  # the combine must not read a block before its word is signalled: this rank raises, its peer too
+            told = (rf"comp_signal\[\d+\] = {meta['threshold'] - 1} is below threshold {meta['threshold']}"
+                    if rank == 0 else r"rank 0 rejected its input \(ValueError: comp_signal")
+            with pytest.raises(ValueError, match=told) as raised:
+                dispatcher.combine(combine)
+            assert isinstance(raised.value, moe_ep.PeerInputError) == (rank == 1), f"{what}: {raised.value!r}"
+            break
+        combined = dispatcher.combine(combine)
+        dispatcher.clear_overlap_args()
+        close(combined, weighted(_as_carried(inp, fmt, g)[rank], inp.topk_idx[rank], inp.topk_weights[rank]), what)
+    else:
+        raise AssertionError("the short-signal case must end the cases")
+
+
+@needs("sglang", "0.5.23")
+def test_sglang_deepep_low_latency_cpu() -> None:
+    run_workers(WORLD, _sglang_worker)
+
+
+@needs("sglang", "0.5.23")
+@requires_gpus(1)
+def test_sglang_deepep_low_latency_gpu() -> None:
+    skip_unless_its_torch("sglang", "0.5.23")
+    run_workers(WORLD, _sglang_worker, backend="gpu")
