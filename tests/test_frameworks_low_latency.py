@@ -61,7 +61,7 @@ NUM_LOCAL = EXPERTS // WORLD
 
 
 # ---- formats: what the experts read, what the brute force sums ----------------------------------
-def _global_scale(inp: Inputs, recipe: object, seed: int) -> float:
+def _global_scale(inp: Inputs, recipe: Optional[str], seed: int) -> float:
     """The NVFP4 global scale every rank uses (a model's static one, float32): DeepEP's test recipe, 448 * 6 /
     amax over every rank's rows ("amax"), or drawn in [0.5, 200] ("drawn"); 0.0 for other formats (unread)."""
     if recipe == "amax":
@@ -224,16 +224,15 @@ def _vllm_worker(rank: int, world: int) -> None:
     block_fp8 = fp8_w8a8_moe_quant_config(w1_scale=one, w2_scale=one, block_shape=[128, 128])
     # experts that take packed UE8M0 activation scales (DeepGEMM's on Blackwell): post_init_setup asks them
     ue8m0_experts = types.SimpleNamespace(supports_packed_ue8m0_act_scales=lambda: True)
-    cases = [("bf16", FUSED_MOE_UNQUANTIZED_CONFIG, False, [13, 9]),
-             ("bf16", FUSED_MOE_UNQUANTIZED_CONFIG, True, [0, 16]),
-             ("fp8", FUSED_MOE_UNQUANTIZED_CONFIG, False, [11, 7]),
-             ("fp8", block_fp8, True, [16, 5]),
-             ("ue8m0", block_fp8, False, [9, 14]),
-             ("nvfp4", "amax", True, [12, 10]),
-             ("nvfp4", "drawn", False, [3, 16])]
-    for case, (fmt, quant_config, use_async, tokens) in enumerate(cases):
+    # (format, quant config: unquantised, block FP8, or NVFP4 with its global scale's recipe, finalize_async,
+    # tokens per rank)
+    cases = [("bf16", "none", False, [13, 9]), ("bf16", "none", True, [0, 64]), ("fp8", "none", False, [41, 7]),
+             ("fp8", "block", True, [64, 5]), ("ue8m0", "block", False, [9, 50]), ("nvfp4", "amax", True, [12, 33]),
+             ("nvfp4", "drawn", False, [3, 64])]
+    for case, (fmt, quant, use_async, tokens) in enumerate(cases):
         inp = make_inputs(700 + case, tokens, HIDDEN, EXPERTS, TOPK)
-        g = [_global_scale(inp, quant_config, 700 + case)] * world
+        g = [_global_scale(inp, quant, 700 + case)] * world
+        quant_config = {"none": FUSED_MOE_UNQUANTIZED_CONFIG, "block": block_fp8}.get(quant)
         if fmt == "nvfp4":  # vLLM's a1_gscale: the checkpoint's one static value, repeated per local expert
             gscale = torch.full((NUM_LOCAL,), g[rank], dtype=torch.float32, device=dev)
             quant_config = nvfp4_moe_quant_config(g1_alphas=one, g2_alphas=one, a1_gscale=gscale, a2_gscale=gscale,
@@ -252,13 +251,15 @@ def _vllm_worker(rank: int, world: int) -> None:
     buffer.low_latency_update_mask_buffer(1 - rank, True)
     assert bool(manager.query_fault())
     assert manager.query_active_mask().tolist() == [int(r != rank) for r in range(world)]
-    inp = make_inputs(790, [10, 15], HIDDEN, EXPERTS, TOPK)
+    inp = make_inputs(790, [30, 64], HIDDEN, EXPERTS, TOPK)
     _vllm_round(pf, "bf16", inp, rank, [], FUSED_MOE_UNQUANTIZED_CONFIG, False, "vLLM with the peer masked",
                 want=_without(inp, rank))
     dist.barrier()
+    raw = buffer.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True)
+    raw.random_(1, 100)  # stale bytes for clean_buffers to zero
     manager.clean_buffers()
     assert not bool(manager.query_fault()) and manager.query_active_mask().tolist() == [0] * world
-    assert not buffer.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True).any()
+    assert raw.numel() == buffer.num_rdma_bytes > 0 and not raw.any()
     _vllm_round(pf, "bf16", inp, rank, [], FUSED_MOE_UNQUANTIZED_CONFIG, True, "vLLM after clean_buffers")
     manager.destroy()
 
@@ -365,9 +366,10 @@ def _sglang_worker(rank: int, world: int) -> None:
         g = [_global_scale(inp, "drawn" if fmt == "nvfp4" else None, 900 + case)] * world
         dispatcher = dispatchers[hook]
         # the quant config SGLang's MoE layer hands the dispatcher: bf16 by name, FP8 by default, NVFP4 by
-        # its input_global_scale (a 0-dim float32 tensor, as DeepEP documents x_global_scale)
+        # its input_global_scale (ModelOpt's w13_input_scale_quant: 1 / the static input scale, per local expert)
+        gscale = torch.full((NUM_LOCAL,), g[rank], dtype=torch.float32, device=dev)
         quant = {"bf16": {"dispatcher_output_dtype": "bf16"}, "fp8": {}, "ue8m0": {},
-                 "nvfp4": {"input_global_scale": torch.tensor(g[rank], device=dev)}}[fmt]
+                 "nvfp4": {"input_global_scale": gscale}}[fmt]
         dispatcher.set_quant_config(quant)
         # stand-ins for DeepGEMM's probe (JIT DeepGEMM on Blackwell: UE8M0 scales) for the ue8m0 cases
         deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM = deep_gemm_wrapper.DEEPGEMM_BLACKWELL = fmt == "ue8m0"
