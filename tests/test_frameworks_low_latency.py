@@ -313,7 +313,8 @@ def _down_gemm(out, combine_args, down_args, meta: dict, block_m: int, short: bo
     """Stand-in for SGLang's DeepGEMM masked down GEMM with overlap (moe_runner/deep_gemm.py): records the
     start event, then raises every comp_signal word covering received rows (block j of local expert e:
     word e * ceil(R*T / block_m) + j) to the threshold it returns with block_m into meta_overlap_args;
-    words past the rows stay 0. `short`: the last covering word stays one below."""
+    words past the rows stay 0. `short`: the word of the highest block holding rows (a second block of an
+    expert, where the data has one) stays one below."""
     down_args.start_event.record()
     assert combine_args.overlap and combine_args.signal is down_args.signal
     signal = down_args.signal
@@ -323,7 +324,7 @@ def _down_gemm(out, combine_args, down_args, meta: dict, block_m: int, short: bo
     signal.zero_()
     signal[torch.tensor(words, dtype=torch.long, device=signal.device)] = threshold
     if short:
-        signal[words[-1]] = threshold - 1
+        signal[max(words, key=lambda word: word % blocks)] = threshold - 1
     meta["block_m"], meta["threshold"] = block_m, threshold
 
 
