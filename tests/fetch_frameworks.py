@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Fill the frameworks folder that tests/test_frameworks_v2.py and tests/test_frameworks_hybrid.py read
-($MOE_EP_FRAMEWORKS, default <repo>/.frameworks, git-ignored) with only the files those tests use.
+"""Fill the frameworks folder that tests/test_frameworks_v2.py, test_frameworks_low_latency.py and
+test_frameworks_hybrid.py read ($MOE_EP_FRAMEWORKS, default <repo>/.frameworks, git-ignored) with only the
+files those tests use.
 
 The wheels of Megatron-Core 0.19.2, torchtitan 0.3.0, vLLM 0.33.0 and SGLang 0.5.23 and of the
 dependencies their tested code paths import are fetched with
@@ -376,6 +377,7 @@ sglang/srt/arg_groups: __init__ arg_utils argparse_actions choices field_order m
 sglang/srt/arg_groups/fields/**/*.py
 sglang/srt/arg_groups/model_overrides/**/*.py
 sglang/srt/batch_invariant_ops/**/*.py
+sglang/srt/batch_overlap: single_batch_overlap
 sglang/srt/compilation: compilation_config
 sglang/srt/configs: __init__ afmoe bailing_hybrid bailing_moe_v2 beam chatglm cohere2_moe cosmos3 dbrx
     deepseek_ocr deepseek_v41 deepseekvl2 dots3 dots_ocr dots_vlm embedding_model_spec exaone
@@ -483,6 +485,8 @@ vllm/distributed: __init__ communication_op nixl_utils parallel_state stateless_
 vllm/distributed/device_communicators: __init__ aiter_custom_all_reduce all2all all_reduce_utils
     base_device_communicator cuda_communicator cuda_wrapper pynccl
     pynccl_allocator pynccl_wrapper shm_broadcast shm_object_storage
+vllm/distributed/ec_transfer: __init__ ec_transfer_state
+vllm/distributed/ec_transfer/ec_connector: __init__ base factory utils
 vllm/distributed/eplb/**/*.py
 vllm/distributed/kv_transfer: __init__ kv_transfer_state
 vllm/distributed/kv_transfer/kv_connector: __init__ base factory utils
@@ -517,7 +521,7 @@ vllm/model_executor/layers/fused_moe: __init__ activation all2all_utils config e
     topk_weight_and_reduce unquantized_fused_moe_method utils
 vllm/model_executor/layers/fused_moe/experts: __init__ rocm_aiter_moe
 vllm/model_executor/layers/fused_moe/oracle: __init__ base unquantized
-vllm/model_executor/layers/fused_moe/prepare_finalize: __init__ batched deepep_v2 flashinfer_nvlink_one_sided
+vllm/model_executor/layers/fused_moe/prepare_finalize: __init__ batched deepep_ll deepep_v2 flashinfer_nvlink_one_sided
     flashinfer_nvlink_two_sided naive_dp_ep no_dp_ep
     passthrough
 vllm/model_executor/layers/fused_moe/router: __init__ aiter_shared_routed_fused_moe_router base_router
@@ -583,6 +587,7 @@ vllm/v1/attention/ops: __init__ common cp_common dcp merge_attn_states pcp rocm_
 vllm/v1/core: __init__ kv_cache_utils
 vllm/v1/core/sched: __init__ output
 vllm/v1/engine: __init__
+vllm/v1/executor: __init__ abstract uniproc_executor vllm_net_devices
 vllm/v1/hisparse: __init__ runtime types
 vllm/v1/kv_hints/**/*.py
 vllm/v1/kv_offload: __init__
@@ -591,7 +596,7 @@ vllm/v1/metrics: __init__ cache_hit_source perf stats utils
 vllm/v1/simple_kv_offload: __init__ cuda_mem_ops
 vllm/v1/spec_decode: __init__ metrics
 vllm/v1/structured_output: __init__ backend_guidance backend_types backend_xgrammar request utils
-vllm/v1/worker: __init__ block_table dp_utils ubatch_utils ubatching workspace
+vllm/v1/worker: __init__ block_table dp_utils ubatch_utils ubatching worker_base workspace
 deps/tvm_ffi/lib/**
 sglang/kernels/jit/csrc/**
 sglang/kernels/jit/include/**

@@ -6,7 +6,7 @@ native backend streams them). 2 ranks on CPU (gloo, reference backend) and 2 ran
 kernels). The brute force is vectorized over all ranks' tokens, so it keeps up with 16384 per rank.
 
 The frameworks are not installed: the tests read the files of their wheels they use from $MOE_EP_FRAMEWORKS,
-else <repo>/.frameworks (git-ignored), their dependencies from its deps/ folder; a test skips when its
+else <repo>/.frameworks (git-ignored; tests/_frameworks.py), their dependencies from its deps/ folder; a test skips when its
 framework is not there. tests/fetch_frameworks.py fills it (.ci/run does, with --training-only).
 
 `deep_ep` (and `deep_ep.utils`, `deep_ep.hybrid_ep_buffer`) are aliased to moe_ep.deep_ep before the
@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Optional, Union
 
 import pytest
@@ -39,10 +37,9 @@ import torch.distributed as dist
 import moe_ep.deep_ep
 from moe_ep.deep_ep import hybrid_ep_buffer
 from tests._dist import device, requires_gpus, run_workers
+from tests._frameworks import FRAMEWORKS, ROOT, needs
 from tests.oracle import Inputs, assert_same_bits
 
-ROOT = Path(__file__).resolve().parents[1]
-FRAMEWORKS = Path(os.environ.get("MOE_EP_FRAMEWORKS", ROOT / ".frameworks"))
 WORLD, HIDDEN, EXPERTS, TOPK, T = 2, 64, 8, 3, 32
 NUM_LOCAL = EXPERTS // WORLD
 
@@ -61,11 +58,7 @@ def _use_frameworks() -> None:
     torch._dynamo.config.disable = True  # shim: Megatron's jit_fuser (torch.compile)
 
 
-def _have(package: str) -> bool:
-    return (FRAMEWORKS / package).is_dir()
-
-
-needs_torchtitan = pytest.mark.skipif(not _have("torchtitan"), reason=f"torchtitan 0.3.0 is not unpacked in {FRAMEWORKS}")
+needs_torchtitan = needs("torchtitan", "0.3.0")
 
 
 def _skip_unless_torchtitan_imports() -> None:
@@ -79,7 +72,7 @@ def _skip_unless_torchtitan_imports() -> None:
         pytest.skip(f"torchtitan 0.3.0 does not import with torch {torch.__version__}: {last}")
 
 
-needs_megatron = pytest.mark.skipif(not _have("megatron"), reason=f"megatron-core 0.19.2 is not unpacked in {FRAMEWORKS}")
+needs_megatron = needs("megatron", "0.19.2")
 
 
 # ---- every rank's inputs and the brute-force results ------------------------------------------------

@@ -4,96 +4,30 @@ imported. Each is checked against brute force over every rank's inputs (the expe
 functions, so each token's output is a sum over its experts wherever they live), 2 ranks on CPU
 (gloo, reference backend) and, marked gpu, 2 ranks sharing one GPU (native kernels).
 
-The frameworks are not installed: as in tests/test_frameworks_hybrid.py, the tests read the files
-of their wheels they use (the imported parts are pure Python) from $MOE_EP_FRAMEWORKS, else
-<repo>/.frameworks (git-ignored), their dependencies from its deps/ folder; tests/fetch_frameworks.py
+The frameworks are not installed: the tests read the files of their wheels they use from
+$MOE_EP_FRAMEWORKS (tests/_frameworks.py, shared with the other framework tests); tests/fetch_frameworks.py
 fills it (.ci/run: torchtitan and Megatron-Core; vLLM and SGLang without --training-only). A test whose framework is not there
 skips, naming it. Stubs and shims, each for something unrelated to communication, are named where
 they are made.
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
-import sys
 import types
-from pathlib import Path
-from typing import Optional
-from unittest import mock
 
-import pytest
 import torch
 import torch.distributed as dist
 
 import moe_ep.deep_ep
 from tests._dist import device, requires_gpus, run_workers
+from tests._frameworks import (SGLANG_STUBS, VLLM_STUBS, close, import_path, needs, reduced_experts, scale,
+                               skip_unless_its_torch, weighted)
 
-ROOT = Path(__file__).resolve().parents[1]
-FRAMEWORKS = Path(os.environ.get("MOE_EP_FRAMEWORKS", ROOT / ".frameworks"))
 WORLD, HIDDEN, EXPERTS, TOPK, T = 2, 256, 8, 3, 32
 NUM_LOCAL = EXPERTS // WORLD
 
 
-def _needs(package: str, version: str) -> pytest.MarkDecorator:
-    """Skip unless the framework's unpacked package is in FRAMEWORKS."""
-    return pytest.mark.skipif(not (FRAMEWORKS / package).is_dir(),
-                              reason=f"{package} {version} is not unpacked in {FRAMEWORKS} (MOE_EP_FRAMEWORKS)")
-
-
-def _skip_unless_its_torch(package: str, version: str) -> None:
-    """On the GPU, vLLM and SGLang import their CUDA platform and its compiled extensions, built for the
-    torch their wheel pins: skip, naming both versions, on another torch (their CPU paths are pure Python)."""
-    metadata = FRAMEWORKS / f"{package}-{version}.dist-info" / "METADATA"
-    pins = [line.split("==", 1)[1].strip() for line in metadata.read_text().splitlines()
-            if line.startswith("Requires-Dist: torch==")] if metadata.is_file() else []
-    if pins and pins[0] != torch.__version__.split("+")[0]:
-        pytest.skip(f"{package} {version}'s CUDA path loads extensions built for torch {pins[0]} (its wheel pins "
-                    f"torch=={pins[0]}); this machine has torch {torch.__version__}")
-
-
-class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Stand-in modules for packages a framework imports but the tested path never uses: every
-    attribute is a MagicMock."""
-
-    def __init__(self, roots: set[str]) -> None:
-        self.roots = roots
-
-    def find_spec(self, name: str, path: object, target: object = None) -> Optional[importlib.machinery.ModuleSpec]:
-        if name.split(".")[0] in self.roots:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-        module.__getattr__ = lambda attr: mock.MagicMock(name=f"{spec.name}.{attr}")
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-def _import_path(stubs: tuple[str, ...]) -> None:
-    """In a worker: the unpacked frameworks and their dependencies on sys.path, stand-ins for the named
-    packages where they are not importable, and `deep_ep` aliased to moe_ep.deep_ep (before any
-    framework module binds it)."""
-    for path in (FRAMEWORKS / "deps", FRAMEWORKS):
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
-    missing = {name for name in stubs if importlib.util.find_spec(name) is None}
-    if missing:
-        sys.meta_path.append(_Stubs(missing))
-    sys.modules["deep_ep"] = moe_ep.deep_ep
-
-
-# ---- inputs and brute force --------------------------------------------------------------------
-def _scale(e: int) -> float:
-    """Expert e multiplies its rows by this (a power of two: exact in bf16)."""
-    return float(2 ** (e % 4 - 1))
-
-
+# ---- inputs -------------------------------------------------------------------------------------
 def _routing(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank inputs: x [n, H] bf16, distinct expert ids [n, K] int64, scores [n, K] float32 (~15% 0)."""
     g = torch.Generator().manual_seed(seed)
@@ -104,18 +38,6 @@ def _routing(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return x, idx, scores
 
 
-def _weighted(x: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """float32 [n, H]: sum over k of scores[:, k] * scale(idx[:, k]) * x (float64 inside)."""
-    factor = sum(scores[:, k].double() * torch.tensor([_scale(int(e)) for e in idx[:, k]], dtype=torch.float64)
-                 * (idx[:, k] >= 0) for k in range(idx.shape[1]))
-    return (x.double() * factor.unsqueeze(1)).float()
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """bf16 results of a framework's arithmetic (its own roundings) against a float64 brute force."""
-    torch.testing.assert_close(got.float().cpu(), want.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"{what}: {m}")
-
-
 def _grouped_experts(rows: torch.Tensor, counts: torch.Tensor, first_expert: int) -> torch.Tensor:
     """Expert-major rows [P, H], counts[e] rows of local expert e first, the rest untouched: each
     block times its expert's scale (what torchtitan's grouped GEMM would be)."""
@@ -123,14 +45,14 @@ def _grouped_experts(rows: torch.Tensor, counts: torch.Tensor, first_expert: int
     scales = torch.ones(rows.shape[0], dtype=rows.dtype)
     used = int(counts.sum())
     scales[:used] = torch.repeat_interleave(
-        torch.tensor([_scale(first_expert + e) for e in range(counts.shape[0])], dtype=rows.dtype), counts)
+        torch.tensor([scale(first_expert + e) for e in range(counts.shape[0])], dtype=rows.dtype), counts)
     return rows * scales.to(rows.device).unsqueeze(1)
 
 
 # ---- torchtitan 0.3.0: DeepEPTokenDispatcher ---------------------------------------------------
 def _torchtitan_worker(rank: int, world: int) -> None:
     # stub (when absent): tyro is torchtitan.config's command-line parser (imported by torchtitan.distributed)
-    _import_path(("tyro",))
+    import_path(("tyro",))
     from torch.distributed.device_mesh import DeviceMesh
     from torchtitan.distributed.deepep import deepep
     from torchtitan.models.common.token_dispatcher import DeepEPTokenDispatcher
@@ -155,45 +77,32 @@ def _torchtitan_worker(rank: int, world: int) -> None:
             assert meta.state.cudagraphable == cudagraphable
             out = dispatcher.combine(_grouped_experts(routed, counts, rank * NUM_LOCAL), meta, xd)
         live = torch.where(scores == 0, -1, idx)
-        _close(out, _weighted(x, live, scores), f"torchtitan out (n={n}, cudagraphable={cudagraphable})")
+        close(out, weighted(x, live, scores), f"torchtitan out (n={n}, cudagraphable={cudagraphable})")
         if cudagraphable:
             continue
         (out.float() * grad_out.to(dev)).sum().backward()
-        want_dx = _weighted(grad_out.to(torch.bfloat16), live, scores)
-        _close(xd.grad, want_dx, "torchtitan grad x")
-        per_slot = torch.stack([(x.float() * grad_out).sum(1) * torch.tensor([_scale(int(e)) for e in idx[:, k]])
+        want_dx = weighted(grad_out.to(torch.bfloat16), live, scores)
+        close(xd.grad, want_dx, "torchtitan grad x")
+        per_slot = torch.stack([(x.float() * grad_out).sum(1) * torch.tensor([scale(int(e)) for e in idx[:, k]])
                                 for k in range(TOPK)], 1)
         want_ds = torch.where(live >= 0, per_slot, 0.0)
         torch.testing.assert_close(sd.grad.cpu(), want_ds, rtol=3e-2, atol=0.5, msg=lambda m: f"grad scores: {m}")
 
 
-@_needs("torchtitan", "0.3.0")
+@needs("torchtitan", "0.3.0")
 def test_torchtitan_deepep_cpu() -> None:
     run_workers(WORLD, _torchtitan_worker)
 
 
-@_needs("torchtitan", "0.3.0")
+@needs("torchtitan", "0.3.0")
 @requires_gpus(1)
 def test_torchtitan_deepep_gpu() -> None:
     run_workers(WORLD, _torchtitan_worker, backend="gpu")
 
 
 # ---- vLLM 0.33.0: DeepEPV2PrepareAndFinalize -------------------------------------------------
-# stubs: model hub, HTTP server, tokenizer and grammar packages that vllm's config modules import
-_VLLM_STUBS = ("transformers", "huggingface_hub", "safetensors", "aiohttp", "uvloop", "xgrammar", "fastapi",
-               "httpx2", "llguidance", "truststore")
-
-
-def _reduced_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Rows [M, H] of experts that weight and reduce themselves (vLLM's TopKWeightAndReduceNoOP
-    contract): row m = sum over k with ids[m, k] >= 0 of weights[m, k] * scale(ids[m, k]) * x[m]."""
-    scale = torch.tensor([[_scale(int(e)) for e in row] for row in ids.cpu().tolist()], dtype=torch.float32)
-    factor = (torch.where(ids.cpu() >= 0, weights.float().cpu() * scale, 0.0)).sum(1, keepdim=True)
-    return (x.float() * factor.to(x.device)).to(torch.bfloat16)
-
-
 def _vllm_worker(rank: int, world: int) -> None:
-    _import_path(_VLLM_STUBS)
+    import_path(VLLM_STUBS)
     from vllm.forward_context import DPMetadata, override_forward_context
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
     from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_v2 import DeepEPV2PrepareAndFinalize
@@ -232,33 +141,28 @@ def _vllm_worker(rank: int, world: int) -> None:
                 every_idx = torch.cat([_routing(200 * case + s, tokens[s])[1] for s in range(world)])
                 want_counts = [int((every_idx == offset + e).sum()) for e in range(NUM_LOCAL)]
                 assert meta.expert_num_tokens.tolist() == want_counts
-            fused = _reduced_experts(expert_x, recv_ids, recv_w)
+            fused = reduced_experts(expert_x, recv_ids, recv_w)
             output = torch.full((tokens[rank], HIDDEN), float("nan"), dtype=torch.bfloat16, device=dev)
             pf.finalize(output, fused, weights.to(dev), idx.to(dev), False, TopKWeightAndReduceNoOP())
-        _close(output, _weighted(x, idx, weights), f"vLLM output (tokens={tokens}, use_cudagraph={use_cudagraph})")
+        close(output, weighted(x, idx, weights), f"vLLM output (tokens={tokens}, use_cudagraph={use_cudagraph})")
     buffer.destroy()
 
 
-@_needs("vllm", "0.33.0")
+@needs("vllm", "0.33.0")
 def test_vllm_deepep_v2_cpu() -> None:
     run_workers(WORLD, _vllm_worker)
 
 
-@_needs("vllm", "0.33.0")
+@needs("vllm", "0.33.0")
 @requires_gpus(1)
 def test_vllm_deepep_v2_gpu() -> None:
-    _skip_unless_its_torch("vllm", "0.33.0")
+    skip_unless_its_torch("vllm", "0.33.0")
     run_workers(WORLD, _vllm_worker, backend="gpu")
 
 
 # ---- SGLang 0.5.23: DeepEPv2Dispatcher -------------------------------------------------------
-# stubs: web server, notebook, image, tokenizer, model-format and TLS packages its modules import
-_SGLANG_STUBS = ("starlette", "IPython", "aiohttp", "torchvision", "truststore", "sentencepiece",
-                 "compressed_tensors", "gguf")
-
-
 def _sglang_worker(rank: int, world: int) -> None:
-    _import_path(_SGLANG_STUBS)
+    import_path(SGLANG_STUBS)
     os.environ["SGLANG_DEEPEP_V2_NUM_MAX_DISPATCH_TOKENS_PER_RANK"] = str(T)
     from sglang.srt.layers.moe.token_dispatcher import deepep_v2
     from sglang.srt.layers.moe.topk import StandardTopKOutput
@@ -292,26 +196,26 @@ def _sglang_worker(rank: int, world: int) -> None:
             scales = torch.zeros(out.hidden_states.shape[0])
             start = 0
             for e, end in enumerate(psum):
-                scales[start:end] = _scale(offset + e) * out.topk_weights[start:end].float().cpu()
+                scales[start:end] = scale(offset + e) * out.topk_weights[start:end].float().cpu()
                 start = -(-end // out.expert_alignment) * out.expert_alignment
             y = (out.hidden_states.float() * scales.to(dev).unsqueeze(1)).to(torch.bfloat16)
             combine_input = deepep_v2.DeepEPv2CombineInput(y, None)
         else:  # experts weight and sum each received token's local experts (ep_gather), weights sent too
             ids = torch.where(out.topk_ids >= 0, out.topk_ids + offset, -1)
-            combine_input = deepep_v2.DeepEPv2CombineInput(_reduced_experts(out.hidden_states, ids, out.topk_weights),
+            combine_input = deepep_v2.DeepEPv2CombineInput(reduced_experts(out.hidden_states, ids, out.topk_weights),
                                                            out.topk_weights)
         combined = dispatcher.combine(combine_input)
-        _close(combined, _weighted(x, idx, weights), f"SGLang output (tokens={tokens}, extend={extend}, "
+        close(combined, weighted(x, idx, weights), f"SGLang output (tokens={tokens}, extend={extend}, "
                                                      f"prefill_expand={prefill_expand})")
 
 
-@_needs("sglang", "0.5.23")
+@needs("sglang", "0.5.23")
 def test_sglang_deepep_v2_cpu() -> None:
     run_workers(WORLD, _sglang_worker)
 
 
-@_needs("sglang", "0.5.23")
+@needs("sglang", "0.5.23")
 @requires_gpus(1)
 def test_sglang_deepep_v2_gpu() -> None:
-    _skip_unless_its_torch("sglang", "0.5.23")
+    skip_unless_its_torch("sglang", "0.5.23")
     run_workers(WORLD, _sglang_worker, backend="gpu")

@@ -78,6 +78,28 @@ def query(buf: deep_ep.Buffer) -> list[int]:
     return status.tolist()
 
 
+def check_local_buffer_tensor(rank: int) -> None:
+    """get_local_buffer_tensor (vLLM zeroes it after a fault): the declared bytes as dtype, DeepEP's offset and
+    size, the same memory on every call; writing there changes no call (moe_ep's own buffers are apart)."""
+    nvl, rdma = 4096 + 64 * rank, 1000
+    buf = deep_ep.Buffer(dist.group.WORLD, nvl, rdma, low_latency_mode=True, enable_shrink=True)
+    raw = buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)
+    assert raw.dtype == torch.int8 and raw.shape == (rdma,) and not raw.any()
+    raw.fill_(-3)
+    words = buf.get_local_buffer_tensor(torch.int32, size=torch.Size([4, 5]), offset=3, use_rdma_buffer=True)
+    assert words.shape == (4, 5) and (words == -0x02020203).all()
+    words.zero_()
+    assert int((raw == 0).sum()) == 80 and (raw[:12] == -3).all() and (raw[92:] == -3).all()
+    nvl_words = buf.get_local_buffer_tensor(torch.float32)
+    assert nvl_words.shape == (nvl // 4,) and not nvl_words.any()
+    with pytest.raises(ValueError, match="size"):
+        buf.get_local_buffer_tensor(torch.int32, size=torch.Size([251]), use_rdma_buffer=True)
+    with pytest.raises(ValueError, match="offset"):
+        buf.get_local_buffer_tensor(torch.int8, offset=nvl + 1)
+    raw.zero_()  # what vLLM does; the next call runs as before
+    drop_in_round(buf, make_inputs(53, [5, 12, 3], HIDDEN, EXPERTS, TOPK), rank, set())
+
+
 def _worker(rank: int, world: int) -> None:
     dev = device()
     first, second = make_inputs(51, [13, 9, 11], HIDDEN, EXPERTS, TOPK), make_inputs(52, [16, 0, 7], HIDDEN, EXPERTS, TOPK)
@@ -98,6 +120,7 @@ def _worker(rank: int, world: int) -> None:
         late.low_latency_update_mask_buffer(r, True)
     drop_in_round(late, second, rank, apart)
     assert query(late) == [int(r in apart) for r in range(WORLD)]
+    check_local_buffer_tensor(rank)
     dist.barrier()
     if rank == DEAD:
         return  # gone: no further call of any kind

@@ -271,6 +271,7 @@ class Buffer:
         self._normal: dict[tuple[int, int], moe_ep.Buffer] = {}
         self._low_latency: dict[tuple[int, int, int, int], moe_ep.Buffer] = {}
         self._zero_copy: dict[moe_ep.Buffer, torch.Tensor] = {}
+        self._raw: dict[tuple[bool, torch.device], torch.Tensor] = {}  # get_local_buffer_tensor's memory
         self._comm: dict[torch.device, CommStream] = {}
 
     @property
@@ -660,6 +661,31 @@ class Buffer:
         for buf in self._low_latency.values():
             buf.clear_rank_masks()
 
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """DeepEP's raw local buffer (num_rdma_bytes with use_rdma_buffer, else num_nvl_bytes) as a 1-D `dtype`
+        tensor from element `offset`, or its first `size` elements viewed as `size`. An emulation: ordinary
+        memory of that many bytes on the current CUDA device (the CPU without CUDA), made on first use, not
+        moe_ep's communication buffers (their epoch state must not be overwritten), so what is written there
+        reaches no peer and changes no call. vLLM zeroes it after a fault (DeepEPLLAll2AllManager.clean_buffers);
+        moe_ep needs no zeroing: its low-latency rows carry the call's epoch."""
+        nbytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        key = (use_rdma_buffer, device)
+        if key not in self._raw:
+            self._raw[key] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        start, itemsize = offset * dtype.itemsize, dtype.itemsize
+        if offset < 0 or start > nbytes:
+            raise ValueError(f"offset {offset} is outside the {nbytes}-byte buffer ({dtype})")
+        tensor = self._raw[key][start:start + (nbytes - start) // itemsize * itemsize].view(dtype)
+        if size is None:
+            return tensor
+        size = torch.Size(size)
+        if tensor.numel() < size.numel():
+            raise ValueError(f"size {tuple(size)} needs {size.numel()} elements, the buffer has {tensor.numel()} "
+                             f"from offset {offset}")
+        return tensor[:size.numel()].view(size)
+
     # ---- lifetime -------------------------------------------------------------------------
     def destroy(self) -> None:
         """Close every moe_ep Buffer this one created (collective); needs explicitly_destroy=True."""
@@ -670,5 +696,6 @@ class Buffer:
         self._normal.clear()
         self._low_latency.clear()
         self._zero_copy.clear()
+        self._raw.clear()
 
 
