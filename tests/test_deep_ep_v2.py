@@ -13,7 +13,7 @@ import torch.distributed as dist
 import moe_ep.deep_ep as deep_ep
 from moe_ep.comm import fp8
 from tests._dist import device, requires_gpus, run_workers
-from tests.oracle import Inputs, assert_same_bits, expected_combine, expected_dispatch, make_inputs, owners
+from tests.oracle import Inputs, assert_same_bits, expected_combine, expected_dispatch, make_inputs
 
 WORLD, HIDDEN, EXPERTS, TOPK, T = 2, 256, 8, 3, 24
 NUM_LOCAL = EXPERTS // WORLD

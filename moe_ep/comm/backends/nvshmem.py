@@ -15,7 +15,7 @@ Buffer is unusable.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 

@@ -3,7 +3,6 @@ symmetric heap) shared by every Buffer and zero-copy torch views of symmetric me
 error state that turns a kernel's timeout into CommTimeoutError is moe_ep.comm.errors.ErrorWatch."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _native, topology
-from ..errors import CommTimeoutError, ErrorWatch, PeersLostError
+from ..errors import ErrorWatch, PeersLostError
 
 logger = logging.getLogger("moe_ep")
 
