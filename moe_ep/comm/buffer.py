@@ -892,12 +892,12 @@ class Buffer:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         num_sms = _check_num_sms(num_sms, cfg.device)
-        words = cfg.num_local_experts * -(-cfg.world_size * cfg.max_tokens_per_rank // block_m)
+        blocks = -(-cfg.world_size * cfg.max_tokens_per_rank // block_m)
         signal = _check_tensor("comp_signal", comp_signal, (torch.int32,), (None,), cfg.device)
-        if signal.numel() < words:
+        if signal.numel() < cfg.num_local_experts * blocks:
             raise ValueError(f"comp_signal must have shape [*] with at least num_local_experts * ceil(R * T / block_m)"
-                             f" = {words} words, got {signal.numel()}")
-        return LowLatencyOverlap(signal, block_m, threshold, num_sms)
+                             f" = {cfg.num_local_experts * blocks} words, got {signal.numel()}")
+        return LowLatencyOverlap(signal, block_m, threshold, num_sms, blocks)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, return_recv_hook: bool = False,

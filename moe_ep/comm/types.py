@@ -117,10 +117,11 @@ class LowLatencyOverlap:
     x beside it has brought comp_signal[e * ceil(R*T / block_m) + j] to threshold, and runs on at most
     num_sms SMs (the GEMM is persistent on the others)."""
 
-    comp_signal: torch.Tensor  # int32, at least E_l * ceil(R*T / block_m) words
+    comp_signal: torch.Tensor  # int32, at least E_l * signal_blocks words
     block_m: int
     threshold: int
     num_sms: int
+    signal_blocks: int  # words per local expert: ceil(R*T / block_m)
 
 
 @dataclass

@@ -396,7 +396,7 @@ class ReferenceBackend(Backend):
         cfg = self.cfg
         if handle.count.is_cuda:
             torch.cuda.synchronize(handle.count.device)
-        m, blocks = overlap.block_m, -(-cfg.world_size * cfg.max_tokens_per_rank // overlap.block_m)
+        m, blocks = overlap.block_m, overlap.signal_blocks
         words = overlap.comp_signal[: cfg.num_local_experts * blocks].view(cfg.num_local_experts, blocks).cpu()
         count = handle.count.cpu().long()
         with_rows = torch.arange(blocks) < ((count + m - 1) // m).unsqueeze(1)
