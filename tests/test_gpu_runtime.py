@@ -25,7 +25,8 @@ def _cudart() -> ctypes.CDLL:
 
 def _one_session(rank: int, world_size: int, round_: int) -> None:
     from moe_ep.comm import _native
-    from moe_ep.comm.backends.symmetric import CommTimeoutError, NvshmemSession
+    from moe_ep.comm.backends.symmetric import NvshmemSession
+    from moe_ep.comm.errors import CommTimeoutError
 
     native = _native.load()
     device = rank_device()
