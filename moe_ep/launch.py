@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .comm import at_exit
+
 # The NVSHMEM settings a machine without InfiniBand needs (the native module keeps NVLink multicast
 # off by itself): set where the environment has no value when ranks share a GPU.
 SHARED_GPU_ENV = {"NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo"}
@@ -131,19 +133,11 @@ def shutdown(timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> None:
     arrive, only leaves: its exit status already tells the failure."""
     if not dist.is_initialized() or _exit.failed:
         return
-    from .comm.backends.symmetric import NvshmemSession
-    from .comm.buffer import open_buffers
-
     try:
         dist.monitored_barrier(group=_exit.group, timeout=timedelta(seconds=timeout_s))
     except RuntimeError as error:
         print(f"moe_ep.launch: rank {dist.get_rank()} leaves without closing its Buffers or the group: not every "
               f"rank reached exit within {timeout_s} s ({error})", file=sys.stderr)
         return
-    for buf in open_buffers():
-        buf.close()
-    try:
-        NvshmemSession.shutdown()
-    except RuntimeError as error:  # a Buffer dropped without close() still holds NVSHMEM
-        print(f"moe_ep.launch: NVSHMEM stays up at exit: {error}", file=sys.stderr)
+    at_exit.leave_open_buffers(timeout_s)
     dist.destroy_process_group()

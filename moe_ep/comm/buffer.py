@@ -7,13 +7,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import weakref
 from typing import Any, Callable, NoReturn, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from . import _native, nvfp4, topology
+from . import _native, at_exit, nvfp4, topology
 from .backends.base import Backend, BufferConfig, record_event
 from .backends.engine import rounds_group
 from .call_check import (
@@ -43,9 +42,6 @@ from .types import (
 )
 
 _buffer_ids = itertools.count(1)
-# The Buffers not yet closed, by buffer_id (creation order, the same on every rank of a group), for
-# moe_ep.launch's exit, which closes them in that order before the group goes.
-_open_buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
 _LowLatencyResult = TypeVar("_LowLatencyResult", LowLatencyDispatchResult, LowLatencyCombineResult)
 _Result = TypeVar("_Result")
 
@@ -360,7 +356,7 @@ class Buffer:
         self._host_check: Optional[HostCheck] = None
         if check_calls and self.backend_name != "reference":
             self._host_check = HostCheck(rounds_group(group, self.cfg.timeout_s), self.cfg.rank, self.cfg.timeout_s)
-        _open_buffers[self.cfg.buffer_id] = self
+        at_exit.track(self.cfg.buffer_id, self)  # left with its peers at exit (moe_ep.comm.at_exit)
 
     def _checked(self, stamp: CallStamp, call: Callable[[], _Result]) -> _Result:
         """Runs a backend call; with check_calls=True on the native backend the ranks' stamps first meet
@@ -948,7 +944,17 @@ class Buffer:
         if self._backend is not None:
             self._backend.close()
             self._backend = None
-        _open_buffers.pop(self.cfg.buffer_id, None)
+        at_exit.untrack(self.cfg.buffer_id)
+
+    def leave(self, timeout_s: float) -> bool:
+        """At exit (moe_ep.comm.at_exit): close with the peers, or give the Buffer up alone (abort) where
+        they do not all come within timeout_s; whether it closed with them."""
+        clean = True
+        if self._backend is not None:
+            clean = self._backend.leave(timeout_s)
+            self._backend = None
+        at_exit.untrack(self.cfg.buffer_id)
+        return clean
 
     def abort(self) -> None:
         """Give this Buffer up without its peers (not collective), after a CommTimeoutError or with
@@ -957,15 +963,10 @@ class Buffer:
         if self._backend is not None:
             self._backend.abort()
             self._backend = None
-        _open_buffers.pop(self.cfg.buffer_id, None)
+        at_exit.untrack(self.cfg.buffer_id)
 
     def __enter__(self) -> "Buffer":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def open_buffers() -> list[Buffer]:
-    """This process's Buffers that are still referenced and not closed, in creation order."""
-    return [_open_buffers[i] for i in sorted(_open_buffers.keys())]

@@ -257,3 +257,10 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release communication resources (collective: every rank calls it)."""
+
+    def leave(self, timeout_s: float) -> bool:
+        """At exit (moe_ep.comm.at_exit): close() with the peers, or, where they do not come within
+        timeout_s, give the Buffer up alone (abort); whether it closed with them. close() waits for no
+        peer here, so it serves as it is."""
+        self.close()
+        return True

@@ -15,6 +15,7 @@ Buffer is unusable.
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -199,6 +200,19 @@ class NvshmemBackend(Backend):
         self._low_latency = self._normal = None
 
     # ---- lifetime --------------------------------------------------------------------------
+    def leave(self, timeout_s: float) -> bool:
+        """Closes with the peers once all reached this point (a barrier on the Buffer's own gloo group,
+        bounded by timeout_s), else aborts: NVSHMEM's frees would wait for a missing peer forever."""
+        if self._session is None:
+            return True
+        try:
+            self._rounds_group.barrier().wait(timedelta(seconds=timeout_s))
+        except RuntimeError:
+            self.abort()
+            return False
+        self.close()
+        return True
+
     def close(self) -> None:
         """Collective: waits for this rank's kernels, frees the symmetric memory and the session."""
         if self._session is None:
