@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.comm import call_check as cc
-from moe_ep.comm.backends.engine import rounds_group
+from moe_ep.comm.backends.engine import own_group
 from moe_ep.comm.errors import BadExpertIdError, CallMismatchError, PeerInputError
 from tests._dist import run_workers
 
@@ -118,7 +118,7 @@ def test_a_peer_rejection_wins_over_the_difference_it_made() -> None:
 def _host_check_worker(rank: int, world: int) -> None:
     """Two ranks' stamps meet over gloo: the same call passes; a rejection raises on both; different
     calls raise on both (a check that a peer never joins is the timeout's, tested elsewhere)."""
-    check = cc.HostCheck(rounds_group(dist.group.WORLD, 60.0), rank, timeout_s=60.0)
+    check = cc.HostCheck(own_group(dist.group.WORLD, 60.0), rank, timeout_s=60.0)
     order = cc.CallOrder()
     check.verify(order.stamp(cc.DISPATCH))
     stamp = order.stamp(cc.COMBINE, handle=1, error=TypeError("x must have dtype") if rank == 1 else None)

@@ -19,10 +19,11 @@ import torch.distributed as dist
 
 from moe_ep.comm import _native, call_check, nvfp4
 from moe_ep.comm.backends.symmetric import NvshmemSession
-from moe_ep.comm.errors import BadExpertIdError, CommTimeoutError, ErrorWatch, _ErrorState
+from moe_ep.comm.errors import BadExpertIdError, CallMismatchError, CommTimeoutError, ErrorWatch, _ErrorState
 
 ROOT = Path(__file__).resolve().parents[1]
 COMM_H = ROOT / "csrc" / "runtime" / "comm.h"
+ERROR_CODE_H = ROOT / "csrc" / "runtime" / "error_code.h"
 
 needs_native = pytest.mark.skipif(not _native.available()[0], reason=f"moe_ep.comm._C unavailable: {_native.available()[1]}")
 
@@ -165,6 +166,21 @@ class _FakeNative:
     def error_state_bytes(self) -> int:
         return ctypes.sizeof(self.state)
 
+    def error_state_fields(self) -> list[tuple[str, int, int]]:
+        """comm.h's ErrorState read from the header: each field's name, offset and size (ints, then long longs)."""
+        body = re.search(r"struct ErrorState \{(.*?)\};", COMM_H.read_text(), re.S)[1]
+        fields, offset = [], 0
+        for kind, name in re.findall(r"^\s*(int|long long) (\w+);", body, re.M):
+            size = 4 if kind == "int" else 8
+            offset = -(-offset // size) * size
+            fields.append((name, offset, size))
+            offset += size
+        return fields
+
+    @property
+    def ERROR_MISMATCH(self) -> int:  # noqa: N802 - _C's attribute name
+        return int(re.search(r"kErrorMismatch = (\d+)", ERROR_CODE_H.read_text())[1])
+
 
 def test_error_watch_reports_a_recorded_timeout_once() -> None:
     names = [c for _, c in _comm_h_phases()]
@@ -211,6 +227,33 @@ def test_error_watch_rejects_a_mismatched_build() -> None:
     fake.error_state_bytes = lambda: 16  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="reinstall moe_ep"):
         ErrorWatch(fake)
+    fake = _FakeNative(["none"])  # the same size, two fields swapped: each field is checked, not only the size
+    fields = fake.error_state_fields()
+    fields[1], fields[2] = (fields[2][0], fields[1][1], 4), (fields[1][0], fields[2][1], 4)
+    fake.error_state_fields = lambda: fields  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="reinstall moe_ep"):
+        ErrorWatch(fake)
+
+
+def test_error_watch_hands_a_stamp_mismatch_to_its_owner() -> None:
+    """A mismatch record goes to on_mismatch with its stamp slot, once, the record cleared first (the
+    owner reads every rank's stamp and raises)."""
+    fake = _FakeNative([c for _, c in _comm_h_phases()])
+    watch = ErrorWatch(fake, timeout_s=100.0)
+    seen: list[int] = []
+
+    def owner(slot: int) -> None:
+        seen.append(slot)
+        assert fake.state.code == 0, "the record must be cleared before the owner raises"
+        raise CallMismatchError(f"slot {slot}")
+
+    watch.on_mismatch = owner
+    for slot in (1, 0):
+        fake.state.code, fake.state.rank, fake.state.peer, fake.state.stamp_slot = fake.ERROR_MISMATCH, 0, 1, slot
+        with pytest.raises(CallMismatchError, match=f"slot {slot}"):
+            watch.check(timeouts_only=True)
+        watch.check()
+    assert seen == [1, 0]
 
 
 def test_comm_timeout_error_message_and_pickling() -> None:

@@ -30,9 +30,7 @@ from moe_ep.comm.backends import intranode
 from moe_ep.comm.backends.engine import (
     NormalEngine,
     Notified,
-    agree_rounds,
     first_notify,
-    rounds_group,
     streamed_combine,
     streamed_dispatch,
 )
@@ -393,23 +391,6 @@ def _played_worker(rank: int, world: int) -> None:
 
 def test_streamed_flow_over_played_kernels() -> None:
     run_workers(2, _played_worker)
-
-
-def _agree_worker(rank: int, world: int) -> None:
-    """The ranks agree on the largest call's rounds; a rank whose peer skips the call goes on with its
-    own rounds after timeout_s (the kernels then report the peer), and the caller's group stays usable."""
-    group = rounds_group(dist.group.WORLD, 1.0)
-    again = rounds_group(dist.group.WORLD, 1.0)  # a second one on the same ranks is a group of its own
-    assert agree_rounds(again, [70, 5][rank], T, 1.0) == 3
-    assert agree_rounds(group, [5, 70][rank], T, 1.0) == 3
-    assert agree_rounds(group, 0, T, 1.0) == 1
-    if rank == 0:
-        assert agree_rounds(group, 2 * T - 1, T, 1.0) == 2  # rank 1 never joins
-    dist.barrier()
-
-
-def test_rounds_agreement_survives_a_silent_peer() -> None:
-    run_workers(2, _agree_worker, timeout_s=120)
 
 
 def check_low_latency_async(buf: moe_ep.Buffer) -> None:

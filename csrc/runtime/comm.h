@@ -19,6 +19,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "runtime/error_code.h"
 #include "runtime/limits.h"
 
 namespace moe_ep {
@@ -59,19 +60,24 @@ enum Phase : int {
   kPhaseNodeCombineRecv = 16,        // cross-node combine: waiting for a node's partial sums
   kPhaseNodeStart = 17,              // cross-node: waiting for a peer to finish its previous call
   kPhaseLowLatencyCombineWaitCompute = 18,  // low-latency combine: waiting for this rank's GEMM to signal comp_signal
-  kNumPhases = 19,
+  kPhaseCallStamp = 19,              // every call: waiting for a peer's call stamp (the peer has not made this call)
+  kNumPhases = 20,
 };
 
-// Lives in host-mapped memory so the host reads it without a device sync (moe_ep/backends/symmetric.py
-// mirrors the fields). The timeout part is written once by the first wait that times out, and every
-// other waiting thread sees `code != 0` and gives up too. The bad-id part is written once by the first
-// thread that reads an expert id outside [-1, E) from topk_idx: the kernels then treat that entry as
-// -1, so the call's protocol still completes on every rank, and the host raises ValueError.
+
+// Lives in host-mapped memory so the host reads it without a device sync (moe_ep/comm/errors.py mirrors
+// the fields, checked field by field against error_state_fields()). The code part is written once, by
+// the first wait that times out or by a stamp exchange that finds the ranks' calls differ, and every
+// other waiting thread sees `code != 0` and gives up too; after a mismatch the call's other kernels do
+// nothing at all (stamps_disagreed). The bad-id part is written once by the first thread that reads an
+// expert id outside [-1, E) from topk_idx: the kernels then treat that entry as -1, so the call's
+// protocol still completes on every rank, and the host raises ValueError.
 struct ErrorState {
-  int code;       // 0 = fine, 1 = timeout
-  int rank;       // the rank that timed out
-  int phase;      // Phase
-  int peer;       // the rank it was waiting for
+  int code;        // ErrorCode
+  int rank;        // the rank that recorded it
+  int phase;       // Phase
+  int peer;        // the rank it was waiting for, or whose stamp differs
+  int stamp_slot;  // kErrorMismatch: the slot of the stamp table that holds every rank's stamp
   int bad_claim;  // 1 once a thread claimed the bad-id record (it fills the fields below, then bad_id)
   int bad_id;     // 1 once bad_token / bad_k / bad_value are complete
   int bad_token;  // token (row of topk_idx) and entry k of the first bad id seen
@@ -122,6 +128,15 @@ __device__ __forceinline__ bool comm_aborted(const Comm& c) {
   return *reinterpret_cast<volatile int*>(&c.error->code) != 0;
 }
 
+// Whether this call's stamp exchange (kernels/call_check/stamp_exchange.cu, the call's first kernel on the
+// same stream) found that the ranks make different calls: then every kernel of the call returns at once,
+// in every block, before it writes anything, on every rank (each rank's exchange saw every stamp), so no
+// epoch, counter or flag moves and the next call finds the ranks in step. A timeout (kErrorTimeout)
+// does not skip: those kernels give up in their waits and keep their epochs in step as before.
+__device__ __forceinline__ bool stamps_disagreed(const ErrorState* error) {
+  return *reinterpret_cast<const volatile int*>(&error->code) == kErrorMismatch;
+}
+
 // Whether `peer` is masked (fault-tolerant mode only). A plain volatile load: other blocks of the same
 // kernel may mask a peer while this thread waits.
 __device__ __forceinline__ bool peer_masked(const Comm& c, int peer) {
@@ -154,7 +169,7 @@ __device__ __forceinline__ int4 e4m3_nan_x16() { return make_int4(0x7f7f7f7f, 0x
 __device__ __forceinline__ float f32_nan() { return __int_as_float(0x7fc00000); }
 
 __device__ __forceinline__ void report_timeout(const Comm& c, int phase, int peer) {
-  if (atomicCAS_system(&c.error->code, 0, 1) == 0) {
+  if (atomicCAS_system(&c.error->code, kErrorNone, kErrorTimeout) == kErrorNone) {
     c.error->rank = c.rank;
     c.error->phase = phase;
     c.error->peer = peer;

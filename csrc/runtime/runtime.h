@@ -34,7 +34,9 @@ Version runtime_version();
 // error_state.cu
 std::pair<uintptr_t, uintptr_t> alloc_error_state();  // (host pointer, device pointer)
 void free_error_state(uintptr_t host_ptr);
-size_t error_state_bytes();  // sizeof(ErrorState): the host mirror (moe_ep/backends/symmetric.py) checks it
+size_t error_state_bytes();  // sizeof(ErrorState): the host mirror (moe_ep/comm/errors.py) checks it
+// (name, offset, size) of every ErrorState field, in order: the host mirror checks each one
+std::vector<std::tuple<std::string, size_t, size_t>> error_state_fields();
 std::vector<std::string> phase_names();
 
 // device_info.cpp

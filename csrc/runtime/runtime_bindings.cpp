@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "runtime/context.h"
+#include "runtime/error_code.h"
 #include "runtime/limits.h"
 #include "runtime/runtime.h"
 
@@ -51,6 +52,10 @@ void register_runtime(py::module_& m) {
   m.def("free_error_state", &rt::free_error_state, py::arg("host_ptr"), release_gil(),
         "Free an ErrorState from alloc_error_state().");
   m.def("error_state_bytes", &rt::error_state_bytes, "sizeof(ErrorState) (runtime/comm.h).");
+  m.def("error_state_fields", &rt::error_state_fields,
+        "(name, offset, size) of every ErrorState field (runtime/comm.h), in order.");
+  m.attr("ERROR_TIMEOUT") = static_cast<int>(moe_ep::kErrorTimeout);
+  m.attr("ERROR_MISMATCH") = static_cast<int>(moe_ep::kErrorMismatch);
   m.def("phase_names", &rt::phase_names, "Names of the comm.h Phase values, by index.");
   m.def("sm_count", &rt::sm_count, py::arg("device"), "Number of SMs of CUDA device `device`.");
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import _native, at_exit, nvfp4, topology
 from .backends.base import Backend, BufferConfig, record_event
-from .backends.engine import rounds_group
+from .backends.engine import own_group
 from .call_check import (
     CACHED,
     COMBINE,
@@ -355,7 +355,7 @@ class Buffer:
         # check_calls=True: every call's stamps meet on the host first (the reference backend checks in band)
         self._host_check: Optional[HostCheck] = None
         if check_calls and self.backend_name != "reference":
-            self._host_check = HostCheck(rounds_group(group, self.cfg.timeout_s), self.cfg.rank, self.cfg.timeout_s)
+            self._host_check = HostCheck(own_group(group, self.cfg.timeout_s), self.cfg.rank, self.cfg.timeout_s)
         at_exit.track(self.cfg.buffer_id, self)  # left with its peers at exit (moe_ep.comm.at_exit)
 
     def _checked(self, stamp: CallStamp, call: Callable[[], _Result]) -> _Result:
@@ -777,7 +777,8 @@ class Buffer:
 
         def run(*args: Any, **kwargs: Any) -> _LowLatencyResult:
             def work() -> _LowLatencyResult:
-                result = call(*args, return_recv_hook=bool(return_recv_hook), **fixed, **kwargs)
+                result = call(*args, return_recv_hook=bool(return_recv_hook), async_op=bool(async_op), **fixed,
+                              **kwargs)
                 result.event = record_event(bool(async_op), device)
                 return result
 

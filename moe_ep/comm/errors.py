@@ -1,6 +1,7 @@
 """The errors moe_ep raises beyond Python's own (docs/api.md, Errors), and where a kernel's record of a
 failure becomes one of them (ErrorWatch: the host-mapped ErrorState of csrc/runtime/comm.h, which every
-native kernel writes a timeout or a bad expert id into, read by the host after the call's launches).
+native kernel writes a timeout, a stamp mismatch or a bad expert id into, read by the host after the
+call's launches).
 
 - CommTimeoutError: a wait for a peer gave up (any backend); names this rank, the peer and the phase.
 - ValueError / TypeError: bad input, raised on the rank that passed it once that rank has taken its
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import ctypes
 from types import ModuleType
-from typing import Optional
+from typing import Callable, Optional
+
+import torch
 
 
 def seconds(t: float) -> str:
@@ -75,44 +78,69 @@ class PeersLostError(RuntimeError):
 
 
 class _ErrorState(ctypes.Structure):
-    """Host view of comm.h's ErrorState (same fields, same order; its size is checked against _C's)."""
+    """Host view of comm.h's ErrorState (same fields, same order: ErrorWatch checks each field's offset and
+    size against _C's error_state_fields)."""
 
     _fields_ = [("code", ctypes.c_int), ("rank", ctypes.c_int), ("phase", ctypes.c_int), ("peer", ctypes.c_int),
-                ("bad_claim", ctypes.c_int), ("bad_id", ctypes.c_int), ("bad_token", ctypes.c_int),
-                ("bad_k", ctypes.c_int), ("bad_value", ctypes.c_longlong)]
+                ("stamp_slot", ctypes.c_int), ("bad_claim", ctypes.c_int), ("bad_id", ctypes.c_int),
+                ("bad_token", ctypes.c_int), ("bad_k", ctypes.c_int), ("bad_value", ctypes.c_longlong)]
+
+
+def check_error_state_layout(native: ModuleType) -> None:
+    """RuntimeError unless every field of the mirror has the name, offset and size of _C's ErrorState, in order
+    (a mirror that only had the right size could still read each field from the wrong place)."""
+    mirror = [(name, getattr(_ErrorState, name).offset, getattr(_ErrorState, name).size)
+              for name, _ in _ErrorState._fields_]
+    theirs = [(str(name), int(offset), int(size)) for name, offset, size in native.error_state_fields()]
+    if mirror != theirs or native.error_state_bytes() != ctypes.sizeof(_ErrorState):
+        raise RuntimeError(f"moe_ep.comm._C's ErrorState is {theirs} ({native.error_state_bytes()} bytes), the Python "
+                           f"mirror {mirror} ({ctypes.sizeof(_ErrorState)} bytes): reinstall moe_ep so both come from "
+                           "one build")
 
 
 class ErrorWatch:
     """One host-mapped ErrorState: kernels get `device_ptr` (Comm::error) and record in it the first
-    timeout and the first expert id outside [-1, num_experts) they read."""
+    timeout, the first stamp exchange that found the ranks' calls differ, and the first expert id outside
+    [-1, num_experts) they read. `on_mismatch(slot)` (set by the backend that owns the stamp exchange)
+    raises the mismatch from every rank's stamp in that slot of its table."""
 
-    def __init__(self, native: ModuleType, timeout_s: Optional[float] = None, num_experts: Optional[int] = None) -> None:
-        if native.error_state_bytes() != ctypes.sizeof(_ErrorState):
-            raise RuntimeError(f"moe_ep.comm._C's ErrorState has {native.error_state_bytes()} bytes, the Python mirror "
-                               f"{ctypes.sizeof(_ErrorState)}: reinstall moe_ep so both come from one build")
+    def __init__(self, native: ModuleType, device: Optional[torch.device] = None, timeout_s: Optional[float] = None,
+                 num_experts: Optional[int] = None) -> None:
+        check_error_state_layout(native)
         self._native = native
         self._host_ptr, self.device_ptr = native.alloc_error_state()
         self._state = _ErrorState.from_address(self._host_ptr)
         self._phase_names: list[str] = native.phase_names()
+        self._mismatch_code: int = native.ERROR_MISMATCH
+        self.device = device
         self.timeout_s = timeout_s
         self.num_experts = num_experts
+        self.on_mismatch: Optional[Callable[[int], None]] = None
 
     def check(self, timeouts_only: bool = False) -> None:
-        """Raises CommTimeoutError if a kernel recorded a timeout, else (unless `timeouts_only`)
-        ValueError if one read an expert id out of range, and clears the record.
+        """Raises what a kernel recorded and clears the record: CommTimeoutError for a timeout, what
+        on_mismatch raises for calls that differ (CallMismatchError, PeerInputError), else (unless
+        `timeouts_only`) BadExpertIdError for an expert id out of range.
 
-        A call checks timeouts only before it launches anything (a timeout leaves the Buffer unusable
-        anyway) and everything once all of its kernels are launched, so a rank that raises has made
-        the same launches as its peers and the next call finds them in step. Call it after the
-        kernels that may record have finished (a kernel writes `code` first).
+        Before it raises a timeout or a mismatch it waits for the device (outside a CUDA graph capture):
+        every kernel of the failed call still queued then returns at once, seeing the record, and none
+        can find it cleared. A call checks before it launches anything and once all of its kernels are
+        launched, so a rank that raises has made the same launches as its peers and the next call finds
+        them in step. Bad ids are read once the kernels that may record them finished (a kernel writes
+        `code` first).
         """
         if self._host_ptr == 0:
             return
         state = self._state
         if state.code != 0:
-            rank, phase, peer = state.rank, state.phase, state.peer
+            if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize(self.device)
+            code, rank, phase, peer, slot = state.code, state.rank, state.phase, state.peer, state.stamp_slot
             ctypes.memset(self._host_ptr, 0, ctypes.sizeof(_ErrorState))
             name = self._phase_names[phase] if 0 <= phase < len(self._phase_names) else f"unknown phase {phase}"
+            if code == self._mismatch_code and self.on_mismatch is not None:
+                self.on_mismatch(slot)
+                return
             raise CommTimeoutError(rank, peer, name, self.timeout_s)
         if state.bad_id != 0 and not timeouts_only:
             token, k, value = state.bad_token, state.bad_k, state.bad_value

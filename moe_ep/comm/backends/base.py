@@ -233,6 +233,7 @@ class Backend(abc.ABC):
         use_nvfp4: bool,
         x_global_scale: Optional[torch.Tensor],
         return_recv_hook: bool,
+        async_op: bool,
         stamp: CallStamp,
     ) -> LowLatencyDispatchResult:
         """Expert-major rows [E_l, R*T, H]; FP8 scales [E_l, R*T, H/128] float32 (or with use_ue8m0
@@ -249,6 +250,7 @@ class Backend(abc.ABC):
         handle: LowLatencyHandle,
         *,
         return_recv_hook: bool,
+        async_op: bool,
         overlap: Optional[LowLatencyOverlap],
         stamp: CallStamp,
     ) -> LowLatencyCombineResult:

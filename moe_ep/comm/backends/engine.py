@@ -24,11 +24,11 @@ A normal dispatch, on either engine (`normal_dispatch`):
      (NormalEngine.expand; the NVLink engine copies them from the workspace its kernel left them in).
 
 Streaming (`streamed_dispatch`, `streamed_combine`): outside worst-case mode a call may carry any
-number of tokens. The group agrees on the number of rounds J = ceil(max N / T) (T =
-max_tokens_per_rank: the workspace holds one round) with one host all-reduce on the Buffer's own
-gloo group (`rounds_group`, `agree_rounds`: bounded by timeout_s, so a silent peer is still reported
-by the kernels, as CommTimeoutError); J = 1 is the flow above, unchanged (its notify, the first
-round's, is launched before the all-reduce, which overlaps it). With J > 1 round j carries tokens [jT, jT + T) of every rank (none
+number of tokens. The number of rounds J = ceil(max N / T) (T = max_tokens_per_rank: the workspace
+holds one round) comes from the call's stamp exchange, which carries every rank's N (the host waits
+for it: backends/stamp_exchange.py; a silent peer or a different call raises there, before any
+round); J = 1 is the flow above, unchanged (its notify, the first round's, is queued behind the
+exchange before the host waits). With J > 1 round j carries tokens [jT, jT + T) of every rank (none
 where a rank has fewer): the notify of every round runs first (J count exchanges, back to back:
 the kernels' two count sets allow that, csrc/kernels/*/notify.cu), the host waits once for all the
 counts and allocates the exact output, then each round's first output row per source is patched on
@@ -208,17 +208,18 @@ def normal_dispatch(engine: NormalEngine, x: torch.Tensor, x_scales: Optional[to
     return engine.expand(result, expert_alignment) if expert_major else result
 
 
-def rounds_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
-    """Collective (at Buffer creation): a gloo group of `group`'s ranks that is the Buffer's own, for
-    agree_rounds (and, with check_calls=True, call_check.HostCheck). Its own, so that an all-reduce a
-    silent peer leaves waiting can give up without touching any group the caller uses; gloo, so that
-    agreeing needs no device sync. Built on the default store under a key the group's first rank draws
-    (one broadcast over `group`), outside torch's group registry: dist.new_group(use_local_synchronization
-    =True), which names every group of the same ranks alike, hung in its creation on the H200 machine
-    (torch 2.11, 2026-12-03) once such a group existed, and left every Buffer's group registered."""
+def own_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
+    """Collective (at Buffer creation): a gloo group of `group`'s ranks that is the Buffer's own, for its
+    host-side meetings (leaving at exit: NvshmemBackend.leave; with check_calls=True, call_check.HostCheck).
+    Its own, so that an operation a silent peer leaves waiting can give up without touching any group
+    the caller uses; gloo, so that meeting needs no device sync. Built on the default store under a key
+    the group's first rank draws (one broadcast over `group`), outside torch's group registry:
+    dist.new_group(use_local_synchronization=True), which names every group of the same ranks alike,
+    hung in its creation on the H200 machine (torch 2.11, 2026-12-03) once such a group existed, and
+    left every Buffer's group registered."""
     key = [uuid.uuid4().hex]
     dist.broadcast_object_list(key, src=dist.get_process_group_ranks(group)[0], group=group)
-    store = dist.PrefixStore(f"moe_ep/rounds/{key[0]}/", dist.distributed_c10d._get_default_store())
+    store = dist.PrefixStore(f"moe_ep/own/{key[0]}/", dist.distributed_c10d._get_default_store())
     return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), timedelta(seconds=timeout_s))
 
 
@@ -243,26 +244,8 @@ def verify_stamps(rank: int, stamp: CallStamp, stamps: Optional[list[list[int]]]
 def first_notify(engine: NormalEngine, topk_idx: torch.Tensor, expert_alignment: int,
                  stream: torch.cuda.Stream, stamp: CallStamp) -> Notified:
     """The count exchange of an exact-size call's first round (its first T tokens, the call's stamp in
-    its count rows), launched before the host agrees on the rounds, so that the host collective overlaps it."""
+    its count rows), launched before the host waits for the rounds, so that the GPU runs it meanwhile."""
     return engine.notify(topk_idx[:engine.cfg.max_tokens_per_rank], expert_alignment, False, stream, stamp.words)
-
-
-def agree_rounds(group: dist.ProcessGroup, num_tokens: int, round_tokens: int, timeout_s: float) -> int:
-    """Collective (one host all-reduce over `group`, a rounds_group): the rounds of at most round_tokens
-    tokens that the group's largest call needs, at least 1. A peer that skipped the call, stalled or
-    died makes the all-reduce give up after timeout_s (or fail at once: gloo closes a group whose
-    operation timed out); this rank then goes on with its own rounds, and the call's kernels, which
-    wait for that peer too, report it as they always did (CommTimeoutError naming peer and phase)."""
-    most = torch.tensor([num_tokens], dtype=torch.int64)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX
-    opts.timeout = timedelta(seconds=timeout_s)
-    try:
-        group.allreduce([most], opts).wait(timedelta(seconds=timeout_s + 1))
-        most_tokens = int(most.item())
-    except RuntimeError:
-        most_tokens = num_tokens
-    return max(1, -(-most_tokens // round_tokens))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch
 
 from .. import _native
 from .. import expert_major as pairs
+from ..call_check import CallStamp
 from ..types import (
     DispatchLayout,
     DispatchResult,
@@ -34,17 +35,17 @@ from .base import Backend, BufferConfig, record_event
 from .engine import (
     NormalEngine,
     StreamedState,
-    agree_rounds,
     first_notify,
     normal_dispatch,
     round_bounds,
-    rounds_group,
+    own_group,
     streamed_combine,
     streamed_dispatch,
 )
 from .internode import InternodeEngine
 from .intranode import IntranodeEngine
 from .low_latency import LowLatencyEngine
+from .stamp_exchange import StampExchange
 from .symmetric import NvshmemSession
 
 
@@ -57,9 +58,9 @@ class NvshmemBackend(Backend):
     def __init__(self, cfg: BufferConfig) -> None:
         super().__init__(cfg)
         native = _native.load()
-        self._rounds_group = rounds_group(cfg.group, cfg.timeout_s)  # agrees on a call's rounds (engine.agree_rounds)
+        self._own_group = own_group(cfg.group, cfg.timeout_s)  # the Buffer's own gloo group (leave at exit)
         normal_cls: type[NormalEngine] = InternodeEngine if cfg.hierarchical else IntranodeEngine
-        heap_bytes = normal_cls.heap_bytes(cfg)
+        heap_bytes = normal_cls.heap_bytes(cfg) + StampExchange.heap_bytes(cfg)
         if cfg.low_latency:
             heap_bytes += LowLatencyEngine.heap_bytes(cfg)
         self._epochs = torch.zeros(native.NUM_EPOCHS, dtype=torch.int64, device=cfg.device)
@@ -72,6 +73,8 @@ class NvshmemBackend(Backend):
         self._normal: Optional[NormalEngine] = None
         self._low_latency: Optional[LowLatencyEngine] = None
         try:
+            self._stamps = StampExchange(cfg, self._session, runtime)
+            self._error.on_mismatch = self._stamps.raise_mismatch
             if cfg.hierarchical:
                 self._normal = InternodeEngine(cfg, self._session, runtime)
             else:
@@ -82,12 +85,38 @@ class NvshmemBackend(Backend):
             self._session.release()
             raise
 
-    # ---- normal mode -----------------------------------------------------------------------
+    # ---- every call -------------------------------------------------------------------------
     def _stream(self) -> torch.cuda.Stream:
-        """Raises a timeout recorded by an earlier kernel (a bad id waits for the end of a call:
+        """Raises a timeout or mismatch recorded by an earlier call (a bad id waits for the end of a call:
         ErrorWatch.check); the current stream (the Buffer picked it: moe_ep.comm.streams)."""
         self._error.check(timeouts_only=True)
         return torch.cuda.current_stream(self.cfg.device)
+
+    def _begin(self, stamp: CallStamp, num_tokens: int = 0,
+               masked: Optional[torch.Tensor] = None) -> tuple[torch.cuda.Stream, torch.cuda.Event]:
+        """A call's start: earlier records raised, then its stamp exchange (backends/stamp_exchange.py)
+        launched on the call's stream; returns the stream and the exchange's event."""
+        stream = self._stream()
+        return stream, self._stamps.launch(stamp, num_tokens, stream, masked)
+
+    def _settle(self, verdict: torch.cuda.Event, async_op: bool) -> None:
+        """A call that is neither async nor being captured waits, once all of its kernels are launched,
+        for its stamp exchange and raises what it recorded (peers that made another call or never came),
+        so the call does not return as if it had succeeded. An async call's event and the Buffer's next
+        call raise it instead; a captured one's replay raises it at its first host check."""
+        if async_op or torch.cuda.is_current_stream_capturing():
+            return
+        verdict.synchronize()
+        self._error.check(timeouts_only=True)
+
+    def _rounds(self, verdict: torch.cuda.Event) -> int:
+        """A fresh exact-size dispatch's token rounds, ceil(max N / T) over the ranks, from its stamp
+        exchange (the host waits for it; a mismatch or a silent peer raises here, before any round)."""
+        verdict.synchronize()
+        self._error.check(timeouts_only=True)
+        return max(1, -(-self._stamps.max_tokens() // self.cfg.max_tokens_per_rank))
+
+    # ---- normal mode -----------------------------------------------------------------------
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
         """The layout kernel over rounds of at most T tokens (local: no peer takes part), summed."""
@@ -110,7 +139,7 @@ class NvshmemBackend(Backend):
         (each round reuses the workspace; worst-case pairs have static shapes). The stamp rides the
         notifies' count rows: compared for fresh dispatches outside worst-case mode (the host reads
         the counts)."""
-        stream = self._stream()
+        stream, verdict = self._begin(stamp, x.shape[0])
         engine = self._normal
         static = handle.worst_case if handle is not None else worst_case
         first = None
@@ -118,14 +147,16 @@ class NvshmemBackend(Backend):
             rounds = len(handle.state.rounds) if isinstance(handle.state, StreamedState) else 1
         elif worst_case:  # a static-shape call fits one round: Buffer checked it
             rounds = 1
-        else:  # round 0's count exchange runs on the GPU while the host agrees on the rounds
+        else:  # round 0's count exchange is queued behind the stamp exchange, which tells the rounds
             first = first_notify(engine, topk_idx, expert_alignment, stream, stamp)
-            rounds = agree_rounds(self._rounds_group, x.shape[0], self.cfg.max_tokens_per_rank, self.cfg.timeout_s)
+            rounds = self._rounds(verdict)
         if rounds == 1 and not static:
-            return normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
-                                   expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
-                                   knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
-                                   stamp=stamp, expert_major=expert_major, notified=first)
+            result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
+                                     expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
+                                     knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
+                                     stamp=stamp, expert_major=expert_major, notified=first)
+            self._settle(verdict, async_op)
+            return result
         if rounds == 1:
             result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                      expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
@@ -136,15 +167,14 @@ class NvshmemBackend(Backend):
                                        expert_alignment=expert_alignment, num_sms=num_sms, knobs=knobs,
                                        stream=stream, async_op=async_op, check=self._error.check, stamp=stamp,
                                        first=first)
+        self._settle(verdict, async_op)
         return pairs.expand(result, expert_alignment) if expert_major else result
 
     def combine(self, x, handle, *, topk_weights, pair_weights, num_sms, knobs, async_op, stamp):
-        """One kernel: the rows, and topk_weights when given, travel back together (an expert-major
-        handle's pairs summed into rows first, on the current stream). The stamp is not compared here:
-        the kernel exchanges no counts and the host never waits for it (Buffer(check_calls=True)
-        compares it on the host first)."""
+        """One kernel after the stamp exchange: the rows, and topk_weights when given, travel back
+        together (an expert-major handle's pairs summed into rows first, on the current stream)."""
         cfg = self.cfg
-        stream = self._stream()
+        stream, verdict = self._begin(stamp)
         x, topk_weights = pairs.combine_inputs(x, handle, topk_weights, pair_weights)
         n = handle.num_tokens
         out = torch.empty(n, cfg.hidden, dtype=torch.bfloat16, device=cfg.device)
@@ -155,6 +185,7 @@ class NvshmemBackend(Backend):
         else:
             self._normal.combine(x, handle, out, topk_weights, out_w, num_sms=num_sms, knobs=knobs, stream=stream)
         self._error.check()  # launched: what earlier calls without a host sync recorded
+        self._settle(verdict, async_op)
         return out, out_w, record_event(async_op, cfg.device, self._error.check)
 
     # ---- low-latency mode ------------------------------------------------------------------
@@ -163,18 +194,30 @@ class NvshmemBackend(Backend):
             raise RuntimeError("this Buffer was created without low_latency=True")
         return self._low_latency
 
-    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, use_nvfp4, x_global_scale,
-                             return_recv_hook, stamp) -> LowLatencyDispatchResult:
-        """The stamp is not compared here: no host sync (Buffer(check_calls=True) compares it first)."""
-        return self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                                       use_nvfp4=use_nvfp4, x_global_scale=x_global_scale,
-                                       return_recv_hook=return_recv_hook)
+    def _low_latency_begin(self, stamp: CallStamp) -> torch.cuda.Event:
+        """A low-latency call's stamp exchange (a fault-tolerant Buffer's skips masked ranks and masks a
+        silent one, as its kernels do)."""
+        engine = self._engine()
+        return self._begin(stamp, masked=engine.rank_mask if self.cfg.fault_tolerant else None)[1]
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *,
-                            return_recv_hook, overlap: Optional[LowLatencyOverlap], stamp) -> LowLatencyCombineResult:
-        """The stamp is not compared here: no host sync (Buffer(check_calls=True) compares it first)."""
-        return self._engine().combine(x, topk_idx, topk_weights, handle, return_recv_hook=return_recv_hook,
-                                      overlap=overlap)
+    def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, use_nvfp4, x_global_scale,
+                             return_recv_hook, async_op, stamp) -> LowLatencyDispatchResult:
+        """The stamp exchange, then the engine's send (and receive, without a hook)."""
+        verdict = self._low_latency_begin(stamp)
+        result = self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                         use_nvfp4=use_nvfp4, x_global_scale=x_global_scale,
+                                         return_recv_hook=return_recv_hook)
+        self._settle(verdict, async_op)
+        return result
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, return_recv_hook,
+                            async_op, overlap: Optional[LowLatencyOverlap], stamp) -> LowLatencyCombineResult:
+        """The stamp exchange, then the engine's send (and receive, without a hook)."""
+        verdict = self._low_latency_begin(stamp)
+        result = self._engine().combine(x, topk_idx, topk_weights, handle, return_recv_hook=return_recv_hook,
+                                        overlap=overlap)
+        self._settle(verdict, async_op)
+        return result
 
     @property
     def normal_path(self) -> str:
@@ -192,6 +235,7 @@ class NvshmemBackend(Backend):
         if self._session is None:
             return
         torch.cuda.synchronize(self.cfg.device)
+        self._stamps.close()
         if self._normal is not None:
             self._normal.close()
         masked = self._low_latency.masked_ranks() if self._low_latency is not None else []
@@ -206,7 +250,7 @@ class NvshmemBackend(Backend):
         if self._session is None:
             return True
         try:
-            self._rounds_group.barrier().wait(timedelta(seconds=timeout_s))
+            self._own_group.barrier().wait(timedelta(seconds=timeout_s))
         except RuntimeError:
             self.abort()
             return False
@@ -218,7 +262,7 @@ class NvshmemBackend(Backend):
         if self._session is None:
             return
         torch.cuda.synchronize(self.cfg.device)
-        for engine in (self._low_latency, self._normal):
+        for engine in (self._low_latency, self._normal, self._stamps):
             if engine is not None:
                 engine.close()
         self._low_latency = self._normal = None

@@ -316,7 +316,7 @@ class ReferenceBackend(Backend):
 
     # ---- low-latency mode -----------------------------------------------------------------
     def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, use_nvfp4, x_global_scale,
-                             return_recv_hook, stamp):
+                             return_recv_hook, async_op, stamp):
         cfg = self.cfg
         e_l, slots = cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank
         layout = nvfp4.NvFp4Layout(e_l, slots, cfg.hidden)
@@ -409,7 +409,7 @@ class ReferenceBackend(Backend):
                           "was not signalled computed when the combine read it (DeepEP's kernel would wait there "
                           "forever)")
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, return_recv_hook, overlap, stamp):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, return_recv_hook, async_op, overlap, stamp):
         """With `overlap` the rows are read (cloned) now, so every comp_signal word covering rows must
         already be at the threshold: otherwise this rank takes part as rejecting its input and raises
         ValueError naming the first short word, its peers PeerInputError."""

@@ -229,7 +229,7 @@ class NvshmemSession:
 
     def error_state(self, timeout_s: Optional[float] = None, num_experts: Optional[int] = None) -> ErrorWatch:
         """A fresh ErrorWatch (freed at release); `timeout_s` and `num_experts` go into its errors' messages."""
-        watch = ErrorWatch(self._shared.native, timeout_s, num_experts)
+        watch = ErrorWatch(self._shared.native, self.device, timeout_s, num_experts)
         self._watches.append(watch)
         return watch
 
