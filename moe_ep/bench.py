@@ -364,9 +364,11 @@ def bench_async_pattern(buf: Buffer, timer: Timer, case: str, tokens: int) -> li
 
 
 def bench_call_checks(timer: Timer, device: torch.device) -> list[Row]:
-    """What checking calls in order costs (issue 36): a dispatch + combine on a Buffer whose stamps ride
-    the count exchange (the default: bytes, no round trip) and on one made with check_calls=True (one
-    host all_gather per call before it launches), at a decode-sized and a prefill-sized token count."""
+    """What checking calls in order costs: a dispatch + combine on a Buffer of default arguments (on the
+    native backend each call opens with its stamp exchange, one device round trip, and waits for it
+    unless async) and on one made with check_calls=True (one host all_gather per call before it
+    launches), at a decode-sized and a prefill-sized token count; on the native backend also the stamp
+    exchange alone, whole call and kernel."""
     gpu = device.type == "cuda"
     hidden, sizes = (7168, (128, 4096)) if gpu else (512, (32, 256))
     rows: list[Row] = []
@@ -380,9 +382,13 @@ def bench_call_checks(timer: Timer, device: torch.device) -> list[Row]:
                     d = buf.dispatch(x, idx, w)
                     return buf.combine(d.x, d.handle)
 
-                op = "dispatch+combine" + (", check_calls=True" if check else ", stamps in the counts")
+                op = "dispatch+combine" + (", check_calls=True" if check else ", stamps exchanged on the device")
                 call_us = timer.call_us(step)
                 rows.append(_row(buf, "calls", op, None, tokens, call_us, spread_us=timer.last_spread[0]))
+            if buf.backend_name == "nvshmem" and not check:  # what the device check adds to every native call
+                exchange = buf.backend.stamp_exchange_alone
+                rows.append(_row(buf, "calls", "stamp exchange alone (each native call's first kernel)", None, 0,
+                                 timer.call_us(exchange), kernel_us=timer.kernel_us(exchange)))
     return rows
 
 

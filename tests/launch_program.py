@@ -2,7 +2,7 @@
 variables): each rank dispatches random tokens, combines them back unchanged and checks the result
 against a brute-force computation, then ends without closing its Buffer or destroying the group, which
 moe_ep.launch's exit does (a last line says what is still up after it). --plain: a program that does not
-use moe_ep.launch (its own gloo group on the CPU, never destroyed). --contract (GPU) also runs tests/test_gpu_crossnode.py's cases, the native
+use moe_ep.launch (its own gloo group, never destroyed; on GPU 0 where there is one). --contract (GPU) also runs tests/test_gpu_crossnode.py's cases, the native
 kernels against the reference backend as two nodes of R / 2 ranks; --fail-rank N makes rank N raise
 at the end. tests/test_launch.py and tests/run_gpu_scale.sh check that every rank exits 0."""
 from __future__ import annotations
@@ -20,15 +20,16 @@ from moe_ep.launch import init_distributed, plan
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--contract", action="store_true", help="also run the cross-node contract cases (GPU)")
 parser.add_argument("--fail-rank", type=int, default=None, help="this rank raises at the end (default: none)")
-parser.add_argument("--plain", action="store_true", help="init_process_group('gloo') itself, no moe_ep.launch (CPU)")
+parser.add_argument("--plain", action="store_true",
+                    help="init_process_group('gloo') itself, no moe_ep.launch (every rank on GPU 0 where there is one)")
 args = parser.parse_args()
 
 # Registered before init_distributed registers its shutdown, so it runs after it (atexit runs last-in first-out).
 atexit.register(lambda: print(f"at exit: group {'up' if dist.is_initialized() else 'destroyed'}, NVSHMEM "
                               f"{'up' if moe_ep.symmetric_heap_usage() else 'down'}", flush=True))
-if args.plain:
+if args.plain:  # as a user's script: one gloo group, every rank on GPU 0 where there is one (ranks share it)
     dist.init_process_group("gloo")
-    placement = plan(0, 1, 0, "cpu")
+    placement = plan(0, 1, min(torch.cuda.device_count(), 1))
 else:
     placement = init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()

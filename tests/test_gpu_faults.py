@@ -2,9 +2,10 @@
 expert ids out of range. Each rank reports what it saw (exception, message, seconds) to the parent,
 which checks it: normal mode raises CommTimeoutError naming the silent rank within the timeout, a
 fault-tolerant low-latency Buffer masks it and keeps computing without its experts (checked against
-the combine rule computed here on the host), a plain low-latency Buffer returns NaN and raises in its
-next call, and a bad expert id raises ValueError naming token and value on its rank (PeerInputError naming
-that rank on the other) with the Buffer still usable.
+the combine rule computed here on the host), a plain low-latency Buffer raises in the call, and a bad
+expert id raises ValueError naming token and value on its rank (PeerInputError naming that rank on the
+other) with the Buffer still usable. Calls that differ between the ranks raise CallMismatchError on
+both at once, and every call kind whose peer stays away raises in the call itself.
 
 The ranks run without torchrun, and a killed rank takes nothing else down; survivors leave with
 os._exit so that no teardown waits for the dead peer. The ranks synchronise on events, not sleeps:
@@ -276,25 +277,136 @@ def test_stalled_rank_fault_tolerant_low_latency() -> None:
     assert seen[(1, "stalled")] == ([0], True)  # rank 0 had moved on: rank 1 masks it in turn
 
 
-def _ll_poison(rank: int, report: Callable, scratch: Path) -> None:
+def _ll_dead_peer(rank: int, report: Callable, scratch: Path) -> None:
     import moe_ep
 
     buf = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="nvshmem",
                         low_latency=True, timeout_s=TIMEOUT_S)
     _ll_round(buf, rank, 0)
     _kill_peer_and_wait(rank)
-    _, _, _, d, out = _ll_round(buf, rank, 1)
-    torch.cuda.synchronize()
-    report("poisoned", (bool(torch.isnan(out.float()).all()), d.count.tolist()))
+    report("first", _timed(lambda: _ll_round(buf, rank, 1)))
     report("next", _timed(lambda: _ll_round(buf, rank, 2)))
 
 
-def test_killed_rank_low_latency_poisons_and_raises() -> None:
-    seen = _launch(_ll_poison)
-    all_nan, counts = seen[(0, "poisoned")]
-    assert all_nan and counts == [0] * (E // 2), (all_nan, counts)
-    kind, msg, _ = seen[(0, "next")]
-    assert kind == "CommTimeoutError" and "waiting for rank 1" in msg, msg
+def test_killed_rank_low_latency_raises_in_the_call() -> None:
+    """A plain low-latency Buffer whose peer died: the call raises (its stamp exchange waits out the
+    timeout for the peer), it does not return rows; so does the next."""
+    seen = _launch(_ll_dead_peer)
+    for key in ("first", "next"):
+        kind, msg, secs = seen[(0, key)]
+        assert kind == "CommTimeoutError" and "waiting for rank 1" in msg, msg
+        assert TIMEOUT_S * 0.9 <= secs < TIMEOUT_S + SLACK_S, (key, secs)
+
+
+def _mismatch(rank: int, report: Callable, scratch: Path) -> None:
+    """Default arguments (timeout_s 100 s): ranks that make different calls must raise at once."""
+    import moe_ep
+
+    kwargs = dict(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, low_latency=True)
+    buf = moe_ep.Buffer(backend="nvshmem", **kwargs)
+    ref = moe_ep.Buffer(backend="reference", **kwargs)
+    x, idx, w = _inputs(rank, 0)
+    res = buf.dispatch(x, idx, w)
+    buf.combine(res.x, res.handle)
+    d = buf.low_latency_dispatch(x, idx)
+    buf.low_latency_combine(d.x, idx, w, d.handle)
+    torch.cuda.synchronize()
+    cases = {  # rank 0's call, rank 1's call
+        "combine_vs_dispatch": (lambda: buf.combine(res.x, res.handle), lambda: buf.dispatch(x, idx, w)),
+        "skipped_call": (lambda: buf.dispatch(x, handle=res.handle), lambda: buf.combine(res.x, res.handle)),
+        "worst_case_vs_combine": (lambda: buf.dispatch(x, idx, w, worst_case=True),
+                                  lambda: buf.combine(res.x, res.handle)),
+        "low_latency": (lambda: buf.low_latency_combine(d.x, idx, w, d.handle),
+                        lambda: buf.low_latency_dispatch(x, idx, return_recv_hook=True)),
+        "low_latency_vs_normal": (lambda: buf.low_latency_dispatch(x, idx), lambda: buf.combine(res.x, res.handle)),
+    }
+    for name, calls in cases.items():
+        report(name, _timed(calls[rank]))
+    # still usable: clean rounds match the reference backend bit for bit
+    x2, idx2, w2 = _inputs(rank, 1)
+    got, want = buf.dispatch(x2, idx2, w2), ref.dispatch(x2, idx2, w2)
+    y = (want.x.float() * (rank + 1.5)).to(torch.bfloat16)
+    same = torch.equal(got.x.view(torch.int16), want.x.view(torch.int16)) and \
+        torch.equal(buf.combine(y, got.handle).view(torch.int16), ref.combine(y, want.handle).view(torch.int16))
+    d, rd = buf.low_latency_dispatch(x2, idx2), ref.low_latency_dispatch(x2, idx2)
+    same = same and torch.equal(d.count, rd.count)
+    out = buf.low_latency_combine(rd.x, idx2, w2, d.handle).x
+    same = same and torch.equal(out.view(torch.int16), ref.low_latency_combine(rd.x, idx2, w2, rd.handle).x.view(torch.int16))
+    report("after", same)
+
+
+def test_mismatched_calls_raise_on_every_rank() -> None:
+    """A combine against a dispatch, a skipped cached dispatch, a worst-case dispatch against a combine,
+    low-latency calls of two kinds (one with a receive hook), and a low-latency call against a normal one:
+    every rank raises CallMismatchError naming both calls, well within 30 s under the default 100 s
+    timeout (the stamp exchange finds it in one round trip), and the Buffer then gives the reference
+    backend's bits."""
+    seen = _launch(_mismatch)
+    want = {"combine_vs_dispatch": ("combine", "dispatch"), "skipped_call": ("cached dispatch", "combine"),
+            "worst_case_vs_combine": ("dispatch", "combine"),
+            "low_latency": ("low-latency combine", "low-latency dispatch"),
+            "low_latency_vs_normal": ("low-latency dispatch", "combine")}
+    for name, (call0, call1) in want.items():
+        for rank in (0, 1):
+            kind, msg, secs = seen[(rank, name)]
+            assert kind == "CallMismatchError", (name, rank, kind, msg)
+            assert f"rank 0: {call0} #" in msg and f"rank 1: {call1} #" in msg, (name, msg)
+            assert secs < 30, (name, rank, secs)
+    assert seen[(0, "after")] and seen[(1, "after")]
+
+
+def _each_kind_alone(rank: int, report: Callable, scratch: Path) -> None:
+    """Rank 0 makes each kind of call while rank 1 stays away: the call itself raises CommTimeoutError
+    (a CUDA graph's replay: Buffer.synchronize, its first host check). A fresh Buffer per kind."""
+    import moe_ep
+
+    kinds = ("combine", "cached_dispatch", "worst_case_dispatch", "low_latency_dispatch", "low_latency_hook",
+             "low_latency_combine", "graph_replay")
+    for kind in kinds:
+        buf = moe_ep.Buffer(device=device(), hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T,
+                            backend="nvshmem", low_latency=True, timeout_s=TIMEOUT_S)
+        x, idx, w = _inputs(rank, 0)
+        res = buf.dispatch(x, idx, w)
+        buf.combine(res.x, res.handle)
+        d = buf.low_latency_dispatch(x, idx)
+        buf.low_latency_combine(d.x, idx, w, d.handle)
+        graph = torch.cuda.CUDAGraph()
+        if kind == "graph_replay":  # captured on both ranks (capture runs nothing)
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+                buf.low_latency_dispatch(x, idx)
+        torch.cuda.synchronize()
+        dist.barrier()
+        calls = {
+            "combine": lambda: buf.combine(res.x, res.handle),
+            "cached_dispatch": lambda: buf.dispatch(x, handle=res.handle),
+            "worst_case_dispatch": lambda: buf.dispatch(x, idx, w, worst_case=True),
+            "low_latency_dispatch": lambda: buf.low_latency_dispatch(x, idx),
+            "low_latency_hook": lambda: buf.low_latency_dispatch(x, idx, return_recv_hook=True),
+            "low_latency_combine": lambda: buf.low_latency_combine(d.x, idx, w, d.handle),
+            "graph_replay": lambda: (graph.replay(), buf.synchronize()),
+        }
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                calls[kind]()
+                report(kind, ("none", "", time.monotonic() - start))  # returned: no sync here on purpose
+            except Exception as exc:  # noqa: BLE001 - the type is what the parent checks
+                report(kind, (type(exc).__name__, str(exc), time.monotonic() - start))
+        dist.barrier()  # rank 1 never made the call
+        buf.close()
+
+
+def test_a_call_whose_peer_stays_away_raises_in_the_call() -> None:
+    """Every call kind (combine, cached and worst-case dispatch, low latency with and without a hook,
+    a CUDA graph's replay at its first host check) raises CommTimeoutError naming the absent peer, from
+    the call itself, after the timeout: no call returns as if it had succeeded."""
+    seen = _launch(_each_kind_alone, wait_s=300)
+    for kind in ("combine", "cached_dispatch", "worst_case_dispatch", "low_latency_dispatch", "low_latency_hook",
+                 "low_latency_combine", "graph_replay"):
+        name, msg, secs = seen[(0, kind)]
+        assert name == "CommTimeoutError" and "waiting for rank 1" in msg, (kind, name, msg)
+        assert TIMEOUT_S * 0.9 <= secs < TIMEOUT_S + SLACK_S, (kind, secs)
 
 
 def _bad_ids(rank: int, report: Callable, scratch: Path) -> None:

@@ -1,5 +1,6 @@
-"""GPU fuzz: 10,000 random calls on one native Buffer (low_latency=True) with 2 ranks (on 2 GPUs, or
-sharing one: tests/_dist.py), interleaved as
+"""GPU fuzz: up to 10,000 random calls, within a time budget (MOE_EP_FUZZ_SECONDS, 150 s: the ranks
+agree every 100 calls whether to go on, so the GPU suite fits one device call), on one native Buffer
+(low_latency=True) with 2 ranks (on 2 GPUs, or sharing one: tests/_dist.py), interleaved as
 tests/test_fuzz.py draws them (normal dispatch with random N including 0, K routing kinds, skew, FP8,
 alignment, worst case, NaN/Inf; combine and cached dispatch through live handles; layout;
 low-latency with and without hooks, FP8; bad inputs that must raise), each run on the reference
@@ -14,6 +15,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import time
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -28,6 +30,8 @@ from tests.test_fuzz import BAD_INPUTS, Call, FuzzShape, call_inputs, fp8_payloa
 pytestmark = requires_gpus()
 
 CALLS = int(os.environ.get("MOE_EP_FUZZ_CALLS", "10000"))  # each run draws a fresh seed: coverage adds up over runs
+SECONDS = float(os.environ.get("MOE_EP_FUZZ_SECONDS", "150"))  # the fuzz part stops once this is spent
+AGREE_EVERY = 100  # calls between the ranks' agreements on the time budget
 WARMUP = 200  # calls before the memory is first measured
 SHAPE = FuzzShape(hidden=256, experts=16, topk=6, max_tokens=32)
 GPU_BAD = ("x_dtype", "topk_dtype", "weights_dtype", "too_many_tokens", "misaligned", "non_contiguous", "event_type",
@@ -189,6 +193,13 @@ def _heap_state() -> tuple[int, int]:
     return (heap.reserved_bytes, heap.buffers) if heap is not None else (0, 0)
 
 
+def _spent(mine: bool) -> bool:
+    """Whether any rank has spent the time budget (one all-reduce: every rank stops at the same call)."""
+    flag = torch.tensor([int(mine)], device=device() if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def _worker(rank: int, world: int, seed: int) -> None:
     kwargs = dict(hidden=SHAPE.hidden, num_experts=SHAPE.experts, num_topk=SHAPE.topk,
                   max_tokens_per_rank=SHAPE.max_tokens, low_latency=True)
@@ -197,8 +208,11 @@ def _worker(rank: int, world: int, seed: int) -> None:
     fuzzer = PairFuzzer(native, ref)
     counts: dict[str, int] = {}
     memory = []
+    start = time.monotonic()
     for part, count in enumerate((WARMUP, CALLS)):  # warm-up: allocator caches; then memory must stay put
         for index, call in enumerate(fuzz_calls(seed + part, count, world, SHAPE, bad_inputs=GPU_BAD)):
+            if part and index % AGREE_EVERY == 0 and _spent(time.monotonic() - start > SECONDS):
+                break
             counts[call.kind] = counts.get(call.kind, 0) + part
             try:
                 fuzzer.run(index, call)
@@ -212,7 +226,8 @@ def _worker(rank: int, world: int, seed: int) -> None:
             memory.append((torch.cuda.memory_allocated(), _heap_state()))
     assert len(set(memory)) <= 1, f"memory after the warm-up {memory[0]}, after the fuzz {memory[1]}"
     if rank == 0:
-        print(f"gpu fuzz seed {seed}: {CALLS} calls {counts}, memory {memory} before and after", flush=True)
+        print(f"gpu fuzz seed {seed}: {sum(counts.values())} calls in {time.monotonic() - start:.0f} s {counts}, "
+              f"memory {memory} before and after", flush=True)
     native.close()
     ref.close()
 

@@ -939,6 +939,12 @@ class Buffer:
             return _raise_after_receive(bad_ids, lambda: checked(x, handle.topk_idx, topk_weights, stamp, signals))
         return checked(x, topk_idx, topk_weights, stamp, signals)
 
+    def synchronize(self) -> None:
+        """Local: waits for the work queued on the current stream and raises what this Buffer's kernels
+        recorded and no call raised yet (CommTimeoutError, CallMismatchError; BadExpertIdError): the host
+        check after an async call or a CUDA graph replay, whose calls cannot raise themselves."""
+        self.backend.synchronize()
+
     # ---- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
         """Free communication resources (collective)."""

@@ -257,6 +257,12 @@ class Backend(abc.ABC):
         """Weighted sum of each token's expert outputs in ascending k. `overlap`: rows of x are read only
         once their comp_signal words reached the threshold (types.LowLatencyOverlap); same result."""
 
+    def synchronize(self) -> None:
+        """Waits for the current stream's work and raises what this Buffer's kernels recorded (a backend
+        whose calls raise everything themselves has nothing more to raise)."""
+        if self.cfg.device.type == "cuda":
+            torch.cuda.current_stream(self.cfg.device).synchronize()
+
     def close(self) -> None:
         """Release communication resources (collective: every rank calls it)."""
 

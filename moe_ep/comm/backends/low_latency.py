@@ -209,6 +209,14 @@ class LowLatencyEngine(Engine):
         self._pending[kind] = hook
         return hook
 
+    def drop_hook(self, kind: str) -> None:
+        """The call that made the kind's pending hook raised (its stamp exchange said the peers made
+        another call or never came): its receive half must never run, and the next call may start."""
+        hook = self._pending[kind]
+        if hook is not None:
+            hook.ran = True
+            self._pending[kind] = None
+
     def _receive(self, hook: _Hook) -> None:
         """Runs a hook's receive half once."""
         if hook.ran:

@@ -22,7 +22,7 @@ import torch
 
 from .. import _native
 from .. import expert_major as pairs
-from ..call_check import CallStamp
+from ..call_check import COMBINE, CallOrder, CallStamp, OwnRejection
 from ..types import (
     DispatchLayout,
     DispatchResult,
@@ -86,11 +86,25 @@ class NvshmemBackend(Backend):
             raise
 
     # ---- every call -------------------------------------------------------------------------
+    def _check(self, timeouts_only: bool = False) -> None:
+        """ErrorWatch.check where the record may be an earlier call's (one that raised nothing yet: an async
+        call, a graph replay): a mismatch that names this rank's own rejected input raises nothing, since
+        that call raised the rank's error already."""
+        try:
+            self._error.check(timeouts_only)
+        except OwnRejection:
+            pass
+
     def _stream(self) -> torch.cuda.Stream:
-        """Raises a timeout or mismatch recorded by an earlier call (a bad id waits for the end of a call:
-        ErrorWatch.check); the current stream (the Buffer picked it: moe_ep.comm.streams)."""
-        self._error.check(timeouts_only=True)
+        """What earlier calls recorded raised (a bad id waits for the end of a call); the current stream
+        (the Buffer picked it: moe_ep.comm.streams)."""
+        self._check(timeouts_only=True)
         return torch.cuda.current_stream(self.cfg.device)
+
+    def synchronize(self) -> None:
+        """Waits for the current stream and raises what this Buffer's kernels recorded."""
+        torch.cuda.current_stream(self.cfg.device).synchronize()
+        self._check()
 
     def _begin(self, stamp: CallStamp, num_tokens: int = 0,
                masked: Optional[torch.Tensor] = None) -> tuple[torch.cuda.Stream, torch.cuda.Event]:
@@ -98,6 +112,12 @@ class NvshmemBackend(Backend):
         launched on the call's stream; returns the stream and the exchange's event."""
         stream = self._stream()
         return stream, self._stamps.launch(stamp, num_tokens, stream, masked)
+
+    def stamp_exchange_alone(self) -> None:
+        """A stamp exchange on the current stream with nothing after it (collective; moe_ep.bench times it):
+        what the device check costs every native call."""
+        self._stamps.launch(CallStamp(CallOrder(), COMBINE, 1, 0, 0, 0, 0), 0,
+                            torch.cuda.current_stream(self.cfg.device))
 
     def _settle(self, verdict: torch.cuda.Event, async_op: bool) -> None:
         """A call that is neither async nor being captured waits, once all of its kernels are launched,
@@ -124,7 +144,7 @@ class NvshmemBackend(Backend):
         bounds = round_bounds(topk_idx.shape[0], max(1, -(-topk_idx.shape[0] // self.cfg.max_tokens_per_rank)),
                               self.cfg.max_tokens_per_rank)
         parts = [self._normal.layout(topk_idx[first:last], stream) for first, last in bounds]
-        self._error.check()  # local call: what earlier calls without a host sync recorded
+        self._check()  # local call: what earlier calls without a host sync recorded
         if len(parts) == 1:
             return parts[0]
         return DispatchLayout(num_tokens_per_rank=sum(p.num_tokens_per_rank for p in parts),
@@ -153,19 +173,19 @@ class NvshmemBackend(Backend):
         if rounds == 1 and not static:
             result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                      expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
-                                     knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
+                                     knobs=knobs, stream=stream, async_op=async_op, check=self._check,
                                      stamp=stamp, expert_major=expert_major, notified=first)
             self._settle(verdict, async_op)
             return result
         if rounds == 1:
             result = normal_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle,
                                      expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
-                                     knobs=knobs, stream=stream, async_op=async_op, check=self._error.check,
+                                     knobs=knobs, stream=stream, async_op=async_op, check=self._check,
                                      stamp=stamp)
         else:
             result = streamed_dispatch(engine, x, x_scales, topk_idx, topk_weights, handle=handle, rounds=rounds,
                                        expert_alignment=expert_alignment, num_sms=num_sms, knobs=knobs,
-                                       stream=stream, async_op=async_op, check=self._error.check, stamp=stamp,
+                                       stream=stream, async_op=async_op, check=self._check, stamp=stamp,
                                        first=first)
         self._settle(verdict, async_op)
         return pairs.expand(result, expert_alignment) if expert_major else result
@@ -184,9 +204,9 @@ class NvshmemBackend(Backend):
                              stream=stream)
         else:
             self._normal.combine(x, handle, out, topk_weights, out_w, num_sms=num_sms, knobs=knobs, stream=stream)
-        self._error.check()  # launched: what earlier calls without a host sync recorded
+        self._check()  # launched: what earlier calls without a host sync recorded
         self._settle(verdict, async_op)
-        return out, out_w, record_event(async_op, cfg.device, self._error.check)
+        return out, out_w, record_event(async_op, cfg.device, self._check)
 
     # ---- low-latency mode ------------------------------------------------------------------
     def _engine(self) -> Any:
@@ -207,7 +227,7 @@ class NvshmemBackend(Backend):
         result = self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                          use_nvfp4=use_nvfp4, x_global_scale=x_global_scale,
                                          return_recv_hook=return_recv_hook)
-        self._settle(verdict, async_op)
+        self._settle_low_latency("dispatch", verdict, async_op)
         return result
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, return_recv_hook,
@@ -216,8 +236,16 @@ class NvshmemBackend(Backend):
         verdict = self._low_latency_begin(stamp)
         result = self._engine().combine(x, topk_idx, topk_weights, handle, return_recv_hook=return_recv_hook,
                                         overlap=overlap)
-        self._settle(verdict, async_op)
+        self._settle_low_latency("combine", verdict, async_op)
         return result
+
+    def _settle_low_latency(self, kind: str, verdict: torch.cuda.Event, async_op: bool) -> None:
+        """_settle; a call that raises there drops its receive hook (its kernels did nothing)."""
+        try:
+            self._settle(verdict, async_op)
+        except BaseException:
+            self._engine().drop_hook(kind)
+            raise
 
     @property
     def normal_path(self) -> str:
