@@ -1,6 +1,9 @@
 """What the framework tests (test_frameworks_v2, test_frameworks_low_latency, test_frameworks_hybrid) share:
 where the unpacked frameworks are, skip markers, the import set-up of a worker (sys.path, stand-in
-modules, `deep_ep` aliased to moe_ep.deep_ep), and the experts as known functions with their brute force.
+modules), and the experts as known functions with their brute force.
+
+The frameworks import `deep_ep`: moe_ep's optional package (`pip install ./deep_ep_compat`), installed,
+never aliased; the tests skip without it.
 
 The frameworks are not installed: the tests read the files of their wheels they use (the imported parts
 are pure Python) from $MOE_EP_FRAMEWORKS, else <repo>/.frameworks (git-ignored), their dependencies from
@@ -8,6 +11,7 @@ its deps/ folder; tests/fetch_frameworks.py fills it.
 """
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -34,10 +38,35 @@ SGLANG_STUBS = ("starlette", "IPython", "aiohttp", "torchvision", "truststore", 
                 "compressed_tensors", "gguf")
 
 
+# How to get the `deep_ep` package the frameworks import (from the repository root).
+INSTALL_DEEP_EP = "pip install ./deep_ep_compat"
+
+
+@functools.cache
+def deep_ep_missing() -> Optional[str]:
+    """Why `import deep_ep` does not give moe_ep's package (not installed, or another `deep_ep` such as
+    DeepEP's own), or None when it does."""
+    if importlib.util.find_spec("deep_ep") is None:
+        return f"the deep_ep package is not installed ({INSTALL_DEEP_EP})"
+    import deep_ep
+
+    if getattr(deep_ep, "Buffer", None) is not moe_ep.deep_ep.Buffer:
+        return f"the deep_ep at {deep_ep.__file__} is not moe_ep's ({INSTALL_DEEP_EP} in its place)"
+    return None
+
+
+def needs_deep_ep() -> pytest.MarkDecorator:
+    """Skip unless `import deep_ep` gives moe_ep's package."""
+    missing = deep_ep_missing()
+    return pytest.mark.skipif(missing is not None, reason=str(missing))
+
+
 def needs(package: str, version: str) -> pytest.MarkDecorator:
-    """Skip unless the framework's unpacked package is in FRAMEWORKS."""
-    return pytest.mark.skipif(not (FRAMEWORKS / package).is_dir(),
-                              reason=f"{package} {version} is not unpacked in {FRAMEWORKS} (MOE_EP_FRAMEWORKS)")
+    """Skip unless the framework's unpacked package is in FRAMEWORKS and `deep_ep` is moe_ep's package."""
+    if not (FRAMEWORKS / package).is_dir():
+        return pytest.mark.skip(reason=f"{package} {version} is not unpacked in {FRAMEWORKS} (MOE_EP_FRAMEWORKS)")
+    missing = deep_ep_missing()
+    return pytest.mark.skipif(missing is not None, reason=f"{package} {version} imports deep_ep: {missing}")
 
 
 def skip_unless_its_torch(package: str, version: str) -> None:
@@ -74,16 +103,14 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def import_path(stubs: tuple[str, ...]) -> None:
-    """In a worker: the unpacked frameworks and their dependencies on sys.path, stand-ins for the named
-    packages where they are not importable, and `deep_ep` aliased to moe_ep.deep_ep (before any
-    framework module binds it)."""
+    """In a worker: the unpacked frameworks and their dependencies on sys.path, and stand-ins for the named
+    packages where they are not importable."""
     for path in (FRAMEWORKS / "deps", FRAMEWORKS):
         if str(path) not in sys.path:
             sys.path.insert(0, str(path))
     missing = {name for name in stubs if importlib.util.find_spec(name) is None}
     if missing:
         sys.meta_path.append(_Stubs(missing))
-    sys.modules["deep_ep"] = moe_ep.deep_ep
 
 
 # ---- experts as known functions and the brute force ---------------------------------------------

@@ -9,8 +9,8 @@ The frameworks are not installed: the tests read the files of their wheels they 
 else <repo>/.frameworks (git-ignored; tests/_frameworks.py), their dependencies from its deps/ folder; a test skips when its
 framework is not there. tests/fetch_frameworks.py fills it (.ci/run does, with --training-only).
 
-`deep_ep` (and `deep_ep.utils`, `deep_ep.hybrid_ep_buffer`) are aliased to moe_ep.deep_ep before the
-frameworks' modules are imported. Shims, none about communication:
+The frameworks import `deep_ep`, `deep_ep.utils` and `deep_ep.hybrid_ep_buffer` from moe_ep's installed
+package (`pip install ./deep_ep_compat`; the tests skip without it). Shims, none about communication:
 - torch: torchtitan's hybridep.py imports `CustomClassBase` from torch._library.opaque_object, which this
   torch calls `OpaqueBase`; the name is added when missing.
 - torchtitan (CPU only): its hybridep ops are registered for CUDA only; the same functions are registered
@@ -35,9 +35,8 @@ import torch._dynamo
 import torch.distributed as dist
 
 import moe_ep.deep_ep
-from moe_ep.deep_ep import hybrid_ep_buffer
 from tests._dist import device, requires_gpus, run_workers
-from tests._frameworks import FRAMEWORKS, ROOT, needs
+from tests._frameworks import ROOT, import_path, needs
 from tests.oracle import Inputs, assert_same_bits
 
 WORLD, HIDDEN, EXPERTS, TOPK, T = 2, 64, 8, 3, 32
@@ -45,12 +44,8 @@ NUM_LOCAL = EXPERTS // WORLD
 
 
 def _use_frameworks() -> None:
-    """The unpacked frameworks on sys.path and `deep_ep` aliased to moe_ep.deep_ep (before their import)."""
-    for path in (FRAMEWORKS / "deps", FRAMEWORKS):
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
-    sys.modules["deep_ep"] = sys.modules["deep_ep.utils"] = moe_ep.deep_ep
-    sys.modules["deep_ep.hybrid_ep_buffer"] = hybrid_ep_buffer
+    """The unpacked frameworks on sys.path and the torch shims (before their import)."""
+    import_path(())
     from torch._library import opaque_object
 
     if not hasattr(opaque_object, "CustomClassBase"):  # shim: the torch name torchtitan imports
@@ -63,7 +58,7 @@ needs_torchtitan = needs("torchtitan", "0.3.0")
 
 def _skip_unless_torchtitan_imports() -> None:
     """Skip when torchtitan's HybridEP modules do not import on this torch (torchtitan 0.3.0 follows torch
-    nightly, e.g. its opaque-object API), tried in a fresh interpreter so this one keeps no alias."""
+    nightly, e.g. its opaque-object API), tried in a fresh interpreter so this one imports no framework."""
     code = ("from tests.test_frameworks_hybrid import _use_frameworks; _use_frameworks(); "
             "import torchtitan.distributed.deepep.hybridep, torchtitan.models.common.token_dispatcher")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

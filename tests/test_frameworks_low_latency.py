@@ -1,5 +1,5 @@
 """The DeepEP V1 low-latency paths of vLLM 0.33.0 and SGLang 0.5.23, their own code unchanged, on
-moe_ep.deep_ep.Buffer (`deep_ep` aliased to moe_ep.deep_ep before their modules are imported), 2 ranks on
+moe_ep.deep_ep.Buffer (through moe_ep's installed `deep_ep` package: `pip install ./deep_ep_compat`), 2 ranks on
 CPU (gloo, reference backend) and, marked gpu, 2 ranks sharing one GPU. Every received row is checked
 against brute force over every rank's inputs (tests/oracle.py's row order, quantisers written from the
 formats' definitions), and every token's combined output against the float64 sum over its experts (known

@@ -1,6 +1,6 @@
 """The DeepEP V2 paths of torchtitan 0.3.0, vLLM 0.33.0 and SGLang 0.5.23, their own code unchanged,
-on moe_ep.deep_ep.ElasticBuffer: `deep_ep` is aliased to moe_ep.deep_ep before their modules are
-imported. Each is checked against brute force over every rank's inputs (the experts are known
+on moe_ep.deep_ep.ElasticBuffer, through moe_ep's installed `deep_ep` package (`pip install ./deep_ep_compat`;
+the tests skip without it). Each is checked against brute force over every rank's inputs (the experts are known
 functions, so each token's output is a sum over its experts wherever they live), 2 ranks on CPU
 (gloo, reference backend) and, marked gpu, 2 ranks sharing one GPU (native kernels).
 

@@ -8,9 +8,7 @@ supplies them and checks what the block left behind.
 from __future__ import annotations
 
 import functools
-import importlib
 import re
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +19,7 @@ import moe_ep
 import moe_ep.deep_ep
 from moe_ep.comm import fp8
 from tests._dist import run_workers
+from tests._frameworks import needs_deep_ep
 from tests.test_compile import same_bits
 from tests.test_overlap import _one_call as one_call
 from tests.oracle import (Inputs, expected_combine, expected_dispatch, expected_low_latency_combine, fp8_dequantize,
@@ -120,32 +119,30 @@ def _check_deep_ep(code: str, inp: Inputs, me: int, buffer: moe_ep.Buffer) -> No
     same_bits(ns["combined_x"], expected_combine(inp, me, WORLD, EXPERTS, _row_by_k(inp)), "deep_ep combined_x")
 
 
-def _check_deep_ep_alias(code: str, inp: Inputs, me: int, buffer: moe_ep.Buffer) -> None:
-    """DeepEP-style calls through the aliased module names, with DeepEP's events (Megatron-Core's use)."""
-    _run(code)
-    try:
-        deep_ep, utils = importlib.import_module("deep_ep"), importlib.import_module("deep_ep.utils")
-        assert deep_ep.Buffer is utils.Buffer is moe_ep.deep_ep.Buffer
-        x, idx, w = inp.x[me], inp.topk_idx[me], inp.topk_weights[me]
-        config = deep_ep.Buffer.get_dispatch_config(WORLD)
-        buf = deep_ep.Buffer(dist.group.WORLD, config.get_nvl_buffer_size_hint(2 * HIDDEN, WORLD),
-                             config.get_rdma_buffer_size_hint(2 * HIDDEN, WORLD))
-        per_rank, per_rdma, per_expert, in_rank, event = buf.get_dispatch_layout(
-            idx, EXPERTS, previous_event=utils.EventOverlap(utils.EventHandle()), async_finish=True,
-            allocate_on_comm_stream=False)
-        recv_x, _, recv_w, _, handle, event = buf.dispatch(
-            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
-            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, previous_event=event, async_finish=True,
-            allocate_on_comm_stream=False)
-        event.current_stream_wait()
-        same_bits(recv_x, expected_dispatch(inp, me, WORLD, EXPERTS).x, "aliased dispatch")
-        out, out_w, event = buf.combine(recv_x, handle, topk_weights=recv_w,
-                                        previous_event=utils.EventOverlap(utils.EventHandle()), async_finish=True)
-        event.current_stream_wait()
-        same_bits(out, expected_combine(inp, me, WORLD, EXPERTS, lambda r, s, i: inp.x[s][i]), "aliased combine")
-        same_bits(out_w, torch.where(idx >= 0, w, 0.0), "aliased combined weights")
-    finally:
-        del sys.modules["deep_ep"], sys.modules["deep_ep.utils"]
+def _check_deep_ep_package(code: str, inp: Inputs, me: int, buffer: moe_ep.Buffer) -> None:
+    """DeepEP-style calls through the installed `deep_ep` package's names, with DeepEP's events
+    (Megatron-Core's use)."""
+    ns = _run(code)
+    deep_ep, event_handle, event_overlap = ns["deep_ep"], ns["EventHandle"], ns["EventOverlap"]
+    assert deep_ep.Buffer is moe_ep.deep_ep.Buffer and event_overlap is moe_ep.deep_ep.EventOverlap
+    x, idx, w = inp.x[me], inp.topk_idx[me], inp.topk_weights[me]
+    config = deep_ep.Buffer.get_dispatch_config(WORLD)
+    buf = deep_ep.Buffer(dist.group.WORLD, config.get_nvl_buffer_size_hint(2 * HIDDEN, WORLD),
+                         config.get_rdma_buffer_size_hint(2 * HIDDEN, WORLD))
+    per_rank, per_rdma, per_expert, in_rank, event = buf.get_dispatch_layout(
+        idx, EXPERTS, previous_event=event_overlap(event_handle()), async_finish=True,
+        allocate_on_comm_stream=False)
+    recv_x, _, recv_w, _, handle, event = buf.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, previous_event=event, async_finish=True,
+        allocate_on_comm_stream=False)
+    event.current_stream_wait()
+    same_bits(recv_x, expected_dispatch(inp, me, WORLD, EXPERTS).x, "deep_ep package dispatch")
+    out, out_w, event = buf.combine(recv_x, handle, topk_weights=recv_w,
+                                    previous_event=event_overlap(event_handle()), async_finish=True)
+    event.current_stream_wait()
+    same_bits(out, expected_combine(inp, me, WORLD, EXPERTS, lambda r, s, i: inp.x[s][i]), "deep_ep package combine")
+    same_bits(out_w, torch.where(idx >= 0, w, 0.0), "deep_ep package combined weights")
 
 
 def _check_prepare_finalize(code: str, inp: Inputs, me: int, buffer: moe_ep.Buffer) -> None:
@@ -231,7 +228,7 @@ def _check_decode_overlap(code: str, inp: Inputs, me: int, buffer: moe_ep.Buffer
 
 CHECKS = {
     "deep_ep": _check_deep_ep,
-    "deep_ep_alias": _check_deep_ep_alias,
+    "deep_ep_package": _check_deep_ep_package,
     "prepare_finalize": _check_prepare_finalize,
     "prepare_finalize_low_latency": _check_prepare_finalize_low_latency,
     "megatron": _check_megatron,
@@ -240,15 +237,24 @@ CHECKS = {
 }
 
 
-def _worker(rank: int, world: int) -> None:
+# The blocks that import the optional `deep_ep` package (pip install ./deep_ep_compat): their own test.
+PACKAGE_BLOCKS = ("deep_ep_package",)
+
+
+def _worker(rank: int, world: int, names: list[str]) -> None:
     blocks = _blocks()
     assert set(blocks) == set(CHECKS), f"tested blocks {sorted(blocks)} vs checks {sorted(CHECKS)}"
     inp = make_inputs(31, TOKENS, HIDDEN, EXPERTS, TOPK)
     with moe_ep.Buffer(hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=T,
                        backend="reference", low_latency=True) as buffer:
-        for name, check in CHECKS.items():
-            check(blocks[name], inp, rank, buffer)
+        for name in names:
+            CHECKS[name](blocks[name], inp, rank, buffer)
 
 
 def test_integration_snippets() -> None:
-    run_workers(WORLD, _worker)
+    run_workers(WORLD, _worker, [name for name in CHECKS if name not in PACKAGE_BLOCKS])
+
+
+@needs_deep_ep()
+def test_deep_ep_package_snippets() -> None:
+    run_workers(WORLD, _worker, list(PACKAGE_BLOCKS))

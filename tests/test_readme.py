@@ -66,13 +66,25 @@ def test_quick_start_runs_and_matches_brute_force(tmp_path: Path) -> None:
         oracle.assert_same_bits(saved[me]["out"], want, f"rank {me}'s combine output")
 
 
-def test_a_cpu_torch_comes_before_the_two_commands() -> None:
-    """The section of the two commands opens with the command that installs a CPU build of torch."""
+def fresh_machine_blocks() -> list[str]:
+    """The bash blocks of the README's "## The two commands for a fresh machine" section."""
     section = README.read_text().split("\n## The two commands for a fresh machine\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     assert len(blocks) >= 3, blocks
+    return blocks
+
+
+def test_a_cpu_torch_comes_before_the_two_commands() -> None:
+    """The section of the two commands opens with the command that installs a CPU build of torch."""
+    blocks = fresh_machine_blocks()
     assert blocks[0].strip() == "pip install torch --index-url https://download.pytorch.org/whl/cpu", blocks[0]
     assert blocks[1].startswith("pip install . && torchrun") and blocks[2].startswith('pip install ".[test]"'), blocks
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """.ci/run runs the README's test command as written, on a line of its own."""
+    command = fresh_machine_blocks()[2].strip()
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines(), command
 
 
 def test_no_test_counts_to_go_stale() -> None:

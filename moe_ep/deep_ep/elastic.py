@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from ..comm import topology
-from ..comm.config import DEFAULT_NUM_SMS
-from ..comm.fp8 import BLOCK as FP8_BLOCK
-from .factory import BufferFactory
-from .v1 import EventHandle, EventOverlap, _gather_rows, _row_bytes, _scatter_rows, _unsupported, add_bias
+from moe_ep.comm import topology
+from moe_ep.comm.config import DEFAULT_NUM_SMS
+from moe_ep.comm.fp8 import BLOCK as FP8_BLOCK
+from moe_ep.deep_ep.factory import BufferFactory
+from moe_ep.deep_ep.v1 import EventHandle, EventOverlap, _gather_rows, _row_bytes, _scatter_rows, _unsupported, add_bias
 
 XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from ..comm.buffer import _device_of, _resolve_topology, auto_backend
+from moe_ep.comm.buffer import _device_of, _resolve_topology, auto_backend
 
 
 class BufferFactory:

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from ..comm import _native
-from ..comm.buffer import _device_of
-from .factory import BufferFactory
-from .v1 import _unsupported
+from moe_ep.comm import _native
+from moe_ep.comm.buffer import _device_of
+from moe_ep.deep_ep.factory import BufferFactory
+from moe_ep.deep_ep.v1 import _unsupported
 
 # What HybridEP's dispatch_with_permute returns: (hidden, probs, scaling_factor, tokens_per_expert, handle).
 DispatchResult = tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, "HybridEPHandle"]

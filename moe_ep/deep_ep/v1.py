@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from ..comm import _native
-from ..comm.backends.base import align_up, record_event
-from ..comm.streams import CommStream, tensors_in
-from ..comm.fp8 import BLOCK as FP8_BLOCK
-from .factory import BufferFactory
+from moe_ep.comm import _native
+from moe_ep.comm.backends.base import align_up, record_event
+from moe_ep.comm.streams import CommStream, tensors_in
+from moe_ep.comm.fp8 import BLOCK as FP8_BLOCK
+from moe_ep.deep_ep.factory import BufferFactory
 
 topk_idx_t = torch.int64
 
