@@ -183,7 +183,8 @@ def test_stamps_are_checked_with_the_counts(monkeypatch: pytest.MonkeyPatch, eag
     and the dispatch kernel is launched (a peer in worst-case mode launches it without waiting)."""
     knobs = Config() if eager else Config(eager_output_bytes=0)
     launch = f"launch rows={sum(RECV)} cached=False worst_case=False"
-    rejected = call_check.CallOrder().stamp(call_check.DISPATCH, error=TypeError("x must have dtype torch.bfloat16"))
+    error = call_check.input_error(TypeError, "x", "dtype", "x must have dtype torch.bfloat16")
+    rejected = call_check.CallOrder().stamp(call_check.DISPATCH, error=error)
     log: list[str] = []
     with pytest.raises(PeerInputError, match=r"dispatch #1: rank 1 rejected its input \(TypeError: x \(dtype\)\)"):
         _dispatch(monkeypatch, knobs, peer=rejected.words, log=log)
