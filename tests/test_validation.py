@@ -2,6 +2,7 @@
 tests/test_one_rank_bad_input.py checks what the peers of a rank that passes it get)."""
 from __future__ import annotations
 
+import os
 import socket
 from typing import Callable
 
@@ -272,6 +273,37 @@ def _two_rank_rules(rank: int, world: int) -> None:
         assert (b.num_nodes, b.cfg.hierarchical) == (2, True)
     with moe_ep.Buffer(**common, hierarchical=False) as b:
         assert (b.num_nodes, b.cfg.hierarchical) == (1, False)
+    _knobs_off_their_path(common, rank)
+
+
+def _knobs_off_their_path(common: dict, rank: int) -> None:
+    """A knob the Buffer's normal-mode kernels do not run is refused, not dropped (moe_ep.comm.config
+    KNOB_PATHS): the NVLink kernels' knobs across nodes, the cross-node workspace on one node; per Buffer,
+    from the environment (named), and per call; at their defaults, and where they apply, they pass."""
+    nvlink_knobs = dict(send_warps=8, combine_send_warps=3, unroll=4, flag_batch=2, recv_run=3)
+    for name, value in nvlink_knobs.items():
+        with pytest.raises(ValueError, match=rf"^Config\.{name}={value} tunes kernels this Buffer's normal mode does "
+                                             "not run: it runs on the cross-node kernels"):
+            moe_ep.Buffer(**common, ranks_per_node=1, config=moe_ep.Config(**{name: value}))
+    with pytest.raises(ValueError, match=r"^Config\.internode_workspace_bytes=4194304 tunes .* runs on one node"):
+        moe_ep.Buffer(**common, config=moe_ep.Config(internode_workspace_bytes=4 << 20))
+    os.environ["MOE_EP_RECV_RUN"] = "2"
+    try:
+        with pytest.raises(ValueError, match=r"^Config\.recv_run=2 \(from MOE_EP_RECV_RUN\) tunes"):
+            moe_ep.Buffer(**common, ranks_per_node=1)
+    finally:
+        del os.environ["MOE_EP_RECV_RUN"]
+    g = torch.Generator().manual_seed(rank)
+    x, idx, w = (torch.randn(5, H, generator=g).to(torch.bfloat16), torch.randint(0, E, (5, K), generator=g),
+                 torch.rand(5, K))
+    with moe_ep.Buffer(**common, config=moe_ep.Config(**nvlink_knobs)) as one_node:
+        one_node.dispatch(x, idx, w)
+    honoured = moe_ep.Config(num_sms=3, eager_output_bytes=0, internode_workspace_bytes=4 << 20)
+    with moe_ep.Buffer(**common, ranks_per_node=1, config=honoured) as cross:
+        res = cross.dispatch(x, idx, w, config=honoured.replace(eager_output_bytes=1 << 20, recv_run=1))
+        with pytest.raises(ValueError, match=r"^Config\.unroll=4 tunes kernels"):
+            cross.combine(res.x, res.handle, config=honoured.replace(unroll=4))
+        assert cross.combine(res.x, res.handle).shape == x.shape  # refused at once on every rank: still in step
 
 
 def test_rules_of_a_two_rank_group():
@@ -356,7 +388,10 @@ def test_normal_path_and_workspace_fill_on_the_reference_backend(buf) -> None:
             buf.fill_workspace(bad)
 
 
-def _rejection_cases(buf: moe_ep.Buffer, other: moe_ep.Buffer) -> list[tuple[str, Callable[[], object], tuple[str, str]]]:
+_Case = tuple[str, Callable[[], object], tuple[str, str]]
+
+
+def _rejection_cases(buf: moe_ep.Buffer, other: moe_ep.Buffer) -> list[_Case]:
     """One call per validation rule of the five communication calls, each breaking that rule alone, and
     the (argument, check) its error must carry for the rank's stamp (moe_ep.comm.call_check); `other`:
     a Buffer without low latency."""
@@ -384,7 +419,8 @@ def _rejection_cases(buf: moe_ep.Buffer, other: moe_ep.Buffer) -> list[tuple[str
         ("x alignment", lambda: buf.dispatch(misaligned(x), idx, w), ("x", "alignment")),
         ("x tokens", lambda: buf.dispatch(*_inputs(T + 1), worst_case=True), ("x", "token count")),
         ("fp8 without scales", lambda: buf.dispatch(fp8, idx, w), ("x_scales", "value")),
-        ("scales without fp8", lambda: buf.dispatch(x, idx, w, x_scales=torch.ones(5, H // 128)), ("x_scales", "value")),
+        ("scales without fp8", lambda: buf.dispatch(x, idx, w, x_scales=torch.ones(5, H // 128)),
+         ("x_scales", "value")),
         ("scales shape", lambda: buf.dispatch(fp8, idx, w, x_scales=torch.ones(5, 1)), ("x_scales", "shape")),
         ("no routing", lambda: buf.dispatch(x, idx), ("topk_idx", "value")),
         ("cached with routing", lambda: buf.dispatch(x, idx, w, handle=plain.handle), ("topk_idx", "value")),
@@ -402,13 +438,15 @@ def _rejection_cases(buf: moe_ep.Buffer, other: moe_ep.Buffer) -> list[tuple[str
         ("handle buffer", lambda: buf.dispatch(x, handle=foreign), ("handle", "value")),
         ("num_sms", lambda: buf.dispatch(x, idx, w, num_sms=0), ("num_sms", "value")),
         ("config type", lambda: buf.dispatch(x, idx, w, config={}), ("config", "type")),
-        ("config fixed", lambda: buf.combine(plain.x, plain.handle, config=moe_ep.Config(internode_workspace_bytes=1 << 30)),
+        ("config fixed", lambda: buf.combine(plain.x, plain.handle,
+                                             config=moe_ep.Config(internode_workspace_bytes=1 << 30)),
          ("config", "value")),
         ("event", lambda: buf.combine(plain.x, plain.handle, previous_event="now"), ("previous_event", "type")),
         ("combine rows", lambda: buf.combine(plain.x[:1], plain.handle), ("x", "shape")),
         ("combine weights", lambda: buf.combine(plain.x, plain.handle, topk_weights=plain.topk_weights.double()),
          ("topk_weights", "dtype")),
-        ("pair weights", lambda: buf.combine(plain.x, plain.handle, pair_weights=torch.ones(1)), ("pair_weights", "value")),
+        ("pair weights", lambda: buf.combine(plain.x, plain.handle, pair_weights=torch.ones(1)),
+         ("pair_weights", "value")),
         ("pairs dtype", lambda: buf.combine(pairs.x.double(), pairs.handle), ("x", "dtype")),
         ("ll tokens", lambda: buf.low_latency_dispatch(*_inputs(T + 1)[:2]), ("x", "token count")),
         ("round_scale", lambda: buf.low_latency_dispatch(x, idx, round_scale=True), ("round_scale", "value")),
@@ -420,9 +458,11 @@ def _rejection_cases(buf: moe_ep.Buffer, other: moe_ep.Buffer) -> list[tuple[str
         ("global scale missing", lambda: buf.low_latency_dispatch(x, idx, use_nvfp4=True), ("x_global_scale", "value")),
         ("global scale type", lambda: buf.low_latency_dispatch(x, idx, use_nvfp4=True, x_global_scale=1.0),
          ("x_global_scale", "type")),
-        ("global scale dtype", lambda: buf.low_latency_dispatch(x, idx, use_nvfp4=True, x_global_scale=torch.ones((), dtype=torch.float64)),
+        ("global scale dtype", lambda: buf.low_latency_dispatch(x, idx, use_nvfp4=True,
+                                                                x_global_scale=torch.ones((), dtype=torch.float64)),
          ("x_global_scale", "dtype")),
-        ("global scale shape", lambda: buf.low_latency_dispatch(x, idx, use_nvfp4=True, x_global_scale=torch.ones(2, 2)),
+        ("global scale shape", lambda: buf.low_latency_dispatch(x, idx, use_nvfp4=True,
+                                                                x_global_scale=torch.ones(2, 2)),
          ("x_global_scale", "shape")),
         ("hook and async", lambda: buf.low_latency_dispatch(x, idx, return_recv_hook=True, async_op=True),
          ("return_recv_hook", "value")),
@@ -435,7 +475,8 @@ def _rejection_cases(buf: moe_ep.Buffer, other: moe_ep.Buffer) -> list[tuple[str
         ("overlap missing", lambda: buf.low_latency_combine(y, idx, w, d.handle, overlap=True), ("overlap", "value")),
         ("overlap block_m", lambda: buf.low_latency_combine(y, idx, w, d.handle, **{**sbo, "block_m": 0}),
          ("block_m", "value")),
-        ("overlap count", lambda: buf.low_latency_combine(y, idx, w, d.handle, **{**sbo, "packed_recv_count": d.count[:1]}),
+        ("overlap count", lambda: buf.low_latency_combine(y, idx, w, d.handle,
+                                                          **{**sbo, "packed_recv_count": d.count[:1]}),
          ("packed_recv_count", "shape")),
         ("overlap signal", lambda: buf.low_latency_combine(y, idx, w, d.handle, **{**sbo, "comp_signal": signal[:1]}),
          ("comp_signal", "shape")),
