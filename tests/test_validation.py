@@ -472,6 +472,8 @@ def _rejection_cases(buf: moe_ep.Buffer, other: moe_ep.Buffer) -> list[_Case]:
         ("ll combine handle", lambda: buf.low_latency_combine(y, idx, w, plain.handle), ("handle", "type")),
         ("overlap arguments alone", lambda: buf.low_latency_combine(y, idx, w, d.handle, block_m=8),
          ("block_m", "value")),
+        ("ll num_sms without overlap", lambda: buf.low_latency_combine(y, idx, w, d.handle, num_sms=4),
+         ("num_sms", "value")),
         ("overlap missing", lambda: buf.low_latency_combine(y, idx, w, d.handle, overlap=True), ("overlap", "value")),
         ("overlap block_m", lambda: buf.low_latency_combine(y, idx, w, d.handle, **{**sbo, "block_m": 0}),
          ("block_m", "value")),

@@ -1,4 +1,4 @@
-// Host-side runtime of moe_ep._C: NVSHMEM bootstrap, the symmetric heap, the host-mapped error state
+// Host-side runtime of moe_ep.comm._C: NVSHMEM bootstrap, the symmetric heap, the host-mapped error state
 // that kernels report timeouts into, and device queries. Bound to Python by runtime_bindings.cpp.
 #pragma once
 #include <cstddef>
@@ -34,7 +34,7 @@ Version runtime_version();
 // error_state.cu
 std::pair<uintptr_t, uintptr_t> alloc_error_state();  // (host pointer, device pointer)
 void free_error_state(uintptr_t host_ptr);
-size_t error_state_bytes();  // sizeof(ErrorState): the host mirror (moe_ep/backends/symmetric.py) checks it
+size_t error_state_bytes();  // sizeof(ErrorState): the host mirror (moe_ep/comm/errors.py) checks it
 std::vector<std::string> phase_names();
 
 // device_info.cpp
