@@ -1,4 +1,4 @@
-// The moe_ep._C module: one pybind11 module over the runtime and the kernels (no libtorch). Each part
+// The moe_ep.comm._C module: one pybind11 module over the runtime and the kernels (no libtorch). Each part
 // registers its own functions.
 #include <pybind11/pybind11.h>
 

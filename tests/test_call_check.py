@@ -1,12 +1,14 @@
-"""moe_ep.comm.call_check on its own: what a stamp says about a rejected input (from the messages
-buffer.py raises), the verdict of verify on every rank's stamps (own rejection, peers' rejections,
+"""moe_ep.comm.call_check on its own: what a stamp says about a rejected input (from the codes the
+errors buffer.py raises carry, never their messages), the verdict of verify on every rank's stamps (own rejection, peers' rejections,
 different calls), the counter that resumes past a mismatch, and the host-side check of a native
 Buffer made with check_calls=True. The multi-rank tests (tests/test_one_rank_bad_input.py) run the
 same through both backends."""
 from __future__ import annotations
 
+import ast
 import pickle
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,7 +75,7 @@ def test_verify_gives_every_rank_its_verdict() -> None:
     orders = [cc.CallOrder(), cc.CallOrder(), cc.CallOrder()]
     good = [o.stamp(cc.COMBINE, handle=7, size=1) for o in orders]
     cc.verify(good[0], _ranks(*good), 0)  # the same call everywhere: nothing raised
-    error = TypeError("x must have dtype torch.bfloat16, got torch.float32")
+    error = cc.input_error(TypeError, "x", "dtype", "x must have dtype torch.bfloat16, got torch.float32")
     rejected = [o.stamp(cc.DISPATCH, error=error if r == 2 else None) for r, o in enumerate(orders)]
     with pytest.raises(cc.OwnRejection):
         cc.verify(rejected[2], _ranks(*rejected), 2)
@@ -110,7 +112,8 @@ def test_different_calls_raise_on_every_rank_and_the_counters_resume() -> None:
 def test_a_peer_rejection_wins_over_the_difference_it_made() -> None:
     """A rank that passed a wrong handle rejects its input and its call differs: its peers learn why."""
     a, b = cc.CallOrder(), cc.CallOrder()
-    stamps = [a.stamp(cc.COMBINE, handle=1), b.stamp(cc.COMBINE, handle=2, error=ValueError("pair_weights needs ..."))]
+    stamps = [a.stamp(cc.COMBINE, handle=1), b.stamp(cc.COMBINE, handle=2,
+                                                           error=cc.input_error(ValueError, "pair_weights", "value", "..."))]
     with pytest.raises(PeerInputError, match=r"rank 1 rejected its input \(ValueError: pair_weights \(value\)\)"):
         cc.verify(stamps[0], _ranks(*stamps), 0)
 
@@ -138,3 +141,33 @@ def test_errors_pickle() -> None:
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error) and isinstance(again, ValueError)
     assert issubclass(BadExpertIdError, ValueError)
+
+
+def test_a_stamp_reads_codes_not_messages() -> None:
+    """The reason word comes from the error's codes: a message naming x says nothing without them, and a
+    coded error says its codes whatever its message. The codes survive pickling (errors cross processes)."""
+    plain = TypeError("x must have dtype torch.bfloat16, got torch.float32")
+    assert cc.describe_reason(*cc._reason(plain)) == "TypeError: ?"
+    coded = cc.input_error(ValueError, "comp_signal", "shape", "anything at all")
+    assert cc.describe_reason(*cc._reason(coded)) == "ValueError: comp_signal (shape)"
+    again = pickle.loads(pickle.dumps(coded))
+    assert cc._reason(again) == cc._reason(coded) and str(again) == "anything at all"
+    with pytest.raises(KeyError, match="no stamp code"):
+        cc.input_error(ValueError, "not_an_argument", "value", "")
+
+
+def test_validation_raises_only_coded_errors() -> None:
+    """Every raise in moe_ep/comm/validate.py builds its error with input_error, and the validate stages of
+    Buffer (buffer.py's _validate_* methods) build none of their own: no rejection travels without codes."""
+    comm = Path(__file__).resolve().parents[1] / "moe_ep" / "comm"
+    for node in ast.walk(ast.parse((comm / "validate.py").read_text())):
+        if isinstance(node, ast.Raise):
+            assert isinstance(node.exc, ast.Call) and getattr(node.exc.func, "id", None) == "input_error", \
+                f"validate.py:{node.lineno} raises an error without codes"
+    stages = [f for f in ast.walk(ast.parse((comm / "buffer.py").read_text()))
+              if isinstance(f, ast.FunctionDef) and f.name.startswith("_validate")]
+    assert len(stages) == 5, [f.name for f in stages]
+    for stage in stages:
+        for node in ast.walk(stage):
+            if isinstance(node, ast.Raise):
+                assert isinstance(node.exc, ast.Name), f"buffer.py:{node.lineno} builds an error in {stage.name}"

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import moe_ep.deep_ep as deep_ep
 from moe_ep.comm import fp8
+from moe_ep.comm.config import DEEP_EP_HINT_TOKENS_PER_RANK, DEFAULT_NUM_SMS
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import (
     Inputs,
@@ -327,7 +328,7 @@ def _check_budget_and_modes(rank: int, world: int) -> None:
     buf.dispatch(torch.zeros(3, hidden, dtype=torch.bfloat16), num_tokens_per_rank=per_rank,
                  is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
                  topk_weights=torch.zeros(3, 2))
-    assert [b.max_tokens_per_rank for b in buf.moe_ep_buffers] == [deep_ep.v1.HINT_TOKENS_PER_RANK]
+    assert [b.max_tokens_per_rank for b in buf.moe_ep_buffers] == [DEEP_EP_HINT_TOKENS_PER_RANK]
     with pytest.raises(ValueError, match="low_latency_mode"):
         buf.low_latency_dispatch(torch.zeros(3, hidden, dtype=torch.bfloat16), idx, 4, experts)
     with pytest.raises(RuntimeError, match="explicitly_destroy"):
@@ -426,20 +427,21 @@ def test_signatures_match_deep_ep() -> None:
                       if p.kind is not inspect.Parameter.KEYWORD_ONLY]
         assert positional == params, name
     defaults = inspect.signature(deep_ep.Buffer.low_latency_dispatch).parameters
-    assert defaults["use_fp8"].default is True and deep_ep.Buffer.num_sms == 20
+    assert defaults["use_fp8"].default is True and deep_ep.Buffer.num_sms == DEFAULT_NUM_SMS  # moe_ep's one default
 
 
 def test_static_helpers() -> None:
     assert deep_ep.topk_idx_t is torch.int64 and deep_ep.Buffer.is_sm90_compiled()
-    assert deep_ep.Config() == deep_ep.Config(20, 6, 256, 6, 256)
-    assert deep_ep.Buffer.get_dispatch_config(8).num_sms == deep_ep.Buffer.get_combine_config(2).num_sms == 20
+    assert deep_ep.Config() == deep_ep.Config(DEFAULT_NUM_SMS, 6, 256, 6, 256)
+    assert deep_ep.Buffer.get_dispatch_config(8).num_sms == DEFAULT_NUM_SMS
+    assert deep_ep.Buffer.get_combine_config(2).num_sms == DEFAULT_NUM_SMS
     assert deep_ep.Config().get_rdma_buffer_size_hint(14336, 16) == 0
     assert deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) > 2 * 8 * 128 * 7168 * 2
-    deep_ep.Buffer.set_num_sms(24)
+    deep_ep.Buffer.set_num_sms(DEFAULT_NUM_SMS + 2)
     try:
-        assert deep_ep.Buffer.get_dispatch_config(2).num_sms == 24
+        assert deep_ep.Buffer.get_dispatch_config(2).num_sms == DEFAULT_NUM_SMS + 2
     finally:
-        deep_ep.Buffer.set_num_sms(20)
+        deep_ep.Buffer.set_num_sms(DEFAULT_NUM_SMS)
     with pytest.raises(ValueError, match="even"):
         deep_ep.Buffer.set_num_sms(23)
     event = deep_ep.Buffer.capture()

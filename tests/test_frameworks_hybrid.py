@@ -35,6 +35,7 @@ import torch._dynamo
 import torch.distributed as dist
 
 import moe_ep.deep_ep
+from moe_ep.comm.config import DEEP_EP_HINT_TOKENS_PER_RANK
 from tests._dist import device, requires_gpus, run_workers
 from tests._frameworks import ROOT, import_path, needs
 from tests.oracle import Inputs, assert_same_bits
@@ -297,14 +298,14 @@ def _combined_rows(inp: Inputs, me: int, rows: torch.Tensor) -> torch.Tensor:
 def _check_hint_budget(what: str) -> None:
     """Megatron's fused_a2a.get_buffer sized its deep_ep.Buffer (module-level `_buffer`) by
     Config.get_nvl_buffer_size_hint at bf16's 2 bytes per channel, so the drop-in's one normal-mode moe_ep
-    Buffer holds a round of HINT_TOKENS_PER_RANK tokens per rank (larger calls stream through it)."""
+    Buffer holds a round of DEEP_EP_HINT_TOKENS_PER_RANK tokens per rank (larger calls stream through it)."""
     from megatron.core.transformer.moe import fused_a2a
 
     buf = fused_a2a._buffer
     hint = moe_ep.deep_ep.Config().get_nvl_buffer_size_hint(2 * HIDDEN, WORLD)
     assert buf.num_nvl_bytes == hint, f"{what}: num_nvl_bytes {buf.num_nvl_bytes} != the hint {hint}"
     rounds = [b.max_tokens_per_rank for b in buf.moe_ep_buffers]
-    assert rounds == [moe_ep.deep_ep.v1.HINT_TOKENS_PER_RANK], f"{what}: moe_ep Buffers' rounds {rounds}"
+    assert rounds == [DEEP_EP_HINT_TOKENS_PER_RANK], f"{what}: moe_ep Buffers' rounds {rounds}"
 
 
 def _check_megatron(me: int, seed: int, tokens: list[int], backend: str, **knobs: object) -> None:
@@ -356,7 +357,7 @@ MEGATRON_CASES = [  # (seed, tokens per rank, backend, TransformerConfig knobs)
     (7, [13, 9], "deepep", {}),
 ]
 # Megatron's "deepep" backend with 16384 tokens per rank on its Buffer sized by the hint: four rounds of
-# HINT_TOKENS_PER_RANK (streamed on the native backend; the reference backend has no rounds to stream)
+# DEEP_EP_HINT_TOKENS_PER_RANK (streamed on the native backend; the reference backend has no rounds to stream)
 HINT_BUDGET_CASES = [(8, [16384, 16384], "deepep", {})]
 
 

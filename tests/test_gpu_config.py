@@ -1,10 +1,12 @@
 """Every kernel knob of moe_ep.Config changes speed only: the native NVLink and cross-node kernels give
 the reference backend's bits (an independent implementation that ignores the knobs) for the default
-knobs and for each changed knob, per call and per Buffer (2 ranks on the GPUs present, sharing one
-where there is one). Before every native call the workspace and the allocator's free blocks are
-poisoned, so a knob under which a kernel skips rows cannot pass."""
+knobs and for each changed knob they run, per call and per Buffer (2 ranks on the GPUs present, sharing
+one where there is one); a knob of the other path is refused on every rank (moe_ep.comm.config
+KNOB_PATHS). Before every native call the workspace and the allocator's free blocks are poisoned, so a
+knob under which a kernel skips rows cannot pass."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -56,19 +58,28 @@ def _worker(rank: int, world: int) -> None:
     n = (200, 77)[rank]
     x = torch.randn(n, hidden, generator=g, device="cuda").to(torch.bfloat16)
     args = (x, random_topk("random", n, experts, k, g), torch.rand(n, k, generator=g, device="cuda"))
-    for topo in ({}, {"ranks_per_node": 1}):
+    for topo, path in (({}, "nvlink"), ({"ranks_per_node": 1}, "cross-node")):
         common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, device=device(), **topo)
         with moe_ep.Buffer(dist.group.WORLD, backend="reference", **common) as ref:
             m = ref.dispatch(*args).x.shape[0]
             y = torch.randn(m, hidden, generator=g, device="cuda").to(torch.bfloat16)
             wy = _w(m, k, g)
             with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", **common) as nat:
-                _check(nat, ref, args, y, wy, None, f"{topo or 'one node'} defaults")
+                _check(nat, ref, args, y, wy, None, f"{path} defaults")
                 for change in PER_CALL:
-                    _check(nat, ref, args, y, wy, nat.config.replace(**change), f"{topo or 'one node'} per call {change}")
+                    config = nat.config.replace(**change)
+                    if config.off_path(path):
+                        with pytest.raises(ValueError, match="tunes kernels this Buffer's normal mode does not run"):
+                            nat.dispatch(*args, config=config)
+                        continue
+                    _check(nat, ref, args, y, wy, config, f"{path} per call {change}")
             for change in PER_BUFFER:
+                if Config(**change).off_path(path):
+                    with pytest.raises(ValueError, match="tunes kernels this Buffer's normal mode does not run"):
+                        moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", config=Config(**change), **common)
+                    continue
                 with moe_ep.Buffer(dist.group.WORLD, backend="nvshmem", config=Config(**change), **common) as nat:
-                    _check(nat, ref, args, y, wy, None, f"{topo or 'one node'} per Buffer {change}")
+                    _check(nat, ref, args, y, wy, None, f"{path} per Buffer {change}")
 
 
 def test_every_knob_gives_the_reference_bits() -> None:

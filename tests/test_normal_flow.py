@@ -101,6 +101,25 @@ class _Recorder(flow.NormalEngine):
         raise AssertionError("not part of dispatch")
 
 
+class _CrossNodeRecorder(_Recorder):
+    """As the cross-node engine: the kernel lands the rows in the output whatever the receive layout, and
+    NormalEngine's own expand gathers them into pairs. Received row m holds the value m; rows 0..6 name
+    local expert 0, row 7 local expert 1 (RAW), the rest no local expert."""
+
+    dispatch_outputs = flow.NormalEngine.dispatch_outputs
+    expand = flow.NormalEngine.expand
+
+    def launch_dispatch(self, x, x_scales, topk_idx, topk_weights, state, out: DispatchOutputs, *, cached, worst_case,
+                        expert_major, num_sms, knobs, stream) -> None:
+        m = out.src_rank.shape[0]
+        self.log.append(f"launch rows={m} cached={cached} worst_case={worst_case}")
+        out.x.copy_(torch.arange(m, dtype=torch.bfloat16).unsqueeze(1).expand(m, H))
+        ids = torch.full((m, K), -1, dtype=torch.int64)
+        ids[:RAW[0], 0], ids[RAW[0]:sum(RAW), 0] = 0, 1
+        out.topk_idx.copy_(ids)
+        out.topk_weights.fill_(0.5)
+
+
 def _cfg() -> BufferConfig:
     return BufferConfig(group=None, rank=0, world_size=R, hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T,
                         low_latency=False, num_sms=4, timeout_s=1.0, buffer_id=7, device=torch.device("cpu"),
@@ -108,11 +127,11 @@ def _cfg() -> BufferConfig:
 
 
 def _dispatch(monkeypatch: pytest.MonkeyPatch, knobs: Config, handle=None, worst_case=False, expert_major=False,
-              peer: Optional[list[int]] = None, log: Optional[list[str]] = None):
+              peer: Optional[list[int]] = None, log: Optional[list[str]] = None, engine: type = _Recorder):
     log = [] if log is None else log
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(_Event, "log", log)
-    eng = _Recorder(_cfg(), log, peer)
+    eng = engine(_cfg(), log, peer)
 
     def check(timeouts_only: bool = False) -> None:
         log.append("check timeouts" if timeouts_only else "check all")
@@ -178,12 +197,27 @@ def test_expert_major_allocate_no_rows(monkeypatch: pytest.MonkeyPatch, eager: b
 
 
 @pytest.mark.parametrize("eager", [True, False])
+def test_cross_node_engine_honours_expert_major(monkeypatch: pytest.MonkeyPatch, eager: bool) -> None:
+    """The receive layout on an engine whose kernel ignores it (the cross-node engine): the rows land as
+    usual and the flow's last step gathers them into pairs grouped by local expert, each expert's block
+    padded to expert_alignment (4) with zero pairs of no row."""
+    res, log = _dispatch(monkeypatch, Config() if eager else Config(eager_output_bytes=0), expert_major=True,
+                         engine=_CrossNodeRecorder)
+    assert log[-1] == "check all" and res.handle.expert_major is not None
+    want_rows = [0, 1, 2, 3, 4, 5, 6, -1, 7, -1, -1, -1]  # expert 0: 7 rows + 1 pad; expert 1: 1 row + 3 pads
+    assert res.handle.expert_major.rows.tolist() == want_rows and res.tokens_per_expert == [8, 4]
+    assert res.x[:, 0].tolist() == [max(r, 0) for r in want_rows] and torch.equal(res.x, res.x[:, :1].expand(-1, H))
+    assert res.pair_weights.tolist() == [0.5 if r >= 0 else 0.0 for r in want_rows]
+
+
+@pytest.mark.parametrize("eager", [True, False])
 def test_stamps_are_checked_with_the_counts(monkeypatch: pytest.MonkeyPatch, eager: bool) -> None:
     """A peer that rejected its input, or made another call: this rank raises once the counts are in
     and the dispatch kernel is launched (a peer in worst-case mode launches it without waiting)."""
     knobs = Config() if eager else Config(eager_output_bytes=0)
     launch = f"launch rows={sum(RECV)} cached=False worst_case=False"
-    rejected = call_check.CallOrder().stamp(call_check.DISPATCH, error=TypeError("x must have dtype torch.bfloat16"))
+    error = call_check.input_error(TypeError, "x", "dtype", "x must have dtype torch.bfloat16")
+    rejected = call_check.CallOrder().stamp(call_check.DISPATCH, error=error)
     log: list[str] = []
     with pytest.raises(PeerInputError, match=r"dispatch #1: rank 1 rejected its input \(TypeError: x \(dtype\)\)"):
         _dispatch(monkeypatch, knobs, peer=rejected.words, log=log)

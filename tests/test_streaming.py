@@ -34,6 +34,7 @@ from moe_ep.comm.backends.engine import (
     streamed_combine,
     streamed_dispatch,
 )
+from moe_ep.comm.config import DEEP_EP_HINT_TOKENS_PER_RANK
 from tests._dist import device, requires_gpus, run_workers
 from tests.oracle import (
     assert_same_bits,
@@ -200,7 +201,7 @@ def check_patterns(buf: moe_ep.Buffer, seed: int, tokens: int) -> None:
 
 def check_drop_in_hint_budget(backend: str, tokens: int = 16384) -> None:
     """moe_ep.deep_ep.Buffer sized by Config.get_nvl_buffer_size_hint (Megatron's and SGLang's budget:
-    rounds of HINT_TOKENS_PER_RANK tokens) takes `tokens` tokens per rank: its dispatch and combine
+    rounds of DEEP_EP_HINT_TOKENS_PER_RANK tokens) takes `tokens` tokens per rank: its dispatch and combine
     equal a one-round reference Buffer's bit for bit."""
     import moe_ep.deep_ep as deep_ep
 
@@ -216,7 +217,7 @@ def check_drop_in_hint_budget(backend: str, tokens: int = 16384) -> None:
     recv, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
         topk_weights=w)
-    assert [b.max_tokens_per_rank for b in buf.moe_ep_buffers] == [deep_ep.v1.HINT_TOKENS_PER_RANK]
+    assert [b.max_tokens_per_rank for b in buf.moe_ep_buffers] == [DEEP_EP_HINT_TOKENS_PER_RANK]
     out, out_w, _ = buf.combine(recv, handle, topk_weights=recv_w)
     with moe_ep.Buffer(dist.group.WORLD, hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=tokens,
                        backend="reference", device=dev) as ref:

@@ -2,14 +2,16 @@
 tests/test_one_rank_bad_input.py checks what the peers of a rank that passes it get)."""
 from __future__ import annotations
 
+import os
 import socket
+from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import moe_ep
-from moe_ep.comm import _native
+from moe_ep.comm import _native, call_check
 from tests._dist import run_workers
 
 H, E, K, T = 256, 8, 4, 16
@@ -271,6 +273,37 @@ def _two_rank_rules(rank: int, world: int) -> None:
         assert (b.num_nodes, b.cfg.hierarchical) == (2, True)
     with moe_ep.Buffer(**common, hierarchical=False) as b:
         assert (b.num_nodes, b.cfg.hierarchical) == (1, False)
+    _knobs_off_their_path(common, rank)
+
+
+def _knobs_off_their_path(common: dict, rank: int) -> None:
+    """A knob the Buffer's normal-mode kernels do not run is refused, not dropped (moe_ep.comm.config
+    KNOB_PATHS): the NVLink kernels' knobs across nodes, the cross-node workspace on one node; per Buffer,
+    from the environment (named), and per call; at their defaults, and where they apply, they pass."""
+    nvlink_knobs = dict(send_warps=8, combine_send_warps=3, unroll=4, flag_batch=2, recv_run=3)
+    for name, value in nvlink_knobs.items():
+        with pytest.raises(ValueError, match=rf"^Config\.{name}={value} tunes kernels this Buffer's normal mode does "
+                                             "not run: it runs on the cross-node kernels"):
+            moe_ep.Buffer(**common, ranks_per_node=1, config=moe_ep.Config(**{name: value}))
+    with pytest.raises(ValueError, match=r"^Config\.internode_workspace_bytes=4194304 tunes .* runs on one node"):
+        moe_ep.Buffer(**common, config=moe_ep.Config(internode_workspace_bytes=4 << 20))
+    os.environ["MOE_EP_RECV_RUN"] = "2"
+    try:
+        with pytest.raises(ValueError, match=r"^Config\.recv_run=2 \(from MOE_EP_RECV_RUN\) tunes"):
+            moe_ep.Buffer(**common, ranks_per_node=1)
+    finally:
+        del os.environ["MOE_EP_RECV_RUN"]
+    g = torch.Generator().manual_seed(rank)
+    x, idx, w = (torch.randn(5, H, generator=g).to(torch.bfloat16), torch.randint(0, E, (5, K), generator=g),
+                 torch.rand(5, K))
+    with moe_ep.Buffer(**common, config=moe_ep.Config(**nvlink_knobs)) as one_node:
+        one_node.dispatch(x, idx, w)
+    honoured = moe_ep.Config(num_sms=3, eager_output_bytes=0, internode_workspace_bytes=4 << 20)
+    with moe_ep.Buffer(**common, ranks_per_node=1, config=honoured) as cross:
+        res = cross.dispatch(x, idx, w, config=honoured.replace(eager_output_bytes=1 << 20, recv_run=1))
+        with pytest.raises(ValueError, match=r"^Config\.unroll=4 tunes kernels"):
+            cross.combine(res.x, res.handle, config=honoured.replace(unroll=4))
+        assert cross.combine(res.x, res.handle).shape == x.shape  # refused at once on every rank: still in step
 
 
 def test_rules_of_a_two_rank_group():
@@ -353,3 +386,114 @@ def test_normal_path_and_workspace_fill_on_the_reference_backend(buf) -> None:
     for bad in (-1, 256, 1.0, True):
         with pytest.raises(ValueError, match="value must be a byte"):
             buf.fill_workspace(bad)
+
+
+_Case = tuple[str, Callable[[], object], tuple[str, str]]
+
+
+def _rejection_cases(buf: moe_ep.Buffer, other: moe_ep.Buffer) -> list[_Case]:
+    """One call per validation rule of the five communication calls, each breaking that rule alone, and
+    the (argument, check) its error must carry for the rank's stamp (moe_ep.comm.call_check); `other`:
+    a Buffer without low latency."""
+    x, idx, w = _inputs()
+    fp8 = x.to(torch.float8_e4m3fn)
+    plain = buf.dispatch(x, idx, w)
+    pairs = buf.dispatch(x, idx, w, expert_major=True)
+    d = buf.low_latency_dispatch(x, idx)
+    y = torch.zeros_like(d.x)
+    foreign = other.dispatch(x, idx, w).handle
+    bad = idx.clone()
+    bad[0, 0] = E
+    signal = torch.zeros(64, dtype=torch.int32)
+    sbo = dict(overlap=True, packed_recv_count=d.count, comp_signal=signal, block_m=8, threshold=1, num_sms=2)
+    return [
+        ("layout dtype", lambda: buf.get_dispatch_layout(idx.int()), ("topk_idx", "dtype")),
+        ("layout ids", lambda: buf.get_dispatch_layout(bad), ("topk_idx", "expert ids")),
+        ("layout event", lambda: buf.get_dispatch_layout(idx, previous_event=1), ("previous_event", "type")),
+        ("x type", lambda: buf.dispatch(x.tolist(), idx, w), ("x", "type")),
+        ("x dtype", lambda: buf.dispatch(x.float(), idx, w), ("x", "dtype")),
+        ("x shape", lambda: buf.dispatch(x[:, :8].contiguous(), idx, w), ("x", "shape")),
+        ("x device", lambda: buf.dispatch(x.to("meta"), idx, w), ("x", "device")),
+        ("x contiguity", lambda: buf.dispatch(torch.zeros(5, 2 * H, dtype=torch.bfloat16)[:, ::2], idx, w),
+         ("x", "contiguity")),
+        ("x alignment", lambda: buf.dispatch(misaligned(x), idx, w), ("x", "alignment")),
+        ("x tokens", lambda: buf.dispatch(*_inputs(T + 1), worst_case=True), ("x", "token count")),
+        ("fp8 without scales", lambda: buf.dispatch(fp8, idx, w), ("x_scales", "value")),
+        ("scales without fp8", lambda: buf.dispatch(x, idx, w, x_scales=torch.ones(5, H // 128)),
+         ("x_scales", "value")),
+        ("scales shape", lambda: buf.dispatch(fp8, idx, w, x_scales=torch.ones(5, 1)), ("x_scales", "shape")),
+        ("no routing", lambda: buf.dispatch(x, idx), ("topk_idx", "value")),
+        ("cached with routing", lambda: buf.dispatch(x, idx, w, handle=plain.handle), ("topk_idx", "value")),
+        ("cached tokens", lambda: buf.dispatch(x[:3], handle=plain.handle), ("x", "shape")),
+        ("idx dtype", lambda: buf.dispatch(x, idx.int(), w), ("topk_idx", "dtype")),
+        ("ids", lambda: buf.dispatch(x, bad, w), ("topk_idx", "expert ids")),
+        ("weights dtype", lambda: buf.dispatch(x, idx, w.double()), ("topk_weights", "dtype")),
+        ("alignment", lambda: buf.dispatch(x, idx, w, expert_alignment=0), ("expert_alignment", "value")),
+        ("expert_major type", lambda: buf.dispatch(x, idx, w, expert_major="yes"), ("expert_major", "type")),
+        ("expert_major handle", lambda: buf.dispatch(x, handle=plain.handle, expert_major=True),
+         ("expert_major", "value")),
+        ("cached pairs alignment", lambda: buf.dispatch(x, handle=pairs.handle, expert_alignment=4),
+         ("expert_alignment", "value")),
+        ("handle type", lambda: buf.dispatch(x, handle=d.handle), ("handle", "type")),
+        ("handle buffer", lambda: buf.dispatch(x, handle=foreign), ("handle", "value")),
+        ("num_sms", lambda: buf.dispatch(x, idx, w, num_sms=0), ("num_sms", "value")),
+        ("config type", lambda: buf.dispatch(x, idx, w, config={}), ("config", "type")),
+        ("config fixed", lambda: buf.combine(plain.x, plain.handle,
+                                             config=moe_ep.Config(internode_workspace_bytes=1 << 30)),
+         ("config", "value")),
+        ("event", lambda: buf.combine(plain.x, plain.handle, previous_event="now"), ("previous_event", "type")),
+        ("combine rows", lambda: buf.combine(plain.x[:1], plain.handle), ("x", "shape")),
+        ("combine weights", lambda: buf.combine(plain.x, plain.handle, topk_weights=plain.topk_weights.double()),
+         ("topk_weights", "dtype")),
+        ("pair weights", lambda: buf.combine(plain.x, plain.handle, pair_weights=torch.ones(1)),
+         ("pair_weights", "value")),
+        ("pairs dtype", lambda: buf.combine(pairs.x.double(), pairs.handle), ("x", "dtype")),
+        ("ll tokens", lambda: buf.low_latency_dispatch(*_inputs(T + 1)[:2]), ("x", "token count")),
+        ("round_scale", lambda: buf.low_latency_dispatch(x, idx, round_scale=True), ("round_scale", "value")),
+        ("ue8m0", lambda: buf.low_latency_dispatch(x, idx, use_fp8=True, use_ue8m0=True), ("use_ue8m0", "value")),
+        ("nvfp4 and fp8", lambda: buf.low_latency_dispatch(x, idx, use_fp8=True, use_nvfp4=True,
+                                                           x_global_scale=torch.ones(())), ("use_nvfp4", "value")),
+        ("global scale alone", lambda: buf.low_latency_dispatch(x, idx, x_global_scale=torch.ones(())),
+         ("x_global_scale", "value")),
+        ("global scale missing", lambda: buf.low_latency_dispatch(x, idx, use_nvfp4=True), ("x_global_scale", "value")),
+        ("global scale type", lambda: buf.low_latency_dispatch(x, idx, use_nvfp4=True, x_global_scale=1.0),
+         ("x_global_scale", "type")),
+        ("global scale dtype", lambda: buf.low_latency_dispatch(x, idx, use_nvfp4=True,
+                                                                x_global_scale=torch.ones((), dtype=torch.float64)),
+         ("x_global_scale", "dtype")),
+        ("global scale shape", lambda: buf.low_latency_dispatch(x, idx, use_nvfp4=True,
+                                                                x_global_scale=torch.ones(2, 2)),
+         ("x_global_scale", "shape")),
+        ("hook and async", lambda: buf.low_latency_dispatch(x, idx, return_recv_hook=True, async_op=True),
+         ("return_recv_hook", "value")),
+        ("ll not low latency", lambda: other.low_latency_dispatch(x, idx), ("low_latency", "value")),
+        ("ll combine rows", lambda: buf.low_latency_combine(y[:, :8].contiguous(), idx, w, d.handle), ("x", "shape")),
+        ("ll combine ids", lambda: buf.low_latency_combine(y, bad, w, d.handle), ("topk_idx", "expert ids")),
+        ("ll combine handle", lambda: buf.low_latency_combine(y, idx, w, plain.handle), ("handle", "type")),
+        ("overlap arguments alone", lambda: buf.low_latency_combine(y, idx, w, d.handle, block_m=8),
+         ("block_m", "value")),
+        ("ll num_sms without overlap", lambda: buf.low_latency_combine(y, idx, w, d.handle, num_sms=4),
+         ("num_sms", "value")),
+        ("overlap missing", lambda: buf.low_latency_combine(y, idx, w, d.handle, overlap=True), ("overlap", "value")),
+        ("overlap block_m", lambda: buf.low_latency_combine(y, idx, w, d.handle, **{**sbo, "block_m": 0}),
+         ("block_m", "value")),
+        ("overlap count", lambda: buf.low_latency_combine(y, idx, w, d.handle,
+                                                          **{**sbo, "packed_recv_count": d.count[:1]}),
+         ("packed_recv_count", "shape")),
+        ("overlap signal", lambda: buf.low_latency_combine(y, idx, w, d.handle, **{**sbo, "comp_signal": signal[:1]}),
+         ("comp_signal", "shape")),
+        ("overlap short signal", lambda: buf.low_latency_combine(y, idx, w, d.handle, **sbo), ("comp_signal", "value")),
+    ]
+
+
+def test_every_rejection_carries_its_codes(buf):
+    """Each rule's error carries the codes of the argument and check that failed, which the rejecting
+    rank's stamp sends its peers (read from the codes, never from the message)."""
+    with moe_ep.Buffer(hidden=H, num_experts=E, num_topk=K, max_tokens_per_rank=T, backend="reference") as other:
+        for what, call, want in _rejection_cases(buf, other):
+            with pytest.raises((TypeError, ValueError)) as raised:
+                call()
+            status, reason = call_check._reason(raised.value)
+            argument, check = divmod(reason, 16)
+            assert status and (call_check.ARGUMENTS[argument], call_check.CHECKS[check]) == want, \
+                f"{what}: {type(raised.value).__name__}: {raised.value}"

@@ -1,4 +1,4 @@
-// Host-side runtime of moe_ep._C: NVSHMEM bootstrap, the symmetric heap, the host-mapped error state
+// Host-side runtime of moe_ep.comm._C: NVSHMEM bootstrap, the symmetric heap, the host-mapped error state
 // that kernels report timeouts into, and device queries. Bound to Python by runtime_bindings.cpp.
 #pragma once
 #include <cstddef>

@@ -1,5 +1,5 @@
 // NVSHMEM versions: the headers this module was compiled against (its statically linked device
-// library) and the host library loaded at run time. moe_ep._native refuses to run when they differ.
+// library) and the host library loaded at run time. moe_ep.comm._native refuses to run when they differ.
 #include <nvshmem_host.h>
 
 #include "runtime/runtime.h"

@@ -1,5 +1,5 @@
 """Buffer: the public communication object. Every input is validated here, once, before any backend
-runs; backends below trust what they get. Every rank makes the same collective calls whatever its
+runs (the rules: moe_ep.comm.validate, used by nothing else); backends below trust what they get. Every rank makes the same collective calls whatever its
 inputs: a rank whose input is rejected makes the call on stand-in inputs, its stamp saying so
 (moe_ep.comm.call_check), then raises; its peers raise PeerInputError once the stamps are in."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn, Optional, TypeVar
 
 import torch
@@ -26,8 +27,9 @@ from .call_check import (
     CallStamp,
     HostCheck,
     OwnRejection,
+    input_error,
 )
-from .config import DEFAULT_NUM_SMS, PER_BUFFER, Config
+from .config import DEFAULT_TIMEOUT_S, Config, default_num_sms
 from .errors import BadExpertIdError
 from .streams import CommStream
 from .types import (
@@ -38,36 +40,11 @@ from .types import (
     LowLatencyCombineResult,
     LowLatencyDispatchResult,
     LowLatencyHandle,
-    LowLatencyOverlap,
 )
+from .validate import CallChecks, check_event, check_expert_major, check_hook, check_num_sms
 
 _buffer_ids = itertools.count(1)
 _LowLatencyResult = TypeVar("_LowLatencyResult", LowLatencyDispatchResult, LowLatencyCombineResult)
-_Result = TypeVar("_Result")
-
-
-def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], shape: tuple[Optional[int], ...],
-                  device: torch.device) -> torch.Tensor:
-    """Type, dtype, rank, shape (None = any), device and contiguity of one input."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    return t
-
-
-def _check_aligned(name: str, t: torch.Tensor) -> torch.Tensor:
-    """The kernels move rows as 16-byte vectors."""
-    if t.data_ptr() % 16:
-        raise ValueError(f"{name} must start at a 16-byte aligned address, got {t.data_ptr():#x}")
-    return t
 
 
 def _device_of(group: dist.ProcessGroup, device: Optional[torch.device] = None) -> torch.device:
@@ -116,19 +93,6 @@ def _pick_backend(name: str, device: torch.device, world: int) -> str:
         if world > most:
             raise ValueError(f"backend='nvshmem' serves groups of at most {most} ranks, got {world}")
     return name
-
-
-def _check_num_sms(num_sms: int, device: torch.device, default: bool = False) -> int:
-    """A positive int within the device's SMs; the default is clipped to them instead."""
-    if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms <= 0:
-        raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
-    if device.type == "cuda":
-        available = torch.cuda.get_device_properties(device).multi_processor_count
-        if num_sms > available:
-            if default:
-                return available
-            raise ValueError(f"num_sms ({num_sms}) exceeds the {available} SMs of {device}")
-    return num_sms
 
 
 def _check_ranks_per_node(ranks_per_node: Optional[int], world: int) -> None:
@@ -190,12 +154,11 @@ def _local_settings(group: dist.ProcessGroup, world: int, *, hidden: Any, num_ex
     knobs = config if config is not None else Config.from_env()  # the environment gives defaults only
     if num_sms is not None:
         knobs = knobs.replace(num_sms=num_sms)
-    sms = _check_num_sms(knobs.num_sms if knobs.num_sms is not None else DEFAULT_NUM_SMS, device,
-                         default=knobs.num_sms is None)
+    sms = check_num_sms(knobs.num_sms, device) if knobs.num_sms is not None else default_num_sms(device)
     if knobs.low_latency_num_sms is not None:
         if not low_latency:
             raise ValueError("Config.low_latency_num_sms needs low_latency=True (it sizes the low-latency kernels' grid)")
-        _check_num_sms(knobs.low_latency_num_sms, device)
+        check_num_sms(knobs.low_latency_num_sms, device)
     return {
         "backend": name, "device type": device.type, "hidden": hidden, "num_experts": num_experts,
         "num_topk": num_topk, "max_tokens_per_rank": max_tokens_per_rank, "low_latency": bool(low_latency),
@@ -261,54 +224,65 @@ def _check_ranks_per_gpu(backend: str, ranks_per_gpu: int) -> None:
                          "or backend='reference'")
 
 
-def _take_part(error: Exception, standin: Callable[[], object]) -> NoReturn:
-    """Make the call on stand-in inputs whose stamp carries the rejection, so that every peer's exchange
-    finds this rank (and raises PeerInputError where the call checks stamps), then raise this rank's
-    `error`: one rank's bad input must not desynchronise the group (docs/api.md, Errors)."""
-    try:
-        standin()
-    except OwnRejection:
-        pass
-    raise error
-
-
-def _raise_after_receive(error: Exception, run: Callable[[], _LowLatencyResult]) -> _LowLatencyResult:
-    """A low-latency call that takes part for rejected input: raise once it ran, or, with a receive
-    hook, from the hook once it has received (the peers' receive waits for this rank's sends)."""
-    try:
-        result = run()
-    except OwnRejection:
-        raise error from None
-    if result.hook is None:
-        raise error
-    hook = result.hook
-
-    def receive() -> None:
-        try:
-            hook()
-        except OwnRejection:
-            pass
-        raise error
-
-    result.hook = receive
-    return result
-
-
 def _kernel_found_ids() -> BadExpertIdError:
     """What a rank raises when its stamp says its kernels found a bad expert id and no record says which."""
-    return BadExpertIdError("topk_idx held an expert id outside [-1, num_experts) (found by the kernels; the call "
-                            "treated it as -1 and every rank raised)")
+    return input_error(BadExpertIdError, "topk_idx", "expert ids",
+                       "topk_idx held an expert id outside [-1, num_experts) (found by the kernels; the call treated "
+                       "it as -1 and every rank raised)")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One communicating call between its stages (validate -> stamp -> backend call -> result): its kind and
+    the words its stamp carries, the backend method with the options it gets whatever the inputs, and its
+    inputs: the caller's, or stand-ins when this rank rejected its own (`rejection`, raised once the call ran,
+    so that one rank's bad input does not desynchronise the group: docs/api.md, Errors)."""
+
+    kind: int  # call_check's DISPATCH, CACHED, COMBINE, LL_DISPATCH or LL_COMBINE
+    handle: int  # the number of the call that made the handle it uses (0: none)
+    size: int  # the stamp's size word: what every rank must agree on (row format, with weights)
+    backend: Callable[..., Any]
+    options: dict[str, Any]
+    async_op: bool = False
+    previous_event: Optional[EventHandle] = None
+    records_event: bool = False  # low-latency calls: the Buffer records the result's event (their backends do not)
+    inputs: tuple[Any, ...] = ()
+    input_options: dict[str, Any] = field(default_factory=dict)
+    rejection: Optional[Exception] = None
+
+    def taking(self, inputs: tuple[Any, ...], rejection: Optional[Exception] = None, **input_options: Any) -> "_Call":
+        """This call on `inputs`; `rejection`: why this rank rejected its own (the stamp says so)."""
+        return dataclasses.replace(self, inputs=inputs, input_options=input_options, rejection=rejection)
+
+
+@dataclass(frozen=True)
+class _ReceiveThenRaise:
+    """The receive hook of a rank that rejected its low-latency input: it receives first (its peers' receive
+    waits for this rank's sends), then raises the rank's error."""
+
+    hook: Callable[[], None]
+    error: Exception
+
+    def __call__(self) -> NoReturn:
+        try:
+            self.hook()
+        except OwnRejection:
+            pass
+        raise self.error
 
 
 class Buffer:
     """Expert-parallel dispatch/combine over a process group (see docs/api.md).
 
-    Creating a Buffer is collective over `group`; so are close() and every communication call.
+    Creating a Buffer is collective over `group`; so are close() and every communication call. Each
+    communication call is one pipeline: validate (moe_ep.comm.validate's checks; a rejected input is
+    replaced by stand-ins) -> stamp (moe_ep.comm.call_check) -> backend call (on the stream the call
+    asks for: moe_ep.comm.streams) -> result (this rank's rejection raised, handles completed).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, hidden: int, num_experts: int, num_topk: int,
                  max_tokens_per_rank: int, backend: str = "auto", low_latency: bool = False,
-                 num_sms: Optional[int] = None, timeout_s: float = 100.0,
+                 num_sms: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  ranks_per_node: Optional[int] = None, hierarchical: Optional[bool] = None,
                  fault_tolerant: bool = False, check_calls: bool = False, device: Optional[torch.device] = None,
                  config: Optional[Config] = None) -> None:
@@ -348,7 +322,9 @@ class Buffer:
             ranks_per_node=topo.ranks_per_node, hierarchical=bool(hierarchical) or topo.num_nodes > 1,
             fault_tolerant=bool(fault_tolerant), ranks_per_gpu=topo.ranks_per_gpu, config=settings["config"],
         )
-        self._check_path_sms(self.cfg.num_sms)
+        self._checks = CallChecks(self.cfg, self.backend_name)  # the validate stage's rules (moe_ep.comm.validate)
+        self._checks.path_sms(self.cfg.num_sms)
+        self._checks.on_path(self.cfg.config, from_env=config is None)  # same on every rank: all raise alike
         self._backend: Optional[Backend] = self._make_backend()
         self._comm = CommStream(device)
         self._calls = CallOrder()  # numbers the communicating calls (moe_ep.comm.call_check)
@@ -357,14 +333,6 @@ class Buffer:
         if check_calls and self.backend_name != "reference":
             self._host_check = HostCheck(own_group(group, self.cfg.timeout_s), self.cfg.rank, self.cfg.timeout_s)
         at_exit.track(self.cfg.buffer_id, self)  # left with its peers at exit (moe_ep.comm.at_exit)
-
-    def _checked(self, stamp: CallStamp, call: Callable[[], _Result]) -> _Result:
-        """Runs a backend call; with check_calls=True on the native backend the ranks' stamps first meet
-        on the host (every call, so ranks making different calls meet there too), raising on every rank
-        alike before anything launches."""
-        if self._host_check is not None:
-            self._host_check.verify(stamp)
-        return call()
 
     def _make_backend(self) -> Backend:
         if self.backend_name == "reference":
@@ -455,15 +423,6 @@ class Buffer:
             raise RuntimeError("this Buffer is closed")
         return self._backend
 
-    # ---- validation helpers -----------------------------------------------------------------
-    def _check_tokens(self, n: int, what: str, capped: bool) -> None:
-        """Calls with static shapes (worst-case mode, low latency) hold at most max_tokens_per_rank tokens;
-        exact-size normal calls stream any number through the workspace in rounds of that size."""
-        if capped and n > self.cfg.max_tokens_per_rank:
-            raise ValueError(f"{what} has {n} tokens, above max_tokens_per_rank={self.cfg.max_tokens_per_rank}, the "
-                             "most a static-shape call (worst_case=True or low latency) may carry; exact-size normal "
-                             "calls take any number")
-
     @property
     def masked_ranks(self) -> list[int]:
         """Ranks a fault-tolerant low-latency Buffer skips: set with set_rank_masked, or (native backend)
@@ -501,82 +460,6 @@ class Buffer:
         if not self.cfg.fault_tolerant:
             raise ValueError(f"{what} needs a Buffer created with low_latency=True, fault_tolerant=True")
 
-    def _check_topk_idx(self, topk_idx: object, n: Optional[int], capped: bool = True) -> torch.Tensor:
-        """Shape, dtype, device, contiguity, alignment and token count (capped: _check_tokens); the
-        values: _in_range_ids."""
-        cfg = self.cfg
-        t = _check_aligned("topk_idx", _check_tensor("topk_idx", topk_idx, (torch.int64,), (n, cfg.num_topk),
-                                                      cfg.device))
-        self._check_tokens(t.shape[0], "topk_idx", capped)
-        return t
-
-    def _in_range_ids(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, Optional[ValueError]]:
-        """topk_idx with every id outside [-1, E) set to -1, and the ValueError the call raises once its
-        communication is done, on backends whose kernels do not check each id themselves (a host check:
-        one reduction, one sync; none while a CUDA graph is being captured)."""
-        cfg = self.cfg
-        capturing = cfg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if self.backend.checks_expert_ids or not topk_idx.numel() or capturing:
-            return topk_idx, None
-        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
-        if lo >= -1 and hi < cfg.num_experts:
-            return topk_idx, None
-        error = BadExpertIdError(f"topk_idx values must lie in [-1, {cfg.num_experts}), got min {lo} and max {hi}")
-        return torch.where((topk_idx >= -1) & (topk_idx < cfg.num_experts), topk_idx, -1), error
-
-    def _check_weights(self, topk_weights: object, n: int) -> torch.Tensor:
-        return _check_aligned("topk_weights", _check_tensor("topk_weights", topk_weights, (torch.float32,),
-                                                            (n, self.cfg.num_topk), self.cfg.device))
-
-    def _check_x(self, x: object, fp8_ok: bool, capped: bool = True) -> torch.Tensor:
-        dtypes = (torch.bfloat16, torch.float8_e4m3fn) if fp8_ok else (torch.bfloat16,)
-        t = _check_tensor("x", x, dtypes, (None, self.cfg.hidden), self.cfg.device)
-        self._check_tokens(t.shape[0], "x", capped)
-        return _check_aligned("x", t)
-
-    def _check_fp8_hidden(self) -> None:
-        if self.cfg.hidden % 128 != 0:
-            raise ValueError(f"FP8 needs hidden to be a multiple of 128, got {self.cfg.hidden}")
-
-    def _check_handle(self, handle: object, kind: type) -> None:
-        if not isinstance(handle, kind):
-            raise TypeError(f"handle must be a {kind.__name__}, got {type(handle).__name__}")
-        if handle.buffer_id != self.cfg.buffer_id:
-            raise ValueError("handle comes from another Buffer")
-
-    def _knobs(self, num_sms: Optional[int], config: Optional[Config]) -> tuple[int, Config]:
-        """A call's SM budget and kernel knobs: num_sms, else config.num_sms, else the Buffer's; the knobs
-        of `config`, else the Buffer's. A call may not change what sizes the Buffer's memory."""
-        knobs = self.cfg.config
-        if config is not None:
-            if not isinstance(config, Config):
-                raise TypeError(f"config must be a moe_ep.Config, got {type(config).__name__}")
-            fixed = [name for name in PER_BUFFER if getattr(config, name) != getattr(knobs, name)]
-            if fixed:
-                raise ValueError(f"Config.{fixed[0]} is fixed when the Buffer is made ({getattr(knobs, fixed[0])}); "
-                                 f"a call cannot change it (got {getattr(config, fixed[0])})")
-            sms = config.num_sms if config.num_sms is not None else knobs.num_sms
-            knobs = config
-        else:
-            sms = knobs.num_sms
-        # the SM budget travels on its own: no Config is built per call
-        return self._check_path_sms(_check_num_sms(num_sms if num_sms is not None else sms, self.cfg.device)), knobs
-
-    def _check_path_sms(self, sms: int) -> int:
-        """The SM budget within what the normal path's kernels take: the cross-node kernels run one block
-        per channel, at most INTERNODE_MAX_CHANNELS (a larger budget is an error, not a silent cap)."""
-        most = _native.constant("INTERNODE_MAX_CHANNELS")
-        if self.cfg.hierarchical and self.backend_name == "nvshmem" and sms > most:
-            raise ValueError(f"num_sms ({sms}) exceeds the {most} channels (SMs) the cross-node kernels run; "
-                             f"pass num_sms <= {most}")
-        return sms
-
-    @staticmethod
-    def _check_event(previous_event: object) -> Optional[EventHandle]:
-        if previous_event is not None and not isinstance(previous_event, EventHandle):
-            raise TypeError(f"previous_event must be an EventHandle, got {type(previous_event).__name__}")
-        return previous_event
-
     # ---- stand-ins for rejected input (docs/api.md, Errors) -----------------------------------
     def _zero_rows(self, lead: tuple[int, ...], fp8: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Zero rows [*lead, H] (bf16, or e4m3 with zero scales) in place of rejected ones."""
@@ -596,65 +479,66 @@ class Buffer:
         x is e4m3 and hidden allows FP8. A rejected x of another dtype counts as bf16."""
         return isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn and self.cfg.hidden % 128 == 0
 
+    # ---- the stages of every communication call -----------------------------------------------
+    def _stamp(self, call: _Call) -> CallStamp:
+        """Stamp stage: the call's number, what every rank must agree on, and whether (and why) this rank
+        rejected its input."""
+        return self._calls.stamp(call.kind, call.handle, call.size, call.rejection)
+
+    def _run(self, call: _Call, stamp: CallStamp) -> Optional[Any]:
+        """Backend call stage: with check_calls=True on the native backend the ranks' stamps first meet on
+        the host (every call, so ranks making different calls meet there too, and all raise alike before
+        anything launches); then the backend under the stream rule of moe_ep.comm.streams. None when the
+        stamps said that this rank rejected its input (call_check.OwnRejection): the result stage says why."""
+        try:
+            if self._host_check is not None:
+                self._host_check.verify(stamp)
+            return self._comm.run(functools.partial(self._launch, call, stamp), previous_event=call.previous_event,
+                                  async_op=call.async_op, inputs=(call.inputs, call.input_options, call.options))
+        except OwnRejection:
+            return None
+
+    def _launch(self, call: _Call, stamp: CallStamp) -> Any:
+        """What runs on the call's stream: the backend method, then a low-latency call's event (DeepEP's
+        async_finish: recorded on the communication stream with async_op)."""
+        result = call.backend(*call.inputs, stamp=stamp, **call.options, **call.input_options)
+        if call.records_event:
+            result.event = record_event(call.async_op, self.cfg.device)
+        return result
+
+    @staticmethod
+    def _raise_rejection(call: _Call, got: Optional[Any]) -> None:
+        """Result stage, first step of every call: this rank's rejection, now that the call ran and every
+        rank has its stamp; or, when the stamps said this rank rejected and its host found nothing, the
+        bad expert id its kernels found."""
+        if call.rejection is not None:
+            raise call.rejection
+        if got is None:
+            raise _kernel_found_ids()
+
     # ---- normal mode ------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, *, previous_event: Optional[EventHandle] = None,
                             async_op: bool = False) -> DispatchLayout:
         """Tokens per rank and per expert, and the token->rank mask (with async_op: on the communication
-        stream, the layout's event set). No backend communicates here, so bad input raises at once."""
-        topk_idx, bad_ids = self._in_range_ids(self._check_topk_idx(topk_idx, None, capped=False))
+        stream, the layout's event set). No backend communicates here, so bad input raises at once and the
+        call has no stamp: validate -> backend call -> result."""
+        topk_idx, previous_event = self._validate_layout(topk_idx, previous_event)
+        return self._comm.run(functools.partial(self._layout, topk_idx, bool(async_op)), previous_event=previous_event,
+                              async_op=bool(async_op), inputs=(topk_idx,))
+
+    def _validate_layout(self, topk_idx: object,
+                         previous_event: object) -> tuple[torch.Tensor, Optional[EventHandle]]:
+        """Validate stage of get_dispatch_layout: any number of tokens, every id in range."""
+        topk_idx, bad_ids = self._checks.in_range_ids(self._checks.topk_idx(topk_idx, None, capped=False),
+                                                      self.backend.checks_expert_ids)
         if bad_ids is not None:
             raise bad_ids
-        previous_event = self._check_event(previous_event)
+        return topk_idx, check_event(previous_event)
 
-        def work() -> DispatchLayout:
-            layout = self.backend.get_dispatch_layout(topk_idx)
-            return dataclasses.replace(layout, event=record_event(bool(async_op), self.cfg.device))
-
-        return self._comm.run(work, previous_event=previous_event, async_op=bool(async_op), inputs=(topk_idx,))
-
-    @staticmethod
-    def _check_expert_major(expert_major: object, handle: Optional[DispatchHandle], expert_alignment: object) -> bool:
-        """Whether a dispatch gives pairs: expert_major as given, None meaning no for a fresh dispatch
-        and the handle's kind for a cached one. With worst_case the pairs are a static bound
-        (expert_major.worst_case_pairs); a cached dispatch keeps its handle's layout."""
-        if expert_major is not None and not isinstance(expert_major, bool):
-            raise TypeError(f"expert_major must be None, True or False, got {expert_major!r}")
-        layout = handle.expert_major if handle is not None else None
-        if handle is None:
-            return bool(expert_major)
-        if expert_major and layout is None:
-            raise ValueError("expert_major=True with a handle needs the handle of an expert-major dispatch")
-        if expert_major is not False and layout is not None and expert_alignment not in (1, layout.alignment):
-            raise ValueError(f"a cached expert-major dispatch keeps its handle's layout (expert_alignment="
-                             f"{layout.alignment}); got expert_alignment={expert_alignment}")
-        return layout is not None if expert_major is None else expert_major
-
-    def _check_dispatch(self, x: object, x_scales: object, topk_idx: object, topk_weights: object,
-                        handle: Optional[DispatchHandle], expert_alignment: object, worst_case: bool) -> None:
-        """Every tensor argument of a dispatch and expert_alignment (the handle is checked before)."""
-        cfg = self.cfg
-        x = self._check_x(x, fp8_ok=True, capped=worst_case)
-        n = x.shape[0]
-        if x.dtype == torch.float8_e4m3fn:
-            self._check_fp8_hidden()
-            if x_scales is None:
-                raise ValueError("FP8 dispatch needs x_scales [N, hidden / 128] float32")
-            _check_aligned("x_scales", _check_tensor("x_scales", x_scales, (torch.float32,), (n, cfg.num_scales),
-                                                     cfg.device))
-        elif x_scales is not None:
-            raise ValueError("x_scales is only for FP8 (torch.float8_e4m3fn) x")
-        if handle is not None:
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("a cached dispatch (handle=...) takes no topk_idx or topk_weights")
-            if n != handle.num_tokens:
-                raise ValueError(f"x has {n} tokens but the handle was made for {handle.num_tokens}")
-        else:
-            if topk_idx is None or topk_weights is None:
-                raise ValueError("dispatch needs topk_idx and topk_weights (or a handle for a cached dispatch)")
-            self._check_topk_idx(topk_idx, n, capped=worst_case)
-            self._check_weights(topk_weights, n)
-        if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
-            raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
+    def _layout(self, topk_idx: torch.Tensor, async_op: bool) -> DispatchLayout:
+        """Backend call stage of get_dispatch_layout, on the call's stream: the layout, its event after it."""
+        layout = self.backend.get_dispatch_layout(topk_idx)
+        return dataclasses.replace(layout, event=record_event(async_op, self.cfg.device))
 
     def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *, x_scales: Optional[torch.Tensor] = None,
@@ -665,62 +549,48 @@ class Buffer:
         the received rows as (row, local expert) pairs grouped by expert. Rejected arguments: this
         rank takes part as a rank without tokens (a cached dispatch: with zero rows), then raises; its
         peers raise PeerInputError where the call checks its stamps (docs/api.md, Errors)."""
+        call = self._validate_dispatch(x, topk_idx, topk_weights, x_scales, expert_alignment, handle, worst_case,
+                                       expert_major, num_sms, config, previous_event, async_op)
+        stamp = self._stamp(call)
+        return self._dispatch_result(call, stamp, self._run(call, stamp))
+
+    def _validate_dispatch(self, x: object, topk_idx: object, topk_weights: object, x_scales: object,
+                           expert_alignment: object, handle: object, worst_case: object, expert_major: object,
+                           num_sms: Optional[int], config: Optional[Config], previous_event: object,
+                           async_op: object) -> _Call:
+        """Validate stage of a dispatch: a bad handle, SM budget, knobs or event raise at once; rejected
+        tensors or flags give the stand-ins of a rank without tokens (a cached dispatch: zero rows); ids
+        out of range are set to -1 and raised once the call ran."""
+        checks = self._checks
         if handle is not None:
-            self._check_handle(handle, DispatchHandle)
-        sms, knobs = self._knobs(num_sms, config)
-        previous_event = self._check_event(previous_event)
-        kind, made_by = (DISPATCH, 0) if handle is None else (CACHED, handle.call)
-        fp8 = int(self._fp8_rows(x))
-
-        def run(*args: Any, stamp: CallStamp, **kwargs: Any) -> DispatchResult:
-            """The backend's dispatch under the stream rule of moe_ep.comm.streams."""
-            work = functools.partial(self.backend.dispatch, *args, handle=handle, worst_case=bool(worst_case),
-                                     num_sms=sms, knobs=knobs, async_op=bool(async_op), stamp=stamp, **kwargs)
-            return self._checked(stamp, lambda: self._comm.run(work, previous_event=previous_event,
-                                                               async_op=bool(async_op), inputs=(args, handle)))
-
+            checks.handle(handle, DispatchHandle)
+        sms, knobs = checks.knobs(num_sms, config)
+        previous_event = check_event(previous_event)
+        fp8 = self._fp8_rows(x)
+        call = _Call(DISPATCH if handle is None else CACHED, 0 if handle is None else handle.call, int(fp8),
+                     self.backend.dispatch, dict(handle=handle, worst_case=bool(worst_case), num_sms=sms, knobs=knobs,
+                                                 async_op=bool(async_op)),
+                     async_op=bool(async_op), previous_event=previous_event)
         try:
-            self._check_dispatch(x, x_scales, topk_idx, topk_weights, handle, expert_alignment,
-                                 bool(worst_case) and handle is None)
-            expert_major = self._check_expert_major(expert_major, handle, expert_alignment)
+            checks.dispatch(x, x_scales, topk_idx, topk_weights, handle, expert_alignment,
+                            bool(worst_case) and handle is None)
+            expert_major = check_expert_major(expert_major, handle, expert_alignment)
         except (TypeError, ValueError) as error:
-            stamp = self._calls.stamp(kind, made_by, fp8, error)
-            rows, scales = self._zero_rows((0 if handle is None else handle.num_tokens,), bool(fp8))
+            rows, scales = self._zero_rows((0 if handle is None else handle.num_tokens,), fp8)
             idx, weights = self._no_routing(0) if handle is None else (None, None)
-            _take_part(error, lambda: run(rows, scales, idx, weights, stamp=stamp, expert_alignment=1,
-                                          expert_major=False))
+            return call.taking((rows, scales, idx, weights), error, expert_alignment=1, expert_major=False)
         bad_ids = None
         if handle is None:
-            topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        stamp = self._calls.stamp(kind, made_by, fp8, bad_ids)
-        try:
-            result = run(x, x_scales, topk_idx, topk_weights, stamp=stamp, expert_alignment=expert_alignment,
-                         expert_major=expert_major)
-        except OwnRejection:
-            raise (bad_ids if bad_ids is not None else _kernel_found_ids()) from None
-        if bad_ids is not None:
-            raise bad_ids
-        if handle is None:
-            result.handle.call = stamp.call
-        return result
+            topk_idx, bad_ids = checks.in_range_ids(topk_idx, self.backend.checks_expert_ids)
+        return call.taking((x, x_scales, topk_idx, topk_weights), bad_ids, expert_alignment=expert_alignment,
+                           expert_major=expert_major)
 
-    def _check_combine(self, x: object, handle: DispatchHandle, topk_weights: object, pair_weights: object) -> None:
-        """A combine's tensors: rows [M, H] bf16 (16-byte aligned, the kernels read them) and topk_weights
-        [M, K]; for an expert-major handle pairs [P, H] bf16 or float32 (summed into fresh rows first),
-        topk_weights [P] and pair_weights [P] float32."""
-        cfg, layout = self.cfg, handle.expert_major
-        if layout is None:
-            if pair_weights is not None:
-                raise ValueError("pair_weights needs the handle of an expert-major dispatch (expert_major=True)")
-            _check_aligned("x", _check_tensor("x", x, (torch.bfloat16,), (handle.num_recv_rows, cfg.hidden), cfg.device))
-            if topk_weights is not None:
-                self._check_weights(topk_weights, handle.num_recv_rows)
-            return
-        p = layout.num_pairs
-        _check_tensor("x", x, (torch.bfloat16, torch.float32), (p, cfg.hidden), cfg.device)
-        for name, t in (("topk_weights", topk_weights), ("pair_weights", pair_weights)):
-            if t is not None:
-                _check_tensor(name, t, (torch.float32,), (p,), cfg.device)
+    def _dispatch_result(self, call: _Call, stamp: CallStamp, got: Optional[DispatchResult]) -> DispatchResult:
+        """Result stage of a dispatch: this rank's rejection raised; a fresh handle names the call that made it."""
+        self._raise_rejection(call, got)
+        if call.kind == DISPATCH:
+            got.handle.call = stamp.call
+        return got
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, *, topk_weights: Optional[torch.Tensor] = None,
                 pair_weights: Optional[torch.Tensor] = None, num_sms: Optional[int] = None,
@@ -730,62 +600,46 @@ class Buffer:
         handle's combine takes pairs and sums each row's first (pair_weights: times each pair's weight).
         Rejected tensors: this rank sends zero rows (and weights) back, then raises; its peers raise
         PeerInputError where the call checks its stamps (docs/api.md, Errors)."""
-        self._check_handle(handle, DispatchHandle)
-        sms, knobs = self._knobs(num_sms, config)
-        previous_event = self._check_event(previous_event)
-        with_weights = int(topk_weights is not None)
+        call = self._validate_combine(x, handle, topk_weights, pair_weights, num_sms, config, previous_event, async_op)
+        stamp = self._stamp(call)
+        return self._combine_result(call, self._run(call, stamp))
 
-        def run(x: torch.Tensor, stamp: CallStamp,
-                **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:
-            """The backend's combine under the stream rule of moe_ep.comm.streams."""
-            work = functools.partial(self.backend.combine, x, handle=handle, num_sms=sms, knobs=knobs,
-                                     async_op=bool(async_op), stamp=stamp, **kwargs)
-            return self._checked(stamp, lambda: self._comm.run(work, previous_event=previous_event,
-                                                               async_op=bool(async_op), inputs=(x, handle, kwargs)))
-
+    def _validate_combine(self, x: object, handle: object, topk_weights: object, pair_weights: object,
+                          num_sms: Optional[int], config: Optional[Config], previous_event: object,
+                          async_op: object) -> _Call:
+        """Validate stage of a combine: a bad handle, SM budget, knobs or event raise at once; rejected
+        tensors give zero rows (and zero weights) as stand-ins."""
+        checks = self._checks
+        checks.handle(handle, DispatchHandle)
+        sms, knobs = checks.knobs(num_sms, config)
+        previous_event = check_event(previous_event)
+        with_weights = topk_weights is not None
+        call = _Call(COMBINE, handle.call, int(with_weights), self.backend.combine,
+                     dict(handle=handle, num_sms=sms, knobs=knobs, async_op=bool(async_op)),
+                     async_op=bool(async_op), previous_event=previous_event)
         try:
-            self._check_combine(x, handle, topk_weights, pair_weights)
+            checks.combine(x, handle, topk_weights, pair_weights)
         except (TypeError, ValueError) as error:
-            stamp = self._calls.stamp(COMBINE, handle.call, with_weights, error)
             layout = handle.expert_major
             m = handle.num_recv_rows if layout is None else layout.num_pairs
             rows, _ = self._zero_rows((m,), False)
             shape = (m, self.cfg.num_topk) if layout is None else (m,)
             weights = torch.zeros(shape, dtype=torch.float32, device=self.cfg.device) if with_weights else None
-            _take_part(error, lambda: run(rows, stamp, topk_weights=weights, pair_weights=None))
-        stamp = self._calls.stamp(COMBINE, handle.call, with_weights)
-        out, weights, event = run(x, stamp, topk_weights=topk_weights, pair_weights=pair_weights)
-        result = (out,) if topk_weights is None else (out, weights)
-        if async_op:
+            return call.taking((rows,), error, topk_weights=weights, pair_weights=None)
+        return call.taking((x,), topk_weights=topk_weights, pair_weights=pair_weights)
+
+    def _combine_result(self, call: _Call, got: Optional[tuple[torch.Tensor, Optional[torch.Tensor],
+                                                                  Optional[EventHandle]]]):
+        """Result stage of a combine: this rank's rejection raised; out, then the weights when the call had
+        topk_weights (the stamp's size word), then the event when async."""
+        self._raise_rejection(call, got)
+        out, weights, event = got
+        result = (out, weights) if call.size else (out,)
+        if call.async_op:
             result += (event,)
         return result if len(result) > 1 else out
 
     # ---- low-latency mode -------------------------------------------------------------------
-    def _check_low_latency(self) -> None:
-        if not self.cfg.low_latency:
-            raise ValueError("low-latency calls need a Buffer created with low_latency=True")
-
-    def _low_latency_run(self, call: Callable[..., _LowLatencyResult], async_op: object, return_recv_hook: object,
-                         **fixed: Any) -> Callable[..., _LowLatencyResult]:
-        """A low-latency backend call under the stream rule of moe_ep.comm.streams: with async_op on the
-        communication stream, the result's event recorded there (DeepEP's async_finish; a receive hook
-        runs on the caller's stream, so the two exclude each other)."""
-        if async_op and return_recv_hook:
-            raise ValueError("async_op=True and return_recv_hook=True exclude each other: the hook's receive "
-                             "runs on the caller's stream")
-        device = self.cfg.device
-
-        def run(*args: Any, **kwargs: Any) -> _LowLatencyResult:
-            def work() -> _LowLatencyResult:
-                result = call(*args, return_recv_hook=bool(return_recv_hook), async_op=bool(async_op), **fixed,
-                              **kwargs)
-                result.event = record_event(bool(async_op), device)
-                return result
-
-            return self._comm.run(work, previous_event=None, async_op=bool(async_op), inputs=(args, kwargs))
-
-        return run
-
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool = False,
                              round_scale: bool = False, use_ue8m0: bool = False, use_nvfp4: bool = False,
                              x_global_scale: Optional[torch.Tensor] = None,
@@ -795,106 +649,60 @@ class Buffer:
         rank's rows with its x_global_scale to NVFP4 in DeepEP's views (moe_ep.comm.nvfp4; the global scale
         is read on the device, never on the host). Rejected tensors or flags: this rank takes part as a rank
         without tokens, then raises (with a receive hook: the hook does); its peers raise PeerInputError where
-        the call checks its stamps."""
-        self._check_low_latency()
+        the call checks its stamps. With async_op the call runs on the communication stream and the result's
+        event is recorded there (DeepEP's async_finish; a receive hook runs on the caller's stream, so the
+        two exclude each other)."""
+        call = self._validate_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, use_ue8m0, use_nvfp4,
+                                                   x_global_scale, return_recv_hook, async_op)
+        stamp = self._stamp(call)
+        return self._low_latency_dispatch_result(call, stamp, self._run(call, stamp))
+
+    def _validate_low_latency_dispatch(self, x: object, topk_idx: object, use_fp8: object, round_scale: object,
+                                       use_ue8m0: object, use_nvfp4: object, x_global_scale: object,
+                                       return_recv_hook: object, async_op: object) -> _Call:
+        """Validate stage of a low-latency dispatch: the mode, FP8's hidden size and async_op with a hook
+        raise at once; rejected tensors or flags give the stand-ins of a rank without tokens (in the row
+        format its peers expect); ids out of range are set to -1 and raised once the call ran."""
+        checks = self._checks
+        checks.low_latency()
         if use_fp8:
-            self._check_fp8_hidden()
-        run = self._low_latency_run(self.backend.low_latency_dispatch, async_op, return_recv_hook)
+            checks.fp8_hidden("use_fp8")
+        check_hook(async_op, return_recv_hook)
         # the stamp's size word: the row format every rank must agree on (0 bf16, 1 FP8, 2 NVFP4)
         row_format = NVFP4_ROWS if use_nvfp4 else int(bool(use_fp8))
-
-        def routed(x: torch.Tensor, idx: torch.Tensor, stamp: CallStamp, **kwargs: Any) -> LowLatencyDispatchResult:
-            """The call; its handle keeps the topk_idx it exchanged (a combine whose own is rejected uses it)."""
-            result = self._checked(stamp, lambda: run(x, idx, stamp=stamp, **kwargs))
-            result.handle.topk_idx, result.handle.call = idx, stamp.call
-            return result
-
+        call = _Call(LL_DISPATCH, 0, row_format, self.backend.low_latency_dispatch,
+                     dict(return_recv_hook=bool(return_recv_hook), async_op=bool(async_op)), async_op=bool(async_op),
+                     records_event=True)
         try:
-            x = self._check_x(x, fp8_ok=False)
-            self._check_topk_idx(topk_idx, x.shape[0])
-            if round_scale and not use_fp8:
-                raise ValueError("round_scale applies only with use_fp8=True")
-            if use_ue8m0 and not (use_fp8 and round_scale and self.cfg.hidden % 512 == 0):
-                raise ValueError("use_ue8m0=True needs use_fp8=True, round_scale=True (power-of-two scales) and "
-                                 f"hidden % 512 == 0 (four exponents per int32), got hidden {self.cfg.hidden}")
-            x_global_scale = self._check_nvfp4(bool(use_nvfp4), bool(use_fp8), x_global_scale)
+            x_global_scale = checks.low_latency_dispatch(x, topk_idx, bool(use_fp8), bool(round_scale),
+                                                         bool(use_ue8m0), bool(use_nvfp4), x_global_scale)
         except (TypeError, ValueError) as error:
-            stamp = self._calls.stamp(LL_DISPATCH, 0, row_format, error)
             rows, _ = self._zero_rows((0,), False)
             idx, _ = self._no_routing(0)
             nvfp4_ok = bool(use_nvfp4) and not use_fp8 and self.cfg.hidden % nvfp4.constants().block == 0
-            standin_scale = torch.ones((), dtype=torch.float32, device=self.cfg.device) if nvfp4_ok else None
-            return _raise_after_receive(error, lambda: routed(
-                rows, idx, stamp, use_fp8=bool(use_fp8) and not use_nvfp4, round_scale=False, use_ue8m0=False,
-                use_nvfp4=nvfp4_ok, x_global_scale=standin_scale))
-        topk_idx, bad_ids = self._in_range_ids(topk_idx)
-        stamp = self._calls.stamp(LL_DISPATCH, 0, row_format, bad_ids)
+            scale = torch.ones((), dtype=torch.float32, device=self.cfg.device) if nvfp4_ok else None
+            return call.taking((rows, idx), error, use_fp8=bool(use_fp8) and not use_nvfp4, round_scale=False,
+                               use_ue8m0=False, use_nvfp4=nvfp4_ok, x_global_scale=scale)
+        topk_idx, bad_ids = checks.in_range_ids(topk_idx, self.backend.checks_expert_ids)
+        return call.taking((x, topk_idx), bad_ids, use_fp8=bool(use_fp8), round_scale=bool(round_scale),
+                           use_ue8m0=bool(use_ue8m0), use_nvfp4=bool(use_nvfp4), x_global_scale=x_global_scale)
 
-        def call() -> LowLatencyDispatchResult:
-            return routed(x, topk_idx, stamp, use_fp8=bool(use_fp8), round_scale=bool(round_scale),
-                          use_ue8m0=bool(use_ue8m0), use_nvfp4=bool(use_nvfp4), x_global_scale=x_global_scale)
+    def _low_latency_dispatch_result(self, call: _Call, stamp: CallStamp,
+                                     got: Optional[LowLatencyDispatchResult]) -> LowLatencyDispatchResult:
+        """Result stage of a low-latency dispatch: its handle keeps the topk_idx it exchanged (a combine whose
+        own is rejected uses it) and names the call; then as _low_latency_result."""
+        if got is not None:
+            got.handle.topk_idx, got.handle.call = call.inputs[1], stamp.call
+        return self._low_latency_result(call, got)
 
-        return call() if bad_ids is None else _raise_after_receive(bad_ids, call)
-
-    def _check_nvfp4(self, use_nvfp4: bool, use_fp8: bool, x_global_scale: object) -> Optional[torch.Tensor]:
-        """NVFP4's flags and its global scale: a float32 tensor on the Buffer's device, shape [] or [k] with
-        k >= 1 (the kernels read the first element, as DeepEP's does; vLLM passes one value per local expert,
-        all equal). Its values are not read here: that would be a host sync in a call that must have none
-        (CUDA graphs capture it); what a g that is not finite and positive gives is in moe_ep.comm.nvfp4's
-        docstring, the same bytes on every backend."""
-        cfg = self.cfg
-        if not use_nvfp4:
-            if x_global_scale is not None:
-                raise ValueError("x_global_scale applies only with use_nvfp4=True")
-            return None
-        if use_fp8:
-            raise ValueError("use_nvfp4=True and use_fp8=True exclude each other: pass use_fp8=False with NVFP4")
-        block = nvfp4.constants().block
-        if cfg.hidden % block:
-            raise ValueError(f"use_nvfp4=True needs hidden % {block} == 0 (one e4m3 scale per {block} channels), "
-                             f"got hidden {cfg.hidden}")
-        if x_global_scale is None:
-            raise ValueError("use_nvfp4=True needs x_global_scale, a float32 tensor holding the call's global scale")
-        if not isinstance(x_global_scale, torch.Tensor):
-            raise TypeError(f"x_global_scale must be a torch.Tensor, got {type(x_global_scale).__name__}")
-        if x_global_scale.dtype != torch.float32:
-            raise TypeError(f"x_global_scale must have dtype torch.float32, got {x_global_scale.dtype}")
-        if x_global_scale.dim() > 1 or x_global_scale.numel() == 0:
-            raise ValueError("x_global_scale must have shape [] or [k] (k >= 1, one value for the whole call), "
-                             f"got {list(x_global_scale.shape)}")
-        if x_global_scale.device != cfg.device:
-            raise ValueError(f"x_global_scale must be on {cfg.device}, got {x_global_scale.device}")
-        return x_global_scale
-
-    def _check_overlap(self, handle: LowLatencyHandle, overlap: object, packed_recv_count: object,
-                       comp_signal: object, block_m: object, threshold: object,
-                       num_sms: object) -> Optional[LowLatencyOverlap]:
-        """low_latency_combine's single-batch-overlap arguments (None without overlap=True, where none
-        of them may be given). packed_recv_count is DeepEP's (the dispatch's count, which the handle
-        already holds): only its shape is checked."""
-        cfg = self.cfg
-        given = {"packed_recv_count": packed_recv_count, "comp_signal": comp_signal, "block_m": block_m,
-                 "threshold": threshold, "num_sms": num_sms}
-        if not overlap:
-            extra = [name for name, value in given.items() if value is not None]
-            if extra:
-                raise ValueError(f"{', '.join(extra)} apply only with overlap=True (single-batch overlap)")
-            return None
-        missing = [name for name, value in given.items() if value is None]
-        if missing:
-            raise ValueError(f"overlap=True needs {', '.join(missing)}")
-        _check_tensor("packed_recv_count", packed_recv_count, (torch.int32,), tuple(handle.count.shape), cfg.device)
-        for name in ("block_m", "threshold", "num_sms"):
-            value = given[name]
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        num_sms = _check_num_sms(num_sms, cfg.device)
-        blocks = -(-cfg.world_size * cfg.max_tokens_per_rank // block_m)
-        signal = _check_tensor("comp_signal", comp_signal, (torch.int32,), (None,), cfg.device)
-        if signal.numel() < cfg.num_local_experts * blocks:
-            raise ValueError(f"comp_signal must have shape [*] with at least num_local_experts * ceil(R * T / block_m)"
-                             f" = {cfg.num_local_experts * blocks} words, got {signal.numel()}")
-        return LowLatencyOverlap(signal, block_m, threshold, num_sms, blocks)
+    def _low_latency_result(self, call: _Call, got: Optional[_LowLatencyResult]) -> _LowLatencyResult:
+        """Result stage of a low-latency call: this rank's rejection raised once the call ran, or, with a
+        receive hook, by the hook once it has received (the peers' receive waits for this rank's sends)."""
+        if call.rejection is not None and got is not None and got.hook is not None:
+            got.hook = _ReceiveThenRaise(got.hook, call.rejection)
+            return got
+        self._raise_rejection(call, got)
+        return got
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, return_recv_hook: bool = False,
@@ -913,31 +721,34 @@ class Buffer:
         (j + 1) * block_m) of local expert e are in x; the call reads each block only then and runs on at
         most num_sms SMs. packed_recv_count: the dispatch's count (DeepEP's argument; the handle has it).
         The result is the same bits as without overlap."""
-        cfg = self.cfg
-        self._check_low_latency()
-        self._check_handle(handle, LowLatencyHandle)
-        run = self._low_latency_run(self.backend.low_latency_combine, async_op, return_recv_hook, handle=handle)
+        call = self._validate_low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, async_op,
+                                                  overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms)
+        stamp = self._stamp(call)
+        return self._low_latency_result(call, self._run(call, stamp))
 
-        def checked(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, stamp: CallStamp,
-                    signals: Optional[LowLatencyOverlap] = None) -> LowLatencyCombineResult:
-            return self._checked(stamp, lambda: run(x, idx, weights, stamp=stamp, overlap=signals))
-
-        lead, n = (cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank), handle.num_tokens
+    def _validate_low_latency_combine(self, x: object, topk_idx: object, topk_weights: object, handle: object,
+                                      return_recv_hook: object, async_op: object, overlap: object,
+                                      packed_recv_count: object, comp_signal: object, block_m: object,
+                                      threshold: object, num_sms: object) -> _Call:
+        """Validate stage of a low-latency combine: the mode, the handle and async_op with a hook raise at
+        once; rejected tensors give zero rows routed by the dispatch's topk_idx; rejected ids alone keep x
+        and route by the dispatch's topk_idx too (what the peers send back follows it)."""
+        cfg, checks = self.cfg, self._checks
+        checks.low_latency()
+        checks.handle(handle, LowLatencyHandle)
+        check_hook(async_op, return_recv_hook)
+        call = _Call(LL_COMBINE, handle.call, 0, self.backend.low_latency_combine,
+                     dict(handle=handle, return_recv_hook=bool(return_recv_hook), async_op=bool(async_op)),
+                     async_op=bool(async_op), records_event=True)
         try:
-            _check_tensor("x", x, (torch.bfloat16,), (*lead, cfg.hidden), cfg.device)
-            self._check_topk_idx(topk_idx, n)
-            self._check_weights(topk_weights, n)
-            _check_aligned("x", x)
-            signals = self._check_overlap(handle, overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms)
+            checks.low_latency_combine(x, topk_idx, topk_weights, handle)
+            signals = checks.overlap(handle, overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms)
         except (TypeError, ValueError) as error:
-            stamp = self._calls.stamp(LL_COMBINE, handle.call, 0, error)
-            rows, _ = self._zero_rows(lead, False)
-            return _raise_after_receive(error, lambda: checked(rows, handle.topk_idx, self._no_routing(n)[1], stamp))
-        bad_ids = self._in_range_ids(topk_idx)[1]
-        stamp = self._calls.stamp(LL_COMBINE, handle.call, 0, bad_ids)
-        if bad_ids is not None:  # receive what the dispatch's routing says the peers send back
-            return _raise_after_receive(bad_ids, lambda: checked(x, handle.topk_idx, topk_weights, stamp, signals))
-        return checked(x, topk_idx, topk_weights, stamp, signals)
+            rows, _ = self._zero_rows((cfg.num_local_experts, cfg.world_size * cfg.max_tokens_per_rank), False)
+            return call.taking((rows, handle.topk_idx, self._no_routing(handle.num_tokens)[1]), error, overlap=None)
+        bad_ids = checks.in_range_ids(topk_idx, self.backend.checks_expert_ids)[1]
+        routing = handle.topk_idx if bad_ids is not None else topk_idx
+        return call.taking((x, routing, topk_weights), bad_ids, overlap=signals)
 
     def synchronize(self) -> None:
         """Local: waits for the work queued on the current stream and raises what this Buffer's kernels

@@ -12,10 +12,9 @@ for the calls that make no such exchange.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,29 +28,48 @@ KINDS = ("?", "dispatch", "cached dispatch", "combine", "low-latency dispatch", 
 DISPATCH, CACHED, COMBINE, LL_DISPATCH, LL_COMBINE = 1, 2, 3, 4, 5
 NVFP4_ROWS = 2  # a low-latency dispatch's size word: 0 bf16 rows, 1 FP8, 2 NVFP4
 
-# status: what the rank rejected (0: nothing); reason: argument * 16 + check, from the rank's message
+# status: what the rank rejected (0: nothing); reason: argument * 16 + check, the codes its error carries
+# (input_error), so peers learn why without reading the message. Append only: the words index these.
 STATUS = (None, TypeError, ValueError, BadExpertIdError)
 ARGUMENTS = ("?", "x", "x_scales", "topk_idx", "topk_weights", "pair_weights", "expert_alignment", "expert_major",
              "round_scale", "num_sms", "config", "previous_event", "x_global_scale", "use_nvfp4", "overlap",
-             "packed_recv_count", "comp_signal", "block_m", "threshold")
-CHECKS = (("value", ""), ("type", "must be a torch.Tensor"), ("dtype", "must have dtype"),
-          ("shape", "must have shape"), ("device", "must be on "), ("contiguity", "must be contiguous"),
-          ("alignment", "16-byte aligned"), ("token count", "above max_tokens_per_rank"),
-          ("expert ids", "must lie in [-1,"))
+             "packed_recv_count", "comp_signal", "block_m", "threshold", "handle", "use_fp8", "use_ue8m0",
+             "return_recv_hook", "low_latency")
+CHECKS = ("?", "value", "type", "dtype", "shape", "device", "contiguity", "alignment", "token count", "expert ids")
+_Error = TypeVar("_Error", bound=Exception)
 
 
 class OwnRejection(Exception):
     """Internal: this rank rejected its input and every rank has its stamp; Buffer raises the rank's error."""
 
 
+@dataclass(frozen=True)
+class InputCode:
+    """Why a rank rejected its input, as its stamp's reason word carries it: the argument and the failed check."""
+
+    argument: str
+    check: str
+
+    @property
+    def word(self) -> int:
+        return ARGUMENTS.index(self.argument) * 16 + CHECKS.index(self.check)
+
+
+def input_error(cls: type[_Error], argument: str, check: str, message: str) -> _Error:
+    """`cls(message)` carrying its InputCode (attribute `input_code`): how buffer.py makes every error of a
+    call's validation, so the rank's stamp says which argument failed which check."""
+    if argument not in ARGUMENTS or check not in CHECKS:
+        raise KeyError(f"no stamp code for argument {argument!r} or check {check!r} (moe_ep.comm.call_check)")
+    error = cls(message)
+    error.input_code = InputCode(argument, check)
+    return error
+
+
 def _reason(error: Exception) -> tuple[int, int]:
-    """(status, reason) of a rejected input: the error's class, the argument it names and the failed check."""
+    """(status, reason) of a rejected input: the error's class and its InputCode (0, "?", without one)."""
     status = next((i for i in range(len(STATUS) - 1, 0, -1) if isinstance(error, STATUS[i])), 2)
-    text = str(error)
-    match = re.match(r"(\w+)", text)
-    argument = ARGUMENTS.index(match.group(1)) if match and match.group(1) in ARGUMENTS else 0
-    check = next((i for i in range(len(CHECKS) - 1, 0, -1) if CHECKS[i][1] in text), 0)
-    return status, argument * 16 + check
+    code = getattr(error, "input_code", None)
+    return status, code.word if isinstance(code, InputCode) else 0
 
 
 def describe_reason(status: int, reason: int) -> str:
@@ -62,7 +80,7 @@ def describe_reason(status: int, reason: int) -> str:
         return f"{kind}: topk_idx (expert ids)"
     argument, check = divmod(reason, 16)
     name = ARGUMENTS[argument] if 0 <= argument < len(ARGUMENTS) else "?"
-    what = CHECKS[check][0] if 0 <= check < len(CHECKS) else "?"
+    what = CHECKS[check] if 0 <= check < len(CHECKS) else "?"
     return f"{kind}: {what}" if name == "?" else f"{kind}: {name} ({what})"
 
 

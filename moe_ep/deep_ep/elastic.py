@@ -28,16 +28,12 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.comm import topology
-from moe_ep.comm.config import DEFAULT_NUM_SMS
+from moe_ep.comm.config import DEEP_EP_SIZE_ALIGNMENT_BYTES, DEEP_EP_SIZING_TOPK, DEFAULT_NUM_SMS
 from moe_ep.comm.fp8 import BLOCK as FP8_BLOCK
 from moe_ep.deep_ep.factory import BufferFactory
 from moe_ep.deep_ep.v1 import EventHandle, EventOverlap, _gather_rows, _row_bytes, _scatter_rows, _unsupported, add_bias
 
 XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
-
-# DeepEP's default top-k for sizing when the constructor gives none.
-_SIZING_TOPK = 32
-_MIB2 = 2 << 20
 
 
 def _align(n: int, a: int) -> int:
@@ -192,9 +188,9 @@ class ElasticBuffer:
         """About the bytes moe_ep's normal-mode workspace takes for these shapes (a received bf16 row,
         FP8 scales and metadata per source rank and token; top-k 0 counts as 32), aligned to 2 MiB.
         The moe_ep Buffers size themselves; this number only bounds `num_max_tokens_per_rank`."""
-        k = num_topk or _SIZING_TOPK
+        k = num_topk or DEEP_EP_SIZING_TOPK
         row = _row_bytes(hidden) + 12 * max(0, k - 16)
-        return _align(max(1, dist.get_world_size(group) * num_max_tokens_per_rank * row), _MIB2)
+        return _align(max(1, dist.get_world_size(group) * num_max_tokens_per_rank * row), DEEP_EP_SIZE_ALIGNMENT_BYTES)
 
     def get_theoretical_num_sms(self, num_experts: Optional[int] = None, num_topk: Optional[int] = None,
                                 num_scaleout_topk: int = 0, rdma_gbs: float = 0, nvlink_gbs: float = 0,

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.comm.buffer import _device_of, _resolve_topology, auto_backend
+from moe_ep.comm.config import DEFAULT_TIMEOUT_S
 
 
 class BufferFactory:
@@ -42,7 +43,7 @@ class BufferFactory:
         return self._device_group, None
 
     def create(self, x: torch.Tensor, num_experts: int, num_topk: int, max_tokens: int, low_latency: bool = False,
-               timeout_s: float = 100.0, fault_tolerant: bool = False) -> moe_ep.Buffer:
+               timeout_s: float = DEFAULT_TIMEOUT_S, fault_tolerant: bool = False) -> moe_ep.Buffer:
         """A moe_ep Buffer for rows like x's (hidden size, device) and these shapes (collective)."""
         group, device = self.group_for(x.device)
         return moe_ep.Buffer(group, hidden=x.shape[1], num_experts=num_experts, num_topk=num_topk,

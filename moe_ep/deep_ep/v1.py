@@ -19,21 +19,16 @@ import torch.distributed as dist
 import moe_ep
 from moe_ep.comm import _native
 from moe_ep.comm.backends.base import align_up, record_event
+from moe_ep.comm.config import DEEP_EP_HINT_TOKENS_PER_RANK, DEEP_EP_NORMAL_TOPK, DEFAULT_NUM_SMS, DEFAULT_TIMEOUT_S
 from moe_ep.comm.streams import CommStream, tensors_in
 from moe_ep.comm.fp8 import BLOCK as FP8_BLOCK
 from moe_ep.deep_ep.factory import BufferFactory
 
 topk_idx_t = torch.int64
 
-# Top-k columns of the normal-mode Buffers: callers' top-k is padded to it with -1, so dispatches with
-# any top-k up to 16, and without top-k (one stand-in expert per destination rank), share one Buffer.
-NORMAL_TOPK = 16
-
 # Normal mode: about this many bytes per received row and source rank (bf16 row, FP8 scales, top-k
-# ids and weights padded to NORMAL_TOPK, source index, flag) turn num_nvl_bytes into max_tokens_per_rank.
-_ROW_META_BYTES = 12 * NORMAL_TOPK + 16
-# Config.get_nvl_buffer_size_hint reserves one round of this many tokens per rank (larger calls stream).
-HINT_TOKENS_PER_RANK = 4096
+# ids and weights padded to DEEP_EP_NORMAL_TOPK, source index, flag) turn num_nvl_bytes into max_tokens_per_rank.
+_ROW_META_BYTES = 12 * DEEP_EP_NORMAL_TOPK + 16
 
 XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -53,19 +48,19 @@ def _unsupported(option: str, why: str) -> NotImplementedError:
 
 @dataclass
 class Config:
-    """DeepEP's tuning config. moe_ep uses `num_sms` only; the chunk sizes are kept so code that sets
-    them still runs."""
+    """DeepEP's tuning config. moe_ep uses `num_sms` only (default: moe_ep's one SM default,
+    moe_ep.comm.config); the chunk sizes are kept so code that sets them still runs."""
 
-    num_sms: int = 20
+    num_sms: int = DEFAULT_NUM_SMS
     num_max_nvl_chunked_send_tokens: int = 6
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6
     num_max_rdma_chunked_recv_tokens: int = 256
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """A default num_nvl_bytes: rounds of HINT_TOKENS_PER_RANK tokens per rank (bf16 rows); calls
+        """A default num_nvl_bytes: rounds of DEEP_EP_HINT_TOKENS_PER_RANK tokens per rank (bf16 rows); calls
         with more tokens stream through it (not a token limit)."""
-        return num_ranks * HINT_TOKENS_PER_RANK * _row_bytes(hidden_bytes // 2)
+        return num_ranks * DEEP_EP_HINT_TOKENS_PER_RANK * _row_bytes(hidden_bytes // 2)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """0: moe_ep sizes its cross-node workspace itself (docs/design.md, at most 2 GiB)."""
@@ -241,14 +236,14 @@ class Buffer:
     `ranks_per_node` and `timeout_s` (moe_ep's: how long a call waits for a peer; with enable_shrink a
     low-latency call then masks it)."""
 
-    num_sms: int = 20
+    num_sms: int = DEFAULT_NUM_SMS  # the SMs of the default configs (moe_ep.comm.config: one default per mode)
 
     def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Optional[Any] = None, *,
                  backend: str = "auto", max_tokens_per_rank: Optional[int] = None,
-                 ranks_per_node: Optional[int] = None, timeout_s: float = 100.0) -> None:
+                 ranks_per_node: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if comm is not None:
             raise _unsupported("comm (an mpi4py communicator)", "pass a torch.distributed process group")
         if not allow_nvlink_for_low_latency_mode:
@@ -305,8 +300,9 @@ class Buffer:
         staging sets: a payload and a meta row per (source, slot), a bf16 row per (slot, top-k)."""
         t = num_max_dispatch_tokens_per_rank
         if _native.available()[0]:
-            return _native.load().ll_region_layout(num_ranks, t, hidden, NORMAL_TOPK, 0)["total"]
-        return 2 * num_ranks * t * (2 * hidden + _native.constant("LL_META_BYTES")) + 4 * t * NORMAL_TOPK * hidden
+            return _native.load().ll_region_layout(num_ranks, t, hidden, DEEP_EP_NORMAL_TOPK, 0)["total"]
+        return (2 * num_ranks * t * (2 * hidden + _native.constant("LL_META_BYTES"))
+                + 4 * t * DEEP_EP_NORMAL_TOPK * hidden)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -336,7 +332,7 @@ class Buffer:
                     raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} leaves no room for a token of hidden {hidden}"
                                      f" (about {self.group_size * _row_bytes(hidden)} bytes per token): raise it or "
                                      "pass max_tokens_per_rank")
-            self._normal[key] = self._new_buffer(x, num_experts, NORMAL_TOPK, t, low_latency=False)
+            self._normal[key] = self._new_buffer(x, num_experts, DEEP_EP_NORMAL_TOPK, t, low_latency=False)
         return self._normal[key]
 
     def _low_latency_buffer(self, x: torch.Tensor, num_experts: int, num_topk: int, max_tokens: int) -> moe_ep.Buffer:
@@ -468,22 +464,23 @@ class Buffer:
 
     def _routing(self, buf: moe_ep.Buffer, is_token_in_rank: torch.Tensor, topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """moe_ep's topk_idx and topk_weights, NORMAL_TOPK wide: the caller's padded with -1 and 0, or
+        """moe_ep's topk_idx and topk_weights, DEEP_EP_NORMAL_TOPK wide: the caller's padded with -1 and 0, or
         without top-k one stand-in expert per destination rank (its first local expert)."""
         if topk_idx is not None:
             if topk_weights is None:
                 raise ValueError("dispatch with topk_idx needs topk_weights")
             k = topk_idx.shape[1]
-            if k > NORMAL_TOPK:
-                raise ValueError(f"topk_idx has {k} columns, at most {NORMAL_TOPK} are supported")
-            pad = (0, NORMAL_TOPK - k)
+            if k > DEEP_EP_NORMAL_TOPK:
+                raise ValueError(f"topk_idx has {k} columns, at most {DEEP_EP_NORMAL_TOPK} are supported")
+            pad = (0, DEEP_EP_NORMAL_TOPK - k)
             return (torch.nn.functional.pad(topk_idx, pad, value=-1),
                     torch.nn.functional.pad(topk_weights, pad, value=0.0))
         r = self.group_size
-        if r > NORMAL_TOPK:
-            raise _unsupported(f"dispatch without topk_idx on {r} ranks", f"it routes by rank, at most {NORMAL_TOPK}")
+        if r > DEEP_EP_NORMAL_TOPK:
+            raise _unsupported(f"dispatch without topk_idx on {r} ranks",
+                               f"it routes by rank, at most {DEEP_EP_NORMAL_TOPK}")
         first = torch.arange(r, device=is_token_in_rank.device) * buf.num_local_experts
-        idx = torch.nn.functional.pad(torch.where(is_token_in_rank, first, -1), (0, NORMAL_TOPK - r), value=-1)
+        idx = torch.nn.functional.pad(torch.where(is_token_in_rank, first, -1), (0, DEEP_EP_NORMAL_TOPK - r), value=-1)
         return idx, torch.zeros(idx.shape, dtype=torch.float32, device=idx.device)
 
     @staticmethod
@@ -508,11 +505,11 @@ class Buffer:
         sms = (config or self.get_combine_config(self.group_size)).num_sms
         inner = handle.inner
         weights, k = None, 0
-        if topk_weights is not None:  # NORMAL_TOPK wide, as the dispatch's weights (results cut back to k)
+        if topk_weights is not None:  # DEEP_EP_NORMAL_TOPK wide, as the dispatch's weights (results cut back to k)
             k = topk_weights.shape[-1]
-            if k > NORMAL_TOPK:
-                raise ValueError(f"topk_weights has {k} columns, at most {NORMAL_TOPK} are supported")
-            weights = torch.nn.functional.pad(topk_weights.float(), (0, NORMAL_TOPK - k))
+            if k > DEEP_EP_NORMAL_TOPK:
+                raise ValueError(f"topk_weights has {k} columns, at most {DEEP_EP_NORMAL_TOPK} are supported")
+            weights = torch.nn.functional.pad(topk_weights.float(), (0, DEEP_EP_NORMAL_TOPK - k))
         if handle.rows is not None:
             x = _scatter_rows(x, handle.rows, inner.num_recv_rows)
             weights = _scatter_rows(weights, handle.rows, inner.num_recv_rows) if weights is not None else None

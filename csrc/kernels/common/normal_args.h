@@ -61,7 +61,7 @@ inline void check_row_format(const ArgCheck& c, int hidden, int row_bytes, int n
 }
 
 // N tokens in (x, x_scales, topk_idx, topk_weights, pos), M rows out (the out_ pointers), the counts in
-// recv_info. M has no upper bound: a call that streams in rounds of at most T tokens (backends/engine.py)
+// recv_info. M has no upper bound: a call that streams in rounds of at most T tokens (moe_ep/comm/backends/engine.py)
 // writes each round's rows at their final place in the whole output (recv_info's first rows say where).
 // A cached dispatch reads no topk and writes no topk, src_rank or src_index; one with rows_out false
 // writes no x (an NVLink dispatch whose rows stay in the workspace).

@@ -9,7 +9,7 @@
 // also callable as args.check(IntranodeDims(...)) without a GPU): ValueError naming the launcher and
 // the field.
 //
-// The kernels' tuning (intranode.h Tuning) comes from moe_ep.Config (moe_ep/config.py documents each
+// The kernels' tuning (intranode.h Tuning) comes from moe_ep.Config (moe_ep/comm/config.py documents each
 // knob, its default and the environment variable that may set that default) through set_tuning,
 // which checks every field here. Results are identical for every setting; only speed changes.
 #include <pybind11/pybind11.h>

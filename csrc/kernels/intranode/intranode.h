@@ -85,7 +85,7 @@ inline WorkspaceLayout workspace_layout(const Dims& d) {
   return w;
 }
 
-// Run-time tuning of dispatch and combine: moe_ep.Config's knobs (moe_ep/config.py documents them),
+// Run-time tuning of dispatch and combine: moe_ep.Config's knobs (moe_ep/comm/config.py documents them),
 // set per Buffer or per call through IntranodeContext::set_tuning. Results never depend on it: it
 // only changes which warp moves which row when, and how many loads each keeps in flight.
 struct Tuning {

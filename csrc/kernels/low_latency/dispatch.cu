@@ -105,7 +105,7 @@
 // saturation to finite (|x| <= amax makes |x / scale| at most a few ulps above 448, far below 464
 // where torch's conversion would give NaN, so both round to the same finite value). Both divisions
 // are true IEEE divisions: on CUDA, torch turns `tensor / python_float` into a multiply by the
-// rounded reciprocal, so the reference must divide by a tensor to match (moe_ep/fp8.py).
+// rounded reciprocal, so the reference must divide by a tensor to match (moe_ep/comm/fp8.py).
 //
 // NVFP4 arithmetic matches moe_ep.comm.nvfp4.quantize bit for bit for every input and every g (NaN, inf,
 // -0, values that round to 0, all-zero blocks, scales saturating at 448, g not finite and positive): the

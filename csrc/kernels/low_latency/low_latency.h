@@ -12,7 +12,7 @@
 // a per-peer array except the node's at most kMaxNodeRanks peers).
 //
 // Symmetric region (one allocation, same layout on every rank; byte offsets from region_layout
-// below, which moe_ep/backends/low_latency.py reads through moe_ep._C and passes back in
+// below, which moe_ep/comm/backends/low_latency.py reads through moe_ep.comm._C and passes back in
 // LowLatencyParams). The staging areas have two sets, picked by the parity of the call's device-side
 // epoch:
 //   dispatch payload [2][R src][T][2H bytes]  bf16 row, or e4m3 row (H bytes) then H/128 float scales,

@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from .. import _native
-from ..config import Config
+from ..config import ALLOCATION_SLACK_BYTES, Config
 from ..types import DispatchHandle, DispatchLayout, DispatchResult, ExpertMajorLayout
 from .base import BufferConfig, DispatchOutputs, ptr_or_null
 from .engine import NormalEngine, Notified
-from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
     from .symmetric import NvshmemSession

@@ -24,25 +24,18 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from .. import _native, fp8, nvfp4
+from ..config import ALLOCATION_SLACK_BYTES, LL_MAX_BLOCKS_PER_EXPERT, LL_PER_EXPERT_GRID
 from ..types import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle, LowLatencyOverlap
 from .base import BufferConfig
 from .engine import Engine
-from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
     from ..errors import ErrorWatch
     from .symmetric import NvshmemSession, SymmetricTensor
 
-# Per-expert kernels: P = clamp(PER_EXPERT_GRID // E_l, 1, MAX_BLOCKS_PER_EXPERT) blocks per expert, about
-# two blocks per SM on an H200 (one wave). From the Buffer's dimensions only, never the local GPU: every
-# rank must launch the same combine send grid, since peers count its blocks.
-PER_EXPERT_GRID = 256
-MAX_BLOCKS_PER_EXPERT = 32
-
-
 def blocks_per_expert(cfg: BufferConfig) -> int:
-    """P of the per-expert kernels (the combine send grid is P * E_l blocks)."""
-    return max(1, min(MAX_BLOCKS_PER_EXPERT, PER_EXPERT_GRID // cfg.num_local_experts))
+    """P of the per-expert kernels (the combine send grid is P * E_l blocks; its sizing: moe_ep.comm.config)."""
+    return max(1, min(LL_MAX_BLOCKS_PER_EXPERT, LL_PER_EXPERT_GRID // cfg.num_local_experts))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .. import expert_major as pairs
 from .. import fp8, nvfp4
-from ..call_check import STAMP_WORDS, CallStamp, OwnRejection, verify
+from ..call_check import STAMP_WORDS, CallStamp, OwnRejection, input_error, verify
 from ..errors import CommTimeoutError
 from ..types import (
     DispatchHandle,
@@ -404,10 +404,11 @@ class ReferenceBackend(Backend):
         if not short.numel():
             return None
         e, j = short[0].tolist()
-        return ValueError(f"comp_signal[{e * blocks + j}] = {int(words[e, j])} is below threshold {overlap.threshold}: "
-                          f"local expert {e}, block {j} (rows {j * m}..{min((j + 1) * m, int(count[e])) - 1}) "
-                          "was not signalled computed when the combine read it (DeepEP's kernel would wait there "
-                          "forever)")
+        return input_error(ValueError, "comp_signal", "value",
+                           f"comp_signal[{e * blocks + j}] = {int(words[e, j])} is below threshold {overlap.threshold}: "
+                           f"local expert {e}, block {j} (rows {j * m}..{min((j + 1) * m, int(count[e])) - 1}) "
+                           "was not signalled computed when the combine read it (DeepEP's kernel would wait there "
+                           "forever)")
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, return_recv_hook, async_op, overlap, stamp):
         """With `overlap` the rows are read (cloned) now, so every comp_signal word covering rows must

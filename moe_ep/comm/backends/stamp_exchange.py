@@ -17,9 +17,9 @@ import torch
 
 from .. import _native
 from ..call_check import CallOrder, CallStamp, OwnRejection, describe_call, verify
+from ..config import ALLOCATION_SLACK_BYTES
 from ..errors import CallMismatchError
 from .base import BufferConfig
-from .symmetric import ALLOCATION_SLACK_BYTES
 
 if TYPE_CHECKING:
     from .symmetric import NvshmemSession

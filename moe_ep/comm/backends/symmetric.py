@@ -14,16 +14,10 @@ import torch
 import torch.distributed as dist
 
 from .. import _native, topology
+from ..config import HEAP_GRANULARITY_BYTES, HEAP_HEADROOM_BYTES
 from ..errors import ErrorWatch, PeersLostError
 
 logger = logging.getLogger("moe_ep")
-
-# NVSHMEM takes its own symmetric buffers (teams, barriers, collectives) from the heap at init;
-# the heap is sized as the callers' needs plus this, rounded up to the granularity below.
-HEAP_HEADROOM_BYTES = 256 << 20
-HEAP_GRANULARITY_BYTES = 2 << 20
-# What a caller adds to its heap_bytes per allocation it makes, for the symmetric allocator's rounding.
-ALLOCATION_SLACK_BYTES = 2 << 20
 
 # The NVSHMEM variables that decide how traffic between nodes runs: reported when NVSHMEM starts
 # and by `python -m moe_ep.info`.
