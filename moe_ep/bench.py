@@ -789,7 +789,7 @@ def torch_fp8_gemm_cases(sizes: torch.Tensor, hidden: int, ffn: int,
     offs = torch.cumsum(sizes, 0, dtype=torch.int32)
 
     def fp8_randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device=device).to(torch.float8_e4m3fn)
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
 
     def gemm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], object]:
         """a [P, K] times each expert's b [N, K]^T (b given [E, N, K]: column-major, as torch asks)."""
@@ -827,7 +827,7 @@ def bench_fp8_gemms(buf: Buffer, timer: Timer, tokens: int, pairs: int, hidden: 
             for fn, _ in cases.values():
                 fn()
         except (AttributeError, NotImplementedError, RuntimeError, TypeError) as error:
-            rows[-1].extra["torch_fp8"] = f"not available: {type(error).__name__}: {str(error).splitlines()[0]}"
+            rows[-1].extra["torch_fp8"] = f"not available: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
             continue
         rows.append(gemm_sum_row(buf, timer, f"torch FP8 GEMMs forward {label}", tokens, cases, "torch",
                                  {"scales": "rowwise float32", "use_fast_accum": True}))

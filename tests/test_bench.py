@@ -462,16 +462,22 @@ def test_ranks_per_node_and_ranks_per_gpu_reach_the_buffers(tmp_path: Path) -> N
     run_workers(1, _ranks_per_node_worker, str(tmp_path))
 
 
+def _bench_on_gpu(ranks: int, out: Path, *args: str) -> str:
+    """`torchrun --nproc-per-node ranks -m moe_ep.bench *args --out out` on the GPUs, 2 timed calls after 1 warm-up;
+    its standard output (the run must succeed)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m",
+           "moe_ep.bench", *args, "--iters", "2", "--warmup", "1", "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
 @requires_gpus()
 def test_sm_efficiency_runs_at_ep1(tmp_path: Path) -> None:
     """On the GPU, one rank: every op at both SM budgets beside sm_copy of its bytes, which copied them exactly,
     the copy engine's copy of each byte count, and the goal's SM budget in the targets."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
-           "moe_ep.bench", "--cases", "sm-efficiency", "--sm-efficiency-sms", "4,8", "--iters", "3", "--warmup", "1",
-           "--out", str(tmp_path)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
-    assert run.returncode == 0, run.stderr[-3000:]
+    stdout = _bench_on_gpu(1, tmp_path, "--cases", "sm-efficiency", "--sm-efficiency-sms", "4,8")
     result = json.loads((tmp_path / "bench_sm-efficiency.json").read_text())
     rows = result["rows"]
     assert sorted((r["op"], r["sms"]) for r in rows if r["op"] in bench.SM_EFFICIENCY_OPS) == sorted(
@@ -480,17 +486,12 @@ def test_sm_efficiency_runs_at_ep1(tmp_path: Path) -> None:
     assert len(copies) == 2 * 3 and all(r["extra"]["copied_exactly"] for r in copies)
     assert all(r["remote_bytes"] == 0 and r["topology"] == "1x1" for r in rows)
     assert len(result["sm_efficiency"]) == 6 and all(_positive(e["kept"]) for e in result["sm_efficiency"])
-    assert len(result["targets"]) == 6 and "sm-efficiency, EP1" in run.stdout
+    assert len(result["targets"]) == 6 and "sm-efficiency, EP1" in stdout
 
 
 @requires_gpus()
 def test_ranks_per_node_measures_both_topologies(tmp_path: Path) -> None:
     """On the GPU: `--ranks-per-node 1` adds rows of 2 one-rank "nodes" to the one node of 2."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "moe_ep.bench", "--cases", "l1", "--ranks-per-node", "1", "--iters", "2", "--warmup", "1",
-           "--out", str(tmp_path)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
-    assert run.returncode == 0, run.stderr[-3000:]
+    _bench_on_gpu(2, tmp_path, "--cases", "l1", "--ranks-per-node", "1")
     rows = json.loads((tmp_path / "bench_l1.json").read_text())["rows"]
     assert {r["topology"] for r in rows} == {"1x2", "2x1"}, {r["topology"] for r in rows}
