@@ -8,8 +8,13 @@ forward, backward and both (ms and TFLOP/s of the routing it ran) without and wi
 alternating in every iteration, the layer's communication alone (the share of it overlap hides, where
 each rank has its own GPU), the row path (expert_major=False) and the FP8 experts' forward, on the
 native and the reference backend, beside (GPU only) the layer's grouped GEMMs alone (equal groups, and
-the router's) and a dense bf16 matmul ceiling, and a decode step of two micro-batches
-(MoE.start/compute/finish) interleaved and in sequence, alternating; it runs with one rank too. With --ranks-per-node K the native
+the router's; bf16, FP8, and torch's own FP8 grouped GEMM) and a dense bf16 matmul ceiling, and a decode step
+of two micro-batches (MoE.start/compute/finish) interleaved and in sequence, alternating, beside the time its
+expert weights take to read once per micro-batch at the HBM bandwidth measured in the same run; it runs
+with one rank too. The "sm-efficiency" case (one rank, EP1) times the normal-mode dispatch and combine at
+several SM budgets beside a copy of the same bytes on as many SMs (a persistent Triton kernel) and by the
+copy engine. Issue 44's figures are printed, and written to the JSON ("targets"), beside their references
+and goals. With --ranks-per-node K the native
 N1 and L1 rows are measured a second time with the group cut into nodes of K ranks (K=1 on one
 machine: every byte between GPUs takes the cross-node kernels' network leg), next to the NVLink
 rows in the same table. Without GPUs (gloo): the reference backend on a small case (and the layer
@@ -42,6 +47,12 @@ from .comm.buffer import Buffer, auto_backend
 from .launch import init_distributed, shutdown
 from .moe.layer import MoE
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: no SM-bounded copy (the sm-efficiency case runs on a GPU only)
+    triton = None
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -52,6 +63,13 @@ DEEPEP_L1 = {128: (30.5, 41.2), 256: (44.8, 72.0)}
 # NVLink limit per direction with int4 stores, 1024 threads, 4 loads in flight (docs/benchmarks.md), GB/s.
 NVLINK_LIMIT_GBPS = {8: 349.0, 16: 343.0, 24: 346.0, 32: 349.0}
 NVLINK_LIMIT_ANY_GBPS = 365.0  # 132 SMs through nvshmem_ptr
+# Issue 44's goals: the layer over its grouped GEMMs alone (forward, forward + backward), a grouped GEMM's time at
+# the router's groups over equal groups, the FP8 grouped GEMMs' rate, a decode step over its weight-read floor,
+# and the fraction of an SM-bounded copy's rate the normal-mode kernels keep at SM_EFFICIENCY_GOAL_SMS SMs.
+LAYER_FORWARD_GOAL, LAYER_FORWARD_BACKWARD_GOAL, GEMM_IMBALANCE_GOAL = 1.08, 1.05, 1.10
+FP8_GEMM_TFLOPS_GOAL = 1000.0
+DECODE_FLOOR_GOAL = 1.15
+SM_EFFICIENCY_GOAL, SM_EFFICIENCY_GOAL_SMS = 0.8, 8
 
 
 @dataclass
@@ -121,6 +139,40 @@ class LayerShape:
     ffn: int = 2048  # each expert's SwiGLU hidden size
     shared_ffn: int = 0  # the shared expert's SwiGLU hidden size (0: none)
     decode_tokens: int = 128  # per rank in each of the decode step's two micro-batches
+
+
+@dataclass(frozen=True)
+class Target:
+    """One of issue 44's figures next to its reference and the goal for their ratio, so that a run's
+    output shows each figure against what it is judged by."""
+
+    figure: str  # what `value` is
+    value: float
+    reference: str  # what `value` is compared with
+    reference_value: float
+    unit: str  # of both values
+    goal: Optional[float] = None  # for ratio; None: shown for comparison only
+    at_least: bool = False  # the goal is a floor (ratio >= goal), else a ceiling
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.reference_value
+
+    @property
+    def met(self) -> Optional[bool]:
+        if self.goal is None:
+            return None
+        return self.ratio >= self.goal if self.at_least else self.ratio <= self.goal
+
+    def line(self) -> str:
+        text = (f"{self.figure}: {self.value:.4g} {self.unit} / {self.reference} {self.reference_value:.4g} "
+                f"{self.unit} = {self.ratio:.3f}")
+        if self.goal is None:
+            return text
+        return text + f" (goal {'>=' if self.at_least else '<='} {self.goal:g}: {'met' if self.met else 'NOT met'})"
+
+    def as_json(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio, "met": self.met}
 
 
 def tflops(flop: float, us: float) -> float:
@@ -338,6 +390,149 @@ def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: li
     return rows
 
 
+SM_EFFICIENCY_OPS = ("dispatch_bf16", "dispatch_fp8", "combine_bf16")
+SM_COPY_OP, COPY_ENGINE_OP = "sm_copy", "copy engine"
+COPY_WARPS = 16  # 512 threads per block
+COPY_BLOCK = 16384  # int32 words a block loads per step: 64 KB in flight per SM, 8 loads of 16 bytes per thread
+
+if triton is not None:
+
+    @triton.jit
+    def _sm_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+        """Program i copies tiles i, i + grid, ... of BLOCK int32 words; a tile's loads all issue before its stores."""
+        for tile in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+            offs = tile * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+def sm_copy(src: torch.Tensor, dst: torch.Tensor, num_sms: int) -> None:
+    """dst <- src (contiguous, as many bytes, a multiple of 4) by a persistent Triton kernel of num_sms blocks:
+    a plain copy on at most num_sms SMs, the rate the normal-mode kernels are measured against."""
+    if src.nbytes != dst.nbytes or src.nbytes % 4 or src.nbytes // 4 + COPY_BLOCK >= 2 ** 31:
+        raise ValueError(f"sm_copy copies equal sizes, a multiple of 4 bytes below 8 GiB: {src.nbytes} -> {dst.nbytes}")
+    words = src.view(-1).view(torch.int32)
+    _sm_copy_kernel[(num_sms,)](words, dst.view(-1).view(torch.int32), words.numel(), BLOCK=COPY_BLOCK,
+                                num_warps=COPY_WARPS)
+
+
+def time_copies(buf: Buffer, timer: Timer, tokens: int, nbytes: int, sms_list: list[int]) -> list[Row]:
+    """Rows of copying nbytes random bytes by sm_copy at each SM budget and by the copy engine (dst.copy_(src),
+    no SM budget), each with extra["copied_exactly"]: whether dst came out equal to src."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=buf.device)
+    dst = torch.empty_like(src)
+    copies: list[tuple[str, Optional[int], str, Callable[[], object]]] = [
+        (SM_COPY_OP, sms, "triton", lambda sms=sms: sm_copy(src, dst, sms)) for sms in sms_list]
+    copies.append((COPY_ENGINE_OP, None, "torch", lambda: dst.copy_(src)))
+    rows = []
+    for op, sms, backend, fn in copies:
+        dst.zero_()
+        us = timer.call_us(fn)
+        spread = timer.last_spread[0]
+        rows.append(_row(buf, "sm-efficiency", op, sms, tokens, us, backend=backend, config=None,
+                         kernel_us=timer.kernel_us(fn), recv_bytes=nbytes, spread_us=spread,
+                         extra={"kernels": timer.last_kernels, "copied_exactly": torch.equal(src, dst)}))
+    return rows
+
+
+def bench_sm_efficiency(buf: Buffer, timer: Timer, tokens: int, sms_list: list[int]) -> list[Row]:
+    """Issue 44's per-SM efficiency of the normal-mode kernels at EP1 (a one-rank Buffer: every row goes to this
+    rank): BF16/FP8 dispatch and BF16 combine at each SM budget (bench_normal), and in the same run a copy of each
+    op's bytes on as many SMs and by the copy engine (time_copies). At EP1 a dispatch reads each row once and
+    writes it once, and so does a combine, so the copy moves rows x row bytes (recv_bytes); dispatch rows record in
+    extra["metadata_bytes"] what they write besides (every row's topk_idx, weights, src_rank and src_index), which
+    the copy leaves out."""
+    if buf.group_size != 1:
+        raise ValueError(f"the sm-efficiency case runs at EP1 (a one-rank Buffer), got {buf.group_size} ranks")
+    cfg = buf.cfg
+    rows = bench_normal(buf, timer, "sm-efficiency", tokens, sms_list, with_fp8=True, deepep=False)
+    x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, buf.device, seed=buf.rank)
+    d = buf.dispatch(x, idx, w)
+    metadata = sum(t.nbytes for t in (d.topk_idx, d.topk_weights, d.src_rank, d.src_index))
+    for r in rows:
+        if r.op.startswith("dispatch"):
+            r.extra["metadata_bytes"] = metadata
+    for nbytes in sorted({r.recv_bytes for r in rows}):
+        rows += time_copies(buf, timer, tokens, nbytes, sms_list)
+    return rows
+
+
+@dataclass(frozen=True)
+class SmEfficiency:
+    """One op of the sm-efficiency case at one SM budget beside sm_copy of its bytes on as many SMs; kept = copy
+    time / op time, the fraction of the copy's rate the op keeps (whole calls, and kernels alone)."""
+
+    op: str
+    sms: int
+    bytes: int  # rows x row bytes: what the op and the copy each read once and write once
+    metadata_bytes: int  # what a dispatch writes besides (not in the copy); 0 for combine
+    call_us: float
+    copy_us: float
+    kernel_us: Optional[float]  # device time of the op's kernels (profiler); None on CPU
+    copy_kernel_us: Optional[float]
+
+    @property
+    def kept(self) -> float:
+        return self.copy_us / self.call_us
+
+    @property
+    def kept_kernels(self) -> Optional[float]:
+        if self.kernel_us is None or self.copy_kernel_us is None:
+            return None
+        return self.copy_kernel_us / self.kernel_us
+
+    @property
+    def goal(self) -> Optional[float]:
+        return SM_EFFICIENCY_GOAL if self.sms == SM_EFFICIENCY_GOAL_SMS else None
+
+    def as_json(self) -> dict:
+        return {**asdict(self), "kept": self.kept, "kept_kernels": self.kept_kernels, "goal": self.goal}
+
+
+def sm_efficiency(rows: list[Row]) -> list[SmEfficiency]:
+    """Each sm-efficiency op row paired with the sm_copy row of its SM budget and bytes."""
+    case = [r for r in rows if r.case == "sm-efficiency"]
+    copies = {(r.sms, r.recv_bytes): r for r in case if r.op == SM_COPY_OP}
+    return [SmEfficiency(r.op, r.sms, r.recv_bytes, r.extra.get("metadata_bytes", 0), r.call_us, c.call_us,
+                         r.kernel_us, c.kernel_us)
+            for r in case if r.op in SM_EFFICIENCY_OPS and (c := copies.get((r.sms, r.recv_bytes))) is not None]
+
+
+def sm_efficiency_lines(rows: list[Row]) -> list[str]:
+    """The sm-efficiency case as its own table (op, SMs, bytes, times, kept, goal), the copy engine's rate under
+    it, and a warning for any copy whose destination came out unlike its source; none without the case."""
+    effs = sm_efficiency(rows)
+    if not effs:
+        return []
+    head = (f"{'op':<14}{'SMs':>5}{'bytes':>11}{'meta B':>9}{'call us':>9}{'copy us':>9}{'kept':>6}"
+            f"{'kernel us':>11}{'copy kern':>10}{'kept':>6}{'goal':>6}")
+    lines = ["sm-efficiency, EP1 (every row to this rank): each op beside sm_copy of its bytes on as many SMs; "
+             "kept = copy us / op us, whole calls, then kernels alone (profiler); meta B: what a dispatch writes "
+             "besides, not copied", head, "-" * len(head)]
+    lines += [f"{e.op:<14}{e.sms:>5}{e.bytes:>11}{e.metadata_bytes:>9}{e.call_us:>9.1f}{e.copy_us:>9.1f}"
+              f"{e.kept:>6.2f}{_num(e.kernel_us) or '-':>11}{_num(e.copy_kernel_us) or '-':>10}"
+              f"{_num(e.kept_kernels, '.2f') or '-':>6}{_num(e.goal, 'g') or '-':>6}" for e in effs]
+    case = [r for r in rows if r.case == "sm-efficiency"]
+    lines += [f"copy engine (dst.copy_(src), no SM budget): {r.recv_bytes} bytes in {r.call_us:.1f} us "
+              f"({r.gbps:.0f} GB/s)" for r in case if r.op == COPY_ENGINE_OP]
+    lines += [f"WARNING: {r.op} at {r.sms} SMs left its destination unlike its source ({r.recv_bytes} bytes)"
+              for r in case if r.extra.get("copied_exactly") is False]
+    return lines
+
+
+def sm_efficiency_targets(rows: list[Row]) -> list[Target]:
+    """The sm-efficiency ops at the goal's SM budget: sm_copy's time over the op's, whole calls and kernels alone."""
+    targets = []
+    for e in sm_efficiency(rows):
+        if e.goal is None:
+            continue
+        targets.append(Target(f"sm_copy at {e.sms} SMs", e.copy_us, e.op, e.call_us, "us", e.goal, at_least=True))
+        if e.kept_kernels is not None:
+            targets.append(Target(f"sm_copy at {e.sms} SMs (kernels alone)", e.copy_kernel_us, f"{e.op} (kernels alone)",
+                                  e.kernel_us, "us", e.goal, at_least=True))
+    return targets
+
+
 def bench_async_pattern(buf: Buffer, timer: Timer, case: str, tokens: int) -> list[Row]:
     """Megatron's pattern, a dispatch, a shared-expert GEMM [tokens, H] x [H, 2H] and a combine, timed
     as one step: serial (every call on the caller's stream) and overlapped (async calls on the
@@ -523,6 +718,15 @@ def time_communication(timer: Timer, moe: MoE, x: torch.Tensor, grad: torch.Tens
     return timer.parts_us([forward, lambda: outputs.pop().backward(grad)], setup=zero)
 
 
+def group_sizes(pairs: int, local_experts: int, device: torch.device,
+                counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[E_l] int32 rows per expert on `device`: `counts` (the router's groups), or None: `pairs` rows in equal
+    groups (at least one row each, the remainder left out)."""
+    if counts is not None:
+        return counts.to(device=device, dtype=torch.int32)
+    return torch.full((local_experts,), max(pairs // local_experts, 1), device=device, dtype=torch.int32)
+
+
 def gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int, device: torch.device,
                counts: Optional[torch.Tensor] = None) -> dict[str, tuple[Callable[[], object], float]]:
     """Each grouped GEMM of the experts alone (torch._grouped_mm: sm90 GPUs), on `pairs` rows in equal
@@ -530,13 +734,9 @@ def gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int, device: to
     forward's GEMMs (gate/up fused, down), "bwd" a backward's (dA, dW2, dX, dW1 + dW3); "cmp" the
     forward with gate and up unfused, for comparison."""
     e, h, f, bf = local_experts, hidden, ffn, torch.bfloat16
-    if counts is None:
-        group = max(pairs // e, 1)
-        p = group * e
-        offs = torch.arange(1, e + 1, device=device, dtype=torch.int32) * group
-    else:
-        p = int(counts.sum())
-        offs = torch.cumsum(counts.to(device), 0).to(torch.int32)
+    sizes = group_sizes(pairs, e, device, counts)
+    p = int(sizes.sum())
+    offs = torch.cumsum(sizes, 0, dtype=torch.int32)
     x, dy = (torch.randn(p, h, device=device, dtype=bf) for _ in range(2))
     h13, a = torch.randn(p, 2 * f, device=device, dtype=bf), torch.randn(p, f, device=device, dtype=bf)
     w13 = torch.randn(e, 2 * f, h, device=device, dtype=bf) * 0.02
@@ -567,14 +767,14 @@ def time_gemms(timer: Timer, cases: dict[str, tuple[Callable[[], object], float]
     return timed
 
 
-def fp8_gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int,
-                   device: torch.device) -> dict[str, tuple[Callable[[], object], float]]:
+def fp8_gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int, device: torch.device,
+                   counts: Optional[torch.Tensor] = None) -> dict[str, tuple[Callable[[], object], float]]:
     """The FP8 experts' two forward GEMMs alone (moe_ep.moe.fp8_experts.grouped_gemm, block scales), on
-    `pairs` rows in equal groups, the gate/up one gathering its rows: name -> (call, FLOPs)."""
+    `pairs` rows in equal groups, or in groups of `counts` [E_l] rows (the router's), the gate/up one
+    gathering its rows: name -> (call, FLOPs)."""
     e, h, f = local_experts, hidden, ffn
-    group = max(pairs // e, 1)
-    p = group * e
-    counts = torch.full((e,), group, device=device, dtype=torch.int32)
+    counts = group_sizes(pairs, e, device, counts)
+    p = int(counts.sum())
     xq, xs = fp8.quantize(torch.randn(p, h, device=device))
     aq, as_ = fp8.quantize(torch.randn(p, f, device=device))
     rows = torch.randperm(p, device=device)
@@ -583,6 +783,61 @@ def fp8_gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int,
     gemm = fp8_experts.grouped_gemm
     return {"fp8 gate/up (rows gathered)": (lambda: gemm(xq, xs, rows, counts, w13, w13s), 4.0 * p * h * f),
             "fp8 down": (lambda: gemm(aq, as_, None, counts, w2, w2s), 2.0 * p * h * f)}
+
+
+def torch_fp8_gemm_cases(sizes: torch.Tensor, hidden: int, ffn: int,
+                         device: torch.device) -> dict[str, tuple[Callable[[], object], float]]:
+    """The FP8 experts' two forward GEMMs in torch's own FP8 grouped GEMM (torch._scaled_grouped_mm, rowwise
+    float32 scales, fast accumulation as torchao's FP8 MoE training calls it), on groups of `sizes` [E_l] rows,
+    rows not gathered: name -> (call, FLOPs), the FLOPs of fp8_gemm_cases."""
+    e, h, f = sizes.numel(), hidden, ffn
+    p = int(sizes.sum())
+    offs = torch.cumsum(sizes, 0, dtype=torch.int32)
+
+    def fp8_randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+
+    def gemm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], object]:
+        """a [P, K] times each expert's b [N, K]^T (b given [E, N, K]: column-major, as torch asks)."""
+        scale_a, scale_b = torch.ones(a.shape[0], device=device), torch.ones(e, b.shape[1], device=device)
+        return lambda: torch._scaled_grouped_mm(a, b.transpose(1, 2), scale_a, scale_b, offs=offs,
+                                                out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    return {"torch fp8 gate/up": (gemm(fp8_randn(p, h), fp8_randn(e, 2 * f, h)), 4.0 * p * h * f),
+            "torch fp8 down": (gemm(fp8_randn(p, f), fp8_randn(e, h, f)), 2.0 * p * h * f)}
+
+
+def gemm_sum_row(buf: Buffer, timer: Timer, op: str, tokens: int, cases: dict[str, tuple[Callable[[], object], float]],
+                 backend: str, extra: dict) -> Row:
+    """A layer row of `cases` timed one by one: the sum of their times and FLOPs, each part's time in
+    extra["parts_us"]."""
+    timed = {name: (timer.call_us(fn), flop) for name, (fn, flop) in cases.items()}
+    return _row(buf, "layer", op, None, tokens, sum(v[0] for v in timed.values()), backend=backend,
+                flop=sum(v[1] for v in timed.values()), config=None,
+                extra={**extra, "parts_us": {name: v[0] for name, v in timed.items()}})
+
+
+def bench_fp8_gemms(buf: Buffer, timer: Timer, tokens: int, pairs: int, hidden: int, ffn: int,
+                    counts: torch.Tensor) -> list[Row]:
+    """Rows "FP8 GEMMs forward <groups>" (fp8_gemm_cases) and "torch FP8 GEMMs forward <groups>"
+    (torch_fp8_gemm_cases) at equal groups and at the router's `counts`. Where torch's FP8 grouped GEMM
+    refuses (this torch or GPU lacks it), the FP8 rows say why in extra["torch_fp8"] instead."""
+    rows: list[Row] = []
+    e = buf.num_local_experts
+    for label, groups in (("equal groups", None), ("router's groups", counts)):
+        extra = {"tiles": asdict(fp8_experts.TILES)} | ({} if groups is None else {"groups": counts.tolist()})
+        rows.append(gemm_sum_row(buf, timer, f"FP8 GEMMs forward {label}", tokens,
+                                 fp8_gemm_cases(pairs, e, hidden, ffn, buf.device, counts=groups), "triton", extra))
+        try:
+            cases = torch_fp8_gemm_cases(group_sizes(pairs, e, buf.device, groups), hidden, ffn, buf.device)
+            for fn, _ in cases.values():
+                fn()
+        except (AttributeError, NotImplementedError, RuntimeError, TypeError) as error:
+            rows[-1].extra["torch_fp8"] = f"not available: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            continue
+        rows.append(gemm_sum_row(buf, timer, f"torch FP8 GEMMs forward {label}", tokens, cases, "torch",
+                                 {"scales": "rowwise float32", "use_fast_accum": True}))
+    return rows
 
 
 def bench_fp8_layer(timer: Timer, buf: Buffer, shape: LayerShape, x: torch.Tensor, sms: Optional[int]) -> list[Row]:
@@ -618,8 +873,9 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.dev
     FLOPs from the pairs this rank's experts computed (plus the shared expert's). Where each rank has its
     own GPU the overlap rows carry "comm_hidden": (no overlap - overlap) / communication alone. With
     `gemms`, the layer's grouped GEMMs alone on as many pairs in equal groups and in the router's groups,
-    and the dense bf16 ceiling (rows of backend "torch"). What it allocates is garbage once it returns
-    (the caller collects it before the next case)."""
+    the FP8 experts' forward GEMMs alone likewise, beside torch's own FP8 grouped GEMM (bench_fp8_gemms), and
+    the dense bf16 ceiling (rows of backend "torch"; layer_targets sets each figure beside its reference).
+    What it allocates is garbage once it returns (the caller collects it before the next case)."""
     rows: list[Row] = []
     with Buffer(hidden=shape.hidden, num_experts=shape.experts, num_topk=shape.topk,
                 max_tokens_per_rank=shape.tokens, backend=backend, device=device) as buf:
@@ -656,7 +912,8 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.dev
                          for (op, _), us, spread in zip(LAYER_PASSES, comm, comm_spreads)]
             del moe
             gc.collect()
-        if shape.hidden % fp8.BLOCK == 0 and shape.ffn % fp8.BLOCK == 0:
+        fp8_shapes = shape.hidden % fp8.BLOCK == 0 and shape.ffn % fp8.BLOCK == 0
+        if fp8_shapes:
             rows += bench_fp8_layer(timer, buf, shape, x.detach(), sms)
         if gemms:
             for label, groups in (("equal groups", None), ("router's groups", counts)):
@@ -665,13 +922,8 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.dev
                 rows += [_row(buf, "layer", f"{name} {label}", None, shape.tokens, us, backend="torch",
                               flop=flop, config=None, extra={} if groups is None else {"groups": counts.tolist()})
                          for name, (us, flop) in timed.items() if name.startswith("GEMMs")]
-            timed = {name: (timer.call_us(fn), flop)
-                     for name, (fn, flop) in fp8_gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn,
-                                                            buf.device).items()}
-            rows.append(_row(buf, "layer", "FP8 GEMMs forward", None, shape.tokens, sum(v[0] for v in timed.values()),
-                             backend="triton", flop=sum(v[1] for v in timed.values()), config=None,
-                             extra={"tiles": asdict(fp8_experts.TILES),
-                                    "parts_us": {name: v[0] for name, v in timed.items()}}))
+            if fp8_shapes:
+                rows += bench_fp8_gemms(buf, timer, shape.tokens, pairs, shape.hidden, shape.ffn, counts)
             us, flop = dense_ceiling(timer, buf.device)
             rows.append(_row(buf, "layer", "dense bf16 8192^3", None, shape.tokens, us, backend="torch", flop=flop,
                              config=None))
@@ -724,7 +976,82 @@ def bench_decode(timer: Timer, shape: LayerShape, backend: str, device: torch.de
             rows += [_row(buf, "decode", "2 in sequence, graph", None, t, seq_us, spread_us=seq_sp),
                      _row(buf, "decode", "2 interleaved, graph", None, t, inter_us, spread_us=inter_sp,
                           extra={"comm_hidden": (seq_us - inter_us) / comm_us})]
-        return rows
+        hbm = time_hbm(buf, timer, t)
+        gbps = max(r.gbps for r in hbm)
+        per_expert, shared = expert_weight_bytes(moe)
+        active = [int((expert_counts(buf, r.topk_idx) > 0).sum()) for r in routes]
+        weight_bytes = sum(n * per_expert + shared for n in active)
+        floor_us = weight_bytes / (gbps * 1e3)
+        for r in rows:
+            if r.op.startswith("2 "):
+                r.extra.update(weight_floor_us=floor_us, vs_floor=r.call_us / floor_us)
+        return rows + hbm + [_row(buf, "decode", "weight-read floor", None, t, floor_us, backend="floor", config=None,
+                                  recv_bytes=weight_bytes, extra={"active_experts": active, "hbm_gbps": gbps})]
+
+
+def time_hbm(buf: Buffer, timer: Timer, tokens: int) -> list[Row]:
+    """Rows "HBM read" (a float32 sum of a bf16 tensor: bytes read) and "HBM copy" (dst.copy_(src): bytes read +
+    written), each moving 2 GiB through device memory (64 MiB on CPU, where they only check the bench runs),
+    alternating in one loop; their GB/s column is the memory's bandwidth measured now."""
+    total = (2 << 30) if buf.device.type == "cuda" else (64 << 20)
+    src = torch.ones(total // 2, dtype=torch.bfloat16, device=buf.device)
+    half = src[: src.numel() // 2]
+    dst = torch.empty_like(half)
+    read_us, copy_us, _ = timer.parts_us([lambda: src.sum(dtype=torch.float32), lambda: dst.copy_(half)])
+    return [_row(buf, "decode", op, None, tokens, us, backend="torch", config=None, recv_bytes=total, spread_us=spread)
+            for op, us, spread in (("HBM read: sum of bf16", read_us, timer.last_spread[0]),
+                                   ("HBM copy: dst.copy_(src)", copy_us, timer.last_spread[1]))]
+
+
+def expert_weight_bytes(moe: MoE) -> tuple[int, int]:
+    """(bytes of one routed expert's weights, bytes of the shared expert's: 0 without one)."""
+    experts = moe.experts
+    per_expert = sum(w[0].numel() * w.element_size() for w in (experts.w1, experts.w3, experts.w2))
+    shared = 0 if moe.shared is None else sum(w.numel() * w.element_size() for w in moe.shared.parameters())
+    return per_expert, shared
+
+
+def decode_targets(rows: list[Row]) -> list[Target]:
+    """The decode steps of the first backend that ran them, each over its weight-read floor."""
+    decode = [r for r in rows if r.case == "decode" and "weight_floor_us" in r.extra]
+    return [Target(f"decode {r.op} ({r.backend})", r.call_us / 1e3, "weight-read floor", r.extra["weight_floor_us"] / 1e3,
+                   "ms", DECODE_FLOOR_GOAL) for r in decode if r.backend == decode[0].backend]
+
+
+# (figure, its op, reference, the reference's op, goal): issue 44's layer figures, from the layer case's rows
+LAYER_TARGETS = (
+    ("layer forward", "forward", "its GEMMs alone (router's groups)", "GEMMs forward router's groups",
+     LAYER_FORWARD_GOAL),
+    ("layer forward+backward", "forward_backward", "its GEMMs alone (router's groups)",
+     "GEMMs forward_backward router's groups", LAYER_FORWARD_BACKWARD_GOAL),
+    ("GEMMs forward, router's groups", "GEMMs forward router's groups", "equal groups", "GEMMs forward equal groups",
+     GEMM_IMBALANCE_GOAL),
+    ("GEMMs forward_backward, router's groups", "GEMMs forward_backward router's groups", "equal groups",
+     "GEMMs forward_backward equal groups", GEMM_IMBALANCE_GOAL),
+    ("layer forward, FP8 experts", "forward FP8", "its FP8 GEMMs alone (router's groups)",
+     "FP8 GEMMs forward router's groups", LAYER_FORWARD_GOAL),
+    ("FP8 GEMMs forward, router's groups", "FP8 GEMMs forward router's groups", "equal groups",
+     "FP8 GEMMs forward equal groups", GEMM_IMBALANCE_GOAL),
+    ("FP8 GEMMs forward, equal groups", "FP8 GEMMs forward equal groups", "torch's FP8 grouped GEMM",
+     "torch FP8 GEMMs forward equal groups", None),
+    ("FP8 GEMMs forward, router's groups", "FP8 GEMMs forward router's groups", "torch's FP8 grouped GEMM",
+     "torch FP8 GEMMs forward router's groups", None),
+)
+
+
+def layer_targets(rows: list[Row]) -> list[Target]:
+    """LAYER_TARGETS found among the layer case's rows of the first backend that ran it (the one timed beside its
+    GEMMs alone) in ms, and the FP8 GEMMs' TFLOP/s against FP8_GEMM_TFLOPS_GOAL; none where a figure is absent."""
+    layer = [r for r in rows if r.case == "layer"]
+    if not layer:
+        return []
+    by_op = {r.op: r for r in layer if r.backend in (layer[0].backend, "torch", "triton")}
+    targets = [Target(figure, by_op[op].call_us / 1e3, reference, by_op[ref].call_us / 1e3, "ms", goal)
+               for figure, op, reference, ref, goal in LAYER_TARGETS if op in by_op and ref in by_op]
+    targets += [Target(f"{op} rate", by_op[op].tflops, "issue 44's goal", FP8_GEMM_TFLOPS_GOAL, "TFLOP/s", 1.0,
+                       at_least=True)
+                for op in ("FP8 GEMMs forward equal groups", "FP8 GEMMs forward router's groups") if op in by_op]
+    return targets
 
 
 @dataclass(frozen=True)
@@ -764,6 +1091,8 @@ COLUMNS = [
     Column("cold us", 9, lambda r: _num(r.cold_us), _GPU_ONLY),
     Column("overhead", 8, lambda r: _num(r.overhead_us), _GPU_ONLY),
     Column("kernel us", 9, lambda r: _num(r.kernel_us), "device time from the CUDA profiler, GPU only"),
+    Column("vs floor", 8, lambda r: None if "vs_floor" not in r.extra else f"{r.extra['vs_floor']:.2f}x",
+           "only the decode steps have a weight-read floor"),
     Column("GB/s", 7, lambda r: _num(r.gbps) if r.recv_bytes else None, "no row moved bytes it could count"),
     Column("remote", 7, lambda r: _num(r.remote_gbps) if r.recv_bytes else None, "no row moved bytes it could count"),
     Column("%link", 6, lambda r: None if r.link_us is None else f"{100 * r.link_us / r.call_us:.1f}%",
@@ -800,6 +1129,11 @@ def kernel_lines(rows: list[Row]) -> list[str]:
             split = ", ".join(f"{name} {us:.1f}" for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]))
             lines.append(f"  {r.case} {r.op} {r.backend} {r.topology} sms={r.sms or '-'}: {split}")
     return ["device time per kernel (us, rank 0):"] + lines if lines else []
+
+
+def target_lines(targets: list[Target]) -> list[str]:
+    """Issue 44's figures, each beside its reference and goal (Target.line); none when none was measured."""
+    return ["figures beside their references (issue 44):"] + ["  " + t.line() for t in targets] if targets else []
 
 
 def print_table(rows: list[Row], notes: Optional[list[str]] = None) -> None:
@@ -943,13 +1277,15 @@ def layer_notes(use_gpu: bool, shared_gpu: bool, rows: list[Row]) -> list[str]:
               + ("%hidden = (no overlap - overlap) / comm alone, the share of the layer's communication overlap hides"
                  if use_gpu and not shared_gpu else
                  "no %hidden for them: it is measured only with a GPU per rank (CPU or shared GPU here)")]
+    notes += [f"{r.op}: torch's FP8 grouped GEMM (torch._scaled_grouped_mm) {r.extra['torch_fp8']}"
+              for r in rows if "torch_fp8" in r.extra]
     if not use_gpu:
         notes.insert(0, "no grouped-GEMM or dense-ceiling rows: torch._grouped_mm needs an sm90 GPU, and a CPU "
                         "matmul rate says nothing about a GPU's roofline")
     return notes
 
 
-CASES = ("n1", "n1-native", "l1", "sweep", "stream", "cpu", "layer", "calls")
+CASES = ("n1", "n1-native", "l1", "sweep", "stream", "cpu", "layer", "calls", "sm-efficiency")
 
 
 def default_out_dir(stamp: str) -> Path:
@@ -960,7 +1296,13 @@ def default_out_dir(stamp: str) -> Path:
     return base / "moe_ep" / "bench" / stamp
 
 
-def main() -> None:
+def int_list(text: str) -> list[int]:
+    """A comma list of ints, as --sms and --sm-efficiency-sms take them."""
+    return [int(v) for v in text.split(",")]
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The command line (sys.argv[1:] by default); cases is a list checked against CASES (None: auto)."""
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node R -m moe_ep.bench",
                                 description=__doc__.split("\n", 1)[1].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -969,9 +1311,13 @@ def main() -> None:
                         "l1 low latency, sweep hidden x tokens, stream 16384 tokens per rank in one round and in "
                         "rounds of 4096 and the async Megatron pattern, cpu the reference backend's small case, "
                         "layer moe_ep.MoE forward/backward at the --layer-* sizes, calls a dispatch + combine "
-                        "without and with check_calls=True (default %(default)s: n1,l1 on GPU, cpu otherwise)")
-    p.add_argument("--sms", default="8,16,24,32",
+                        "without and with check_calls=True, sm-efficiency the normal-mode kernels at EP1 (one rank) "
+                        "beside a copy of their bytes on as many SMs (default %(default)s: n1,l1 on GPU, cpu "
+                        "otherwise)")
+    p.add_argument("--sms", default="8,16,24,32", type=int_list,
                    help="comma list of SM budgets for the native backend's normal-mode calls (default %(default)s)")
+    p.add_argument("--sm-efficiency-sms", default="4,8,16,24", type=int_list,
+                   help="comma list of SM budgets for the sm-efficiency case (default %(default)s)")
     p.add_argument("--warmup", type=int, default=20, help="untimed calls before each measurement (default %(default)s)")
     p.add_argument("--iters", type=int, default=50,
                    help="timed calls per measurement; the median is reported (default %(default)s)")
@@ -986,17 +1332,29 @@ def main() -> None:
     for f in fields(LayerShape):
         p.add_argument(f"--layer-{f.name.replace('_', '-')}", type=int, default=f.default,
                        help=f"layer case: {f.name.replace('_', ' ')} (default %(default)s)")
-    args = p.parse_args()
-    cases = None if args.cases == "auto" else args.cases.split(",")
-    if cases is not None and not set(cases) <= set(CASES):
-        p.error(f"--cases: unknown {sorted(set(cases) - set(CASES))}; choose from {', '.join(CASES)}")
+    args = p.parse_args(argv)
+    args.cases = None if args.cases == "auto" else args.cases.split(",")
+    if args.cases is not None and not set(args.cases) <= set(CASES):
+        p.error(f"--cases: unknown {sorted(set(args.cases) - set(CASES))}; choose from {', '.join(CASES)}")
+    return args
 
+
+def sm_efficiency_skipped(world: int, device: torch.device) -> Optional[str]:
+    """Why the sm-efficiency case cannot run here (it needs one rank and the native backend), or None."""
+    backend, why = auto_backend(device)
+    reasons = ([f"it runs at EP1, one rank (torchrun --nproc-per-node 1), not {world}"] if world != 1 else []) + (
+        [f"it times the native kernels: {why}"] if backend != "nvshmem" else [])
+    return f"no sm-efficiency rows: {'; '.join(reasons)}" if reasons else None
+
+
+def main() -> None:
+    args = parse_args()
     placement = init_distributed(ranks_per_gpu=args.ranks_per_gpu)
     device, use_gpu = placement.device, placement.device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
-    cases = cases or (["n1", "l1"] if use_gpu else ["cpu"])
+    cases = args.cases or (["n1", "l1"] if use_gpu else ["cpu"])
     timer = Timer(device, args.warmup, args.iters)
-    sms_list = [int(s) for s in args.sms.split(",")]
+    sms_list = args.sms
     rows: list[Row] = []
     notes: list[str] = []
 
@@ -1043,6 +1401,14 @@ def main() -> None:
                     rows += bench_async_pattern(buf, timer, "async", 4096)
     if "calls" in cases:
         rows += bench_call_checks(timer, device)
+    if "sm-efficiency" in cases:
+        skipped = sm_efficiency_skipped(world, device)
+        if skipped:
+            notes.append(skipped)
+        else:
+            with Buffer(hidden=7168, num_experts=256, num_topk=8, max_tokens_per_rank=4096, backend="nvshmem",
+                        device=device) as buf:
+                rows += bench_sm_efficiency(buf, timer, 4096, args.sm_efficiency_sms)
     if "sweep" in cases:
         for hidden in (2048, 4096, 7168):
             with Buffer(hidden=hidden, num_experts=256, num_topk=8, max_tokens_per_rank=16384, device=device) as buf:
@@ -1066,16 +1432,24 @@ def main() -> None:
             "notes": notes,
         }
         stem = "bench_" + "_".join(cases)
+        targets = layer_targets(rows) + decode_targets(rows) + sm_efficiency_targets(rows)
         (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [
             {**{k: v for k, v in asdict(r).items() if k != "config" or (meta["config"] is None and v is not None)},
              "gbps": r.gbps, "remote_gbps": r.remote_gbps, "overhead_us": r.overhead_us, "link_us": r.link_us,
-             "shared_gpu": r.shared_gpu, "tflops": r.tflops} for r in rows]}, indent=1))
-        plot(rows, out / f"{stem}.png")
+             "shared_gpu": r.shared_gpu, "tflops": r.tflops} for r in rows],
+            "targets": [t.as_json() for t in targets],
+            "sm_efficiency": [e.as_json() for e in sm_efficiency(rows)]}, indent=1))
         shared = f", {placement.ranks_per_gpu} ranks per GPU" if placement.shared_gpu else ""
         print(f"# {meta['device']} x{world}{shared}, {meta['date']}, {meta['timing']}")
-        print(config_line(rows))
-        print_table(rows, notes)
-        print(f"wrote {out / stem}.json and {out / stem}.png")
+        if not rows:  # every case asked for was skipped (notes say why): nothing to tabulate or draw
+            print("\n".join(["no rows"] + notes))
+            print(f"wrote {out / stem}.json")
+        else:
+            plot(rows, out / f"{stem}.png")
+            print(config_line(rows))
+            print_table(rows, notes)
+            print("\n".join(sm_efficiency_lines(rows) + target_lines(targets)))
+            print(f"wrote {out / stem}.json and {out / stem}.png")
     shutdown()  # every rank done: finalize NVSHMEM and destroy the group in a safe order (moe_ep.launch)
 
 

@@ -6,7 +6,11 @@ one panel per case that ran (bars with percentile whiskers, labelled host-timed)
 writes under $XDG_DATA_HOME, not into the folder it runs in. `--help` of moe_ep.bench names its
 command and every option's default; moe_ep.info has a --help.
 The low-latency bench leaves out the CUDA-graph rows on a backend that cannot be captured; the N1
-plot draws the link limit, except for rows measured on a shared GPU. Structure only: no timing asserts."""
+plot draws the link limit, except for rows measured on a shared GPU. Issue 44's reporting: the decode
+steps beside their weight-read floor, the layer's figures beside their references (stand-in rows), the
+sm-efficiency case's pairing, table and targets (stand-in rows), skipped on CPU with its reasons and run
+on a GPU at EP1, and its SM-bounded copy bit for bit in Triton's interpreter. Structure only: no timing
+asserts."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +22,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -27,12 +32,15 @@ from moe_ep import bench
 from moe_ep.launch import Placement, plan
 
 from tests._dist import requires_gpus, run_workers
+from tests._interpret import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout under test, whatever folder a rank starts in
 PASSES = ("forward", "backward", "forward_backward")
 LAYER_OPS = ({f"{op}{mode}" for op in PASSES for mode in ("", " overlap", " row path")}
              | {f"comm alone {op}" for op in PASSES} | {"forward FP8"})
-DECODE_OPS = {"2 in sequence", "2 interleaved", "comm only (2 x d + c)"}
+DECODE_STEPS = {"2 in sequence", "2 interleaved"}
+NOT_REFERENCE = {"HBM read: sum of bf16": "torch", "HBM copy: dst.copy_(src)": "torch", "weight-read floor": "floor"}
+DECODE_OPS = DECODE_STEPS | {"comm only (2 x d + c)"} | set(NOT_REFERENCE)
 GPU_ONLY_COLUMNS = ("SMs", "cold us", "overhead", "kernel us", "%link", "DeepEP", "speedup")
 
 
@@ -51,7 +59,7 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     cwd, data_home = tmp_path / "cwd", tmp_path / "data"
     cwd.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "moe_ep.bench", "--cases", "cpu,layer,calls", "--iters", "2", "--warmup", "1",
+           "moe_ep.bench", "--cases", "cpu,layer,calls,sm-efficiency", "--iters", "2", "--warmup", "1",
            "--layer-tokens", "32", "--layer-hidden", "128", "--layer-experts", "8", "--layer-topk", "2",
            "--layer-ffn", "128", "--layer-shared-ffn", "64", "--layer-decode-tokens", "8"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
@@ -59,7 +67,7 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
                               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert run.returncode == 0, run.stderr[-3000:]
     assert not list(cwd.iterdir()), "the bench wrote into the folder it ran in"
-    (json_path,) = data_home.glob("moe_ep/bench/*/bench_cpu_layer_calls.json")
+    (json_path,) = data_home.glob("moe_ep/bench/*/bench_cpu_layer_calls_sm-efficiency.json")
     png_path = json_path.with_suffix(".png")
     assert f"wrote {json_path} and {png_path}" in run.stdout
 
@@ -76,6 +84,9 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
                  'layer rows "... overlap" ran MoE(overlap=True)'):
         assert any(line.startswith(note) for line in lines), note
     assert "meaningless for links" in run.stdout
+    # sm-efficiency needs one rank and the native kernels: skipped with both reasons, nothing measured
+    (skipped,) = [line for line in lines if line.startswith("no sm-efficiency rows: ")]
+    assert "not 2" in skipped and "native" in skipped, skipped
     calls = [line for line in lines if line.startswith("calls  dispatch+combine")]  # both Buffers, both sizes
     assert len(calls) == 4 and sum("check_calls=True" in line for line in calls) == 2, calls
     (left_out,) = [line for line in run.stdout.splitlines() if line.startswith("not shown: ")]
@@ -96,9 +107,10 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     keys = {"call_us", "cold_us", "overhead_us", "kernel_us", "gbps", "remote_gbps", "link_us", "shared_gpu",
             "ranks_per_gpu", "experts", "topk", "topology", "flop", "tflops"}
     assert all(keys <= r.keys() and "config" not in r for r in rows)
-    assert all(r["backend"] == "reference" and _positive(r["call_us"]) for r in rows)
-    # every row's spread over its timed calls brackets its median
-    assert all(r["spread_us"][0] <= r["call_us"] <= r["spread_us"][1] for r in rows)
+    assert all(r["backend"] == NOT_REFERENCE.get(r["op"], "reference") and _positive(r["call_us"]) for r in rows)
+    # every timed row's spread over its calls brackets its median; the weight-read floor is computed, not timed
+    assert all(r["spread_us"][0] <= r["call_us"] <= r["spread_us"][1] for r in rows if r["op"] != "weight-read floor")
+    assert all(r["spread_us"] is None for r in rows if r["op"] == "weight-read floor")
     assert all((r["cold_us"], r["overhead_us"], r["kernel_us"], r["link_us"], r["shared_gpu"], r["ranks_per_gpu"])
                == (None, None, None, None, False, 0) for r in rows)
     cpu = [r for r in rows if r["case"] == "cpu"]
@@ -126,6 +138,25 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
     assert all((r["tokens"], r["flop"], r["tflops"]) == (8, None, None) for r in decode.values())
     seq, inter, comm = (decode[op]["call_us"] for op in ("2 in sequence", "2 interleaved", "comm only (2 x d + c)"))
     assert decode["2 interleaved"]["extra"]["comm_hidden"] == pytest.approx((seq - inter) / comm)
+    # the weight-read floor: rank 0's experts that got a token in each micro-batch (4 local of 8; hidden 128, ffn
+    # 128, bf16) and the shared expert (ffn 64), read once per micro-batch at the faster HBM figure of the run
+    floor = decode["weight-read floor"]
+    active = floor["extra"]["active_experts"]
+    assert len(active) == 2 and all(0 < a <= 4 for a in active), active
+    assert floor["recv_bytes"] == sum(a * 3 * 128 * 128 * 2 + 3 * 128 * 64 * 2 for a in active)
+    assert floor["extra"]["hbm_gbps"] == max(decode[op]["gbps"] for op in ("HBM read: sum of bf16",
+                                                                           "HBM copy: dst.copy_(src)"))
+    assert floor["call_us"] == pytest.approx(floor["recv_bytes"] / (floor["extra"]["hbm_gbps"] * 1e3))
+    for op in DECODE_STEPS:
+        assert decode[op]["extra"]["vs_floor"] == pytest.approx(decode[op]["call_us"] / floor["call_us"])
+    assert "vs floor" in head
+    # each decode step beside its floor; no layer targets without the GPU's GEMM rows; no sm-efficiency rows
+    targets = result["targets"]
+    assert sorted(t["figure"] for t in targets) == sorted(f"decode {op} (reference)" for op in DECODE_STEPS)
+    assert all(t["goal"] == bench.DECODE_FLOOR_GOAL and t["ratio"] == pytest.approx(t["value"] / t["reference_value"])
+               for t in targets)
+    assert result["sm_efficiency"] == []
+    assert "figures beside their references (issue 44):" in lines
 
 
 def _pairs(rank: int, world: int) -> None:
@@ -235,9 +266,151 @@ def test_bench_help_names_itself_and_every_default() -> None:
     options = text.split("\noptions:\n", 1)[1]
     blocks = [b.split() for b in re.split(r"\n(?=  -)", options) if not b.startswith("  -h, --help")]
     names = [b[0].lstrip("-") for b in blocks]
-    assert {"cases", "sms", "warmup", "iters", "out", "ranks-per-node", "ranks-per-gpu", "layer-tokens"} <= set(names)
+    assert {"cases", "sms", "sm-efficiency-sms", "warmup", "iters", "out", "ranks-per-node", "ranks-per-gpu",
+            "layer-tokens"} <= set(names)
     for name, block in zip(names, blocks):
         assert "(default" in " ".join(block), f"--{name} does not say its default: {' '.join(block)}"
+
+
+def test_parse_args_reads_the_cases_and_sm_budgets() -> None:
+    args = bench.parse_args(["--cases", "sm-efficiency,layer", "--sm-efficiency-sms", "4,8", "--sms", "16"])
+    assert (args.cases, args.sm_efficiency_sms, args.sms) == (["sm-efficiency", "layer"], [4, 8], [16])
+    default = bench.parse_args([])
+    assert (default.cases, default.sm_efficiency_sms, default.sms) == (None, [4, 8, 16, 24], [8, 16, 24, 32])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cases", "sm-efficiency,nope"])
+
+
+def _sm_rows(copied_exactly: bool = True) -> list[bench.Row]:
+    """Stand-in rows of the sm-efficiency case at 4 and 8 SMs: its three ops, sm_copy of their two byte counts
+    at both budgets, and the copy engine's copy of each (times made up: assembly only)."""
+    bf16, fp8 = 4096 * 14336, 4096 * 7392
+
+    def row(op: str, backend: str, sms: object, us: float, kernel_us: float, nbytes: int, **extra: object) -> bench.Row:
+        return bench.Row("sm-efficiency", op, backend, sms, 4096, 7168, us, kernel_us, nbytes, 0, topology="1x1",
+                         experts=256, topk=8, extra=dict(extra))
+
+    rows = [row(op, "nvshmem", sms, 100.0 * i + sms, 90.0 * i + sms, nbytes, **({"metadata_bytes": 4096 * 104}
+                                                                                  if op.startswith("dispatch") else {}))
+            for sms in (4, 8)
+            for i, (op, nbytes) in enumerate((("dispatch_bf16", bf16), ("dispatch_fp8", fp8), ("combine_bf16", bf16)),
+                                             start=1)]
+    for nbytes in (fp8, bf16):
+        rows += [row(bench.SM_COPY_OP, "triton", sms, nbytes / 1e6 + sms, nbytes / 1.1e6 + sms, nbytes,
+                     copied_exactly=copied_exactly or sms == 4) for sms in (4, 8)]
+        rows.append(row(bench.COPY_ENGINE_OP, "torch", None, nbytes / 2e6, nbytes / 2e6, nbytes, copied_exactly=True))
+    return rows
+
+
+def test_sm_efficiency_pairs_each_op_with_the_copy_of_its_bytes_and_sms() -> None:
+    rows = _sm_rows()
+    effs = bench.sm_efficiency(rows)
+    assert sorted((e.op, e.sms) for e in effs) == sorted((op, sms) for op in bench.SM_EFFICIENCY_OPS for sms in (4, 8))
+    copies = {(r.sms, r.recv_bytes): r for r in rows if r.op == bench.SM_COPY_OP}
+    ops = {(r.op, r.sms): r for r in rows if r.op in bench.SM_EFFICIENCY_OPS}
+    for e in effs:
+        op, copy = ops[e.op, e.sms], copies[e.sms, e.bytes]
+        assert (e.bytes, e.call_us, e.kernel_us, e.copy_us, e.copy_kernel_us) == (
+            op.recv_bytes, op.call_us, op.kernel_us, copy.call_us, copy.kernel_us)
+        assert e.kept == copy.call_us / op.call_us and e.kept_kernels == copy.kernel_us / op.kernel_us
+        assert e.metadata_bytes == (4096 * 104 if e.op.startswith("dispatch") else 0)
+        assert e.goal == (bench.SM_EFFICIENCY_GOAL if e.sms == bench.SM_EFFICIENCY_GOAL_SMS else None)
+        assert {"kept", "kept_kernels", "goal"} <= e.as_json().keys()
+    # the goal's SM budget only: whole call and kernels alone for each op, as floors on copy / op
+    targets = bench.sm_efficiency_targets(rows)
+    assert len(targets) == 2 * len(bench.SM_EFFICIENCY_OPS)
+    assert all(t.at_least and t.goal == bench.SM_EFFICIENCY_GOAL and f"at {bench.SM_EFFICIENCY_GOAL_SMS} SMs" in t.figure
+               for t in targets)
+    assert sorted(t.ratio for t in targets) == sorted(
+        v for e in effs if e.goal is not None for v in (e.kept, e.kept_kernels))
+
+
+def test_sm_efficiency_lines_show_every_op_the_copy_engine_and_a_bad_copy() -> None:
+    lines = bench.sm_efficiency_lines(_sm_rows())
+    (head,) = [line for line in lines if line.startswith("op ")]
+    for column in ("SMs", "bytes", "meta B", "call us", "copy us", "kept", "kernel us", "goal"):
+        assert column in head, head
+    body = lines[lines.index(head) + 2:]
+    assert sum(line.startswith(bench.SM_EFFICIENCY_OPS) for line in body) == 6
+    assert sum(line.startswith("copy engine (dst.copy_(src), no SM budget)") for line in body) == 2
+    assert not any(line.startswith("WARNING") for line in lines)
+    warnings = [line for line in bench.sm_efficiency_lines(_sm_rows(copied_exactly=False)) if line.startswith("WARNING")]
+    assert len(warnings) == 2 and all("at 8 SMs" in line for line in warnings), warnings
+    assert bench.sm_efficiency_lines([]) == []
+
+
+def interpreted_copy_cases() -> None:
+    """Entry of the interpreter subprocess: sm_copy reproduces its source bit for bit, a tail shorter than a
+    block and grids of one, two and three programs included, and writes nothing past its destination."""
+    g = torch.Generator().manual_seed(0)
+    for nbytes, sms in ((3 * bench.COPY_BLOCK * 4 + 40, 2), (bench.COPY_BLOCK * 4, 3), (8, 1)):
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+        dst = torch.zeros(nbytes + 16, dtype=torch.uint8)
+        bench.sm_copy(src, dst[:nbytes], sms)
+        assert torch.equal(dst[:nbytes], src), (nbytes, sms)
+        assert not dst[nbytes:].any(), (nbytes, sms)
+    with pytest.raises(ValueError):
+        bench.sm_copy(torch.zeros(6, dtype=torch.uint8), torch.zeros(6, dtype=torch.uint8), 1)
+
+
+def test_sm_copy_in_triton_interpreter() -> None:
+    run_interpreted("tests.test_bench", "interpreted_copy_cases")
+
+
+def _layer_rows() -> list[bench.Row]:
+    """Stand-in rows of the layer case on one GPU (times made up): the native backend's passes, a reference-backend
+    forward that layer_targets must not take, the GEMMs alone at both groups (bf16, FP8, torch's FP8)."""
+    def row(op: str, backend: str, us: float, flop: Optional[float] = None) -> bench.Row:
+        return bench.Row("layer", op, backend, None, 4096, 7168, us, None, 0, 0, topology="1x1", experts=128, topk=8,
+                         flop=flop)
+
+    rows = [row("forward", "nvshmem", 7360.0), row("forward_backward", "nvshmem", 21930.0),
+            row("forward FP8", "nvshmem", 6190.0), row("forward", "reference", 90000.0)]
+    for label, k in (("equal groups", 1.0), ("router's groups", 1.3)):
+        rows += [row(f"GEMMs forward {label}", "torch", 4560.0 * k), row(f"GEMMs forward_backward {label}", "torch",
+                                                                           16110.0 * k),
+                 row(f"FP8 GEMMs forward {label}", "triton", 2400.0 * k, flop=1.4e15),
+                 row(f"torch FP8 GEMMs forward {label}", "torch", 2000.0 * k, flop=1.4e15)]
+    return rows
+
+
+def test_layer_targets_set_each_figure_beside_its_reference() -> None:
+    rows = _layer_rows()
+    by_op = {r.op: r for r in rows if r.backend != "reference"}
+    targets = {(t.figure, t.reference): t for t in bench.layer_targets(rows)}
+    assert len(targets) == len(bench.LAYER_TARGETS) + 2
+    for figure, op, reference, ref, goal in bench.LAYER_TARGETS:
+        t = targets[figure, reference]
+        assert (t.value, t.reference_value, t.unit, t.goal, t.at_least) == (
+            by_op[op].call_us / 1e3, by_op[ref].call_us / 1e3, "ms", goal, False)
+    for label in ("equal groups", "router's groups"):
+        t = targets[f"FP8 GEMMs forward {label} rate", "issue 44's goal"]
+        assert (t.value, t.reference_value, t.goal, t.at_least) == (
+            by_op[f"FP8 GEMMs forward {label}"].tflops, bench.FP8_GEMM_TFLOPS_GOAL, 1.0, True)
+    # without torch's FP8 rows (it refused) those comparisons are left out, the rest stay
+    no_torch = [r for r in rows if not r.op.startswith("torch FP8")]
+    assert len(bench.layer_targets(no_torch)) == len(targets) - 2
+    assert bench.layer_targets([]) == []
+
+
+def test_target_lines_say_whether_each_goal_is_met() -> None:
+    ceiling = bench.Target("layer forward", 7.36, "its GEMMs", 6.18, "ms", 1.08)
+    floor = bench.Target("sm_copy at 8 SMs", 85.0, "dispatch_bf16", 100.0, "us", 0.8, at_least=True)
+    info = bench.Target("FP8 GEMMs", 2.0, "torch", 2.5, "ms")
+    assert (ceiling.met, floor.met, info.met) == (False, True, None)
+    assert ceiling.line() == "layer forward: 7.36 ms / its GEMMs 6.18 ms = 1.191 (goal <= 1.08: NOT met)"
+    assert floor.line().endswith("= 0.850 (goal >= 0.8: met)") and "goal" not in info.line()
+    lines = bench.target_lines([ceiling, floor, info])
+    assert lines[0] == "figures beside their references (issue 44):" and len(lines) == 4
+    assert bench.target_lines([]) == []
+    assert info.as_json() == {**dataclasses.asdict(info), "ratio": 0.8, "met": None}
+
+
+def test_layer_notes_say_when_torch_has_no_fp8_grouped_gemm() -> None:
+    row = _layer_rows()[-2]
+    row.extra["torch_fp8"] = "not available: RuntimeError: no"
+    notes = bench.layer_notes(True, False, [row])
+    assert f"{row.op}: torch's FP8 grouped GEMM (torch._scaled_grouped_mm) not available: RuntimeError: no" in notes
 
 
 def test_info_help() -> None:
@@ -289,14 +462,36 @@ def test_ranks_per_node_and_ranks_per_gpu_reach_the_buffers(tmp_path: Path) -> N
     run_workers(1, _ranks_per_node_worker, str(tmp_path))
 
 
-@requires_gpus()
-def test_ranks_per_node_measures_both_topologies(tmp_path: Path) -> None:
-    """On the GPU: `--ranks-per-node 1` adds rows of 2 one-rank "nodes" to the one node of 2."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "moe_ep.bench", "--cases", "l1", "--ranks-per-node", "1", "--iters", "2", "--warmup", "1",
-           "--out", str(tmp_path)]
+def _bench_on_gpu(ranks: int, out: Path, *args: str) -> str:
+    """`torchrun --nproc-per-node ranks -m moe_ep.bench *args --out out` on the GPUs, 2 timed calls after 1 warm-up;
+    its standard output (the run must succeed)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m",
+           "moe_ep.bench", *args, "--iters", "2", "--warmup", "1", "--out", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+@requires_gpus()
+def test_sm_efficiency_runs_at_ep1(tmp_path: Path) -> None:
+    """On the GPU, one rank: every op at both SM budgets beside sm_copy of its bytes, which copied them exactly,
+    the copy engine's copy of each byte count, and the goal's SM budget in the targets."""
+    stdout = _bench_on_gpu(1, tmp_path, "--cases", "sm-efficiency", "--sm-efficiency-sms", "4,8")
+    result = json.loads((tmp_path / "bench_sm-efficiency.json").read_text())
+    rows = result["rows"]
+    assert sorted((r["op"], r["sms"]) for r in rows if r["op"] in bench.SM_EFFICIENCY_OPS) == sorted(
+        (op, sms) for op in bench.SM_EFFICIENCY_OPS for sms in (4, 8))
+    copies = [r for r in rows if r["op"] in (bench.SM_COPY_OP, bench.COPY_ENGINE_OP)]
+    assert len(copies) == 2 * 3 and all(r["extra"]["copied_exactly"] for r in copies)
+    assert all(r["remote_bytes"] == 0 and r["topology"] == "1x1" for r in rows)
+    assert len(result["sm_efficiency"]) == 6 and all(_positive(e["kept"]) for e in result["sm_efficiency"])
+    assert len(result["targets"]) == 6 and "sm-efficiency, EP1" in stdout
+
+
+@requires_gpus()
+def test_ranks_per_node_measures_both_topologies(tmp_path: Path) -> None:
+    """On the GPU: `--ranks-per-node 1` adds rows of 2 one-rank "nodes" to the one node of 2."""
+    _bench_on_gpu(2, tmp_path, "--cases", "l1", "--ranks-per-node", "1")
     rows = json.loads((tmp_path / "bench_l1.json").read_text())["rows"]
     assert {r["topology"] for r in rows} == {"1x2", "2x1"}, {r["topology"] for r in rows}
