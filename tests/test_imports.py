@@ -101,3 +101,36 @@ def test_bench_scripts_import(script: str, monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.syspath_prepend(str(PACKAGE.parent / "bench"))
     importlib.import_module(script[:-3])
+
+
+def _moe_ep_imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every `from moe_ep... import names` in a file, function-level ones too."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "moe_ep":
+            found.append((node.lineno, node.module, [a.name for a in node.names]))
+    return found
+
+
+def test_every_moe_ep_import_in_the_tests_resolves() -> None:
+    """GPU tests import moe_ep names inside their workers, where a CPU run never goes: a name that moved
+    (CommTimeoutError from backends.symmetric, 2026-12-04) broke a GPU file that every CPU test passed.
+    Every such import in tests/ and bench/ must name a module and an attribute that exist."""
+    import importlib
+
+    roots = [PACKAGE.parent / "tests", PACKAGE.parent / "bench"]
+    bad = []
+    for path in sorted(p for root in roots for p in root.glob("*.py")):
+        for line, module, names in _moe_ep_imports(path):
+            try:
+                mod = importlib.import_module(module)
+            except ImportError as error:
+                bad.append(f"{path.name}:{line}: {module}: {error}")
+                continue
+            for name in names:
+                if name != "*" and not hasattr(mod, name):
+                    try:
+                        importlib.import_module(f"{module}.{name}")
+                    except ImportError:
+                        bad.append(f"{path.name}:{line}: {module} has no {name}")
+    assert not bad, "\n".join(bad)
