@@ -139,5 +139,5 @@ def shutdown(timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> None:
         print(f"moe_ep.launch: rank {dist.get_rank()} leaves without closing its Buffers or the group: not every "
               f"rank reached exit within {timeout_s} s ({error})", file=sys.stderr)
         return
-    at_exit.leave_open_buffers(timeout_s)
+    at_exit.leave_open_buffers(timeout_s, finalize=True)  # every rank passed the barrier above
     dist.destroy_process_group()

@@ -44,7 +44,7 @@ plan_file=$(mktemp)
 python3 - "$lanes" $(echo "$collected" | grep '::') >"$plan_file" <<'EOF'
 import sys
 from collections import defaultdict
-secs = {"test_gpu_fuzz.py": 175, "test_gpu_intranode.py": 345, "test_gpu_crossnode.py": 135, "test_streaming.py": 106,
+secs = {"test_gpu_fuzz.py": 130, "test_gpu_intranode.py": 345, "test_gpu_crossnode.py": 135, "test_streaming.py": 106,
         "test_overlap.py": 89, "test_gpu_faults.py": 160, "test_gpu_low_latency.py": 81, "test_compile.py": 76,
         "test_fp8_experts.py": 73, "test_train.py": 65, "test_gpu_low_latency_deepep.py": 61, "test_deep_ep.py": 59,
         "test_frameworks_hybrid.py": 75, "test_gpu_determinism.py": 35, "test_layer.py": 34, "test_bench.py": 33,

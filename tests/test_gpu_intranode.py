@@ -12,7 +12,7 @@ Combines also run with topk_weights (random magnitudes and signs, some -0.0): ro
 weights bitwise equal. Then 1000 calls with changing inputs compared by hashes, a CUDA graph of a
 worst-case dispatch + combine (with and without weights) replayed 20 times with fresh inputs, a
 dispatch timeout that names its phase, a combine timeout that leaves NaN rows and weights, and
-dispatch timeouts (at the count exchange, waiting for rows, at a cached dispatch's start) that leave
+dispatch timeouts (at the stamp exchange, waiting for rows, at a cached dispatch's start) that leave
 only poisoned or correct rows.
 
 Everything runs three times: with the two GPUs as one node (the NVLink kernels); with
@@ -333,12 +333,13 @@ def _graph(rank: int, topo: dict) -> None:
 
 # ---- timeout ----------------------------------------------------------------------------------
 def _timeout(rank: int, topo: dict) -> None:
-    """Rank 0 dispatches alone: its count exchange gives up and names the phase and the silent peer."""
+    """Rank 0 dispatches alone: its stamp exchange (every call's first kernel) gives up, and the call
+    raises naming the phase and the silent peer."""
     with moe_ep.Buffer(dist.group.WORLD, device=device(), hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=16,
                        backend="nvshmem", timeout_s=1.0, **topo) as buf:
         if rank == 0:
             idx = torch.tensor([[0, 5]] * 4, device="cuda")
-            with pytest.raises(moe_ep.CommTimeoutError, match="token counts") as err:
+            with pytest.raises(moe_ep.CommTimeoutError, match="call stamp") as err:
                 buf.dispatch(torch.ones(4, 256, dtype=torch.bfloat16, device="cuda"), idx,
                              torch.ones(4, 2, device="cuda"))
             assert (err.value.rank, err.value.peer) == (0, 1)
@@ -347,7 +348,7 @@ def _timeout(rank: int, topo: dict) -> None:
 
 
 def _combine_timeout(rank: int, topo: dict) -> None:
-    """Rank 0 combines alone (with weights): its start barrier gives up, names the silent peer, and
+    """Rank 0 combines alone (with weights): its stamp exchange gives up, names the silent peer, and
     every output row and combined weight is NaN, so nothing downstream takes them for results."""
     with moe_ep.Buffer(dist.group.WORLD, device=device(), hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=16,
                        backend="nvshmem", timeout_s=1.0, **topo) as buf:
@@ -399,11 +400,12 @@ def _no_dispatch_kernel(buf: moe_ep.Buffer):
 def _dispatch_timeout(rank: int, topo: dict) -> None:
     """Dispatches that give up: afterwards (the CommTimeoutError, naming the silent peer, comes from the
     call's event) no output row looks valid, every one holds poison or what a successful call writes.
-      - worst case, rank 0 alone: its count exchange gives up, so no row was received: all R * T rows
+      - worst case, rank 0 alone: its stamp exchange gives up, so no row was received: all R * T rows
         are poison;
       - FP8, rank 1 runs the count exchange but no dispatch kernel: rank 0's wait for rank 1's rows
         gives up; rank 1's rows are poison, rank 0's own rows are poison or exactly its tokens;
-      - cached, rank 0 alone: the dispatch kernel's own start barrier gives up: every row is NaN."""
+      - cached, rank 0 alone: its stamp exchange gives up, then the dispatch kernel's start barrier:
+        every row is NaN."""
     def new_buffer() -> moe_ep.Buffer:
         return moe_ep.Buffer(dist.group.WORLD, device=device(), hidden=256, num_experts=8, num_topk=2,
                              max_tokens_per_rank=16, backend="nvshmem", timeout_s=1.0, **topo)
@@ -415,7 +417,7 @@ def _dispatch_timeout(rank: int, topo: dict) -> None:
     with new_buffer() as buf:
         if rank == 0:
             res = buf.dispatch(_x(4, 256, g), idx, w, worst_case=True, async_op=True)
-            with pytest.raises(moe_ep.CommTimeoutError, match="token counts") as err:
+            with pytest.raises(moe_ep.CommTimeoutError, match="call stamp") as err:
                 res.event.synchronize()
             assert (err.value.rank, err.value.peer) == (0, 1)
             assert res.x.shape[0] == WORLD * 16 and _poisoned(res).all(), "a failed worst-case dispatch left rows"

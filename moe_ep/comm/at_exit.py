@@ -6,8 +6,8 @@ a gc.collect() before the teardown, or deleting the Buffer and collecting, made 
 (objects in reference cycles are otherwise finalized while torch.distributed is being torn down).
 So the first Buffer a process makes registers `leave_open_buffers` at exit: every open Buffer is
 left in creation order (the same on every rank), each rank waiting a bounded time for its peers
-(Backend.leave); NVSHMEM is finalized where every Buffer closed cleanly; then the cycles are collected,
-all before the interpreter's teardown begins.
+(Backend.leave); NVSHMEM is finalized where the hook closed Buffers and every one closed cleanly;
+then the cycles are collected, all before the interpreter's teardown begins.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import atexit
 import gc
 import sys
 import weakref
-from typing import Protocol
+from typing import Optional, Protocol
 
 # How long a Buffer waits at exit for its peers to reach exit too before it gives itself up alone.
 EXIT_WAIT_S = 300.0
@@ -53,19 +53,24 @@ def open_buffers() -> list[_Leaving]:
     return [_open[i] for i in sorted(_open.keys())]
 
 
-def leave_open_buffers(timeout_s: float = EXIT_WAIT_S) -> bool:
+def leave_open_buffers(timeout_s: float = EXIT_WAIT_S, finalize: Optional[bool] = None) -> bool:
     """Leaves this process's open Buffers in creation order: each closes with its peers, or, where they
-    do not come within timeout_s, gives itself up alone (Buffer.abort); then finalizes NVSHMEM once no
-    Buffer holds it, and collects the cycles left. Returns whether every Buffer closed with its peers."""
+    do not come within timeout_s, gives itself up alone (Buffer.abort); then collects the cycles left.
+    NVSHMEM is finalized (collective over its PEs) where every Buffer closed with its peers and
+    `finalize` says so; None: only where this call closed any, since every peer then got here too (a
+    program that closed its Buffers itself may have peers that leave without this, e.g. by os._exit:
+    finalizing would wait for them forever, as a test worker did on 2026-12-05). Returns whether every
+    Buffer closed with its peers."""
     from .backends.symmetric import NvshmemSession
 
+    left = open_buffers()
     clean = True
-    for buf in open_buffers():
+    for buf in left:
         if not buf.leave(timeout_s):
             clean = False
             print(f"moe_ep: rank {buf.rank} gave its Buffer up at exit: not every rank of its group reached exit "
                   f"within {timeout_s} s", file=sys.stderr)
-    if clean:
+    if clean and (finalize if finalize is not None else bool(left)):
         try:
             NvshmemSession.shutdown()
         except RuntimeError as error:  # a Buffer dropped without close() still holds NVSHMEM
