@@ -183,11 +183,16 @@ class LowLatencyEngine(Engine):
         """Checks for a recorded kernel timeout and an unfinished hook; returns the current stream.
         A recorded bad id is raised once the call's launch is made (ErrorWatch.check)."""
         self._error.check(timeouts_only=True)
+        self.check_ready(kind)
+        return torch._C._cuda_getCurrentRawStream(self._device_index)  # the current stream's handle, no Stream object
+
+    def check_ready(self, kind: str) -> None:
+        """RuntimeError unless a call of `kind` may start: the engine is open and the kind's last hook ran
+        (checked before the call's stamp exchange launches, so a refused call sends nothing)."""
         if self._sym is None:
             raise RuntimeError("this low-latency engine is closed")
         if self._pending[kind] is not None:
             raise RuntimeError(f"call the hook of the previous low_latency_{kind} before the next low_latency_{kind}")
-        return torch._C._cuda_getCurrentRawStream(self._device_index)  # the current stream's handle, no Stream object
 
     def _launch(self, kind: str, launch: Callable[[int, bool, bool], None], stream: int,
                 return_recv_hook: bool) -> Optional[_Hook]:

@@ -214,16 +214,17 @@ class NvshmemBackend(Backend):
             raise RuntimeError("this Buffer was created without low_latency=True")
         return self._low_latency
 
-    def _low_latency_begin(self, stamp: CallStamp) -> torch.cuda.Event:
-        """A low-latency call's stamp exchange (a fault-tolerant Buffer's skips masked ranks and masks a
-        silent one, as its kernels do)."""
+    def _low_latency_begin(self, kind: str, stamp: CallStamp) -> torch.cuda.Event:
+        """A low-latency call's stamp exchange, once the engine says the call may start (a fault-tolerant
+        Buffer's exchange skips masked ranks and masks a silent one, as its kernels do)."""
         engine = self._engine()
+        engine.check_ready(kind)
         return self._begin(stamp, masked=engine.rank_mask if self.cfg.fault_tolerant else None)[1]
 
     def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, use_nvfp4, x_global_scale,
                              return_recv_hook, async_op, stamp) -> LowLatencyDispatchResult:
         """The stamp exchange, then the engine's send (and receive, without a hook)."""
-        verdict = self._low_latency_begin(stamp)
+        verdict = self._low_latency_begin("dispatch", stamp)
         result = self._engine().dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                          use_nvfp4=use_nvfp4, x_global_scale=x_global_scale,
                                          return_recv_hook=return_recv_hook)
@@ -233,7 +234,7 @@ class NvshmemBackend(Backend):
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, return_recv_hook,
                             async_op, overlap: Optional[LowLatencyOverlap], stamp) -> LowLatencyCombineResult:
         """The stamp exchange, then the engine's send (and receive, without a hook)."""
-        verdict = self._low_latency_begin(stamp)
+        verdict = self._low_latency_begin("combine", stamp)
         result = self._engine().combine(x, topk_idx, topk_weights, handle, return_recv_hook=return_recv_hook,
                                         overlap=overlap)
         self._settle_low_latency("combine", verdict, async_op)
