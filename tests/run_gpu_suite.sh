@@ -3,19 +3,20 @@
 # out), on whatever GPUs are present (ranks share them when fewer: tests/_dist.py), in parallel lanes
 # (several pytest processes sharing the GPU) so the suite fits a 10-minute device call; then a 4-rank
 # torchrun of moe_ep.train. Exits non-zero when the build or collection fails, nothing is collected,
-# or any file fails or times out. One log per lane and a summary table in ${OUT:-out}/ (at most 8
-# files, as the device tool returns).
+# or any file fails or times out. Every lane's log in one file (lanes.log) and a summary table in
+# ${OUT:-out}/ (at most 8 files, as the device tool returns).
 # Usage: bash tests/run_gpu_suite.sh [PATH...]   (PATHs: where to collect, default tests/; e.g.
 #   `bash tests/run_gpu_suite.sh tests/test_fp8.py tests/test_my_failing.py` for a quick check)
-# Environment: LANES (default 5), BUDGET_S (seconds for all lanes, default 520; each file also has
+# Environment: LANES (default 7), BUDGET_S (seconds for all lanes, default 520; each file also has
 #   its own limit, below), SKIP_BUILD=1,
 #   NO_TRAIN=1 (skip the torchrun), WITH_LAYER_BENCH=1 (then the one-rank layer bench, alone, into $OUT/bench/).
 set -uo pipefail
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NVLS=1 \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 out=${OUT:-out}; mkdir -p "$out"; : >"$out/summary.txt"
+logs=$(mktemp -d)  # one log per lane, joined into $out/lanes.log as each lane ends (at most 8 files come back)
 start=$SECONDS
-lanes=${LANES:-5} budget=${BUDGET_S:-520}
+lanes=${LANES:-7} budget=${BUDGET_S:-520}
 if [ -z "${SKIP_BUILD:-}" ]; then
   # with the optional deep_ep package (deep_ep_compat/), which the framework tests import
   MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps -e . -e ./deep_ep_compat \
@@ -36,21 +37,22 @@ echo "$collected" | grep -c '::' | xargs echo "GPU tests collected:"
 
 # Lanes by longest unit first, each unit to the lane with the least work so far. A unit is a file, or one
 # test of a file that would take over 150 s (so its tests can run in parallel lanes; each pytest start
-# costs about 10 s). Seconds per file on one H200 with 4-5 lanes: the 2026-12-03 runs; test_nvfp4 and
-# test_low_latency_overlap ran together in 176 s (a file not listed counts 60 s). Prints one line per lane
+# costs about 10 s). Seconds per file (a split file: the sum of its units): one H100, 6 lanes, 2026-12-05,
+# every native call opening with its stamp exchange (a file not listed counts 60 s). Prints one line per lane
 # of UNIT@LIMIT: each unit may take 2.5 x its seconds (at least 60 s), so a hang cannot starve its lane.
 plan_file=$(mktemp)
 # shellcheck disable=SC2046
 python3 - "$lanes" $(echo "$collected" | grep '::') >"$plan_file" <<'EOF'
 import sys
 from collections import defaultdict
-secs = {"test_gpu_fuzz.py": 130, "test_gpu_intranode.py": 345, "test_gpu_crossnode.py": 135, "test_streaming.py": 106,
-        "test_overlap.py": 89, "test_gpu_faults.py": 160, "test_gpu_low_latency.py": 81, "test_compile.py": 76,
-        "test_fp8_experts.py": 73, "test_train.py": 65, "test_gpu_low_latency_deepep.py": 61, "test_deep_ep.py": 59,
-        "test_frameworks_hybrid.py": 75, "test_gpu_determinism.py": 35, "test_layer.py": 34, "test_bench.py": 33,
-        "test_expert_major.py": 30, "test_hybrid_ep.py": 28, "test_frameworks_v2.py": 25, "test_one_rank_bad_input.py": 23,
-        "test_gpu_config.py": 17, "test_deep_ep_v2.py": 15, "test_gpu_runtime.py": 14, "test_fp8.py": 9,
-        "test_experts.py": 7, "test_gpu_scale.py": 6, "test_nvfp4.py": 160, "test_low_latency_overlap.py": 40}
+secs = {"test_gpu_intranode.py": 770, "test_gpu_crossnode.py": 221, "test_gpu_faults.py": 206, "test_nvfp4.py": 178,
+        "test_streaming.py": 150, "test_gpu_fuzz.py": 145, "test_overlap.py": 143, "test_gpu_low_latency.py": 137,
+        "test_compile.py": 130, "test_frameworks_hybrid.py": 125, "test_train.py": 113, "test_fp8_experts.py": 109,
+        "test_gpu_low_latency_deepep.py": 86, "test_bench.py": 69, "test_deep_ep.py": 60, "test_gpu_determinism.py": 55,
+        "test_frameworks_v2.py": 47, "test_expert_major.py": 40, "test_one_rank_bad_input.py": 37, "test_hybrid_ep.py": 33,
+        "test_layer.py": 29, "test_low_latency_overlap.py": 24, "test_deep_ep_v2.py": 18, "test_gpu_config.py": 17,
+        "test_gpu_runtime.py": 14, "test_fp8.py": 11, "test_experts.py": 10, "test_frameworks_low_latency.py": 9,
+        "test_gpu_scale.py": 6}
 SPLIT, START = 150, 10
 lanes = int(sys.argv[1])
 tests = defaultdict(list)
@@ -79,17 +81,18 @@ lane() {  # lane NAME FILE@LIMIT...: each file's GPU tests, within its limit and
     [ $left -lt 10 ] && left=10
     [ $limit -gt $left ] && limit=$left
     # SIGINT first: pytest reports the test it was in, and tests/_dist.py prints the ranks' stacks
-    MOE_EP_TEST_STACKS="$out/$name.stacks" timeout -s INT -k 20 "$limit" \
-      python3 -m pytest -q -rs -p no:cacheprovider -m gpu "$file" >"$out/$name.part" 2>&1
+    MOE_EP_TEST_STACKS="$logs/$name.stacks" timeout -s INT -k 20 "$limit" \
+      python3 -m pytest -q -rs -p no:cacheprovider -m gpu "$file" >"$logs/$name.part" 2>&1
     local rc=$?
-    cat "$out/$name.part" >>"$out/$name.log"
-    if [ -s "$out/$name.stacks" ]; then echo "--- stacks of ranks that did not finish:"; cat "$out/$name.stacks"; fi >>"$out/$name.log"
-    rm -f "$out/$name.stacks"
-    local result; result=$(grep -E '[0-9]+ (passed|failed|error|skipped)' "$out/$name.part" | tail -1)
+    cat "$logs/$name.part" >>"$logs/$name.log"
+    if [ -s "$logs/$name.stacks" ]; then echo "--- stacks of ranks that did not finish:"; cat "$logs/$name.stacks"; fi >>"$logs/$name.log"
+    rm -f "$logs/$name.stacks"
+    local result; result=$(grep -E '[0-9]+ (passed|failed|error|skipped)' "$logs/$name.part" | tail -1)
     { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && result="TIMED OUT after $((SECONDS - began)) s (limit ${limit} s)"
     echo "$file | rc=$rc | $((SECONDS - began)) s | $result" >>"$out/summary.txt"
   done
-  rm -f "$out/$name.part"
+  rm -f "$logs/$name.part"
+  { echo "===== $name"; cat "$logs/$name.log"; } >>"$out/lanes.log"  # whole lanes, one after another
 }
 n=0
 set -f  # units such as tests/test_overlap.py::test_overlap_gpu[ep2] are not glob patterns
