@@ -15,6 +15,7 @@ Buffer is unusable.
 """
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -90,10 +91,8 @@ class NvshmemBackend(Backend):
         """ErrorWatch.check where the record may be an earlier call's (one that raised nothing yet: an async
         call, a graph replay): a mismatch that names this rank's own rejected input raises nothing, since
         that call raised the rank's error already."""
-        try:
+        with contextlib.suppress(OwnRejection):
             self._error.check(timeouts_only)
-        except OwnRejection:
-            pass
 
     def _stream(self) -> torch.cuda.Stream:
         """What earlier calls recorded raised (a bad id waits for the end of a call); the current stream
@@ -119,21 +118,24 @@ class NvshmemBackend(Backend):
         self._stamps.launch(CallStamp(CallOrder(), COMBINE, 1, 0, 0, 0, 0), 0,
                             torch.cuda.current_stream(self.cfg.device))
 
-    def _settle(self, verdict: torch.cuda.Event, async_op: bool) -> None:
-        """A call that is neither async nor being captured waits, once all of its kernels are launched,
-        for its stamp exchange and raises what it recorded (peers that made another call or never came),
-        so the call does not return as if it had succeeded. An async call's event and the Buffer's next
-        call raise it instead; a captured one's replay raises it at its first host check."""
-        if async_op or torch.cuda.is_current_stream_capturing():
-            return
+    def _await_exchange(self, verdict: torch.cuda.Event) -> None:
+        """Waits for the call's stamp exchange and raises what it recorded (peers that made another call
+        or never came)."""
         verdict.synchronize()
         self._error.check(timeouts_only=True)
+
+    def _settle(self, verdict: torch.cuda.Event, async_op: bool) -> None:
+        """A call that is neither async nor being captured waits, once all of its kernels are launched, for
+        its stamp exchange (_await_exchange), so the call does not return as if it had succeeded. An async
+        call's event and the Buffer's next call raise it instead; a captured one's replay raises it at its
+        first host check."""
+        if not async_op and not torch.cuda.is_current_stream_capturing():
+            self._await_exchange(verdict)
 
     def _rounds(self, verdict: torch.cuda.Event) -> int:
         """A fresh exact-size dispatch's token rounds, ceil(max N / T) over the ranks, from its stamp
         exchange (the host waits for it; a mismatch or a silent peer raises here, before any round)."""
-        verdict.synchronize()
-        self._error.check(timeouts_only=True)
+        self._await_exchange(verdict)
         return max(1, -(-self._stamps.max_tokens() // self.cfg.max_tokens_per_rank))
 
     # ---- normal mode -----------------------------------------------------------------------
