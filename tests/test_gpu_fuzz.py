@@ -1,4 +1,4 @@
-"""GPU fuzz: up to 10,000 random calls, within a time budget (MOE_EP_FUZZ_SECONDS, 150 s: the ranks
+"""GPU fuzz: up to 10,000 random calls, within a time budget (MOE_EP_FUZZ_SECONDS, 90 s: the ranks
 agree every 100 calls whether to go on, so the GPU suite fits one device call), on one native Buffer
 (low_latency=True) with 2 ranks (on 2 GPUs, or sharing one: tests/_dist.py), interleaved as
 tests/test_fuzz.py draws them (normal dispatch with random N including 0, K routing kinds, skew, FP8,
@@ -30,7 +30,7 @@ from tests.test_fuzz import BAD_INPUTS, Call, FuzzShape, call_inputs, fp8_payloa
 pytestmark = requires_gpus()
 
 CALLS = int(os.environ.get("MOE_EP_FUZZ_CALLS", "10000"))  # each run draws a fresh seed: coverage adds up over runs
-SECONDS = float(os.environ.get("MOE_EP_FUZZ_SECONDS", "150"))  # the fuzz part stops once this is spent
+SECONDS = float(os.environ.get("MOE_EP_FUZZ_SECONDS", "90"))  # the fuzz part stops once this is spent
 AGREE_EVERY = 100  # calls between the ranks' agreements on the time budget
 WARMUP = 200  # calls before the memory is first measured
 SHAPE = FuzzShape(hidden=256, experts=16, topk=6, max_tokens=32)

@@ -9,7 +9,7 @@ and every token on one expert; FP8 dispatch, expert_alignment, worst-case mode a
 budgets are covered. Before each native call the caching allocator's free blocks and the native
 Buffer's symmetric workspace are poisoned, so rows or metadata a call fails to write cannot pass.
 Combines also run with topk_weights (random magnitudes and signs, some -0.0): rows and combined
-weights bitwise equal. Then 1000 calls with changing inputs compared by hashes, a CUDA graph of a
+weights bitwise equal. Then STRESS_CALLS calls with changing inputs compared by hashes, a CUDA graph of a
 worst-case dispatch + combine (with and without weights) replayed 20 times with fresh inputs, a
 dispatch timeout that names its phase, a combine timeout that leaves NaN rows and weights, and
 dispatch timeouts (at the stamp exchange, waiting for rows, at a cached dispatch's start) that leave
@@ -42,7 +42,7 @@ pytestmark = requires_gpus()
 
 WORLD = 2
 POISON = 0x7F
-STRESS_CALLS = 1000
+STRESS_CALLS = 300  # per topology; 1000 made the suite overrun its device call (tests/README.md)
 GRAPH_REPLAYS = 20
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
