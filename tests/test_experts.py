@@ -283,3 +283,60 @@ def test_cuda_grouped_path_matches_cpu_loop() -> None:
         for name, a, b in zip(("out", "x", "w", "w1", "w3", "w2"), got, want):
             assert _rel(a.cpu(), b) <= 2e-2, f"seed {seed}: {name} rel err {_rel(a.cpu(), b):.2e}"
         assert not got[3][2].any() and not got[5][2].any(), f"seed {seed}: empty expert's gradient"
+
+
+def _decode_check(device: str, seed: int) -> None:
+    """decode_experts.run (the low-latency experts over each expert's counted rows) against float64 experts on
+    the CPU, row by counted row, at random counts (0 and all C included) and tile shapes; twice the same bits.
+    On the CPU (Triton's interpreter, which has no bf16 dot) in float32."""
+    from moe_ep.moe import decode_experts
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    for e, c, h, f, tiles in ((3, 16, 32, 24, decode_experts.DecodeTiles(16, 16, 16)),
+                              (4, 40, 256, 128, decode_experts.TILES),
+                              (2, 70, 160, 96, decode_experts.DecodeTiles(64, 32, 64, 4, 2))):
+        w13 = torch.randn(e, 2 * f, h, generator=g, dtype=torch.float64) * h ** -0.5
+        w2 = torch.randn(e, h, f, generator=g, dtype=torch.float64) * f ** -0.5
+        x = torch.randn(e, c, h, generator=g, dtype=torch.float64)
+        counts = torch.randint(0, c + 1, (e,), generator=g, dtype=torch.int32)
+        counts[0], counts[-1] = c, 0
+        w13_d, w2_d, x_d = (t.to(dtype).to(device) for t in (w13, w2, x))
+        args = (x_d, w13_d[:, :f], w13_d[:, f:], w2_d, counts.to(device), tiles)
+        got, again = decode_experts.run(*args), decode_experts.run(*args)
+        assert all(torch.equal(got[i, :n], again[i, :n]) for i, n in enumerate(counts.tolist())), \
+            f"seed {seed}: bits differ run to run"
+        xw, w13w, w2w = (t.to(dtype).double() for t in (x, w13, w2))  # the inputs as the kernel sees them
+        act = F.silu(xw @ w13w[:, :f].transpose(1, 2)) * (xw @ w13w[:, f:].transpose(1, 2))
+        want = act.to(dtype).double() @ w2w.transpose(1, 2)
+        for i, n in enumerate(counts.tolist()):
+            assert _rel(got[i, :n].cpu().double(), want[i, :n]) <= 2e-2, f"seed {seed}: expert {i} of {e} ({n} rows)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and not _triton_importable(), reason="needs CUDA or Triton")
+def test_decode_kernel_matches_float64() -> None:
+    seed = _seed()
+    if torch.cuda.is_available():
+        _decode_check("cuda", seed)
+        return
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = f"from tests.test_experts import _decode_check; _decode_check('cpu', {seed})"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="bf16 decode kernel on CUDA")
+def test_forward_padded_counts_on_cuda() -> None:
+    """forward_padded with counts (the decode kernel) on CUDA bf16 against forward_padded without them (every
+    slot, batched matmul) on the counted rows, in float64 on the CPU: the same function of each row."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    cpu = _experts(g, torch.float64)
+    cuda = GroupedExperts(E, E_L, FIRST, H, FFN, dtype=torch.bfloat16, device=torch.device("cuda"))
+    cuda.load_state_dict(cpu.state_dict())
+    x = torch.randn(E_L, 33, H, generator=g).to(torch.bfloat16)
+    counts = torch.randint(0, 34, (E_L,), generator=g, dtype=torch.int32)
+    got = cuda.forward_padded(x.cuda(), counts.cuda())
+    want = cpu.forward_padded(x.double())
+    for i, n in enumerate(counts.tolist()):
+        assert _rel(got[i, :n].cpu().double(), want[i, :n]) <= 2e-2, f"seed {seed}: expert {i} ({n} rows)"

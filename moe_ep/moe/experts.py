@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.row_sum import sum_rows
+from . import decode_experts
 from .expert_kernels import swiglu, swiglu_backward
 
 WEIGHT_NAMES = ("w1", "w2", "w3")
@@ -226,14 +227,18 @@ class GroupedExperts(nn.Module):
         dtype: no gather, no sum (an expert-major dispatch's pairs; its combine sums each row's)."""
         return self._apply_experts(x, weights, None, None, counts)
 
-    def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
-        """Low-latency mode: x [E_l, C, H] expert-major rows (each expert's valid rows first)
-        -> [E_l, C, H] unweighted outputs in x's dtype (outputs of rows past the valid ones are unspecified).
+    def forward_padded(self, x: torch.Tensor, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Low-latency mode: x [E_l, C, H] expert-major rows (each expert's valid rows first), counts [E_l]
+        valid rows per expert on the device (None: all C) -> [E_l, C, H] unweighted outputs in x's dtype
+        (outputs of rows past the valid ones are unspecified).
 
-        Every slot is computed (batched matmul): no host sync on the counts, so the call can be captured
-        in a CUDA graph and traced by torch.compile without data-dependent shapes.
+        No host sync on the counts, so the call can be captured in a CUDA graph and traced by torch.compile
+        without data-dependent shapes: with counts on CUDA in bf16, only the valid rows are computed
+        (moe_ep.moe.decode_experts); otherwise every slot (batched matmul).
         """
         xs = x.to(self.w1.dtype)
+        if counts is not None and decode_experts.supported(xs, self.w1, self.w3, self.w2):
+            return decode_experts.decode_experts(xs, self.w1, self.w3, self.w2, counts).to(x.dtype)
         h = F.silu(torch.bmm(xs, self.w1.transpose(1, 2))) * torch.bmm(xs, self.w3.transpose(1, 2))
         return torch.bmm(h, self.w2.transpose(1, 2)).to(x.dtype)
     # ---- per-expert state dict ----------------------------------------------------------------
