@@ -247,12 +247,18 @@ def _triton_importable() -> bool:
 
 @pytest.mark.skipif(not torch.cuda.is_available() and not _triton_importable(), reason="needs CUDA or Triton")
 def test_triton_kernels_match_torch() -> None:
+    _on_cuda_or_interpreted("_triton_check")
+
+
+def _on_cuda_or_interpreted(check: str) -> None:
+    """Run tests.test_experts.<check>(device, seed) on CUDA, else on the CPU in Triton's interpreter (a subprocess:
+    TRITON_INTERPRET must be set before Triton loads)."""
     seed = _seed()
     if torch.cuda.is_available():
-        _triton_check("cuda", seed)
+        globals()[check]("cuda", seed)
         return
     env = dict(os.environ, TRITON_INTERPRET="1")
-    code = f"from tests.test_experts import _triton_check; _triton_check('cpu', {seed})"
+    code = f"from tests.test_experts import {check}; {check}('cpu', {seed})"
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
 
@@ -314,14 +320,7 @@ def _decode_check(device: str, seed: int) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() and not _triton_importable(), reason="needs CUDA or Triton")
 def test_decode_kernel_matches_float64() -> None:
-    seed = _seed()
-    if torch.cuda.is_available():
-        _decode_check("cuda", seed)
-        return
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = f"from tests.test_experts import _decode_check; _decode_check('cpu', {seed})"
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    _on_cuda_or_interpreted("_decode_check")
 
 
 @pytest.mark.gpu
