@@ -3,7 +3,10 @@
 When nvcc is present the build also needs pybind11, ninja and the NVSHMEM wheel matching nvcc's CUDA
 major version. That wheel is pinned to the version the target environment already has (torch pins
 one exactly), so the module is compiled against the same NVSHMEM it will load; see
-`nvshmem_requirement`. Without nvcc the build says, in one line, that it installs without _C; with nvcc but no GPU, it
+`nvshmem_requirement`. moe_ep.moe._gemm (csrc/gemm/, CUTLASS) is built besides when CUTLASS's headers are found
+(toolchain.find_cutlass: $MOE_EP_CUTLASS_DIR, else an installed nvidia-cutlass wheel, in the build environment or
+the target one), else the build says in one line why it is skipped; nvidia-cutlass is no build requirement, since
+its dependencies (cuda-python, scipy, networkx, ...) would come into every isolated build for headers alone. Without nvcc the build says, in one line, that it installs without _C; with nvcc but no GPU, it
 says first what it compiles for and how to skip that.
 
 `--config-settings native=0|1|auto` (pip) sets $MOE_EP_NATIVE for the hooks of that one install
@@ -19,7 +22,7 @@ from typing import Any, Optional
 from setuptools import build_meta as _setuptools
 from setuptools.build_meta import build_sdist, get_requires_for_build_sdist  # served by setuptools unchanged
 
-from .toolchain import NATIVE_ENV, build_cuda, cuda_archs, native_mode
+from .toolchain import NATIVE_ENV, build_cuda, cuda_archs, find_cutlass, gemm_skip_reason, native_mode
 
 __all__ = [
     "build_editable", "build_sdist", "build_wheel", "get_requires_for_build_editable",
@@ -136,11 +139,21 @@ def _say_if_pure_python() -> None:
         print(f"moe_ep: {why}: installing without moe_ep.comm._C (reference backend only)", file=sys.stderr)
 
 
+def _say_if_no_gemm() -> None:
+    """One line on stderr when _C is built but moe_ep.moe._gemm (the CUTLASS FP8 grouped GEMM) is not, and why."""
+    cuda = build_cuda()
+    if cuda is not None:
+        why = gemm_skip_reason(cuda, find_cutlass())
+        if why is not None:
+            print(f"moe_ep: {why}: skipping moe_ep.moe._gemm (the Triton FP8 grouped GEMM serves)", file=sys.stderr)
+
+
 def build_wheel(wheel_directory: str, config_settings: ConfigSettings = None,
                 metadata_directory: Optional[str] = None) -> str:
     """setuptools' wheel, after the native setting is applied (setup.py builds _C through ninja)."""
     config_settings = _take_native_setting(config_settings)
     _say_if_pure_python()
+    _say_if_no_gemm()
     return _setuptools.build_wheel(wheel_directory, config_settings, metadata_directory)
 
 
@@ -149,4 +162,5 @@ def build_editable(wheel_directory: str, config_settings: ConfigSettings = None,
     """As build_wheel, for `pip install -e`."""
     config_settings = _take_native_setting(config_settings)
     _say_if_pure_python()
+    _say_if_no_gemm()
     return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)

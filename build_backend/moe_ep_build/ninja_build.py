@@ -1,5 +1,5 @@
-"""Compiles moe_ep.comm._C: writes a build.ninja (an nvcc -rdc compile of every csrc/ source, then one nvcc
-link that device-links them with libnvshmem_device.a and host-links against libnvshmem_host.so.3)
+"""Compiles moe_ep.comm._C: writes a build.ninja (an nvcc -rdc compile of every csrc/ source outside csrc/gemm/,
+then one nvcc link that device-links them with libnvshmem_device.a and host-links against libnvshmem_host.so.3)
 and runs ninja on it.
 
 Rebuilds are incremental across pip's isolated builds: pybind11 and NVSHMEM live in a temporary
@@ -23,6 +23,8 @@ from pathlib import Path
 from .toolchain import Cuda, Nvshmem
 
 EXTRA_FLAGS_ENV = "MOE_EP_NVCC_FLAGS"
+# csrc/ folders that build a module of their own (gemm: moe_ep.moe._gemm, see gemm_build.py), never linked into _C.
+SEPARATE_MODULE_DIRS = ("gemm",)
 # Where an installed moe_ep/comm/_C finds the NVSHMEM wheel's library when imported without moe_ep.comm._native
 # (which preloads it): site-packages/moe_ep/comm/../../nvidia/nvshmem/lib. Relative, so it never points into
 # the temporary environment of an isolated build.
@@ -43,7 +45,9 @@ class NativeBuild:
 
     @property
     def sources(self) -> list[Path]:
-        return sorted(p for p in self.csrc.rglob("*") if p.suffix in (".cu", ".cpp"))
+        """Every .cu and .cpp under csrc except the folders of the other modules (SEPARATE_MODULE_DIRS)."""
+        return sorted(p for p in self.csrc.rglob("*") if p.suffix in (".cu", ".cpp")
+                      and p.relative_to(self.csrc).parts[0] not in SEPARATE_MODULE_DIRS)
 
     @property
     def deps_dir(self) -> Path:

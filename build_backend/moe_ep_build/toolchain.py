@@ -1,11 +1,14 @@
-"""Finds what moe_ep.comm._C is built with: nvcc and its CUDA version, the GPU archs, the NVSHMEM wheel."""
+"""Finds what the native modules are built with: nvcc and its CUDA version, the GPU archs, the NVSHMEM wheel
+(moe_ep.comm._C) and the CUTLASS headers (moe_ep.moe._gemm)."""
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -15,6 +18,11 @@ DEFAULT_ARCHS = ("90",)
 # Whether to build moe_ep.comm._C: "0" never (pure-Python install), "1" always (fail without nvcc), unset or
 # "auto" when nvcc is found. `pip install . --config-settings native=0` sets it for one install.
 NATIVE_ENV = "MOE_EP_NATIVE"
+# A CUTLASS checkout or include folder (holding cutlass/cutlass.h, or include/cutlass/cutlass.h) for moe_ep.moe._gemm;
+# unset, the headers of the nvidia-cutlass wheel (cutlass_library/source/include) are used where it is installed.
+CUTLASS_DIR_ENV = "MOE_EP_CUTLASS_DIR"
+# CUTLASS's sm90 grouped GEMM with device problem shapes patches TMA descriptors on the device: CUDA 12.3 or later.
+GEMM_MIN_CUDA = (12, 3)
 NATIVE_MODES = {"0": "off", "off": "off", "false": "off", "no": "off", "1": "on", "on": "on", "true": "on",
                 "yes": "on", "": "auto", "auto": "auto"}
 
@@ -53,6 +61,14 @@ class Nvshmem:
     def host_library(self) -> Path:
         """The wheel ships only the SONAME file, so the link passes it to the linker by path."""
         return self.root / "lib" / "libnvshmem_host.so.3"
+
+
+@dataclass(frozen=True)
+class Cutlass:
+    """CUTLASS's C++ headers (the folder holding cutlass/ and cute/) and where they were found."""
+
+    include_dir: Path
+    found_by: str  # "$MOE_EP_CUTLASS_DIR", "this interpreter" or "the target environment"
 
 
 def find_nvcc() -> Optional[Path]:
@@ -128,3 +144,57 @@ def header_version(include_dir: Path) -> tuple[int, int, int]:
             raise RuntimeError(f"NVSHMEM_VENDOR_{part}_VERSION not found in {include_dir}")
         parts.append(int(match[1]))
     return parts[0], parts[1], parts[2]
+
+
+# Run by the target environment's interpreter: the folder of the cutlass_library package, found without importing
+# it (its __init__ imports its generator), else nothing.
+_CUTLASS_QUERY = r"""
+import importlib.util
+spec = importlib.util.find_spec("cutlass_library")
+if spec is not None and spec.submodule_search_locations:
+    print(list(spec.submodule_search_locations)[0])
+"""
+
+
+def _cutlass_include(root: Path) -> Optional[Path]:
+    """root itself or root/include when it holds cutlass/cutlass.h and cute/, else None."""
+    for candidate in (root, root / "include"):
+        if (candidate / "cutlass" / "cutlass.h").is_file() and (candidate / "cute").is_dir():
+            return candidate
+    return None
+
+
+def find_cutlass() -> Optional[Cutlass]:
+    """CUTLASS's headers from $MOE_EP_CUTLASS_DIR (an error when it names no CUTLASS), else from the nvidia-cutlass
+    wheel as this interpreter sees it, else as the target environment does (pip's isolated build hides the target's
+    packages behind PYTHONPATH; the same interpreter without it sees them), else None."""
+    raw = os.environ.get(CUTLASS_DIR_ENV, "")
+    if raw:
+        include = _cutlass_include(Path(raw).expanduser())
+        if include is None:
+            raise RuntimeError(f"{CUTLASS_DIR_ENV}={raw!r} holds neither cutlass/cutlass.h nor include/cutlass/cutlass.h")
+        return Cutlass(include_dir=include.resolve(), found_by=f"${CUTLASS_DIR_ENV}")
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is not None and spec.submodule_search_locations:
+        include = _cutlass_include(Path(list(spec.submodule_search_locations)[0]) / "source")
+        if include is not None:
+            return Cutlass(include_dir=include.resolve(), found_by="this interpreter")
+    if os.environ.get("PYTHONPATH"):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        out = subprocess.run([sys.executable, "-c", _CUTLASS_QUERY], capture_output=True, text=True, env=env,
+                             check=False).stdout.strip()
+        include = _cutlass_include(Path(out) / "source") if out else None
+        if include is not None:
+            return Cutlass(include_dir=include.resolve(), found_by="the target environment")
+    return None
+
+
+def gemm_skip_reason(cuda: Cuda, cutlass: Optional[Cutlass]) -> Optional[str]:
+    """Why moe_ep.moe._gemm is not built with this toolkit and these headers, or None when it is."""
+    if cuda.version < GEMM_MIN_CUDA:
+        need = ".".join(map(str, GEMM_MIN_CUDA))
+        return f"nvcc is CUDA {cuda.version[0]}.{cuda.version[1]}, CUTLASS's sm90 grouped GEMM needs {need} or later"
+    if cutlass is None:
+        return (f"no CUTLASS headers (`pip install --no-deps nvidia-cutlass`, the headers suffice, or "
+                f"{CUTLASS_DIR_ENV}=<cutlass checkout>)")
+    return None
