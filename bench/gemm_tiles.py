@@ -17,35 +17,7 @@ from moe_ep.moe import fp8_experts
 from moe_ep.bench import Timer, tflops
 
 CANDIDATES = [fp8_experts.GemmTiles(*t) for t in ((64, 128, 4, 4, False), (64, 256, 8, 3, True), (64, 128, 4, 4, True),
-                                                  (128, 128, 8, 3, True), (64, 256, 8, 3, True, True),
-                                                  (64, 128, 4, 4, True, True), (128, 128, 8, 3, True, True),
-                                                  (128, 256, 8, 2, True, True))]
-
-
-def torch_blockwise(m: int, n: int, k: int, timer: Timer, dev: torch.device) -> None:
-    """torch._scaled_mm with DeepSeek's scales (1 x 128 on the rows, 128 x 128 on the weight), one dense GEMM of
-    all the rows against one expert's weight: a ceiling for what torch's own blockwise FP8 reaches here. Scale
-    layouts torch may want differ by version: each is tried, the first that runs is timed (its error otherwise)."""
-    a = torch.randn(m, k, device=dev).to(torch.float8_e4m3fn)
-    b = torch.randn(n, k, device=dev).to(torch.float8_e4m3fn)
-    sa = torch.rand(m, k // 128, device=dev) + 0.5
-    sb = torch.rand(n // 128, k // 128, device=dev) + 0.5
-    layouts = {"sa column-major, sb [N/128, K/128]": (sa.t().contiguous().t(), sb),
-               "sa column-major, sb [K/128, N/128]": (sa.t().contiguous().t(), sb.t()),
-               "sa row-major, sb [K/128, N/128] contiguous": (sa, sb.t().contiguous())}
-    errors = []
-    for name, (scale_a, scale_b) in layouts.items():
-        try:
-            call = lambda: torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=torch.bfloat16)  # noqa: E731
-            call()
-            us = timer.call_us(call)
-        except (RuntimeError, NotImplementedError, ValueError) as error:
-            errors.append(f"{name}: {str(error).splitlines()[0][:100]}")
-            continue
-        print(f"torch._scaled_mm blockwise 1x128 / 128x128 ({name}), {m} x {n} x {k}: {us / 1e3:.3f} ms, "
-              f"{tflops(2.0 * m * n * k, us):.0f} TFLOP/s")
-        return
-    print("torch._scaled_mm blockwise: not available here:\n  " + "\n  ".join(errors))
+                                                  (128, 128, 8, 3, True))]
 
 
 def groups(pairs: int, experts: int, equal: bool, device: torch.device) -> torch.Tensor:
@@ -71,8 +43,7 @@ def main() -> None:
     w2, w2s = fp8_experts.quantize_weight_blocks(torch.randn(e, h, f, device=dev) * 0.02)
     w13b, w2b = (torch.randn(e, 2 * f, h, device=dev, dtype=torch.bfloat16),
                  torch.randn(e, h, f, device=dev, dtype=torch.bfloat16))
-    torch_blockwise(args.pairs, 2 * args.ffn, args.hidden, timer, dev)
-    print(f"{'groups':8} {'tiles (bm, bn, warps, stages, tma, paired)':44} {'gate/up ms':>10} {'TFLOP/s':>8} {'down ms':>8} {'TFLOP/s':>8} {'both ms':>8}")
+    print(f"{'groups':8} {'tiles (bm, bn, warps, stages, tma)':44} {'gate/up ms':>10} {'TFLOP/s':>8} {'down ms':>8} {'TFLOP/s':>8} {'both ms':>8}")
     for equal in (True, False):
         counts = groups(args.pairs, e, equal, dev)
         n = int(counts.sum())

@@ -5,7 +5,6 @@ TRITON_INTERPRET=1; skipped without Triton), and the layer runs the torch versio
 kernels themselves and the layer on the native backend against the reference one, bit for bit."""
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -120,30 +119,15 @@ def _kernel_cases(dev: torch.device) -> None:
     tma = fe.GemmTiles(bm=16, bn=64, num_warps=4, num_stages=1, tma=True)  # tiles may cross experts: masked
     _gemm_case(dev, 6, 3, 256, 256, [5, 0, 37], 50, True, tma)
     _gemm_case(dev, 7, 3, 384, 256, [21, 0, 30], 51, False, fe.GemmTiles(bm=16, bn=256, num_warps=4, num_stages=1, tma=True))
-    paired = fe.GemmTiles(bm=16, bn=64, num_warps=4, num_stages=1, tma=False, paired=True)  # 3 K steps: a pair + 1
-    _gemm_case(dev, 10, 3, 256, 384, [5, 0, 37], 50, True, paired)
     _swiglu_case(dev, 40, 256)
     _swiglu_case(dev, 1, 128)
     if dev.type == "cuda":  # the shipped tiles on shapes where they matter
         _gemm_case(dev, 4, 8, 1024, 2048, [300, 0, 129, 128, 1, 700, 64, 250], 900, True, fe.TILES)
         _gemm_case(dev, 5, 8, 512, 1024, [300, 0, 129, 128, 1, 700, 64, 250], 1572, False, fe.TILES)
-        for tiles in (fe.GemmTiles(64, 128, 4, 4, tma=False), fe.GemmTiles(128, 128, 8, 3, tma=True),
-                      fe.GemmTiles(64, 256, 8, 3, tma=True, paired=True)):
+        for tiles in (fe.GemmTiles(64, 128, 4, 4, tma=False), fe.GemmTiles(128, 128, 8, 3, tma=True)):
             _gemm_case(dev, 8, 8, 1024, 2048, [300, 0, 129, 128, 1, 700, 64, 250], 900, True, tiles)
             _gemm_case(dev, 9, 8, 512, 1024, [300, 0, 129, 128, 1, 700, 64, 250], 1572, False, tiles)
-        _paired_same_bits(dev)
         _swiglu_case(dev, 1000, 1024)
-
-
-def _paired_same_bits(dev: torch.device) -> None:
-    """GemmTiles.paired changes when the MMAs issue, not the sums: the same bits as one K step at a time."""
-    g = torch.Generator().manual_seed(11)
-    aq, a_scale = fp8_quantize(torch.randn(700, 1152, generator=g))  # 9 K steps: 4 pairs and one more
-    bq, b_scale = fp8_quantize_weight_blocks(torch.randn(4, 512, 1152, generator=g) * 0.05)
-    c = torch.tensor([300, 0, 1, 399], device=dev)
-    args = (aq.to(dev), a_scale.to(dev), None, c, bq.to(dev), b_scale.to(dev))
-    one, two = (fe.grouped_gemm(*args, tiles=replace(fe.TILES, paired=paired)) for paired in (False, True))
-    assert torch.equal(one, two), "paired K steps changed the bits"
 
 
 def interpreted_kernel_cases() -> None:

@@ -124,7 +124,7 @@ if triton is not None:
     @triton.jit
     def _grouped_gemm_kernel(a_ptr, as_ptr, rows_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, a_desc, b_desc, N, K, E,
                              GATHER: tl.constexpr, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                             A_TMA: tl.constexpr, B_TMA: tl.constexpr, PAIRED: tl.constexpr):
+                             A_TMA: tl.constexpr, B_TMA: tl.constexpr):
         """out[p, n] = sum_kb (a[src_p, kb] . b[e_p, n, kb]) * as[src_p, kb] * bs[e_p, n / 128, kb].
 
         Protocol: one program per (row tile, column tile) as moe_ep.moe.grouped_gemm.expert_tile lays them
@@ -132,8 +132,6 @@ if triton is not None:
         are masked in loads and stores. With B_TMA (A_TMA) the weight (row) tiles come through a TMA
         descriptor over b viewed as [E * N, K] (a as [M, K]): a tile may then read the next expert's
         rows or columns, or zeros past the end, which the masked store drops; A_TMA only without GATHER.
-        PAIRED issues two K steps' products before scaling the first (so the second's MMAs may run while
-        the first is scaled), adding them to the accumulator in the same order: the same bits.
         """
         e, row, row_ok, src, tile_row, col, col_ok = expert_tile(tl.program_id(0), counts_ptr, rows_ptr, N, E, GATHER,
                                                                  E_POW2, BM, BN)
@@ -146,15 +144,7 @@ if triton is not None:
             as_rows = as_ptr + src * kb_count
             bs_cols = bs_ptr + (e64 * tl.cdiv(N, 128) + col // 128) * kb_count
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            paired = kb_count // 2 * 2 if PAIRED else 0
-            for kb in range(0, paired, 2):
-                p0, s0 = _k_step(kb, a_rows, a_desc, b_cols, b_desc, as_rows, bs_cols, row_ok, col_ok, tile_row, b_row,
-                                 A_TMA, B_TMA)
-                p1, s1 = _k_step(kb + 1, a_rows, a_desc, b_cols, b_desc, as_rows, bs_cols, row_ok, col_ok, tile_row,
-                                 b_row, A_TMA, B_TMA)
-                acc += p0 * s0
-                acc += p1 * s1
-            for kb in range(paired, kb_count):
+            for kb in range(0, kb_count):
                 p0, s0 = _k_step(kb, a_rows, a_desc, b_cols, b_desc, as_rows, bs_cols, row_ok, col_ok, tile_row, b_row,
                                  A_TMA, B_TMA)
                 acc += p0 * s0
@@ -191,7 +181,6 @@ class GemmTiles:
     num_warps: int = 8
     num_stages: int = 3
     tma: bool = True  # weight tiles (and, without a gather, row tiles) through TMA descriptors
-    paired: bool = False  # two K steps' MMAs issued before the first is scaled (same bits)
 
 
 TILES = GemmTiles()
@@ -210,8 +199,7 @@ def _grouped_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, rows: Optional[
     _grouped_gemm_kernel[grid](a, a_scale, rows if rows is not None else counts, b, b_scale, out,
                                counts.to(torch.int32), a_desc, b_desc, n, k, e, GATHER=rows is not None,
                                E_POW2=triton.next_power_of_2(e), BM=tiles.bm, BN=tiles.bn, A_TMA=a_tma,
-                               B_TMA=tiles.tma, PAIRED=tiles.paired, num_warps=tiles.num_warps,
-                               num_stages=tiles.num_stages)
+                               B_TMA=tiles.tma, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
