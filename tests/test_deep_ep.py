@@ -114,10 +114,15 @@ def _check_normal(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts
                   alignment: int, async_mode: bool, dev: torch.device) -> None:
     x, idx, w = _mine(inp, me, dev)
     per_rank, _, per_expert, in_rank, _ = _layout(buf, inp, me, experts, dev)
-    extra = {"async_finish": async_mode, "previous_event": buf.capture() if async_mode else None}
+
+    def extra() -> dict:
+        """DeepEP's async arguments; previous_event captured at the call, after every input it reads was made
+        (the communication stream waits for that event only, not for the caller's stream)."""
+        return {"async_finish": async_mode, "previous_event": buf.capture() if async_mode else None}
+
     recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
-        topk_weights=w, expert_alignment=alignment, config=deep_ep.Config(8), **extra)
+        topk_weights=w, expert_alignment=alignment, config=deep_ep.Config(8), **extra())
     if async_mode:
         event.current_stream_wait()
     want = expected_dispatch(inp, me, world, experts)
@@ -132,8 +137,8 @@ def _check_normal(buf: deep_ep.Buffer, inp: Inputs, me: int, world: int, experts
     y = _returned(recv_x, me, want.src_rank, dev)
     g = torch.Generator().manual_seed(1000 + me)
     b0, b1 = ((torch.randn(x.shape, generator=g) * 4).to(torch.bfloat16) for _ in range(2))
-    out, out_w, event = buf.combine(y, handle, topk_weights=_weights_back(recv_w, me),
-                                    bias=(b0.to(dev), b1.to(dev)), **extra)
+    weights_back, biases = _weights_back(recv_w, me), (b0.to(dev), b1.to(dev))
+    out, out_w, event = buf.combine(y, handle, topk_weights=weights_back, bias=biases, **extra())
     if async_mode:
         event.current_stream_wait()
     summed = expected_combine(inp, me, world, experts, _row_back(inp), per_node)
