@@ -5,13 +5,12 @@ temporary) build environment into build_dir/deps/ only when they change; CUTLASS
 are installed (the target environment, or $MOE_EP_CUTLASS_DIR), which outlives the build."""
 from __future__ import annotations
 
-import subprocess
 import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from .ninja_build import _ninja_executable, _ninja_path, _quote, jobs, sync_file, sync_tree
+from .ninja_build import jobs, ninja_file, run_ninja, sync_file, sync_tree, write_ninja
 from .toolchain import Cuda, Cutlass
 
 MODULE = "moe_ep.moe._gemm"
@@ -51,31 +50,11 @@ class GemmBuild:
 
 def ninja_text(build: GemmBuild) -> str:
     """The build.ninja for `build`: one compile per source, one link."""
-    lines = [
-        "ninja_required_version = 1.3",
-        f"nvcc = {_quote([build.cuda.nvcc])}",
-        f"cflags = {_quote(build.compile_flags)}",
-        f"archflags = {_quote(ARCH_FLAGS)}",
-        "",
-        "rule compile",
-        "  command = $nvcc $cflags -MD -MF $out.d -c $in -o $out",
-        "  depfile = $out.d",
-        "  deps = gcc",
-        "  description = nvcc $in",
-        "",
-        "rule link",
-        "  command = $nvcc -shared $archflags $in -o $out",
-        "  description = link $out",
-        "",
-    ]
-    objects = []
-    for src in build.sources:
-        obj = build.build_dir / "obj" / src.relative_to(build.csrc).with_suffix(src.suffix + ".o")
-        objects.append(obj)
-        lines.append(f"build {_ninja_path(obj)}: compile {_ninja_path(src)}")
-    lines.append(f"build {_ninja_path(build.module)}: link {' '.join(_ninja_path(o) for o in objects)}")
-    lines.append(f"default {_ninja_path(build.module)}")
-    return "\n".join(lines) + "\n"
+    variables: dict[str, list[object]] = {"nvcc": [build.cuda.nvcc], "cflags": build.compile_flags,
+                                          "archflags": ARCH_FLAGS}
+    return ninja_file(variables=variables, link_command="$nvcc -shared $archflags $in -o $out",
+                      link_description="link $out", csrc=build.csrc, sources=build.sources,
+                      build_dir=build.build_dir, module=build.module)
 
 
 def run(build: GemmBuild) -> None:
@@ -83,13 +62,9 @@ def run(build: GemmBuild) -> None:
     import pybind11
 
     staged = sync_tree(Path(pybind11.get_include()), build.pybind11_include)
-    build.build_dir.mkdir(parents=True, exist_ok=True)
-    path = build.build_dir / "build.ninja"
-    text = ninja_text(build)
-    if not path.is_file() or path.read_text() != text:
-        path.write_text(text)
+    write_ninja(build.build_dir, ninja_text(build))
     print(f"moe_ep: building {MODULE} (sm_90a) in {build.build_dir} with {jobs()} parallel jobs, CUTLASS from "
           f"{build.cutlass.found_by} ({build.cutlass.include_dir}; {staged} dependency files changed)",
           file=sys.stderr, flush=True)
-    subprocess.run([_ninja_executable(), "-C", str(build.build_dir), "-j", str(jobs())], check=True)
+    run_ninja(build.build_dir)
     sync_file(build.module, build.output)

@@ -127,18 +127,12 @@ def _quote(args: list[object]) -> str:
     return " ".join(shlex.quote(str(a)) for a in args).replace("$", "$$")
 
 
-def ninja_text(build: NativeBuild) -> str:
-    """The build.ninja for `build`: one compile per source, one link; the libraries are implicit
-    inputs of the link, so a changed NVSHMEM relinks."""
-    nvshmem = build.staged_nvshmem
-    lines = [
-        "ninja_required_version = 1.3",
-        f"nvcc = {_quote([build.cuda.nvcc])}",
-        f"cflags = {_quote(build.compile_flags)}",
-        f"archflags = {_quote(build.arch_flags)}",
-        f"devlib = {_quote([nvshmem.device_library])}",
-        f"hostlib = {_quote(['-Xlinker', nvshmem.host_library])}",
-        f"rpath = {_quote(['-Xlinker', '-rpath', '-Xlinker', NVSHMEM_RPATH])}",
+def ninja_file(*, variables: dict[str, list[object]], link_command: str, link_description: str, csrc: Path,
+               sources: list[Path], build_dir: Path, module: Path, link_inputs: tuple[Path, ...] = ()) -> str:
+    """A build.ninja with one nvcc compile per source ($nvcc $cflags, objects under build_dir/obj/) and one link
+    of them into `module` by `link_command`; `link_inputs` are the link's implicit inputs (they relink on change).
+    `variables` are ninja variables (shell-quoted) that the commands name."""
+    lines = ["ninja_required_version = 1.3"] + [f"{name} = {_quote(value)}" for name, value in variables.items()] + [
         "",
         "rule compile",
         "  command = $nvcc $cflags -MD -MF $out.d -c $in -o $out",
@@ -147,29 +141,52 @@ def ninja_text(build: NativeBuild) -> str:
         "  description = nvcc $in",
         "",
         "rule link",
-        "  command = $nvcc -shared -rdc=true $archflags $in $devlib $hostlib $rpath -o $out",
-        "  description = device link + link $out",
+        f"  command = {link_command}",
+        f"  description = {link_description}",
         "",
     ]
     objects = []
-    for src in build.sources:
-        obj = build.build_dir / "obj" / src.relative_to(build.csrc).with_suffix(src.suffix + ".o")
+    for src in sources:
+        obj = build_dir / "obj" / src.relative_to(csrc).with_suffix(src.suffix + ".o")
         objects.append(obj)
         lines.append(f"build {_ninja_path(obj)}: compile {_ninja_path(src)}")
-    libs = " ".join(_ninja_path(p) for p in (nvshmem.device_library, nvshmem.host_library))
-    lines.append(f"build {_ninja_path(build.module)}: link {' '.join(_ninja_path(o) for o in objects)} | {libs}")
-    lines.append(f"default {_ninja_path(build.module)}")
+    implicit = f" | {' '.join(_ninja_path(p) for p in link_inputs)}" if link_inputs else ""
+    lines.append(f"build {_ninja_path(module)}: link {' '.join(_ninja_path(o) for o in objects)}{implicit}")
+    lines.append(f"default {_ninja_path(module)}")
     return "\n".join(lines) + "\n"
 
 
-def write_ninja(build: NativeBuild) -> Path:
+def ninja_text(build: NativeBuild) -> str:
+    """The build.ninja for `build`: one compile per source, one link; the libraries are implicit
+    inputs of the link, so a changed NVSHMEM relinks."""
+    nvshmem = build.staged_nvshmem
+    variables: dict[str, list[object]] = {
+        "nvcc": [build.cuda.nvcc],
+        "cflags": build.compile_flags,
+        "archflags": build.arch_flags,
+        "devlib": [nvshmem.device_library],
+        "hostlib": ["-Xlinker", nvshmem.host_library],
+        "rpath": ["-Xlinker", "-rpath", "-Xlinker", NVSHMEM_RPATH],
+    }
+    return ninja_file(variables=variables,
+                      link_command="$nvcc -shared -rdc=true $archflags $in $devlib $hostlib $rpath -o $out",
+                      link_description="device link + link $out", csrc=build.csrc, sources=build.sources,
+                      build_dir=build.build_dir, module=build.module,
+                      link_inputs=(nvshmem.device_library, nvshmem.host_library))
+
+
+def write_ninja(build_dir: Path, text: str) -> Path:
     """Writes build_dir/build.ninja (only when its text changed) and returns its path."""
-    build.build_dir.mkdir(parents=True, exist_ok=True)
-    path = build.build_dir / "build.ninja"
-    text = ninja_text(build)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    path = build_dir / "build.ninja"
     if not path.is_file() or path.read_text() != text:
         path.write_text(text)
     return path
+
+
+def run_ninja(build_dir: Path) -> None:
+    """Runs ninja on build_dir/build.ninja with jobs() parallel compiles."""
+    subprocess.run([_ninja_executable(), "-C", str(build_dir), "-j", str(jobs())], check=True)
 
 
 def _ninja_path(path: Path) -> str:
@@ -197,10 +214,10 @@ def jobs() -> int:
 def run(build: NativeBuild) -> None:
     """Builds build.module incrementally (ninja keeps its state in build_dir) and copies it to build.output."""
     staged = stage_deps(build)
-    write_ninja(build)
+    write_ninja(build.build_dir, ninja_text(build))
     print(f"moe_ep: building moe_ep.comm._C in {build.build_dir} with {jobs()} parallel jobs "
           f"({staged} dependency files changed)", file=sys.stderr, flush=True)
-    subprocess.run([_ninja_executable(), "-C", str(build.build_dir), "-j", str(jobs())], check=True)
+    run_ninja(build.build_dir)
     sync_file(build.module, build.output)  # a new file, never rewritten in place under a process that maps it
 
 
