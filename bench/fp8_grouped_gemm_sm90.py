@@ -88,7 +88,7 @@ def kernels(a: torch.Tensor, a_scale: torch.Tensor, counts: torch.Tensor, b: tor
             calls[f"cutlass {tiles} {raster}"] = lambda c=config: sm90.grouped_gemm(a, a_scale, counts, b, b_scale,
                                                                                     out=out, config=c)
     calls["triton fp8_experts.grouped_gemm"] = lambda: fp8_experts.grouped_gemm(a, a_scale, None, counts, b, b_scale,
-                                                                                out=out)
+                                                                                tiles=fp8_experts.TILES, out=out)
     calls["torch._grouped_mm bf16"] = lambda: torch._grouped_mm(a_bf16, b_bf16.transpose(1, 2), offs=offs)
     row_scale = torch.ones(a.shape[0], device=a.device)
     col_scale = torch.ones(b.shape[0], b.shape[1], device=a.device)
@@ -100,7 +100,7 @@ def kernels(a: torch.Tensor, a_scale: torch.Tensor, counts: torch.Tensor, b: tor
 def agreement(a: torch.Tensor, a_scale: torch.Tensor, counts: torch.Tensor, b: torch.Tensor,
               b_scale: torch.Tensor) -> str:
     """max |CUTLASS - Triton| / max |Triton| on these operands (the default config)."""
-    want = fp8_experts.grouped_gemm(a, a_scale, None, counts, b, b_scale).float()
+    want = fp8_experts.grouped_gemm(a, a_scale, None, counts, b, b_scale, tiles=fp8_experts.TILES).float()
     got = sm90.grouped_gemm(a, a_scale, counts, b, b_scale).float()
     return f"max|cutlass - triton| / max|triton| = {((got - want).abs().max() / want.abs().max()).item():.2e}"
 

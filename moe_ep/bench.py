@@ -825,9 +825,11 @@ def bench_fp8_gemms(buf: Buffer, timer: Timer, tokens: int, pairs: int, hidden: 
     rows: list[Row] = []
     e = buf.num_local_experts
     for label, groups in (("equal groups", None), ("router's groups", counts)):
-        extra = {"tiles": asdict(fp8_experts.TILES)} | ({} if groups is None else {"groups": counts.tolist()})
+        kernel = fp8_experts.gemm_kernel(buf.device)
+        extra = ({"tiles": asdict(fp8_experts.TILES)} if kernel == "triton" else {}) | (
+            {} if groups is None else {"groups": counts.tolist()})
         rows.append(gemm_sum_row(buf, timer, f"FP8 GEMMs forward {label}", tokens,
-                                 fp8_gemm_cases(pairs, e, hidden, ffn, buf.device, counts=groups), "triton", extra))
+                                 fp8_gemm_cases(pairs, e, hidden, ffn, buf.device, counts=groups), kernel, extra))
         try:
             cases = torch_fp8_gemm_cases(group_sizes(pairs, e, buf.device, groups), hidden, ffn, buf.device)
             for fn, _ in cases.values():
@@ -1045,7 +1047,7 @@ def layer_targets(rows: list[Row]) -> list[Target]:
     layer = [r for r in rows if r.case == "layer"]
     if not layer:
         return []
-    by_op = {r.op: r for r in layer if r.backend in (layer[0].backend, "torch", "triton")}
+    by_op = {r.op: r for r in layer if r.backend in (layer[0].backend, "torch", *fp8_experts.GEMM_KERNELS)}
     targets = [Target(figure, by_op[op].call_us / 1e3, reference, by_op[ref].call_us / 1e3, "ms", goal)
                for figure, op, reference, ref, goal in LAYER_TARGETS if op in by_op and ref in by_op]
     targets += [Target(f"{op} rate", by_op[op].tflops, "issue 44's goal", FP8_GEMM_TFLOPS_GOAL, "TFLOP/s", 1.0,

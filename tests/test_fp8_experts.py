@@ -5,6 +5,7 @@ TRITON_INTERPRET=1; skipped without Triton), and the layer runs the torch versio
 kernels themselves and the layer on the native backend against the reference one, bit for bit."""
 from __future__ import annotations
 
+from typing import Optional
 
 import pytest
 import torch
@@ -70,8 +71,9 @@ def _swiglu_f64(h13: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 # ---- the pieces -----------------------------------------------------------------------------------
 def _gemm_case(dev: torch.device, seed: int, e: int, n: int, k: int, counts: list[int], m: int, gather: bool,
-               tiles: fe.GemmTiles) -> None:
-    """grouped_gemm on random FP8 inputs, output poisoned first, against _gemm_oracle."""
+               tiles: Optional[fe.GemmTiles]) -> None:
+    """grouped_gemm on random FP8 inputs, output poisoned first, against _gemm_oracle (tiles None: the kernel
+    fe.gemm_kernel picks, CUTLASS's sm90 one where it is built)."""
     g = torch.Generator().manual_seed(seed)
     aq, a_scale = fp8_quantize(torch.randn(m, k, generator=g) * 3)
     bq, b_scale = fp8_quantize_weight_blocks(torch.randn(e, n, k, generator=g) * 0.05)
@@ -124,6 +126,8 @@ def _kernel_cases(dev: torch.device) -> None:
     if dev.type == "cuda":  # the shipped tiles on shapes where they matter
         _gemm_case(dev, 4, 8, 1024, 2048, [300, 0, 129, 128, 1, 700, 64, 250], 900, True, fe.TILES)
         _gemm_case(dev, 5, 8, 512, 1024, [300, 0, 129, 128, 1, 700, 64, 250], 1572, False, fe.TILES)
+        _gemm_case(dev, 10, 8, 1024, 2048, [300, 0, 129, 128, 1, 700, 64, 250], 900, True, None)
+        _gemm_case(dev, 11, 8, 512, 1024, [300, 0, 129, 128, 1, 700, 64, 250], 1572, False, None)
         for tiles in (fe.GemmTiles(64, 128, 4, 4, tma=False), fe.GemmTiles(128, 128, 8, 3, tma=True)):
             _gemm_case(dev, 8, 8, 1024, 2048, [300, 0, 129, 128, 1, 700, 64, 250], 900, True, tiles)
             _gemm_case(dev, 9, 8, 512, 1024, [300, 0, 129, 128, 1, 700, 64, 250], 1572, False, tiles)

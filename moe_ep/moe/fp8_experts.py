@@ -3,15 +3,16 @@
 Scales are DeepSeek-V3's blocks: activations carry one float32 scale per row per 128 channels
 (moe_ep.comm.fp8, what FP8 dispatch sends), weights one per 128 x 128 block. The forward of normal mode,
 per (row, local expert) pair grouped by expert (moe_ep.comm.expert_major's layout of the received rows):
-  1. gate/up GEMM: the pairs' FP8 rows, gathered inside the GEMM's loads (no gather pass, no
-     dequantization pass), times the FP8 w13 -> h13 [P, 2F] bf16. Each 128-deep K step's product is
+  1. gate/up GEMM: the pairs' FP8 rows (no dequantization pass), times the FP8 w13 -> h13 [P, 2F] bf16. Each 128-deep K step's product is
      scaled by (row scale x block scale) and added to a float32 accumulator.
   2. SwiGLU x router weight, quantized again to FP8 with per-128 scales, in one pass.
   3. down GEMM, the same kernel without the gather -> [P, H] bf16.
   4. the fixed-order sum of each row's pairs (moe_ep.comm.row_sum.sum_rows).
 Forward only (prefill and serving; no autograd). The weights are quantized once and kept until a
-weight changes (FP8WeightCache). Triton kernels on CUDA; elsewhere a torch version of the same
-formulas (dequantize, float32 matmul) serves, so CPU tests and CPU installs run the layer.
+weight changes (FP8WeightCache). The GEMMs run CUTLASS's sm90 kernel where it is built and the GPU is
+an H100/H200 (moe_ep.moe.fp8_grouped_gemm_sm90; gate/up then gathers its rows in one copy first), else
+the Triton kernels below, all with the same bits; without CUDA a torch version of the same formulas
+(dequantize, float32 matmul) serves, so CPU tests and CPU installs run the layer.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from ..comm import expert_major, fp8
 from ..comm.row_sum import sum_rows, use_triton
 from .expert_kernels import swiglu_wide
+from . import fp8_grouped_gemm_sm90 as sm90
 from .experts import GroupedExperts
 from .grouped_gemm import launch_grid
 
@@ -214,18 +216,44 @@ def _swiglu_quant_triton(h13: torch.Tensor, scale: torch.Tensor) -> tuple[torch.
 
 
 # ---- entry points ----------------------------------------------------------------------------------
+GEMM_KERNELS = ("cutlass_sm90", "triton", "torch")
+
+
+def gemm_kernel(device: torch.device, out_dtype: torch.dtype = torch.bfloat16,
+                tiles: Optional[GemmTiles] = None) -> str:
+    """Which of GEMM_KERNELS grouped_gemm runs on `device`: "cutlass_sm90" (moe_ep.moe.fp8_grouped_gemm_sm90: bf16
+    out, an sm90 GPU, the module built, no tiles asked for), else "triton" on CUDA, else "torch"."""
+    cuda = device.type == "cuda"
+    if tiles is None and out_dtype == torch.bfloat16 and cuda and sm90.available(device):
+        return "cutlass_sm90"
+    return "triton" if cuda and triton is not None else "torch"
+
+
+def _gather(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t's rows at `rows` (e4m3 moved as bytes)."""
+    raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    return raw.index_select(0, rows).view(t.dtype)
+
+
 def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, rows: Optional[torch.Tensor], counts: torch.Tensor,
                  b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                 tiles: GemmTiles = TILES, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 tiles: Optional[GemmTiles] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """FP8 grouped GEMM with block scales: a [M, K] e4m3 with a_scale [M, K / 128]; the P pairs'
     rows of a are rows [P] (None: a itself, P = M), grouped by expert, counts [E] per expert on the
     device; b [E, N, K] e4m3 with b_scale [E, N / 128, K / 128] -> [P, N] in out_dtype, pair p times
-    b[its expert]^T, accumulated in float32 (into `out` when given: [P, N] in out_dtype)."""
-    if use_triton(a):
+    b[its expert]^T, accumulated in float32 (into `out` when given: [P, N] in out_dtype). Every kernel
+    (gemm_kernel) gives the same bits; CUTLASS's reads whole rows, so gathered rows are copied first
+    (P x K bytes), Triton's gathers inside its loads with `tiles` (default TILES)."""
+    kernel = gemm_kernel(a.device, out_dtype, tiles)
+    if kernel == "cutlass_sm90":
+        if rows is not None:
+            a, a_scale = _gather(a, rows), _gather(a_scale, rows)
+        return sm90.grouped_gemm(a, a_scale, counts, b, b_scale, out=out)
+    if kernel == "triton":
         if out is None:
             p = a.shape[0] if rows is None else rows.shape[0]
             out = torch.empty(p, b.shape[1], dtype=out_dtype, device=a.device)
-        return _grouped_gemm_triton(a, a_scale, rows, counts, b, b_scale, out, tiles)
+        return _grouped_gemm_triton(a, a_scale, rows, counts, b, b_scale, out, tiles or TILES)
     result = _grouped_gemm_torch(a, a_scale, rows, counts, b, b_scale, out_dtype)
     return result if out is None else out.copy_(result)
 
@@ -251,8 +279,8 @@ def experts_forward(weights: FP8ExpertWeights, x: torch.Tensor, x_scale: torch.T
     topk_idx [M, K] LOCAL ids (-1: elsewhere), topk_weights [M, K] float32, counts pairs per local
     expert (the dispatch's tokens_per_expert, on the host and the device) -> [M, H] bf16,
     row m = sum_k w[m, k] * expert_{idx[m, k]}(x[m]), its pairs summed from +0.0 in ascending k.
-    The pairs' order is moe_ep.comm.expert_major's (found on the device, no sort); their rows are read
-    by the gate/up GEMM itself, so no [P, H] copy is made."""
+    The pairs' order is moe_ep.comm.expert_major's (found on the device, no sort); the gate/up GEMM
+    reads their rows by index (grouped_gemm)."""
     layout, scale = expert_major.build_layout(topk_idx, topk_weights, counts, counts_tensor, 1)
     h13 = grouped_gemm(x, x_scale, layout.rows, layout.counts_tensor, weights.w13, weights.w13_scale)
     a, a_scale = swiglu_quant(h13, scale)
