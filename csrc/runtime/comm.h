@@ -69,7 +69,7 @@ enum Phase : int {
 // the fields, checked field by field against error_state_fields()). The code part is written once, by
 // the first wait that times out or by a stamp exchange that finds the ranks' calls differ, and every
 // other waiting thread sees `code != 0` and gives up too; after a mismatch the call's other kernels do
-// nothing at all (stamps_disagreed). The bad-id part is written once by the first thread that reads an
+// nothing at all (block_stamps_disagreed). The bad-id part is written once by the first thread that reads an
 // expert id outside [-1, E) from topk_idx: the kernels then treat that entry as -1, so the call's
 // protocol still completes on every rank, and the host raises ValueError.
 struct ErrorState {
@@ -135,6 +135,17 @@ __device__ __forceinline__ bool comm_aborted(const Comm& c) {
 // does not skip: those kernels give up in their waits and keep their epochs in step as before.
 __device__ __forceinline__ bool stamps_disagreed(const ErrorState* error) {
   return *reinterpret_cast<const volatile int*>(&error->code) == kErrorMismatch;
+}
+
+// stamps_disagreed for a whole block, called by all of its threads at the top of a kernel: thread 0 reads
+// the host-mapped word once and the block shares the answer through shared memory. ErrorState is read over
+// the bus, uncached: one read per thread (256 blocks of 512 threads in a low-latency call) cost ~4.6 ms
+// per kernel on an H200 (bench/results/h200_2026-12-05_session8_gpu_runs.md), one per block costs little.
+__device__ __forceinline__ bool block_stamps_disagreed(const ErrorState* error) {
+  __shared__ int disagreed;
+  if (threadIdx.x == 0) disagreed = stamps_disagreed(error) ? 1 : 0;
+  __syncthreads();
+  return disagreed != 0;
 }
 
 // Whether `peer` is masked (fault-tolerant mode only). A plain volatile load: other blocks of the same
