@@ -139,8 +139,8 @@ __device__ __forceinline__ bool stamps_disagreed(const ErrorState* error) {
 
 // stamps_disagreed for a whole block, called by all of its threads at the top of a kernel: thread 0 reads
 // the host-mapped word once and the block shares the answer through shared memory. ErrorState is read over
-// the bus, uncached: one read per thread (256 blocks of 512 threads in a low-latency call) cost ~4.6 ms
-// per kernel on an H200 (bench/results/h200_2026-12-05_session8_gpu_runs.md), one per block costs little.
+// the bus, uncached, ~1.1 us a read: one per thread cost ~4.6 ms per low-latency kernel (256 x 512 threads),
+// one per block still ~280 us (bench/results/h100_2026-12-05_session8_gpu_runs.md; a device copy is next).
 __device__ __forceinline__ bool block_stamps_disagreed(const ErrorState* error) {
   __shared__ int disagreed;
   if (threadIdx.x == 0) disagreed = stamps_disagreed(error) ? 1 : 0;
