@@ -824,8 +824,8 @@ def bench_fp8_gemms(buf: Buffer, timer: Timer, tokens: int, pairs: int, hidden: 
     refuses (this torch or GPU lacks it), the FP8 rows say why in extra["torch_fp8"] instead."""
     rows: list[Row] = []
     e = buf.num_local_experts
+    kernel = fp8_experts.gemm_kernel(buf.device)
     for label, groups in (("equal groups", None), ("router's groups", counts)):
-        kernel = fp8_experts.gemm_kernel(buf.device)
         extra = ({"tiles": asdict(fp8_experts.TILES)} if kernel == "triton" else {}) | (
             {} if groups is None else {"groups": counts.tolist()})
         rows.append(gemm_sum_row(buf, timer, f"FP8 GEMMs forward {label}", tokens,

@@ -229,12 +229,6 @@ def gemm_kernel(device: torch.device, out_dtype: torch.dtype = torch.bfloat16,
     return "triton" if cuda and triton is not None else "torch"
 
 
-def _gather(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """t's rows at `rows` (e4m3 moved as bytes)."""
-    raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-    return raw.index_select(0, rows).view(t.dtype)
-
-
 def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, rows: Optional[torch.Tensor], counts: torch.Tensor,
                  b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
                  tiles: Optional[GemmTiles] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -247,7 +241,7 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, rows: Optional[torch.Te
     kernel = gemm_kernel(a.device, out_dtype, tiles)
     if kernel == "cutlass_sm90":
         if rows is not None:
-            a, a_scale = _gather(a, rows), _gather(a_scale, rows)
+            a, a_scale = a.index_select(0, rows), a_scale.index_select(0, rows)
         return sm90.grouped_gemm(a, a_scale, counts, b, b_scale, out=out)
     if kernel == "triton":
         if out is None:
