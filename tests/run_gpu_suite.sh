@@ -8,7 +8,8 @@
 # Usage: bash tests/run_gpu_suite.sh [PATH...]   (PATHs: where to collect, default tests/; e.g.
 #   `bash tests/run_gpu_suite.sh tests/test_fp8.py tests/test_my_failing.py` for a quick check)
 # Environment: LANES (default 7), BUDGET_S (seconds for all lanes, default 520; each file also has
-#   its own limit, below), SKIP_BUILD=1,
+#   its own limit, below), STAGGER_S (default 4: lane n starts its first unit (n - 1) x STAGGER_S seconds in,
+#   the torchrun after the last, so the processes' NVSHMEM starts do not all fall in the same seconds), SKIP_BUILD=1,
 #   NO_TRAIN=1 (skip the torchrun), WITH_LAYER_BENCH=1 (then the one-rank layer bench, alone, into $OUT/bench/).
 set -uo pipefail
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NVLS=1 \
@@ -16,7 +17,7 @@ export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHME
 out=${OUT:-out}; mkdir -p "$out"; : >"$out/summary.txt"
 logs=$(mktemp -d)  # one log per lane, joined into $out/lanes.log as each lane ends (at most 8 files come back)
 start=$SECONDS
-lanes=${LANES:-7} budget=${BUDGET_S:-520}
+lanes=${LANES:-7} budget=${BUDGET_S:-520} stagger=${STAGGER_S:-4}
 if [ -z "${SKIP_BUILD:-}" ]; then
   # with the optional deep_ep package (deep_ep_compat/), which the framework tests import
   MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps -e . -e ./deep_ep_compat \
@@ -43,7 +44,7 @@ echo "$collected" | grep -c '::' | xargs echo "GPU tests collected:"
 # of UNIT@LIMIT: each unit may take 2.5 x its seconds (at least 60 s), so a hang cannot starve its lane.
 plan_file=$(mktemp)
 # shellcheck disable=SC2046
-python3 - "$lanes" $(echo "$collected" | grep '::') >"$plan_file" <<'EOF'
+python3 - "$lanes" "$stagger" $(echo "$collected" | grep '::') >"$plan_file" <<'EOF'
 import sys
 from collections import defaultdict
 secs = {"test_gpu_intranode.py": 420, "test_gpu_crossnode.py": 221, "test_gpu_faults.py": 206, "test_nvfp4.py": 178,
@@ -55,9 +56,9 @@ secs = {"test_gpu_intranode.py": 420, "test_gpu_crossnode.py": 221, "test_gpu_fa
         "test_gpu_runtime.py": 14, "test_fp8.py": 11, "test_experts.py": 10, "test_frameworks_low_latency.py": 9,
         "test_gpu_scale.py": 6}
 SPLIT, START = 150, 10
-lanes = int(sys.argv[1])
+lanes, stagger = int(sys.argv[1]), int(sys.argv[2])
 tests = defaultdict(list)
-for node in sys.argv[2:]:
+for node in sys.argv[3:]:
     tests[node.split("::")[0]].append(node)
 units = []  # (unit, seconds)
 for f, ids in tests.items():
@@ -66,7 +67,7 @@ for f, ids in tests.items():
         units += [(node, t / len(ids) + START) for node in ids]
     else:
         units.append((f, t))
-work, plan = [0.0] * lanes, [[] for _ in range(lanes)]
+work, plan = [float(i * stagger) for i in range(lanes)], [[] for _ in range(lanes)]  # a lane's late start
 for unit, t in sorted(units, key=lambda u: -u[1]):
     i = work.index(min(work))
     work[i] += t
@@ -75,8 +76,8 @@ print("\n".join(" ".join(p) for p in plan if p))
 EOF
 units=$(grep -o '@' "$plan_file" | wc -l)
 deadline=$((SECONDS + budget))
-lane() {  # lane NAME FILE@LIMIT...: each file's GPU tests, within its limit and the budget
-  local name=$1; shift
+lane() {  # lane N FILE@LIMIT...: each file's GPU tests, within its limit and the budget
+  local name=lane$1; sleep $(( ($1 - 1) * stagger )); shift
   for spec in "$@"; do
     local file=${spec%@*} limit=${spec##*@} began=$SECONDS left=$((deadline - SECONDS))
     [ $left -lt 10 ] && left=10
@@ -95,7 +96,8 @@ lane() {  # lane NAME FILE@LIMIT...: each file's GPU tests, within its limit and
   rm -f "$logs/$name.part"
   { echo "===== $name"; cat "$logs/$name.log"; } >>"$out/lanes.log"  # whole lanes, one after another
 }
-train() {  # the 4-rank torchrun, beside the lanes (it waits on peers like they do)
+train() {  # the 4-rank torchrun, beside the lanes (it waits on peers like they do), after their starts
+  sleep $(( lanes * stagger ))
   local began=$SECONDS
   timeout 240 torchrun --standalone --nproc-per-node 4 -m moe_ep.train --ranks-per-gpu 4 --steps 20 --log-every 10 --no-progress \
     >"$out/train.log" 2>&1
@@ -103,15 +105,24 @@ train() {  # the 4-rank torchrun, beside the lanes (it waits on peers like they 
   [ $rc -eq 0 ] && ! grep -q "(4 ranks per GPU)" "$out/train.log" && rc=1  # --ranks-per-gpu took effect
   echo "torchrun moe_ep.train, 4 ranks | rc=$rc | $((SECONDS - began)) s | $(grep done "$out/train.log")" >>"$out/summary.txt"
 }
-[ -z "${NO_TRAIN:-}" ] && train &
+# The GPU's memory in use, every 2 s while the tests run: its peak goes into the summary (what lanes cost).
+memlog=$logs/memory.csv
+nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits -l 2 >"$memlog" 2>/dev/null &
+sampler=$!
+pids=()
+[ -z "${NO_TRAIN:-}" ] && { train & pids+=($!); }
 n=0
 set -f  # units such as tests/test_overlap.py::test_overlap_gpu[ep2] are not glob patterns
 while read -r line; do
   n=$((n + 1))
   # shellcheck disable=SC2086
-  lane "lane$n" $line &
+  lane "$n" $line &
+  pids+=($!)
 done <"$plan_file"
-wait
+wait "${pids[@]}"
+kill "$sampler" 2>/dev/null
+awk -F', ' 'NF == 2 && $1 + 0 > peak { peak = $1 + 0; total = $2 } END { if (peak) print "GPU memory in use, peak of 2 s samples: " peak " of " total " MiB" }' \
+  "$memlog" >>"$out/summary.txt"
 rm -f "$plan_file"
 if [ -n "${WITH_LAYER_BENCH:-}" ]; then  # alone after the tests, so its compute numbers are valid (one rank)
   began=$SECONDS

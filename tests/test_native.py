@@ -596,12 +596,13 @@ def test_low_latency_nvfp4_fields_are_checked() -> None:
 def test_contexts_check_their_addresses_before_allocating() -> None:
     """A null address given to a context names its field (checked before any CUDA call, so also here)."""
     native = _native.load()
-    runtime = native.RuntimeContext(rank=0, nranks=2, timeout_s=1.0, error=1)
-    for field, value, message in (("error", 0, "error is null"), ("rank", 2, "rank = 2, expected 0..1"),
+    runtime = native.RuntimeContext(rank=0, nranks=2, timeout_s=1.0, error=1, verdict=2)
+    for field, value, message in (("error", 0, "error is null"), ("verdict", 0, "verdict is null"),
+                                  ("rank", 2, "rank = 2, expected 0..1"),
                                   ("timeout_s", 0.0, "timeout_s = 0.0+, expected a positive number of seconds")):
         with pytest.raises(ValueError, match=rf"^RuntimeContext: {message}"):
-            native.RuntimeContext(**{**dict(rank=0, nranks=2, timeout_s=1.0, error=1), field: value})
-    assert (runtime.rank, runtime.nranks, runtime.timeout_s, runtime.error) == (0, 2, 1.0, 1)
+            native.RuntimeContext(**{**dict(rank=0, nranks=2, timeout_s=1.0, error=1, verdict=2), field: value})
+    assert (runtime.rank, runtime.nranks, runtime.timeout_s, runtime.error, runtime.verdict) == (0, 2, 1.0, 1, 2)
     intranode = dict(runtime=runtime, max_tokens=_T, hidden=_H, num_topk=_K, num_experts=_E,
                      epochs=2, block_counters=3, layout_scratch=4, signals=[5, 6], workspace=[7, 8],
                      row_flags=[9, 10])
@@ -610,14 +611,14 @@ def test_contexts_check_their_addresses_before_allocating() -> None:
                                   ("num_experts", 15, "num_experts = 15, expected a positive multiple of nranks")):
         with pytest.raises(ValueError, match=rf"^IntranodeContext: {message}"):
             native.IntranodeContext(**{**intranode, field: value})
-    internode = dict(runtime=native.RuntimeContext(rank=0, nranks=4, timeout_s=1.0, error=1), ranks_per_node=2,
+    internode = dict(runtime=native.RuntimeContext(rank=0, nranks=4, timeout_s=1.0, error=1, verdict=2), ranks_per_node=2,
                      max_tokens=_T, hidden=_H, num_topk=_K, num_experts=_E, round_tokens=16, epochs=2,
                      block_counters=3, workspace=4, node_peers=[5, 6])
     for field, value, message in (("epochs", 0, "epochs is null"), ("node_peers", [0, 6], r"node_peers\[0\] is null"),
                                   ("round_tokens", _T + 1, f"round_tokens = {_T + 1}, expected 1..{_T}")):
         with pytest.raises(ValueError, match=rf"^InternodeContext: {message}"):
             native.InternodeContext(**{**internode, field: value})
-    low_latency = dict(runtime=native.RuntimeContext(rank=1, nranks=_R, timeout_s=1.0, error=1), ranks_per_node=2,
+    low_latency = dict(runtime=native.RuntimeContext(rank=1, nranks=_R, timeout_s=1.0, error=1, verdict=2), ranks_per_node=2,
                        num_local_experts=_E // _R, num_topk=_K, hidden=_H, max_tokens=_T, epochs=2, masked=0, sym=3,
                        node_sym=[4, 5],
                        dispatch_payload_offset=0, dispatch_meta_offset=256, combine_payload_offset=512,

@@ -3,7 +3,7 @@
 // rows grouped by expert (counts[e] rows for expert e, in expert order, counts on the device):
 //   out[p, n] = bf16( sum_kb (a[p, kb] . b[e_p, n, kb]) * a_scale[p, kb] * b_scale[e_p, n / 128, kb] )
 // with kb the 128-deep K blocks and the sum in float32 (DeepSeek-V3's block scales: one scale per row per 128
-// channels of a, one per 128 x 128 block of b). The kernel itself is fp8_grouped_gemm_sm90.cu (sm_90a only).
+// channels of a, one per 128 x 128 block of b). The kernel itself is fp8_grouped_gemm_sm90.cuh (sm_90a only).
 #pragma once
 
 #include <cstddef>
@@ -14,8 +14,8 @@ namespace gemm {
 
 constexpr int kScaleBlock = 128;  // K and N granularity of the scales, and of the shapes the kernel accepts
 
-// The compiled kernels (fp8_grouped_gemm_sm90.cu): CTA tile M x N x K, cluster, warpgroup schedule. Both give
-// the same sums; only speed differs.
+// The compiled kernels (fp8_grouped_gemm_sm90.cuh, one .cu each): CTA tile M x N x K, cluster, warpgroup
+// schedule. Both give the same sums; only speed differs.
 enum class TileConfig : int {
   kCooperative128 = 0,  // 128 x 128 x 128 tile, both consumer warpgroups on one tile, cluster 1 x 2 (A multicast)
   kPingpong64 = 1,      // 64 x 128 x 128 tile, the two consumer warpgroups on alternate tiles, cluster 1 x 2
@@ -57,6 +57,15 @@ size_t workspace_bytes(int64_t groups, int64_t config);
 // counts, on the device) and then the grouped GEMM. No host synchronisation. The bindings check the fields
 // first; a CUTLASS refusal or a CUDA error raises std::runtime_error naming it.
 void grouped_gemm(const GroupedGemmArgs& args);
+
+// What those two dispatch to by args.config: one translation unit per TileConfig
+// (fp8_grouped_gemm_sm90_<config>.cu, compiled in parallel; the kernel templates: fp8_grouped_gemm_sm90.cuh).
+namespace sm90 {
+size_t cooperative128_workspace_bytes(int64_t groups);
+void cooperative128_run(const GroupedGemmArgs& args);
+size_t pingpong64_workspace_bytes(int64_t groups);
+void pingpong64_run(const GroupedGemmArgs& args);
+}  // namespace sm90
 
 }  // namespace gemm
 }  // namespace moe_ep

@@ -31,7 +31,7 @@ constexpr size_t kTableAlign = 128;  // every table, and the CUTLASS workspace a
 
 inline size_t align_up(size_t bytes) { return (bytes + kTableAlign - 1) / kTableAlign * kTableAlign; }
 
-// The device tables of one call for the CUTLASS GEMM type bundle G (fp8_grouped_gemm_sm90.cu's GemmOf).
+// The device tables of one call for the CUTLASS GEMM type bundle G (fp8_grouped_gemm_sm90.cuh's GemmOf).
 template <class G>
 struct GroupTables {
   using Shape = typename G::ProblemShape::UnderlyingProblemShape;

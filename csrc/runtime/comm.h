@@ -91,6 +91,7 @@ struct Comm {
   int nranks;
   unsigned long long timeout_ns;
   ErrorState* error;               // device address of the host-mapped ErrorState
+  const int* verdict;              // device memory: the call's stamp verdict (block_stamps_disagreed)
   unsigned long long* epochs;      // device-local counters [kNumEpochs]
   int* masked;                     // low-latency fault-tolerant mode: int[nranks] in device memory, 1 for a
                                    // rank that missed a timeout (its waits are skipped); nullptr otherwise
@@ -137,13 +138,18 @@ __device__ __forceinline__ bool stamps_disagreed(const ErrorState* error) {
   return *reinterpret_cast<const volatile int*>(&error->code) == kErrorMismatch;
 }
 
-// stamps_disagreed for a whole block, called by all of its threads at the top of a kernel: thread 0 reads
-// the host-mapped word once and the block shares the answer through shared memory. ErrorState is read over
-// the bus, uncached, ~1.1 us a read: one per thread cost ~4.6 ms per low-latency kernel (256 x 512 threads),
-// one per block still ~280 us (bench/results/h100_2026-12-05_session8_gpu_runs.md; a device copy is next).
-__device__ __forceinline__ bool block_stamps_disagreed(const ErrorState* error) {
+// stamps_disagreed for a whole block, called by all of its threads at the top of a kernel. ErrorState is
+// host-mapped, read over the bus, uncached, ~1.1 us a read: one per thread cost ~4.6 ms per low-latency
+// kernel (256 blocks x 512 threads), one per block ~280 us (bench/results/h100_2026-12-05_session8_gpu_runs.md).
+// So the call's stamp exchange, the earlier kernel on the same stream, leaves stamps_disagreed's answer in
+// Comm::verdict (device memory; stream order makes it visible here), and thread 0 reads that word; only
+// where it says 1 does thread 0 read ErrorState too, since the host may have raised and cleared the
+// mismatch since (a low-latency receive half launched after a later call's mismatch raised): the answer is
+// stamps_disagreed's in every case, one device-memory load in the common one. The block shares it.
+__device__ __forceinline__ bool block_stamps_disagreed(const Comm& c) {
   __shared__ int disagreed;
-  if (threadIdx.x == 0) disagreed = stamps_disagreed(error) ? 1 : 0;
+  if (threadIdx.x == 0)
+    disagreed = *reinterpret_cast<const volatile int*>(c.verdict) != 0 && stamps_disagreed(c.error) ? 1 : 0;
   __syncthreads();
   return disagreed != 0;
 }

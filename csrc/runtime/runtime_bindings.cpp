@@ -62,10 +62,12 @@ void register_runtime(py::module_& m) {
   py::class_<moe_ep::RuntimeContext>(m, "RuntimeContext",
                                      "What every mode's context shares, built once per Buffer (runtime/context.h).")
       .def(py::init(&moe_ep::make_runtime_context), py::kw_only(), py::arg("rank"), py::arg("nranks"),
-           py::arg("timeout_s"), py::arg("error"),
-           "Checks every field (ValueError naming it): rank of nranks, a positive timeout, a non-null error.")
+           py::arg("timeout_s"), py::arg("error"), py::arg("verdict"),
+           "Checks every field (ValueError naming it): rank of nranks, a positive timeout, non-null error and "
+           "verdict (an int32 in device memory, zero before the first call).")
       .def_readonly("rank", &moe_ep::RuntimeContext::rank)
       .def_readonly("nranks", &moe_ep::RuntimeContext::nranks)
       .def_readonly("timeout_s", &moe_ep::RuntimeContext::timeout_s)
-      .def_readonly("error", &moe_ep::RuntimeContext::error);
+      .def_readonly("error", &moe_ep::RuntimeContext::error)
+      .def_readonly("verdict", &moe_ep::RuntimeContext::verdict);
 }

@@ -242,10 +242,10 @@ class MoE(nn.Module):
     def _low_latency(self, x: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         """Low-latency mode through the custom ops (what torch.compile traces; no receive hooks)."""
         self._check_no_grad(x, routing)
-        recv, scales, _count, handle = ops.low_latency_dispatch(
+        recv, scales, count, handle = ops.low_latency_dispatch(
             x.to(torch.bfloat16).contiguous(), routing.topk_idx, self.buffer_id, self.low_latency_fp8, False)
         rows = fp8.dequantize(recv, scales) if self.low_latency_fp8 else recv
-        y = self.experts.forward_padded(rows).to(torch.bfloat16)
+        y = self.experts.forward_padded(rows, count).to(torch.bfloat16)
         return ops.low_latency_combine(y, routing.topk_idx, routing.topk_weights, handle, self.buffer_id)
 
     @torch.compiler.disable

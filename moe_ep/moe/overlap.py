@@ -171,7 +171,7 @@ class PendingMoE:
         finally:
             _release(moe.buffer, "dispatch")
         recv = fp8.dequantize(d.x, d.x_scales) if moe.low_latency_fp8 else d.x
-        y = moe.experts.forward_padded(recv).to(torch.bfloat16)
+        y = moe.experts.forward_padded(recv, d.count).to(torch.bfloat16)
         self.combined = moe.buffer.low_latency_combine(y, self.routing.topk_idx, self.routing.topk_weights,
                                                        d.handle, return_recv_hook=True)
         return self

@@ -56,7 +56,7 @@ class StampExchangeContext {
     const ArgCheck c("StampExchangeContext");
     c.pointer("epoch", epoch);
     c.pointer("symmetric", symmetric);
-    return Context{rt.rank, rt.nranks, rt.timeout_ns, rt.error, epoch, symmetric, 0};
+    return Context{rt.rank, rt.nranks, rt.timeout_ns, rt.error, rt.verdict, epoch, symmetric, 0};
   }
 
   Context ctx_;

@@ -6,8 +6,9 @@
 // epoch = *Context::epoch + 1 (every thread reads it first; thread 0 stores it back last), slot =
 // epoch & 1.
 //  0. If this rank's ErrorState already says kErrorMismatch (an earlier call's exchange found one and
-//     the host has not raised it yet), return at once: nothing is sent, the epoch stays, and so does
-//     every rank's, since each rank's exchange of that call saw every stamp and recorded the same.
+//     the host has not raised it yet), thread 0 sets the verdict word (Context::verdict) to 1 and the
+//     block returns: nothing is sent, the epoch stays, and so does every rank's, since each rank's
+//     exchange of that call saw every stamp and recorded the same.
 //  1. For every peer p not masked (Args::masked, fault-tolerant low latency): nvshmem_int_p of this
 //     rank's row (the stamp's kStampWords words, then its token count) into row [me] of table[slot]
 //     at p, nvshmem_fence (NVSHMEM orders this thread's puts and signal ops to one PE), then
@@ -19,7 +20,9 @@
 //     other waits give up.
 //  3. Once every wait returned (__syncthreads), thread 0: if every peer was heard and a stamp differs,
 //     ErrorState = {kErrorMismatch, this rank, kPhaseCallStamp, the first such peer, slot} (first record
-//     wins); the host mailbox gets the most tokens; *epoch = epoch.
+//     wins); the verdict word = whether ErrorState now says kErrorMismatch (a plain store: the call's
+//     later kernels on this stream read it, comm.h block_stamps_disagreed); the host mailbox gets the
+//     most tokens; *epoch = epoch.
 // Why table[slot] row [s] is not rewritten while this rank reads it: s writes slot `slot` again only
 // at epoch + 2, after its exchange of epoch + 1 saw this rank's flag for epoch + 1, which this rank
 // raises only in its next exchange, after this one returned. The host reads table[slot] after a
@@ -40,11 +43,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 exchange_kernel(const __grid_constant__ Context ctx, const __grid_constant__ Args a) {
   __shared__ int skip, most, differs;
   auto* error = reinterpret_cast<ErrorState*>(ctx.error);
+  auto* verdict = reinterpret_cast<int*>(ctx.verdict);
   Comm comm{};
   comm.rank = ctx.rank;
   comm.nranks = ctx.nranks;
   comm.timeout_ns = ctx.timeout_ns;
   comm.error = error;
+  comm.verdict = verdict;
   comm.masked = reinterpret_cast<int*>(a.masked);
   const int tid = threadIdx.x, me = ctx.rank, R = ctx.nranks;
   auto* epoch_word = reinterpret_cast<unsigned long long*>(ctx.epoch);
@@ -54,6 +59,7 @@ exchange_kernel(const __grid_constant__ Context ctx, const __grid_constant__ Arg
   auto* flags = reinterpret_cast<uint64_t*>(ctx.symmetric + table_bytes(R));
   if (tid == 0) {
     skip = stamps_disagreed(error);
+    if (skip) *verdict = 1;
     most = a.num_tokens;
     differs = R;
   }
@@ -92,6 +98,7 @@ exchange_kernel(const __grid_constant__ Context ctx, const __grid_constant__ Arg
       error->stamp_slot = slot;
       __threadfence_system();
     }
+    *verdict = stamps_disagreed(error) ? 1 : 0;
     reinterpret_cast<int*>(ctx.mailbox)[kMailboxMaxTokens] = most;
     *epoch_word = epoch;
   }

@@ -37,6 +37,7 @@ struct Context {
   int nranks;
   unsigned long long timeout_ns;
   uintptr_t error;      // host-mapped ErrorState (device address)
+  uintptr_t verdict;    // int32 in device memory: this exchange's verdict for the call's other kernels (comm.h)
   uintptr_t epoch;      // uint64 in device memory: the last epoch this rank's exchanges used
   uintptr_t symmetric;  // this rank's table + flags (symmetric address: NVSHMEM puts and signals)
   uintptr_t mailbox;    // host-mapped int32 [kMailboxEntries] (device address)

@@ -36,6 +36,7 @@ Context normal_context(const ArgCheck& c, const D& dims, const RuntimeContext& r
   ctx.ws = workspace_layout(dims);
   ctx.timeout_ns = rt.timeout_ns;
   ctx.error = rt.error;
+  ctx.verdict = rt.verdict;
   ctx.epochs = epochs;
   ctx.block_counters = block_counters;
   return ctx;

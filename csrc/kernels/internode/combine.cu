@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ CombineArgs a) {
   __shared__ int row_begin[kMaxGroupRanks], row_end[kMaxGroupRanks];
   const Comm& comm = ctx.comm;
-  if (block_stamps_disagreed(comm.error)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
+  if (block_stamps_disagreed(comm)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = comm.nranks, L = ctx.dims.local, Nn = ctx.nodes(), n = ctx.node(), l = ctx.local();
   const int C = ctx.dims.round_tokens, T = ctx.dims.max_tokens, q = blockIdx.x;

@@ -167,6 +167,7 @@ struct Context {
   WorkspaceLayout ws;
   unsigned long long timeout_ns;
   uintptr_t error;                  // ErrorState*, device address of host-mapped memory
+  uintptr_t verdict;                // int32, device: the stamp verdict (comm.h)
   uintptr_t epochs;                 // int64[kEpochCounters], device
   uintptr_t block_counters;         // int32[2], zero between kernels ([0] dispatch, [1] combine)
   uintptr_t workspace;              // this rank's workspace (also its symmetric address for puts)
@@ -296,6 +297,7 @@ inline DeviceContext make_device_context(const Context& c) {
   d.comm.nranks = c.dims.nranks;
   d.comm.timeout_ns = c.timeout_ns;
   d.comm.error = reinterpret_cast<ErrorState*>(c.error);
+  d.comm.verdict = reinterpret_cast<const int*>(c.verdict);
   d.comm.epochs = reinterpret_cast<unsigned long long*>(c.epochs);
   d.dims = c.dims;
   d.ws = c.ws;

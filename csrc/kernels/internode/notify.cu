@@ -37,7 +37,7 @@ notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__
   __shared__ int warp_sums[32];
   __shared__ int max_tokens;
   const Comm& comm = ctx.comm;
-  if (block_stamps_disagreed(comm.error)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
+  if (block_stamps_disagreed(comm)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
   const int tid = threadIdx.x, me = comm.rank, R = comm.nranks;
   const int E_l = ctx.dims.num_local_experts(), CS = ctx.dims.count_stride(), T = ctx.dims.max_tokens;
   const uint64_t epoch = comm.epochs[0] + 1;

@@ -143,7 +143,7 @@ template <int kU>
 __global__ void __launch_bounds__(kThreads, 1)
 combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ CombineArgs a) {
   const Comm& comm = ctx.comm;
-  if (block_stamps_disagreed(comm.error)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
+  if (block_stamps_disagreed(comm)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
   const int me = comm.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int send_warps = ctx.tuning.combine_send_warps, batch = ctx.tuning.flag_batch, B = ctx.tuning.recv_run;

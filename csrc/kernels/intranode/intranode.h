@@ -104,6 +104,7 @@ struct Context {
   WorkspaceLayout ws;
   unsigned long long timeout_ns;
   uintptr_t error;                   // ErrorState*, device address of host-mapped memory
+  uintptr_t verdict;                 // int32, device: the stamp verdict (comm.h)
   uintptr_t epochs;                  // unsigned long long[kNumEpochs], device (slots 0..4 are ours)
   uintptr_t signals[kMaxNodeRanks];      // every rank's signal array
   uintptr_t workspace[kMaxNodeRanks];    // every rank's workspace
@@ -256,6 +257,7 @@ inline DeviceContext make_device_context(const Context& c) {
   d.comm.nranks = c.dims.nranks;
   d.comm.timeout_ns = c.timeout_ns;
   d.comm.error = reinterpret_cast<ErrorState*>(c.error);
+  d.comm.verdict = reinterpret_cast<const int*>(c.verdict);
   d.comm.epochs = reinterpret_cast<unsigned long long*>(c.epochs);
   for (int r = 0; r < kMaxNodeRanks; ++r) {
     d.comm.signals[r] = reinterpret_cast<uint64_t*>(c.signals[r]);

@@ -41,7 +41,7 @@ template <int kK>
 __global__ void __launch_bounds__(kLayoutThreads, 1)
 notify_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant__ NotifyArgs a) {
   const Comm& comm = ctx.comm;
-  if (block_stamps_disagreed(comm.error)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
+  if (block_stamps_disagreed(comm)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
   const int tid = threadIdx.x, me = comm.rank, R = comm.nranks;
   const int num_local = ctx.dims.num_experts / R, T = ctx.dims.max_tokens, stride = ctx.ws.count_stride;
   int* tokens_per_rank = ctx.layout_scratch;

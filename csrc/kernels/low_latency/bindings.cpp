@@ -59,6 +59,7 @@ LowLatencyParams make_params(const RuntimeContext& rt, int ranks_per_node, int n
   p.ranks_per_node = ranks_per_node;
   p.timeout_ns = rt.timeout_ns;
   p.error = rt.error;
+  p.verdict = rt.verdict;
   p.epochs = epochs;
   p.masked = masked;
   p.num_local_experts = num_local_experts;

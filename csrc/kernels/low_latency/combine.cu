@@ -317,7 +317,7 @@ __device__ __forceinline__ void send_block(const CombineArgs& a, unsigned long l
 template <bool kNetwork, int kSlots, bool kOverlap>
 __global__ void __launch_bounds__(kBlockThreads, kOverlap ? 1 : 2) combine(const CombineArgs a) {
   const Comm& c = a.peers.comm;
-  if (block_stamps_disagreed(c.error)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
+  if (block_stamps_disagreed(c)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
   // A send (with or without the receive) starts epoch e = epochs[10] + 1; a receive alone follows
   // the send launch of the same call, which published e into epochs[10].
   const unsigned long long epoch = c.epochs[kEpochCombine] + (a.send ? 1 : 0);

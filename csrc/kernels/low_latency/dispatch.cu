@@ -452,7 +452,7 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& a, unsigned l
 template <RowFormat kRows, bool kRoundScale>
 __global__ void __launch_bounds__(kBlockThreads, 2) dispatch(const DispatchArgs a) {
   const Comm& c = a.peers.comm;
-  if (block_stamps_disagreed(c.error)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
+  if (block_stamps_disagreed(c)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
   // A send (with or without the receive) starts epoch e = epochs[8] + 1; a receive alone follows
   // the send launch of the same call, which published e into epochs[8].
   const unsigned long long epoch = c.epochs[kEpochDispatch] + (a.send ? 1 : 0);

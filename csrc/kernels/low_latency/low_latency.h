@@ -105,6 +105,7 @@ struct LowLatencyParams {
   int ranks_per_node;
   unsigned long long timeout_ns;
   uintptr_t error;                  // ErrorState*, device address of host-mapped memory
+  uintptr_t verdict;                // int32, device: the stamp verdict (comm.h)
   uintptr_t epochs;                 // unsigned long long[kNumEpochs], device
   uintptr_t masked;                 // int[nranks], device: fault-tolerant mode's masked ranks; 0 when off
   // dimensions
@@ -274,6 +275,7 @@ inline Peers make_peers(const LowLatencyParams& p) {
   s.comm.nranks = p.nranks;
   s.comm.timeout_ns = p.timeout_ns;
   s.comm.error = reinterpret_cast<ErrorState*>(p.error);
+  s.comm.verdict = reinterpret_cast<const int*>(p.verdict);
   s.comm.epochs = reinterpret_cast<unsigned long long*>(p.epochs);
   s.comm.masked = reinterpret_cast<int*>(p.masked);
   s.node_first = p.rank - p.rank % p.ranks_per_node;

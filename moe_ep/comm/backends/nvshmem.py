@@ -65,12 +65,13 @@ class NvshmemBackend(Backend):
         if cfg.low_latency:
             heap_bytes += LowLatencyEngine.heap_bytes(cfg)
         self._epochs = torch.zeros(native.NUM_EPOCHS, dtype=torch.int64, device=cfg.device)
+        self._verdict = torch.zeros(1, dtype=torch.int32, device=cfg.device)  # the stamp exchange's (RuntimeContext)
         torch.cuda.synchronize(cfg.device)  # the zeros above land before any kernel, on any stream
         self._session: Optional[NvshmemSession] = NvshmemSession.acquire(cfg.group, cfg.device, heap_bytes)
         self._error = self._session.error_state(cfg.timeout_s, cfg.num_experts)
         # what every engine's context shares (csrc/runtime/context.h), checked and built once
         runtime = native.RuntimeContext(rank=cfg.rank, nranks=cfg.world_size, timeout_s=cfg.timeout_s,
-                                        error=self._error.device_ptr)
+                                        error=self._error.device_ptr, verdict=self._verdict.data_ptr())
         self._normal: Optional[NormalEngine] = None
         self._low_latency: Optional[LowLatencyEngine] = None
         try:
