@@ -170,8 +170,8 @@ class IntranodeContext {
     Tuning t{};
     t.send_warps = checked_knob("send_warps", send_warps, 1, kHostWarps);
     t.combine_send_warps = checked_knob("combine_send_warps", combine_send_warps, 1, kHostWarps);
-    t.unroll = checked_knob("unroll", unroll, 4, 6);
-    if (t.unroll == 5) throw std::invalid_argument("tuning: unroll = 5, expected 4 or 6");
+    t.unroll = checked_knob("unroll", unroll, 4, 7);
+    if (t.unroll == 5) throw std::invalid_argument("tuning: unroll = 5, expected 4, 6 or 7");
     t.flag_batch = checked_knob("flag_batch", flag_batch, 1, 32);
     t.recv_run = checked_knob("recv_run", recv_run, 1, 32);
     ctx_.tuning = t;

@@ -206,10 +206,11 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
 void launch_combine(const Context& c, const CombineArgs& a, uintptr_t stream) {
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   const DeviceContext d = make_device_context(c);
-  if (c.tuning.unroll == 6)
-    combine_kernel<6><<<a.num_blocks, kThreads, 0, st>>>(d, a);
-  else
-    combine_kernel<4><<<a.num_blocks, kThreads, 0, st>>>(d, a);
+  switch (c.tuning.unroll) {
+    case 7: combine_kernel<7><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
+    case 6: combine_kernel<6><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
+    default: combine_kernel<4><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
+  }
   check_launch("moe_ep intranode combine kernel");
 }
 

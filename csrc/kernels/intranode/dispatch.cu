@@ -259,10 +259,11 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
 void launch_dispatch(const Context& c, const DispatchArgs& a, uintptr_t stream) {
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   const DeviceContext d = make_device_context(c);
-  if (c.tuning.unroll == 6)
-    dispatch_kernel<6><<<a.num_blocks, kThreads, 0, st>>>(d, a);
-  else
-    dispatch_kernel<4><<<a.num_blocks, kThreads, 0, st>>>(d, a);
+  switch (c.tuning.unroll) {
+    case 7: dispatch_kernel<7><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
+    case 6: dispatch_kernel<6><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
+    default: dispatch_kernel<4><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
+  }
   check_launch("moe_ep intranode dispatch kernel");
 }
 
