@@ -79,7 +79,7 @@ class Config:
     num_sms: Optional[int] = None  # SMs of a normal-mode call; None: default_num_sms
     send_warps: int = 24  # NVLink dispatch: warps per 32-warp block that send first, the rest receive
     combine_send_warps: int = 16  # NVLink combine: warps per block that send first, the rest reduce
-    unroll: int = 6  # NVLink kernels: int4 loads in flight per lane in every row copy (4, 6 or 7)
+    unroll: int = 6  # NVLink kernels: int4 loads in flight per lane in every row copy (4 or 6)
     flag_batch: int = 4  # NVLink kernels: row flags a sending warp raises per system fence (1..32)
     recv_run: int = 1  # NVLink dispatch: positions per receive work item; combine: tokens per item (1..32)
     # normal dispatch outside worst-case mode: outputs of R * T rows up to this size are allocated before the
@@ -94,8 +94,9 @@ class Config:
         for name, lo, hi in (("send_warps", 1, most), ("combine_send_warps", 1, most), ("flag_batch", 1, 32),
                              ("recv_run", 1, 32), ("eager_output_bytes", 0, 1 << 48), ("internode_workspace_bytes", 1 << 20, 1 << 40)):
             _check_int(name, getattr(self, name), lo, hi)
-        if self.unroll not in (4, 6, 7):
-            raise ValueError(f"Config.unroll must be 4, 6 or 7, got {self.unroll!r}")
+        allowed = unroll_values()
+        if self.unroll not in allowed:
+            raise ValueError(f"Config.unroll must be one of {allowed}, got {self.unroll!r}")
         for name in ("num_sms", "low_latency_num_sms"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1, 1 << 16)
@@ -139,6 +140,12 @@ def default_num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_NUM_SMS
     return min(DEFAULT_NUM_SMS, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def unroll_values() -> tuple[int, ...]:
+    """The Config.unroll values the NVLink kernels are built for (C++'s kUnrollValues, a bit per value)."""
+    mask = _native.constant("TUNING_UNROLL_MASK")
+    return tuple(u for u in range(mask.bit_length()) if mask >> u & 1)
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:

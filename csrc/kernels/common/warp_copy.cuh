@@ -14,6 +14,13 @@ __device__ __forceinline__ int4 ld_nc_int4(const int4* p) {
   return v;
 }
 
+// Starts fetching [p, p + bytes) into L2 with one bulk prefetch (sm_90 cp.async.bulk.prefetch): no
+// register is held and nothing waits for it, so a warp can start the loads of its next row while it
+// copies the current one, and those loads then hit L2. p and bytes: multiples of 16.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // The row copy of every normal-mode kernel: one warp copies src[0, count) to dst_of(d) for every bit
 // d of `dests`. Per step each lane issues all its kU loads (`load`: LoadNc for kernel inputs, LoadCg
 // for data another GPU or the NIC wrote) before any store, and each element is loaded once

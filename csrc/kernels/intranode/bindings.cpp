@@ -170,8 +170,9 @@ class IntranodeContext {
     Tuning t{};
     t.send_warps = checked_knob("send_warps", send_warps, 1, kHostWarps);
     t.combine_send_warps = checked_knob("combine_send_warps", combine_send_warps, 1, kHostWarps);
-    t.unroll = checked_knob("unroll", unroll, 4, 7);
-    if (t.unroll == 5) throw std::invalid_argument("tuning: unroll = 5, expected 4, 6 or 7");
+    if (unroll < 0 || unroll > 30 || !((kUnrollValues >> unroll) & 1))
+      throw std::invalid_argument("tuning: unroll = " + std::to_string(unroll) + ", expected 4 or 6 (kUnrollValues)");
+    t.unroll = unroll;
     t.flag_batch = checked_knob("flag_batch", flag_batch, 1, 32);
     t.recv_run = checked_knob("recv_run", recv_run, 1, 32);
     ctx_.tuning = t;
@@ -227,6 +228,7 @@ void register_intranode(py::module_& m) {
   m.attr("SIGNAL_WORDS") = intra::kSignalWords;
   m.attr("STAMP_WORDS") = moe_ep::kStampWords;
   m.attr("TUNING_MAX_WARPS") = intra::kHostWarps;
+  m.attr("TUNING_UNROLL_MASK") = intra::kUnrollValues;
   m.attr("NUM_EPOCHS") = intra::kHostNumEpochs;
   m.def("intranode_workspace_bytes", &intra::workspace_bytes, py::arg("nranks"), py::arg("max_tokens"),
         py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"),

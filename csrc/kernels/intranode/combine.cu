@@ -21,13 +21,18 @@
 //  2. Reduce (the other warps from the start, the sending warps once their rows are done). Warps take
 //     runs of B tokens [kB, kB + B) of this rank from a grid-wide counter. Per token i: lane r < R
 //     reads is_token_in_rank[i][r]; lanes of peer sources wait for their row flag to reach `epoch`
-//     (wait_geq; __syncwarp hands the order to the whole warp). With weights, lane k < K first sums
+//     (wait_geq; __syncwarp hands the order to the whole warp). Lane r then starts rank r's whole row
+//     on its way into L2 (one bulk prefetch, common/warp_copy.cuh prefetch_l2; the rows live in this
+//     GPU's memory, whose L2 peers' NVLink stores also go through). With weights, lane k < K first sums
 //     rank r's weight k for r ascending (own: topk_weights[first[me] + pos[i][me]]; peer: weights
 //     slot [r] row i, read through L2) in float32 from +0.0 with __fadd_rn and stores
 //     out_topk_weights[i][k], unrounded. Then, chunk by chunk, the warp adds rank r's row for r
 //     ascending (own: x[first[me] + pos[i][me]]; peer: data slot [r] row i, read through L2) into
 //     float32 accumulators with __fadd_rn (never contracted), rounds once with __float2bfloat16_rn
-//     and stores out[i]. Tokens that went nowhere get +0 (rows and weights).
+//     and stores out[i]: two sources at a time, kReduceUnroll int4 of each per lane in flight. A token
+//     with one source (every token at EP1) goes through the same arithmetic per int4 (+0.0 plus it,
+//     one rounding: the same bits) with kOneSourceUnroll int4 per lane in flight and no accumulators
+//     held across loads. Tokens that went nowhere get +0 (rows and weights).
 //  3. arrive_last: the last block resets the work counter and advances the device epochs.
 // A timeout ends the waiting: the warp that gave up (and every warp of a block whose start barrier
 // gave up) writes NaN over the rest of its tokens (rows and weights) and keeps taking work items only
@@ -46,7 +51,8 @@ namespace intranode {
 
 namespace {
 
-constexpr int kReduceUnroll = 2;  // int4 positions per lane per reduction step (8 floats each)
+constexpr int kReduceUnroll = 2;  // int4 positions per lane per reduction step (8 floats each), per source
+constexpr int kOneSourceUnroll = 4;  // int4 loads per lane in flight for a token with one source
 
 // Row j of x back to its source rank s, at row i of slot [me] of s's data region, and with weights
 // (lanes k < K) its weights at row i of slot [me] of s's weights region.
@@ -87,6 +93,7 @@ __device__ __forceinline__ bool reduce_token(const DeviceContext& ctx, const Com
                                 (size_t)reinterpret_cast<const int*>(a.pos)[(size_t)i * R + me]
                           : (size_t)lane * ctx.dims.max_tokens + i;
     row = (own ? reinterpret_cast<const char*>(a.x) : ctx.region(me, ctx.ws.data)) + at * row_bytes;
+    prefetch_l2(row, row_bytes);  // the whole row on its way into L2 while the first loads wait
     if (a.with_weights)
       weights = (own ? reinterpret_cast<const float*>(a.topk_weights)
                      : reinterpret_cast<const float*>(ctx.region(me, ctx.ws.weights))) + at * K;
@@ -99,6 +106,28 @@ __device__ __forceinline__ bool reduce_token(const DeviceContext& ctx, const Com
                      },
                      K, lane);
   int4* out = reinterpret_cast<int4*>(a.out) + (size_t)i * vecs;
+  if (__popc(sources) == 1) {  // one source: the same arithmetic per int4 (+0.0 plus it, one rounding), kOneSourceUnroll loads in flight
+    const auto* src = reinterpret_cast<const int4*>(
+        __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), __ffs(sources) - 1));
+    for (int first = 0; first < vecs; first += 32 * kOneSourceUnroll) {
+      int4 v[kOneSourceUnroll];
+#pragma unroll
+      for (int u = 0; u < kOneSourceUnroll; ++u) {
+        const int k = first + u * 32 + lane;
+        if (k < vecs) v[u] = __ldcg(src + k);
+      }
+#pragma unroll
+      for (int u = 0; u < kOneSourceUnroll; ++u) {
+        const int k = first + u * 32 + lane;
+        if (k < vecs) {
+          float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+          add_bf16x8(acc, v[u]);
+          out[k] = round_bf16x8(acc);
+        }
+      }
+    }
+    return true;
+  }
   for (int first = 0; first < vecs; first += 32 * kReduceUnroll) {
     float acc[kReduceUnroll][8];
 #pragma unroll
@@ -207,7 +236,6 @@ void launch_combine(const Context& c, const CombineArgs& a, uintptr_t stream) {
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   const DeviceContext d = make_device_context(c);
   switch (c.tuning.unroll) {
-    case 7: combine_kernel<7><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
     case 6: combine_kernel<6><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
     default: combine_kernel<4><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
   }

@@ -91,13 +91,15 @@ inline WorkspaceLayout workspace_layout(const Dims& d) {
 struct Tuning {
   int send_warps;  // dispatch: warps per block that send first (1..kWarps); the others receive from the start
   int combine_send_warps;  // combine: warps per block that send first; the others reduce from the start
-  int unroll;      // int4 loads in flight per lane in row copies: 4, 6 or 7 (a template parameter; 7 moves a
-                   // 7168-wide row in whole steps: 28 int4 per lane in bf16, 14 in FP8)
+  int unroll;      // int4 loads in flight per lane in row copies: a bit of kUnrollValues (a template parameter)
   int flag_batch;  // row flags a sending warp raises per system fence (1..32)
   int recv_run;    // dispatch: consecutive positions per receive work item (1..32); combine: tokens
 };
 
 constexpr int kHostWarps = 32;  // == kWarps (warps per dispatch / combine block)
+// Tuning::unroll values the launchers instantiate, bit u for u: 4 and 6 (7, whole steps over a 7168-wide
+// row, measured no faster than 6 on one H100 and was dropped). moe_ep.Config reads it as TUNING_UNROLL_MASK.
+constexpr int kUnrollValues = (1 << 4) | (1 << 6);
 
 // Everything the kernels need that stays fixed for a Buffer: device addresses as seen from this GPU.
 struct Context {
