@@ -21,13 +21,20 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
+struct Unchanged {
+  template <class T>
+  __device__ __forceinline__ T operator()(const T& v) const { return v; }
+};
+
 // The row copy of every normal-mode kernel: one warp copies src[0, count) to dst_of(d) for every bit
 // d of `dests`. Per step each lane issues all its kU loads (`load`: LoadNc for kernel inputs, LoadCg
 // for data another GPU or the NIC wrote) before any store, and each element is loaded once
-// whatever the number of destinations. T: a 4-, 8- or 16-byte type; `dests` must be warp-uniform.
-template <int kU, class T, class Load, class DstOf>
+// whatever the number of destinations; `change` maps each element before its stores (the combine's
+// one-source rounding; a plain copy by default). T: a 4-, 8- or 16-byte type; `dests` must be
+// warp-uniform.
+template <int kU, class T, class Load, class DstOf, class Change = Unchanged>
 __device__ __forceinline__ void warp_copy(const T* src, int count, int lane, Load load, unsigned dests,
-                                          DstOf dst_of) {
+                                          DstOf dst_of, Change change = {}) {
   for (int first = 0; first < count; first += 32 * kU) {
     T v[kU];
 #pragma unroll
@@ -35,6 +42,8 @@ __device__ __forceinline__ void warp_copy(const T* src, int count, int lane, Loa
       const int i = first + u * 32 + lane;
       if (i < count) v[u] = load(src + i);
     }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) v[u] = change(v[u]);  // after every load of the step was issued
     for (unsigned m = dests; m != 0; m &= m - 1) {
       T* dst = dst_of(__ffs(m) - 1);
 #pragma unroll

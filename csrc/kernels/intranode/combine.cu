@@ -106,26 +106,14 @@ __device__ __forceinline__ bool reduce_token(const DeviceContext& ctx, const Com
                      },
                      K, lane);
   int4* out = reinterpret_cast<int4*>(a.out) + (size_t)i * vecs;
-  if (__popc(sources) == 1) {  // one source: the same arithmetic per int4 (+0.0 plus it, one rounding), kOneSourceUnroll loads in flight
+  if (__popc(sources) == 1) {  // one source: per int4 the same arithmetic (+0.0 plus it, one rounding)
     const auto* src = reinterpret_cast<const int4*>(
         __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), __ffs(sources) - 1));
-    for (int first = 0; first < vecs; first += 32 * kOneSourceUnroll) {
-      int4 v[kOneSourceUnroll];
-#pragma unroll
-      for (int u = 0; u < kOneSourceUnroll; ++u) {
-        const int k = first + u * 32 + lane;
-        if (k < vecs) v[u] = __ldcg(src + k);
-      }
-#pragma unroll
-      for (int u = 0; u < kOneSourceUnroll; ++u) {
-        const int k = first + u * 32 + lane;
-        if (k < vecs) {
-          float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-          add_bf16x8(acc, v[u]);
-          out[k] = round_bf16x8(acc);
-        }
-      }
-    }
+    warp_copy<kOneSourceUnroll>(src, vecs, lane, LoadCg{}, 1u, [out](int) { return out; }, [](const int4& v) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      add_bf16x8(acc, v);
+      return round_bf16x8(acc);
+    });
     return true;
   }
   for (int first = 0; first < vecs; first += 32 * kReduceUnroll) {
