@@ -21,7 +21,9 @@
 //  2. Reduce (the other warps from the start, the sending warps once their rows are done). Warps take
 //     runs of B tokens [kB, kB + B) of this rank from a grid-wide counter. Per token i: lane r < R
 //     reads is_token_in_rank[i][r]; lanes of peer sources wait for their row flag to reach `epoch`
-//     (wait_geq; __syncwarp hands the order to the whole warp). With weights, lane k < K first sums
+//     (wait_geq; __syncwarp hands the order to the whole warp). Lane r then starts rank r's whole row
+//     on its way into L2 (one bulk prefetch, common/warp_copy.cuh prefetch_l2; the rows live in this
+//     GPU's memory, whose L2 peers' NVLink stores also go through). With weights, lane k < K first sums
 //     rank r's weight k for r ascending (own: topk_weights[first[me] + pos[i][me]]; peer: weights
 //     slot [r] row i, read through L2) in float32 from +0.0 with __fadd_rn and stores
 //     out_topk_weights[i][k], unrounded. Then, chunk by chunk, the warp adds rank r's row for r
@@ -91,6 +93,7 @@ __device__ __forceinline__ bool reduce_token(const DeviceContext& ctx, const Com
                                 (size_t)reinterpret_cast<const int*>(a.pos)[(size_t)i * R + me]
                           : (size_t)lane * ctx.dims.max_tokens + i;
     row = (own ? reinterpret_cast<const char*>(a.x) : ctx.region(me, ctx.ws.data)) + at * row_bytes;
+    prefetch_l2(row, row_bytes);  // the whole row on its way into L2 while the first loads wait
     if (a.with_weights)
       weights = (own ? reinterpret_cast<const float*>(a.topk_weights)
                      : reinterpret_cast<const float*>(ctx.region(me, ctx.ws.weights))) + at * K;

@@ -12,9 +12,11 @@
 //     and the block's start fails as when its barrier gave up (below): it must not store into peers
 //     that may still be in their previous call.
 //  1. Send (warps 0..W-1 of every block). Sending warp w owns tokens w, w + W', ... (W' = W * grid),
-//     prefetching (into L1) the pos entry and (FP8) the scales row of its next token. For token n,
-//     lane r < R holds pos[n][r]; a ballot gives the destination set. Lanes < K first load the
-//     token's topk id and weight, then the warp loads the row in chunks of U int4 per lane (all loads of a chunk in flight) and stores
+//     prefetching (into L1) the pos entry of its next token. For token n, lane r < R holds pos[n][r];
+//     a ballot gives the destination set. Lane 0 starts the next token's row on its way into L2 (one
+//     bulk prefetch, common/warp_copy.cuh prefetch_l2), so its loads hit L2 when the warp gets there,
+//     and (FP8) its scales row into L1. Lanes < K first load the token's topk id and weight, then
+//     the warp loads the row in chunks of U int4 per lane (all loads of a chunk in flight) and stores
 //     each chunk to every destination: this rank's output row first[me] + pos (local), or row pos of
 //     slot [me] in peer r's data region (NVLink stores through the peer address; with
 //     expert_major this rank's own rows go to slot [me] of its own data region instead). The lanes then
@@ -33,9 +35,9 @@
 //     p < count_s) lane l waits for the row flag of position jB + l to reach `epoch` (comm.h
 //     wait_geq: relaxed polls, then acquire); after __syncwarp (which hands every lane's acquire to
 //     the whole warp) the warp copies the run's rows,
-//     which are contiguous in slot s and in the output (output rows first[s] + p), as one span with U
-//     int4 loads per lane in flight (not with expert_major: the rows stay in slot s for
-//     expand.cu, which the host launches next), then the run's metadata spans (topk, weights, src_index, scales;
+//     which are contiguous in slot s and in the output (output rows first[s] + p), as one span (lane 0
+//     first starts it on its way into L2: one bulk prefetch) with U int4 loads per lane in flight
+//     (not with expert_major: the rows stay in slot s for expand.cu, which the host launches next), then the run's metadata spans (topk, weights, src_index, scales;
 //     reads through L2: ld.cg) and src_rank = s. This rank's own rows were written by its senders.
 //     Receiving overlaps sending, so peers' rows reach the output while the link is still busy.
 //  3. arrive_last: the last block resets the work counter and advances the device epochs.
@@ -139,9 +141,11 @@ __device__ __forceinline__ bool receive_run(const DeviceContext& ctx, const Disp
 
   const size_t out_row = first + p0, slot_row = (size_t)s * T + p0;
   const char* data = ctx.region(me, ctx.ws.data) + s * ctx.ws.slot_bytes + (size_t)p0 * a.row_bytes;
-  if (!a.expert_major)
+  if (!a.expert_major) {
+    if (lane == 0) prefetch_l2(data, n * a.row_bytes);  // the whole span on its way into L2
     warp_copy_cg<kU>(reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out_x) + out_row * a.row_bytes),
                      reinterpret_cast<const int4*>(data), n * (a.row_bytes / 16), lane);
+  }
   if (!a.cached) {
     warp_copy_cg<2>(reinterpret_cast<long long*>(a.out_topk_idx) + out_row * K,
                     reinterpret_cast<const long long*>(ctx.region(me, ctx.ws.topk)) + slot_row * K, n * K, lane);
@@ -204,10 +208,16 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
     } else {
       __shared__ uint64_t* flag_slots[kWarps][32];
       PendingFlags pending{flag_slots[warp]};
+      const char* x = reinterpret_cast<const char*>(a.x);
+      if (lane == 0 && blockIdx.x * send_warps + warp < a.num_tokens)  // the first token's row, into L2
+        prefetch_l2(x + (size_t)(blockIdx.x * send_warps + warp) * a.row_bytes, a.row_bytes);
       for (int n = blockIdx.x * send_warps + warp; n < a.num_tokens; n += stride) {
         const int p = lane < R ? __ldg(pos + (size_t)n * R + lane) : -1;
-        if (n + stride < a.num_tokens) {  // the next token's pos entry and FP8 scales, into L1 (no register held)
-          if (lane == 0) asm volatile("prefetch.global.L1 [%0];" ::"l"(pos + (size_t)(n + stride) * R));
+        if (n + stride < a.num_tokens) {  // the next token: its pos entry and FP8 scales into L1, its row into L2
+          if (lane == 0) {
+            asm volatile("prefetch.global.L1 [%0];" ::"l"(pos + (size_t)(n + stride) * R));
+            prefetch_l2(x + (size_t)(n + stride) * a.row_bytes, a.row_bytes);
+          }
           if (lane * 32 < a.num_scales)  // one lane per 128-byte line of the scales row
             asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<const float*>(a.x_scales) +
                                                            (size_t)(n + stride) * a.num_scales + lane * 32));
