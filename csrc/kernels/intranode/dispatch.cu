@@ -37,8 +37,8 @@
 //     the whole warp) the warp copies the run's rows,
 //     which are contiguous in slot s and in the output (output rows first[s] + p), as one span (lane 0
 //     first starts it on its way into L2: one bulk prefetch) with U int4 loads per lane in flight
-//     (not with expert_major: the rows stay in slot s for expand.cu, which the host launches next), then the run's metadata spans (topk, weights, src_index, scales;
-//     reads through L2: ld.cg) and src_rank = s. This rank's own rows were written by its senders.
+//     (not with expert_major: the rows stay in slot s for expand.cu, which the host launches next),
+//     then the run's metadata spans (topk, weights, src_index, scales; reads through L2: ld.cg) and src_rank = s. This rank's own rows were written by its senders.
 //     Receiving overlaps sending, so peers' rows reach the output while the link is still busy.
 //  3. arrive_last: the last block resets the work counter and advances the device epochs.
 // Give-up (a wait timed out, or saw the error word set by another thread): every output row then
