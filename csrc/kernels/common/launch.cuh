@@ -11,18 +11,26 @@ namespace moe_ep {
 // Throws with the kernel's name when the launch failed.
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
 
-// End of a kernel. Every thread fences, then thread 0 counts the block in; returns true (in thread 0
-// of the last block to arrive only) once all gridDim.x blocks have arrived, i.e. once no thread of
-// the grid will read the epochs or take work items again (fence / counter / fence). That thread
-// resets the counter for the next kernel.
-__device__ __forceinline__ bool arrive_last(int* counter) {
+// End of a block's work. Every thread fences, then thread 0 counts the block in; returns true in every
+// thread of the last block to arrive (fence / counter / fence: every other block's writes before its
+// arrival are visible to it), which resets the counter for the next kernel.
+__device__ __forceinline__ bool block_arrives_last(int* counter) {
+  __shared__ int last;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x != 0) return false;
-  if (atomicAdd(counter, 1) != static_cast<int>(gridDim.x) - 1) return false;
-  __threadfence();
-  *counter = 0;
-  return true;
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
+    if (last) {
+      __threadfence();
+      *counter = 0;
+    }
+  }
+  __syncthreads();
+  return last != 0;
 }
+
+// End of a kernel: block_arrives_last, true in thread 0 of the last block only, once no thread of the
+// grid will read the epochs or take work items again.
+__device__ __forceinline__ bool arrive_last(int* counter) { return block_arrives_last(counter) && threadIdx.x == 0; }
 
 }  // namespace moe_ep

@@ -14,13 +14,6 @@ __device__ __forceinline__ int4 ld_nc_int4(const int4* p) {
   return v;
 }
 
-// Starts fetching [p, p + bytes) into L2 with one bulk prefetch (sm_90 cp.async.bulk.prefetch): no
-// register is held and nothing waits for it, so a warp can start the loads of its next row while it
-// copies the current one, and those loads then hit L2. p and bytes: multiples of 16.
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
 struct Unchanged {
   template <class T>
   __device__ __forceinline__ T operator()(const T& v) const { return v; }

@@ -170,8 +170,13 @@ class IntranodeContext {
     Tuning t{};
     t.send_warps = checked_knob("send_warps", send_warps, 1, kHostWarps);
     t.combine_send_warps = checked_knob("combine_send_warps", combine_send_warps, 1, kHostWarps);
-    if (unroll < 0 || unroll > 30 || !((kUnrollValues >> unroll) & 1))
-      throw std::invalid_argument("tuning: unroll = " + std::to_string(unroll) + ", expected 4 or 6 (kUnrollValues)");
+    if (unroll < 0 || unroll > 30 || !((kUnrollValues >> unroll) & 1)) {
+      std::string allowed;  // the values of kUnrollValues, in words
+      for (int u = 0; u <= 30; ++u)
+        if ((kUnrollValues >> u) & 1) allowed += (allowed.empty() ? "" : ", ") + std::to_string(u);
+      throw std::invalid_argument("tuning: unroll = " + std::to_string(unroll) + ", expected one of " + allowed +
+                                  " (kUnrollValues)");
+    }
     t.unroll = unroll;
     t.flag_batch = checked_knob("flag_batch", flag_batch, 1, 32);
     t.recv_run = checked_knob("recv_run", recv_run, 1, 32);
@@ -233,6 +238,9 @@ void register_intranode(py::module_& m) {
   m.def("intranode_workspace_bytes", &intra::workspace_bytes, py::arg("nranks"), py::arg("max_tokens"),
         py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"),
         "Bytes of the symmetric workspace one normal-mode Buffer needs (kernels/intranode/intranode.h).");
+  m.attr("INTRANODE_BLOCK_COUNTERS") = static_cast<int>(intra::kBlockCounters);
+  m.def("intranode_layout_scratch_words", &intra::layout_scratch_words, py::arg("nranks"), py::arg("num_experts"),
+        "int32 words of the device scratch of the notify kernel's layout (intranode.h; zeroed at allocation).");
 
   using D = intra::Dims;
   na::bind_args<D>(m, "IntranodeDims", "The fixed dimensions of one Buffer's normal-mode kernels (intranode.h Dims).",

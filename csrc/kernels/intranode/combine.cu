@@ -19,11 +19,10 @@
 //     them: __syncwarp, one fence.acq_rel.sys, then relaxed stores of `epoch` (intranode.h "Row
 //     flags", in this folder), so a flag is raised only after its row and its weights.
 //  2. Reduce (the other warps from the start, the sending warps once their rows are done). Warps take
-//     runs of B tokens [kB, kB + B) of this rank from a grid-wide counter. Per token i: lane r < R
-//     reads is_token_in_rank[i][r]; lanes of peer sources wait for their row flag to reach `epoch`
-//     (wait_geq; __syncwarp hands the order to the whole warp). Lane r then starts rank r's whole row
-//     on its way into L2 (one bulk prefetch, common/warp_copy.cuh prefetch_l2; the rows live in this
-//     GPU's memory, whose L2 peers' NVLink stores also go through). With weights, lane k < K first sums
+//     runs of B tokens [kB, kB + B) of this rank from a grid-wide counter (one ahead: intranode.h
+//     WorkItems). Per token i: lane r < R reads is_token_in_rank[i][r], and lane me (in the same round
+//     trip) pos[i][me] and first[me]; lanes of peer sources wait for their row flag to reach `epoch`
+//     (wait_geq; __syncwarp hands the order to the whole warp). With weights, lane k < K first sums
 //     rank r's weight k for r ascending (own: topk_weights[first[me] + pos[i][me]]; peer: weights
 //     slot [r] row i, read through L2) in float32 from +0.0 with __fadd_rn and stores
 //     out_topk_weights[i][k], unrounded. Then, chunk by chunk, the warp adds rank r's row for r
@@ -77,6 +76,11 @@ __device__ __forceinline__ bool reduce_token(const DeviceContext& ctx, const Com
   const int me = ctx.comm.rank, R = ctx.comm.nranks, row_bytes = 2 * ctx.dims.hidden, vecs = row_bytes / 16;
   const int K = ctx.dims.num_topk;
   const bool sent = lane < R && reinterpret_cast<const bool*>(a.is_token_in_rank)[(size_t)i * R + lane];
+  // this rank's own row of token i, first[me] + pos[i][me] (pos is -1 where i stayed away), loaded
+  // beside is_token_in_rank rather than after it
+  const size_t own_at = lane == me ? reinterpret_cast<const int*>(a.recv_info)[R + me] +
+                                         (size_t)reinterpret_cast<const int*>(a.pos)[(size_t)i * R + me]
+                                   : 0;
   const unsigned sources = __ballot_sync(kFullMask, sent);
   bool ok = true;
   if (sent && lane != me) ok = wait_geq(ctx.comm, ctx.row_flag(me, kCombineRows, lane, i), epoch, kPhaseCombineRecv, lane);
@@ -89,11 +93,8 @@ __device__ __forceinline__ bool reduce_token(const DeviceContext& ctx, const Com
   if (sent) {
     const bool own = lane == me;
     // own: row first[me] + pos[i][me] of x (and topk_weights); peer: row i of slot r ([R][T] regions)
-    const size_t at = own ? reinterpret_cast<const int*>(a.recv_info)[R + me] +
-                                (size_t)reinterpret_cast<const int*>(a.pos)[(size_t)i * R + me]
-                          : (size_t)lane * ctx.dims.max_tokens + i;
+    const size_t at = own ? own_at : (size_t)lane * ctx.dims.max_tokens + i;
     row = (own ? reinterpret_cast<const char*>(a.x) : ctx.region(me, ctx.ws.data)) + at * row_bytes;
-    prefetch_l2(row, row_bytes);  // the whole row on its way into L2 while the first loads wait
     if (a.with_weights)
       weights = (own ? reinterpret_cast<const float*>(a.topk_weights)
                      : reinterpret_cast<const float*>(ctx.region(me, ctx.ws.weights))) + at * K;
@@ -195,10 +196,11 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
   }
   // 2. reduce this rank's tokens, B at a time; after a wait gave up, the warp writes NaN rows for the
   //    rest (every token is still taken by some warp, so a failed call returns no row that looks valid)
-  const int vecs = 2 * ctx.dims.hidden / 16;
-  for (;;) {
-    const int first = take_work_item(ctx.block_counters + 3) * B;
-    if (first >= a.num_tokens) break;
+  const int vecs = 2 * ctx.dims.hidden / 16, items = (a.num_tokens + B - 1) / B;
+  for (WorkItems work(ctx.block_counters + kCombineWork);;) {
+    const int item = work.next(items);
+    if (item >= items) break;
+    const int first = item * B;
     const int last = min(first + B, a.num_tokens);
     int i = first;
     for (; ok && i < last; ++i) ok = reduce_token(ctx, a, i, epoch, lane);
@@ -211,8 +213,8 @@ combine_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant_
   }
 
   // 3. bookkeeping for the next call
-  if (arrive_last(ctx.block_counters + 1)) {
-    ctx.block_counters[3] = 0;
+  if (arrive_last(ctx.block_counters + kCombineDone)) {
+    ctx.block_counters[kCombineWork] = 0;
     comm.epochs[kSigCombineReady] = ready_epoch;
     comm.epochs[kSigCombineDone] = epoch;
   }

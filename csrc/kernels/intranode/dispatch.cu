@@ -2,8 +2,9 @@
 //
 // Protocol (grid = num_blocks blocks of kThreads; runs after notify on the same stream, which gave
 // pos [N, R] and recv_info). epoch = epochs[kSigDispatchDone] + 1 numbers this call's row flags.
-// W = Tuning::send_warps, U = Tuning::unroll (template parameter), G = Tuning::flag_batch,
-// B = Tuning::recv_run.
+// W = Tuning::send_warps (every warp of the block when R = 1: with no peer there is nothing to receive
+// but worst-case padding, which the senders fill once their tokens are done), U = Tuning::unroll
+// (template parameter), G = Tuning::flag_batch, B = Tuning::recv_run.
 //  0. Cached dispatch only (no notify ran): block 0's thread r stores ready_epoch into its
 //     kSigDispatchReady flag at peer r; every block waits for all peers' ready flags (start barrier:
 //     a peer raises it only after its stream finished the previous call). Then, in every dispatch,
@@ -13,9 +14,8 @@
 //     that may still be in their previous call.
 //  1. Send (warps 0..W-1 of every block). Sending warp w owns tokens w, w + W', ... (W' = W * grid),
 //     prefetching (into L1) the pos entry of its next token. For token n, lane r < R holds pos[n][r];
-//     a ballot gives the destination set. Lane 0 starts the next token's row on its way into L2 (one
-//     bulk prefetch, common/warp_copy.cuh prefetch_l2), so its loads hit L2 when the warp gets there,
-//     and (FP8) its scales row into L1. Lanes < K first load the token's topk id and weight, then
+//     a ballot gives the destination set. (FP8) The next token's scales row is prefetched into L1
+//     too. Lanes < K first load the token's topk id and weight, then
 //     the warp loads the row in chunks of U int4 per lane (all loads of a chunk in flight) and stores
 //     each chunk to every destination: this rank's output row first[me] + pos (local), or row pos of
 //     slot [me] in peer r's data region (NVLink stores through the peer address; with
@@ -28,15 +28,15 @@
 //     (intranode.h "Row flags", in this folder). A flag is raised only after its row and metadata, and
 //     the warp pays one system fence per G flags instead of one per token.
 //  2. Receive (the other warps from the start, the sending warps once their tokens are done). Work
-//     item k (from a grid-wide counter) is the run of positions [jB, jB + B) of source s, with
+//     item k (from a grid-wide counter, taken one ahead: intranode.h WorkItems) is the run of positions [jB, jB + B) of source s, with
 //     j = k / R and s = k % R. In worst-case mode the run's padding rows (p >= count_s) get zero x and
 //     scales, src_rank = src_index = -1, topk_idx = -1, weights = 0 (common/routing.cuh
 //     fill_dispatch_rows; on a cached dispatch x and scales only). For peer rows (s != me,
 //     p < count_s) lane l waits for the row flag of position jB + l to reach `epoch` (comm.h
 //     wait_geq: relaxed polls, then acquire); after __syncwarp (which hands every lane's acquire to
 //     the whole warp) the warp copies the run's rows,
-//     which are contiguous in slot s and in the output (output rows first[s] + p), as one span (lane 0
-//     first starts it on its way into L2: one bulk prefetch) with U int4 loads per lane in flight
+//     which are contiguous in slot s and in the output (output rows first[s] + p), as one span with U
+//     int4 loads per lane in flight
 //     (not with expert_major: the rows stay in slot s for expand.cu, which the host launches next),
 //     then the run's metadata spans (topk, weights, src_index, scales; reads through L2: ld.cg) and src_rank = s. This rank's own rows were written by its senders.
 //     Receiving overlaps sending, so peers' rows reach the output while the link is still busy.
@@ -141,11 +141,9 @@ __device__ __forceinline__ bool receive_run(const DeviceContext& ctx, const Disp
 
   const size_t out_row = first + p0, slot_row = (size_t)s * T + p0;
   const char* data = ctx.region(me, ctx.ws.data) + s * ctx.ws.slot_bytes + (size_t)p0 * a.row_bytes;
-  if (!a.expert_major) {
-    if (lane == 0) prefetch_l2(data, n * a.row_bytes);  // the whole span on its way into L2
+  if (!a.expert_major)
     warp_copy_cg<kU>(reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out_x) + out_row * a.row_bytes),
                      reinterpret_cast<const int4*>(data), n * (a.row_bytes / 16), lane);
-  }
   if (!a.cached) {
     warp_copy_cg<2>(reinterpret_cast<long long*>(a.out_topk_idx) + out_row * K,
                     reinterpret_cast<const long long*>(ctx.region(me, ctx.ws.topk)) + slot_row * K, n * K, lane);
@@ -183,7 +181,8 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
   if (block_stamps_disagreed(comm)) return;  // the call's stamp exchange found the ranks' calls differ (comm.h)
   const int me = comm.rank, R = comm.nranks, T = ctx.dims.max_tokens;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int send_warps = ctx.tuning.send_warps, batch = ctx.tuning.flag_batch, B = ctx.tuning.recv_run;
+  const int send_warps = R == 1 ? kWarps : ctx.tuning.send_warps;  // no peer: no row to receive
+  const int batch = ctx.tuning.flag_batch, B = ctx.tuning.recv_run;
   const auto* recv_info = reinterpret_cast<const int*>(a.recv_info);
 
   // 0. start barrier of a cached dispatch; then whether the call already failed (notify's count
@@ -208,16 +207,10 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
     } else {
       __shared__ uint64_t* flag_slots[kWarps][32];
       PendingFlags pending{flag_slots[warp]};
-      const char* x = reinterpret_cast<const char*>(a.x);
-      if (lane == 0 && blockIdx.x * send_warps + warp < a.num_tokens)  // the first token's row, into L2
-        prefetch_l2(x + (size_t)(blockIdx.x * send_warps + warp) * a.row_bytes, a.row_bytes);
       for (int n = blockIdx.x * send_warps + warp; n < a.num_tokens; n += stride) {
         const int p = lane < R ? __ldg(pos + (size_t)n * R + lane) : -1;
-        if (n + stride < a.num_tokens) {  // the next token: its pos entry and FP8 scales into L1, its row into L2
-          if (lane == 0) {
-            asm volatile("prefetch.global.L1 [%0];" ::"l"(pos + (size_t)(n + stride) * R));
-            prefetch_l2(x + (size_t)(n + stride) * a.row_bytes, a.row_bytes);
-          }
+        if (n + stride < a.num_tokens) {  // the next token: its pos entry and FP8 scales into L1
+          if (lane == 0) asm volatile("prefetch.global.L1 [%0];" ::"l"(pos + (size_t)(n + stride) * R));
           if (lane * 32 < a.num_scales)  // one lane per 128-byte line of the scales row
             asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<const float*>(a.x_scales) +
                                                            (size_t)(n + stride) * a.num_scales + lane * 32));
@@ -252,8 +245,8 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
   for (int s = 0; s < R; ++s) rows = max(rows, recv_info[s]);
   if (a.worst_case) rows = T;
   const int items = (rows + B - 1) / B * R;
-  for (;;) {
-    const int k = take_work_item(ctx.block_counters + 2);
+  for (WorkItems work(ctx.block_counters + kDispatchWork);;) {
+    const int k = work.next(items);
     if (k >= items) break;
     const int s = k % R, p0 = k / R * B;
     if (ok) ok = receive_run<kU>(ctx, a, s, p0, B, lane);
@@ -261,8 +254,8 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
   }
 
   // 3. bookkeeping for the next call
-  if (arrive_last(ctx.block_counters + 0)) {
-    ctx.block_counters[2] = 0;
+  if (arrive_last(ctx.block_counters + kDispatchDone)) {
+    ctx.block_counters[kDispatchWork] = 0;
     comm.epochs[kSigDispatchDone] = call_epoch(comm, kSigDispatchDone);
     if (a.cached) comm.epochs[kSigDispatchReady] = call_epoch(comm, kSigDispatchReady);
   }

@@ -1,19 +1,22 @@
-// The dispatch layout of one call, computed by one block of kLayoutThreads threads: the device code
-// that layout.cu (get_dispatch_layout) and notify.cu (the layout plus the count exchange) inline.
-// Both kernels are templates on kK, a compile-time bound on K (8 or 16), so per-token loops over the
-// top-k entries are unrolled without issuing dead predicated iterations for K <= 8.
+// The dispatch layout of a slice of tokens [begin, end), computed by one block of kLayoutThreads
+// threads: the device code that layout.cu (get_dispatch_layout: one block, every token) and notify.cu
+// (one slice per block, then the count exchange) inline. Both kernels are templates on kK, a
+// compile-time bound on K (8 or 16), so per-token loops over the top-k entries are unrolled without
+// issuing dead predicated iterations for K <= 8.
 // Every thread of the block calls layout_counts, then (when pos is wanted) layout_positions; each
-// ends with a barrier, after which its outputs are visible to the whole block. Notify exchanges the
-// counts between the two, so the positions are computed while the peers' flags travel.
+// ends with a barrier, after which its outputs are visible to the whole block.
 //  1. layout_counts: each thread first prefetches (into L2) the topk rows of all its tokens, so later
 //     steps find them there. Then kExpertChunk experts at a time: the block zeroes a shared-memory
-//     counter per expert of the chunk; thread t owns tokens t, t + kLayoutThreads, ...; it loads its
+//     counter per expert of the chunk; thread t owns tokens begin + t, begin + t + kLayoutThreads, ...; it loads its
 //     token's ids (16-byte loads when K is even), adds 1 (shared atomics) for each expert named for
 //     the first time in the row (a token naming an expert twice counts once), and in the first chunk
 //     also builds the token's rank bitmask (expert -> rank by comparisons, no division), writes
 //     is_token_in_rank, and per rank a warp ballot whose popcount lane 0 adds to a shared counter.
-//     One chunk covers E <= kExpertChunk; larger E repeats the pass per chunk.
-//  2. layout_positions: kLayoutThreads tokens per step, thread t owning token step + t: each thread
+//     One chunk covers E <= kExpertChunk; larger E repeats the pass per chunk. The slice's counts per
+//     expert are stored, or with kAccumulate added (global atomics, nonzero counts only) into totals
+//     that several blocks share; its counts per rank are stored.
+//  2. layout_positions: kLayoutThreads tokens per step from `begin`, thread t owning token step + t,
+//     each rank's count starting at slice_base[r] (the tokens of earlier slices that go to r): each thread
 //     rebuilds its token's rank bitmask from is_token_in_rank (written by this block in step 1, so
 //     visible after its barrier; no topk reload); per rank, a warp ballot gives the token's offset
 //     inside its warp and the warp's total; warp r then scans rank r's totals over the 32 warps
@@ -81,29 +84,29 @@ struct TokenExperts {
   }
 };
 
-template <int kK>
-__device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk, int num_experts, int nranks,
-                                              ErrorState* error) {
+template <int kK, bool kAccumulate = false>
+__device__ __forceinline__ void layout_counts(const LayoutArgs& a, int begin, int end, int num_topk, int num_experts,
+                                              int nranks, ErrorState* error) {
   __shared__ int expert_count[kExpertChunk];
   __shared__ int rank_count[kMaxNodeRanks];
 
   const int tid = threadIdx.x, lane = tid % 32;
-  const int num_tokens = a.num_tokens, num_local = num_experts / nranks;
+  const int num_local = num_experts / nranks;
   const auto* topk_idx = reinterpret_cast<const int64_t*>(a.topk_idx);
   auto* tokens_per_expert = reinterpret_cast<int*>(a.tokens_per_expert);
   auto* in_rank = reinterpret_cast<bool*>(a.is_token_in_rank);
 
-  for (int n = tid; n < num_tokens; n += kLayoutThreads)
+  for (int n = begin + tid; n < end; n += kLayoutThreads)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(topk_idx + (size_t)n * num_topk));
   if (tid < kMaxNodeRanks) rank_count[tid] = 0;
   for (int e0 = 0; e0 < num_experts; e0 += kExpertChunk) {
     const int width = min(kExpertChunk, num_experts - e0);
     for (int i = tid; i < width; i += kLayoutThreads) expert_count[i] = 0;
     __syncthreads();
-    for (int step = 0; step < num_tokens; step += kLayoutThreads) {
+    for (int step = begin; step < end; step += kLayoutThreads) {
       const int n = step + tid;
       unsigned ranks = 0;
-      if (n < num_tokens) {
+      if (n < end) {
         const TokenExperts<kK> t(topk_idx, n, num_topk, num_experts, error);
 #pragma unroll
         for (int k = 0; k < kK; ++k) {
@@ -127,27 +130,32 @@ __device__ __forceinline__ void layout_counts(const LayoutArgs& a, int num_topk,
       }
     }
     __syncthreads();
-    for (int i = tid; i < width; i += kLayoutThreads) tokens_per_expert[e0 + i] = expert_count[i];
+    for (int i = tid; i < width; i += kLayoutThreads) {
+      if (!kAccumulate)
+        tokens_per_expert[e0 + i] = expert_count[i];
+      else if (expert_count[i] != 0)
+        atomicAdd(tokens_per_expert + e0 + i, expert_count[i]);
+    }
     __syncthreads();
   }
   if (tid < nranks) reinterpret_cast<int*>(a.tokens_per_rank)[tid] = rank_count[tid];
   __syncthreads();
 }
 
-__device__ __forceinline__ void layout_positions(const LayoutArgs& a, int nranks) {
+__device__ __forceinline__ void layout_positions(const LayoutArgs& a, int begin, int end, const int* slice_base, int nranks) {
   __shared__ int warp_total[kLayoutWarps][kMaxNodeRanks];
   __shared__ int warp_first[kLayoutWarps][kMaxNodeRanks];
   __shared__ int carry[kMaxNodeRanks];
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int num_tokens = a.num_tokens;
   const auto* in_rank = reinterpret_cast<const bool*>(a.is_token_in_rank);
   auto* pos = reinterpret_cast<int*>(a.pos);
-  if (tid < nranks) carry[tid] = 0;
-  for (int step = 0; step < num_tokens; step += kLayoutThreads) {
+  __syncthreads();  // slice_base may be this block's shared memory, written just before
+  if (tid < nranks) carry[tid] = slice_base[tid];  // read by the scan below after the loop's first barrier
+  for (int step = begin; step < end; step += kLayoutThreads) {
     const int n = step + tid;
     unsigned ranks = 0;
-    if (n < num_tokens) {
+    if (n < end) {
 #pragma unroll
       for (int r = 0; r < kMaxNodeRanks; ++r)
         if (r < nranks && in_rank[(size_t)n * nranks + r]) ranks |= 1u << r;
@@ -170,7 +178,7 @@ __device__ __forceinline__ void layout_positions(const LayoutArgs& a, int nranks
       if (lane == 31) carry[r] = base + inclusive;
     }
     __syncthreads();
-    if (n < num_tokens) {
+    if (n < end) {
 #pragma unroll
       for (int r = 0; r < kMaxNodeRanks; ++r) {
         if (r >= nranks) break;

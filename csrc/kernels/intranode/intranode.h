@@ -101,6 +101,29 @@ constexpr int kHostWarps = 32;  // == kWarps (warps per dispatch / combine block
 // row, measured no faster than 6 on one H100 and was dropped). moe_ep.Config reads it as TUNING_UNROLL_MASK.
 constexpr int kUnrollValues = (1 << 4) | (1 << 6);
 
+// Context::block_counters: grid-wide counters, each back at zero when its kernel ends (the last block
+// to arrive resets it): blocks done, next receive work item, notify's next slice and blocks done.
+enum BlockCounter : int {
+  kDispatchDone = 0, kCombineDone = 1, kDispatchWork = 2, kCombineWork = 3, kNotifySlice = 4, kNotifyDone = 5,
+  kBlockCounters = 6
+};
+
+// Notify's grid: one block per kNotifySliceTokens tokens (at least 1, at most kMaxNotifyBlocks), each
+// block the layout of one slice of the tokens (notify.cu).
+constexpr int kNotifySliceTokens = 512;
+constexpr int kMaxNotifyBlocks = 32;
+
+// Context::layout_scratch, in int32 words: the slices' flags ([kMaxNotifyBlocks] uint64: the notify
+// epoch once slice s's counts are in), the slices' tokens per rank ([kMaxNotifyBlocks][kMaxNodeRanks]),
+// then this call's tokens per rank [R] and per expert [E] (the latter summed by atomics over the
+// slices: zero between notifies, so the buffer starts zeroed and the last block re-zeroes it).
+constexpr int kScratchSliceFlags = 0;
+constexpr int kScratchSliceCounts = 2 * kMaxNotifyBlocks;
+constexpr int kScratchTokensPerRank = kScratchSliceCounts + kMaxNotifyBlocks * kMaxNodeRanks;
+inline size_t layout_scratch_words(int nranks, int num_experts) {
+  return (size_t)kScratchTokensPerRank + nranks + num_experts;
+}
+
 // Everything the kernels need that stays fixed for a Buffer: device addresses as seen from this GPU.
 struct Context {
   Dims dims;
@@ -112,9 +135,8 @@ struct Context {
   uintptr_t signals[kMaxNodeRanks];      // every rank's signal array
   uintptr_t workspace[kMaxNodeRanks];    // every rank's workspace
   uintptr_t row_flags[kMaxNodeRanks];    // every rank's row flags
-  uintptr_t block_counters;          // int32[4], zero between kernels: blocks done ([0] dispatch,
-                                     // [1] combine), next receive work item ([2] dispatch, [3] combine)
-  uintptr_t layout_scratch;          // int32[R + E]: tokens per rank, then per expert (notify)
+  uintptr_t block_counters;          // int32[kBlockCounters], zero between kernels (BlockCounter)
+  uintptr_t layout_scratch;          // int32[layout_scratch_words(R, E)], zero at first (notify's layout)
   Tuning tuning;
 };
 
@@ -248,6 +270,18 @@ struct DeviceContext {
 
   __device__ __forceinline__ char* region(int r, uint64_t offset) const { return workspace[r] + offset; }
 
+  // layout_scratch's parts (Context::layout_scratch)
+  __device__ __forceinline__ uint64_t* slice_flag(int s) const {
+    return reinterpret_cast<uint64_t*>(layout_scratch + kScratchSliceFlags) + s;
+  }
+  __device__ __forceinline__ int* slice_counts(int s) const {
+    return layout_scratch + kScratchSliceCounts + s * kMaxNodeRanks;
+  }
+  __device__ __forceinline__ int* tokens_per_rank() const { return layout_scratch + kScratchTokensPerRank; }
+  __device__ __forceinline__ int* tokens_per_expert() const {
+    return layout_scratch + kScratchTokensPerRank + comm.nranks;
+  }
+
   // The flag at rank `dst` that source `src` raises for row `row` of its slot.
   __device__ __forceinline__ uint64_t* row_flag(int dst, int kind, int src, int row) const {
     return row_flags[dst] + ((size_t)kind * comm.nranks + src) * dims.max_tokens + row;
@@ -297,12 +331,25 @@ __device__ __forceinline__ uint64_t call_epoch(const Comm& c, int slot) {
   return *reinterpret_cast<volatile unsigned long long*>(c.epochs + slot) + 1;
 }
 
-// The next receive work item of the grid for the calling warp (lane 0 takes it, all lanes get it).
-__device__ __forceinline__ int take_work_item(int* counter) {
-  int item = 0;
-  if (threadIdx.x % 32 == 0) item = atomicAdd(counter, 1);
-  return __shfl_sync(kFullMask, item, 0);
-}
+// The grid's receive work items as one warp takes them (grid-wide counter, lane 0's atomicAdd), one
+// ahead: the item after the current one is taken when the current one is handed out, so the atomic's
+// round trip overlaps the current item's work instead of preceding the next. A warp's items increase,
+// so once one is past the end every later one is too: no item it took is left undone.
+struct WorkItems {
+  int* counter;
+  int ahead;  // lane 0: the warp's next item
+
+  __device__ __forceinline__ explicit WorkItems(int* c) : counter(c), ahead(0) {
+    if (threadIdx.x % 32 == 0) ahead = atomicAdd(counter, 1);
+  }
+
+  // The warp's next item (every lane gets it); lane 0 then takes the one after, while below `end`.
+  __device__ __forceinline__ int next(int end) {
+    const int item = __shfl_sync(kFullMask, ahead, 0);
+    if (threadIdx.x % 32 == 0 && item < end) ahead = atomicAdd(counter, 1);
+    return item;
+  }
+};
 
 // ---- Row flags ----
 // Publishing: the writing warp makes its lanes' generic stores ordered (__syncwarp, so the fence

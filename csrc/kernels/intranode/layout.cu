@@ -15,7 +15,7 @@ namespace {
 template <int kK>
 __global__ void __launch_bounds__(kLayoutThreads, 1)
 layout_kernel(const __grid_constant__ LayoutArgs a, int num_topk, int num_experts, int nranks, ErrorState* error) {
-  layout_counts<kK>(a, num_topk, num_experts, nranks, error);
+  layout_counts<kK>(a, 0, a.num_tokens, num_topk, num_experts, nranks, error);
 }
 
 }  // namespace

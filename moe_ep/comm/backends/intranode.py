@@ -56,8 +56,8 @@ class IntranodeEngine(NormalEngine):
         self.cfg = cfg
         dev, r, e = cfg.device, cfg.world_size, cfg.num_experts
         self._epochs = epochs  # kept alive: the kernels use it
-        self._block_counters = torch.zeros(4, dtype=torch.int32, device=dev)
-        self._layout_scratch = torch.empty(r + e, dtype=torch.int32, device=dev)
+        self._block_counters = torch.zeros(native.INTRANODE_BLOCK_COUNTERS, dtype=torch.int32, device=dev)
+        self._layout_scratch = torch.zeros(native.intranode_layout_scratch_words(r, e), dtype=torch.int32, device=dev)
         torch.cuda.synchronize(dev)  # the zeros land before any kernel, on any stream
         self._signals = session.alloc((native.SIGNAL_WORDS,), torch.int64)
         self._workspace = session.alloc((_workspace_bytes(cfg),), torch.uint8)
