@@ -41,6 +41,7 @@ def _one_session(rank: int, world_size: int, round_: int) -> None:
     assert x.tensor.data_ptr() == x.ptr and x.peer_ptrs[rank] == x.ptr
     assert all(p != 0 for p in x.peer_ptrs), "GPUs of one node must reach each other's symmetric heap"
     assert torch.count_nonzero(x.tensor.view(torch.int16)).item() == 0, "sym_malloc must zero-fill"
+    native.barrier_all()  # every rank checked its zeros before rank 0 writes into rank 1's allocation
 
     # Every rank draws the same random payload; rank 0 copies it into rank 1's allocation through the
     # peer address (cudaMemcpy on rank 0's GPU), rank 1 reads it through its own torch view.

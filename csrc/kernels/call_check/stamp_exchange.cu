@@ -9,11 +9,12 @@
 //     the host has not raised it yet), thread 0 sets the verdict word (Context::verdict) to 1 and the
 //     block returns: nothing is sent, the epoch stays, and so does every rank's, since each rank's
 //     exchange of that call saw every stamp and recorded the same.
-//  1. For every peer p not masked (Args::masked, fault-tolerant low latency): nvshmem_int_p of this
-//     rank's row (the stamp's kStampWords words, then its token count) into row [me] of table[slot]
-//     at p, nvshmem_fence (NVSHMEM orders this thread's puts and signal ops to one PE), then
-//     nvshmemx_signal_op SET flags[me] = epoch at p.
-//  2. Thread p waits until flags[p] >= epoch here (comm.h wait_signal_geq: signal fetch, then acquire
+//  1. For every peer p != me not masked (Args::masked, fault-tolerant low latency): nvshmem_int_p of
+//     this rank's row (the stamp's kStampWords words, then its token count) into row [me] of
+//     table[slot] at p, nvshmem_fence (NVSHMEM orders this thread's puts and signal ops to one PE),
+//     then nvshmemx_signal_op SET flags[me] = epoch at p. Thread me stores the same row into its own
+//     table with plain stores (the host reads it after a mismatch) and signals nothing.
+//  2. Thread p != me waits until flags[p] >= epoch here (comm.h wait_signal_geq: signal fetch, then acquire
 //     fence), so row [p] of table[slot] holds p's stamp; it compares the first kComparedWords words
 //     with this rank's and takes the most tokens. A masked peer is skipped; in fault-tolerant mode a
 //     silent one is masked by the wait (comm.h give_up), else the wait records kErrorTimeout and the
@@ -69,6 +70,11 @@ exchange_kernel(const __grid_constant__ Context ctx, const __grid_constant__ Arg
   // 1. this rank's row to every peer, then its flag
   int* row = table + ((size_t)slot * R + me) * kRowWords;
   for (int p = tid; p < R; p += blockDim.x) {
+    if (p == me) {  // this rank's own row: no signal, no wait (step 2 skips it)
+      for (int w = 0; w < kStampWords; ++w) row[w] = a.stamp[w];
+      row[kRowTokens] = a.num_tokens;
+      continue;
+    }
     if (peer_masked(comm, p)) continue;
     for (int w = 0; w < kStampWords; ++w) nvshmem_int_p(row + w, a.stamp[w], p);
     nvshmem_int_p(row + kRowTokens, a.num_tokens, p);
@@ -78,6 +84,7 @@ exchange_kernel(const __grid_constant__ Context ctx, const __grid_constant__ Arg
   // 2. every peer's row
   bool ok = true;
   for (int p = tid; ok && p < R; p += blockDim.x) {
+    if (p == me) continue;  // its stamp is this rank's, its tokens already in `most`
     if (!wait_signal_geq(comm, flags + p, epoch, kPhaseCallStamp, p)) {
       ok = peer_masked(comm, p);  // a masked peer is left out; anything else ends the exchange
       continue;
