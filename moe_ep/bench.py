@@ -6,9 +6,9 @@ hidden x tokens sweep. Normal and eager low-latency calls are also timed "cold" 
 device sync and a host barrier, so the host's own time counts). The "layer" case times moe_ep.MoE
 forward, backward and both (ms and TFLOP/s of the routing it ran) without and with overlap=True,
 alternating in every iteration, the layer's communication alone (the share of it overlap hides, where
-each rank has its own GPU), the row path (expert_major=False) and the FP8 experts' forward, on the
-native and the reference backend, beside (GPU only) the layer's grouped GEMMs alone (equal groups, and
-the router's; bf16, FP8, and torch's own FP8 grouped GEMM) and a dense bf16 matmul ceiling, and a decode step
+each rank has its own GPU), the row path (expert_major=False) and the FP8 experts (forward, and forward +
+backward), on the native and the reference backend, beside (GPU only) the layer's grouped GEMMs alone (equal
+groups, and the router's; bf16, FP8 forward and dgrad with the bf16 wgrad, and torch's own FP8 grouped GEMM) and a dense bf16 matmul ceiling, and a decode step
 of two micro-batches (MoE.start/compute/finish) interleaved and in sequence, alternating, beside the time its
 expert weights take to read once per micro-batch at the HBM bandwidth measured in the same run; it runs
 with one rank too. The "sm-efficiency" case (one rank, EP1) times the normal-mode dispatch and combine at
@@ -45,6 +45,7 @@ from .comm import fp8
 from .moe import autograd, fp8_experts
 from .comm.buffer import Buffer, auto_backend
 from .launch import init_distributed, shutdown
+from .moe.experts import groups_of
 from .moe.layer import MoE
 
 try:
@@ -769,20 +770,26 @@ def time_gemms(timer: Timer, cases: dict[str, tuple[Callable[[], object], float]
 
 def fp8_gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int, device: torch.device,
                    counts: Optional[torch.Tensor] = None) -> dict[str, tuple[Callable[[], object], float]]:
-    """The FP8 experts' two forward GEMMs alone (moe_ep.moe.fp8_experts.grouped_gemm, block scales), on
-    `pairs` rows in equal groups, or in groups of `counts` [E_l] rows (the router's), the gate/up one
-    gathering its rows: name -> (call, FLOPs)."""
-    e, h, f = local_experts, hidden, ffn
+    """The FP8 experts' grouped GEMMs alone as MoE(fp8_experts=True) runs them (moe_ep.moe.fp8_experts), on `pairs`
+    rows in equal groups, or in groups of `counts` [E_l] rows (the router's): "fwd" the forward's two (FP8, block
+    scales, the pairs' rows read where the dispatch put them), "dgrad" the backward's two data-gradient GEMMs
+    (FP8, against the transposed weights), "wgrad" its two weight-gradient GEMMs (bf16): name -> (call, FLOPs)."""
+    e, h, f, bf = local_experts, hidden, ffn, torch.bfloat16
     counts = group_sizes(pairs, e, device, counts)
     p = int(counts.sum())
-    xq, xs = fp8.quantize(torch.randn(p, h, device=device))
-    aq, as_ = fp8.quantize(torch.randn(p, f, device=device))
-    rows = torch.randperm(p, device=device)
+    x, dy = (torch.randn(p, h, device=device, dtype=bf) for _ in range(2))
+    a, dh13 = torch.randn(p, f, device=device, dtype=bf), torch.randn(p, 2 * f, device=device, dtype=bf)
+    (xq, xs), (aq, as_), (dyq, dys), (dhq, dhs) = (fp8.quantize(t) for t in (x, a, dy, dh13))
     w13, w13s = fp8_experts.quantize_weight_blocks(torch.randn(e, 2 * f, h, device=device) * 0.02)
     w2, w2s = fp8_experts.quantize_weight_blocks(torch.randn(e, h, f, device=device) * 0.02)
-    gemm = fp8_experts.grouped_gemm
-    return {"fp8 gate/up (rows gathered)": (lambda: gemm(xq, xs, rows, counts, w13, w13s), 4.0 * p * h * f),
-            "fp8 down": (lambda: gemm(aq, as_, None, counts, w2, w2s), 2.0 * p * h * f)}
+    t = fp8_experts.FP8ExpertWeights(w13, w13s, w2, w2s).transposed()
+    gemm, groups = fp8_experts.grouped_gemm, groups_of(dy, counts)
+    return {"fwd fp8 gate/up": (lambda: gemm(xq, xs, None, counts, w13, w13s), 4.0 * p * h * f),
+            "fwd fp8 down": (lambda: gemm(aq, as_, None, counts, w2, w2s), 2.0 * p * h * f),
+            "dgrad fp8 dA = dY w2": (lambda: gemm(dyq, dys, None, counts, t.w2, t.w2_scale), 2.0 * p * h * f),
+            "dgrad fp8 dX = dH13 w13": (lambda: gemm(dhq, dhs, None, counts, t.w13, t.w13_scale), 4.0 * p * h * f),
+            "wgrad bf16 dW2 = dY^T a": (lambda: groups.mm_t(dy, a), 2.0 * p * h * f),
+            "wgrad bf16 dW13 = dH13^T X": (lambda: groups.mm_t(dh13, x), 4.0 * p * h * f)}
 
 
 def torch_fp8_gemm_cases(sizes: torch.Tensor, hidden: int, ffn: int,
@@ -807,44 +814,58 @@ def torch_fp8_gemm_cases(sizes: torch.Tensor, hidden: int, ffn: int,
             "torch fp8 down": (gemm(fp8_randn(p, f), fp8_randn(e, h, f)), 2.0 * p * h * f)}
 
 
-def gemm_sum_row(buf: Buffer, timer: Timer, op: str, tokens: int, cases: dict[str, tuple[Callable[[], object], float]],
-                 backend: str, extra: dict) -> Row:
-    """A layer row of `cases` timed one by one: the sum of their times and FLOPs, each part's time in
-    extra["parts_us"]."""
-    timed = {name: (timer.call_us(fn), flop) for name, (fn, flop) in cases.items()}
+def gemm_sum_row(buf: Buffer, op: str, tokens: int, timed: dict[str, tuple[float, float]], backend: str,
+                 extra: dict, recv_bytes: int = 0) -> Row:
+    """A layer row of GEMMs timed one by one (name -> (us, FLOPs)): the sum of their times and FLOPs, each part's
+    time in extra["parts_us"]; recv_bytes, where given, the bytes they write (the GB/s column)."""
     return _row(buf, "layer", op, None, tokens, sum(v[0] for v in timed.values()), backend=backend,
-                flop=sum(v[1] for v in timed.values()), config=None,
+                flop=sum(v[1] for v in timed.values()), config=None, recv_bytes=recv_bytes,
                 extra={**extra, "parts_us": {name: v[0] for name, v in timed.items()}})
 
 
 def bench_fp8_gemms(buf: Buffer, timer: Timer, tokens: int, pairs: int, hidden: int, ffn: int,
                     counts: torch.Tensor) -> list[Row]:
-    """Rows "FP8 GEMMs forward <groups>" (fp8_gemm_cases) and "torch FP8 GEMMs forward <groups>"
-    (torch_fp8_gemm_cases) at equal groups and at the router's `counts`. Where torch's FP8 grouped GEMM
-    refuses (this torch or GPU lacks it), the FP8 rows say why in extra["torch_fp8"] instead."""
+    """At equal groups and at the router's `counts`, fp8_gemm_cases timed one by one, as rows "FP8 GEMMs forward
+    <groups>", "FP8 GEMMs dgrad <groups>", "bf16 wgrad of FP8 experts <groups>" (its GB/s: the bytes of dW it
+    writes, what bounds it at the bench's shape) and "FP8 GEMMs forward_backward <groups>" (all six), and
+    torch_fp8_gemm_cases as "torch FP8 GEMMs forward <groups>". Where torch's FP8 grouped GEMM refuses (this
+    torch or GPU lacks it), the forward row says why in extra["torch_fp8"] instead."""
     rows: list[Row] = []
     e = buf.num_local_experts
     kernel = fp8_experts.gemm_kernel(buf.device)
+    dw_bytes = 2 * e * 3 * hidden * ffn  # bf16 dW13 [E_l, 2F, H] and dW2 [E_l, H, F]
     for label, groups in (("equal groups", None), ("router's groups", counts)):
         extra = ({"tiles": asdict(fp8_experts.TILES)} if kernel == "triton" else {}) | (
             {} if groups is None else {"groups": counts.tolist()})
-        rows.append(gemm_sum_row(buf, timer, f"FP8 GEMMs forward {label}", tokens,
-                                 fp8_gemm_cases(pairs, e, hidden, ffn, buf.device, counts=groups), kernel, extra))
+        cases = fp8_gemm_cases(pairs, e, hidden, ffn, buf.device, counts=groups)
+        timed = {name: (timer.call_us(fn), flop) for name, (fn, flop) in cases.items()}
+        del cases
+        part = {kind: {n: v for n, v in timed.items() if n.startswith(kind)} for kind in ("fwd", "dgrad", "wgrad")}
+        rows += [gemm_sum_row(buf, f"FP8 GEMMs forward {label}", tokens, part["fwd"], kernel, extra),
+                 gemm_sum_row(buf, f"FP8 GEMMs dgrad {label}", tokens, part["dgrad"], kernel, extra),
+                 gemm_sum_row(buf, f"bf16 wgrad of FP8 experts {label}", tokens, part["wgrad"], "torch", extra,
+                              recv_bytes=dw_bytes),
+                 gemm_sum_row(buf, f"FP8 GEMMs forward_backward {label}", tokens, timed, kernel, extra)]
+        forward = rows[-4]
         try:
             cases = torch_fp8_gemm_cases(group_sizes(pairs, e, buf.device, groups), hidden, ffn, buf.device)
             for fn, _ in cases.values():
                 fn()
         except (AttributeError, NotImplementedError, RuntimeError, TypeError) as error:
-            rows[-1].extra["torch_fp8"] = f"not available: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            forward.extra["torch_fp8"] = f"not available: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
             continue
-        rows.append(gemm_sum_row(buf, timer, f"torch FP8 GEMMs forward {label}", tokens, cases, "torch",
+        timed = {name: (timer.call_us(fn), flop) for name, (fn, flop) in cases.items()}
+        rows.append(gemm_sum_row(buf, f"torch FP8 GEMMs forward {label}", tokens, timed, "torch",
                                  {"scales": "rowwise float32", "use_fast_accum": True}))
     return rows
 
 
-def bench_fp8_layer(timer: Timer, buf: Buffer, shape: LayerShape, x: torch.Tensor, sms: Optional[int]) -> list[Row]:
-    """The forward of MoE(fp8_experts=True) (under no_grad, as it runs) with the weights of the bf16
-    rows, and its error against the bf16 experts' forward on the same input: ||y8 - y16|| / ||y16||."""
+def bench_fp8_layer(timer: Timer, buf: Buffer, shape: LayerShape, x: torch.Tensor, grad: torch.Tensor,
+                    sms: Optional[int]) -> list[Row]:
+    """MoE(fp8_experts=True) with the weights of the bf16 rows: its forward under no_grad (serving, row "forward
+    FP8") with its error against the bf16 experts' forward on the same input (||y8 - y16|| / ||y16||), then its
+    forward and backward in training (rows "forward FP8 train", "backward FP8", "forward_backward FP8";
+    time_layer)."""
     models = []
     for fp8_on in (False, True):  # the same seed: the same router and expert weights
         torch.manual_seed(0)
@@ -855,11 +876,20 @@ def bench_fp8_layer(timer: Timer, buf: Buffer, shape: LayerShape, x: torch.Tenso
         error = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
         pairs = int(expert_counts(buf, models[1].last_routing.topk_idx).sum())
         us = timer.call_us(lambda: models[1](x, mode="normal"))
+        spread = timer.last_spread[0]
+    del want, got
+    flop = layer_flop(pairs, shape.hidden, shape.ffn)
+    rows = [_row(buf, "layer", "forward FP8", sms, shape.tokens, us, spread_us=spread, flop=flop,
+                 extra={"pairs": pairs, "fp8_relative_error": _max_over_ranks(error)})]
+    times = time_layer(timer, models[1], x, grad, modes=(False,))
+    spreads = by_mode(timer.last_spread, (False,))
+    for (op, k), us, spread in zip(LAYER_PASSES, times[False], spreads[False]):
+        name = "forward FP8 train" if op == "forward" else f"{op} FP8"
+        rows.append(_row(buf, "layer", name, sms, shape.tokens, us, spread_us=spread, flop=k * flop,
+                         extra={"pairs": pairs}))
     del models
     gc.collect()
-    return [_row(buf, "layer", "forward FP8", sms, shape.tokens, us, spread_us=timer.last_spread[0],
-                 flop=layer_flop(pairs, shape.hidden, shape.ffn),
-                 extra={"pairs": pairs, "fp8_relative_error": _max_over_ranks(error)})]
+    return rows
 
 
 def dense_ceiling(timer: Timer, device: torch.device, n: int = 8192) -> tuple[float, float]:
@@ -916,7 +946,7 @@ def bench_layer(timer: Timer, shape: LayerShape, backend: str, device: torch.dev
             gc.collect()
         fp8_shapes = shape.hidden % fp8.BLOCK == 0 and shape.ffn % fp8.BLOCK == 0
         if fp8_shapes:
-            rows += bench_fp8_layer(timer, buf, shape, x.detach(), sms)
+            rows += bench_fp8_layer(timer, buf, shape, x, grad, sms)
         if gemms:
             for label, groups in (("equal groups", None), ("router's groups", counts)):
                 cases = gemm_cases(pairs, buf.num_local_experts, shape.hidden, shape.ffn, buf.device, counts=groups)
@@ -1032,6 +1062,8 @@ LAYER_TARGETS = (
      "GEMMs forward_backward equal groups", GEMM_IMBALANCE_GOAL),
     ("layer forward, FP8 experts", "forward FP8", "its FP8 GEMMs alone (router's groups)",
      "FP8 GEMMs forward router's groups", LAYER_FORWARD_GOAL),
+    ("layer forward+backward, FP8 experts", "forward_backward FP8", "its GEMMs alone (router's groups)",
+     "FP8 GEMMs forward_backward router's groups", LAYER_FORWARD_BACKWARD_GOAL),
     ("FP8 GEMMs forward, router's groups", "FP8 GEMMs forward router's groups", "equal groups",
      "FP8 GEMMs forward equal groups", GEMM_IMBALANCE_GOAL),
     ("FP8 GEMMs forward, equal groups", "FP8 GEMMs forward equal groups", "torch's FP8 grouped GEMM",
@@ -1052,7 +1084,8 @@ def layer_targets(rows: list[Row]) -> list[Target]:
                for figure, op, reference, ref, goal in LAYER_TARGETS if op in by_op and ref in by_op]
     targets += [Target(f"{op} rate", by_op[op].tflops, "issue 44's goal", FP8_GEMM_TFLOPS_GOAL, "TFLOP/s", 1.0,
                        at_least=True)
-                for op in ("FP8 GEMMs forward equal groups", "FP8 GEMMs forward router's groups") if op in by_op]
+                for op in ("FP8 GEMMs forward equal groups", "FP8 GEMMs forward router's groups",
+                           "FP8 GEMMs dgrad equal groups", "FP8 GEMMs dgrad router's groups") if op in by_op]
     return targets
 
 

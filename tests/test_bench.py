@@ -37,7 +37,8 @@ from tests._interpret import run_interpreted
 ROOT = Path(__file__).resolve().parents[1]  # the checkout under test, whatever folder a rank starts in
 PASSES = ("forward", "backward", "forward_backward")
 LAYER_OPS = ({f"{op}{mode}" for op in PASSES for mode in ("", " overlap", " row path")}
-             | {f"comm alone {op}" for op in PASSES} | {"forward FP8"})
+             | {f"comm alone {op}" for op in PASSES} | {"forward FP8", "forward FP8 train", "backward FP8",
+                                                       "forward_backward FP8"})
 DECODE_STEPS = {"2 in sequence", "2 interleaved"}
 NOT_REFERENCE = {"HBM read: sum of bf16": "torch", "HBM copy: dst.copy_(src)": "torch", "weight-read floor": "floor"}
 DECODE_OPS = DECODE_STEPS | {"comm only (2 x d + c)"} | set(NOT_REFERENCE)
@@ -130,7 +131,7 @@ def test_bench_runs_on_cpu(tmp_path: Path) -> None:
             assert r["flop"] is None and _positive(r["call_us"])
             continue
         passes = {"forward": 1, "backward": 2, "forward_backward": 3}[r["op"].split()[0]]
-        shared = 0.0 if r["op"] == "forward FP8" else bench.layer_flop(32, 128, 64)  # the FP8 row: routed experts only
+        shared = 0.0 if "FP8" in r["op"] else bench.layer_flop(32, 128, 64)  # the FP8 rows: routed experts only
         assert r["flop"] == passes * (bench.layer_flop(r["extra"]["pairs"], 128, 128) + shared)
         assert _positive(r["tflops"])
     decode = {r["op"]: r for r in rows if r["case"] == "decode"}
@@ -359,17 +360,21 @@ def test_sm_copy_in_triton_interpreter() -> None:
 
 def _layer_rows() -> list[bench.Row]:
     """Stand-in rows of the layer case on one GPU (times made up): the native backend's passes, a reference-backend
-    forward that layer_targets must not take, the GEMMs alone at both groups (bf16, FP8, torch's FP8)."""
+    forward that layer_targets must not take, the GEMMs alone at both groups (bf16, FP8 forward, dgrad and both
+    passes, torch's FP8)."""
     def row(op: str, backend: str, us: float, flop: Optional[float] = None) -> bench.Row:
         return bench.Row("layer", op, backend, None, 4096, 7168, us, None, 0, 0, topology="1x1", experts=128, topk=8,
                          flop=flop)
 
     rows = [row("forward", "nvshmem", 7360.0), row("forward_backward", "nvshmem", 21930.0),
-            row("forward FP8", "nvshmem", 6190.0), row("forward", "reference", 90000.0)]
+            row("forward FP8", "nvshmem", 6190.0), row("forward_backward FP8", "nvshmem", 17000.0),
+            row("forward", "reference", 90000.0)]
     for label, k in (("equal groups", 1.0), ("router's groups", 1.3)):
         rows += [row(f"GEMMs forward {label}", "torch", 4560.0 * k), row(f"GEMMs forward_backward {label}", "torch",
                                                                            16110.0 * k),
                  row(f"FP8 GEMMs forward {label}", "triton", 2400.0 * k, flop=1.4e15),
+                 row(f"FP8 GEMMs dgrad {label}", "triton", 2500.0 * k, flop=1.4e15),
+                 row(f"FP8 GEMMs forward_backward {label}", "triton", 12000.0 * k, flop=4.2e15),
                  row(f"torch FP8 GEMMs forward {label}", "torch", 2000.0 * k, flop=1.4e15)]
     return rows
 
@@ -378,15 +383,16 @@ def test_layer_targets_set_each_figure_beside_its_reference() -> None:
     rows = _layer_rows()
     by_op = {r.op: r for r in rows if r.backend != "reference"}
     targets = {(t.figure, t.reference): t for t in bench.layer_targets(rows)}
-    assert len(targets) == len(bench.LAYER_TARGETS) + 2
+    assert len(targets) == len(bench.LAYER_TARGETS) + 4
     for figure, op, reference, ref, goal in bench.LAYER_TARGETS:
         t = targets[figure, reference]
         assert (t.value, t.reference_value, t.unit, t.goal, t.at_least) == (
             by_op[op].call_us / 1e3, by_op[ref].call_us / 1e3, "ms", goal, False)
     for label in ("equal groups", "router's groups"):
-        t = targets[f"FP8 GEMMs forward {label} rate", "issue 44's goal"]
-        assert (t.value, t.reference_value, t.goal, t.at_least) == (
-            by_op[f"FP8 GEMMs forward {label}"].tflops, bench.FP8_GEMM_TFLOPS_GOAL, 1.0, True)
+        for kind in ("forward", "dgrad"):
+            t = targets[f"FP8 GEMMs {kind} {label} rate", "issue 44's goal"]
+            assert (t.value, t.reference_value, t.goal, t.at_least) == (
+                by_op[f"FP8 GEMMs {kind} {label}"].tflops, bench.FP8_GEMM_TFLOPS_GOAL, 1.0, True)
     # without torch's FP8 rows (it refused) those comparisons are left out, the rest stay
     no_torch = [r for r in rows if not r.op.startswith("torch FP8")]
     assert len(bench.layer_targets(no_torch)) == len(targets) - 2

@@ -1,6 +1,6 @@
 """FP8 experts (moe_ep.moe.fp8_experts): the block-scaled grouped GEMM and the SwiGLU quantization against
-float64 oracles written here, and MoE(fp8_experts=True) against a dense FP8-emulating MoE over all
-ranks' tokens. On CPU the Triton kernels run in Triton's interpreter (a subprocess with
+float64 oracles written here, MoE(fp8_experts=True) against a dense FP8-emulating MoE over all
+ranks' tokens, and its backward (moe_ep.moe.fp8_normal) against float64 autograd through that dense MoE. On CPU the Triton kernels run in Triton's interpreter (a subprocess with
 TRITON_INTERPRET=1; skipped without Triton), and the layer runs the torch versions; on a GPU, the
 kernels themselves and the layer on the native backend against the reference one, bit for bit."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moe_ep
-from moe_ep.moe import fp8_experts as fe
+from moe_ep.moe import fp8_experts as fe, fp8_normal
 from moe_ep.moe.layer import MoE
 from tests._interpret import run_interpreted
 from tests._dist import device, requires_gpus, run_workers
@@ -231,10 +231,118 @@ def _layer_case(rank: int, world: int, backend: str = "reference") -> torch.Tens
         moe.experts.w2.mul_(0.5)
         half = moe(x.to(torch.bfloat16), mode="normal")
     assert torch.allclose(half.float(), out.float() * 0.5, rtol=2 ** -6, atol=1e-3 * max(float(out.abs().max()) if tokens else 0, 1))
-    with pytest.raises(RuntimeError, match="forward only"):
-        moe(x.to(torch.bfloat16), mode="normal")
     buf.close()
     return out
+
+
+# ---- the layer's backward ---------------------------------------------------------------------------
+TRAIN_TOKENS = (37, 21, 0, 15)  # rank r's tokens (rank 2 has none at 4 ranks)
+
+
+def _train_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s tokens [n, H] bf16, distinct top-k expert ids [n, K], positive weights [n, K] and the
+    output's gradient [n, H] bf16, drawn from a generator seeded by the rank (every rank draws everyone's)."""
+    n = TRAIN_TOKENS[rank % 4]
+    g = torch.Generator().manual_seed(900 + rank)
+    x = (torch.randn(n, HIDDEN, generator=g) * 2).to(torch.bfloat16)
+    idx = torch.rand(n, EXPERTS, generator=g).argsort(1)[:, :TOPK].contiguous()
+    w = torch.rand(n, TOPK, generator=g) + 0.1
+    grad = torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16)
+    return x, idx, w, grad
+
+
+def _st(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """x's value rounded, x's gradient unchanged (straight-through)."""
+    return x + (rounded - x).detach()
+
+
+class _RoundGrad(torch.autograd.Function):
+    """Identity whose backward rounds the gradient to bf16, then with `fp8` to FP8 per row per 128 channels."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, fp8: bool) -> torch.Tensor:
+        ctx.fp8 = fp8
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        g = g.to(torch.bfloat16).double()
+        return (fp8_dequantize(*fp8_quantize(g.float())) if ctx.fp8 else g), None
+
+
+def _mm_fp8_dgrad(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a @ w.t() whose gradient for `a` comes from the output gradient rounded to bf16 and then FP8 and for `w`
+    from the unrounded one (the FP8 experts' dgrad and bf16 wgrad); `a`'s gradient rounded to bf16 (the dgrad
+    GEMM's output)."""
+    a_only = _RoundGrad.apply(_RoundGrad.apply(a, False) @ w.detach().t(), True)
+    return a_only + a.detach() @ w.t() - a.detach() @ w.detach().t()
+
+
+def _dense_fp8_grads(world: int, full: dict) -> dict[str, torch.Tensor]:
+    """float64 autograd through the FP8 MoE over every rank's tokens, each forward rounding straight-through and
+    the gradients the dgrad GEMMs read rounded to FP8 (_mm_fp8_dgrad): the gradients of the tokens and weights of all ranks (concatenated in rank order) and of every expert's w1, w3, w2."""
+    inputs = [_train_inputs(r) for r in range(world)]
+    x = torch.cat([i[0] for i in inputs]).double().requires_grad_()
+    idx = torch.cat([i[1] for i in inputs])
+    w = torch.cat([i[2] for i in inputs]).double().requires_grad_()
+    grad = torch.cat([i[3] for i in inputs]).double()
+    ws = {name: t.double().requires_grad_() for name, t in full.items()}
+    xd = _st(x, fp8_dequantize(*fp8_quantize(x.float())))
+    out = torch.zeros_like(x)
+    for e in range(EXPERTS):
+        w13 = torch.cat([ws["w1"][e], ws["w3"][e]])
+        q13, s13 = fp8_quantize_weight_blocks(w13.unsqueeze(0))
+        q2, s2 = fp8_quantize_weight_blocks(ws["w2"][e].unsqueeze(0))
+        w13d = _st(w13, q13[0].double() * _expand(s13[0], 2 * FFN, HIDDEN))
+        w2d = _st(ws["w2"][e], q2[0].double() * _expand(s2[0], HIDDEN, FFN))
+        for k in range(TOPK):
+            rows = (idx[:, k] == e).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            h13 = _mm_fp8_dgrad(xd[rows], w13d)
+            h13 = _st(h13, h13.to(torch.bfloat16).double())  # the gate/up GEMM's bf16 output
+            g, u = h13[:, :FFN], h13[:, FFN:]
+            a = g * torch.sigmoid(g) * u * w[rows, k].unsqueeze(1)
+            ad = _st(a, fp8_dequantize(*fp8_quantize(a.float())))
+            out = out.index_add(0, rows, _mm_fp8_dgrad(ad, w2d))
+    out.backward(grad)
+    return {"x": x.grad, "weights": w.grad, **{name: t.grad for name, t in ws.items()}}
+
+
+def _near(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Within 1 % in norm (3e-3 seen on the CPU): the oracle rounds where the layer does, so what is left is float32
+    against float64 sums and the few FP8 roundings that land on the other side of an e4m3 step."""
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
+    assert not torch.isnan(got.float()).any(), f"{what}: NaN"
+    err = float(torch.linalg.vector_norm(got.double() - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
+    assert err <= 1e-2, f"{what}: relative error {err:.3e}"
+
+
+def _train_case(rank: int, world: int, backend: str = "reference") -> dict[str, torch.Tensor]:
+    """One FP8Normal forward + backward on this rank's inputs against _dense_fp8_grads: the tokens' and top-k
+    weights' gradients of this rank's rows and this rank's experts' weight gradients; returns them."""
+    buf = moe_ep.Buffer(None, device=device(), hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK,
+                        max_tokens_per_rank=64, backend=backend)
+    full = _full_weights(buf.device)
+    moe = _fp8_moe(buf, full)
+    x, idx, w, grad = (t.to(buf.device) for t in _train_inputs(rank))
+    x.requires_grad_()
+    w.requires_grad_()
+    e = moe.experts
+    out = fp8_normal.FP8Normal.apply(x, idx, w, e.w1, e.w3, e.w2, buf, e, moe.fp8_weights)
+    out.backward(grad)
+    got = {"x": x.grad, "weights": w.grad, "w1": e.w1.grad, "w3": e.w3.grad, "w2": e.w2.grad}
+    want = _dense_fp8_grads(world, full)
+    first = sum(TRAIN_TOKENS[r % 4] for r in range(rank))
+    mine = slice(first, first + x.shape[0])
+    local = slice(e.first_expert, e.first_expert + e.num_local_experts)
+    if x.shape[0]:
+        _near(got["x"].cpu(), want["x"][mine], f"rank {rank}: tokens' gradient")
+        _near(got["weights"].cpu(), want["weights"][mine], f"rank {rank}: top-k weights' gradient")
+    for name in ("w1", "w3", "w2"):
+        _near(got[name].cpu(), want[name][local], f"rank {rank}: {name}'s gradient")
+    buf.close()
+    return got
 
 
 def _bad_config_case() -> None:
@@ -250,6 +358,7 @@ def _bad_config_case() -> None:
 
 def _worker(rank: int, world: int) -> None:
     _layer_case(rank, world)
+    _train_case(rank, world)
     if world == 1:
         _bad_config_case()
 
@@ -266,6 +375,10 @@ def _gpu_worker(rank: int, world: int) -> None:
     native = _layer_case(rank, world, backend="auto")
     reference = _layer_case(rank, world, backend="reference")
     assert torch.equal(native, reference), f"rank {rank}: native and reference FP8 MoE outputs differ"
+    native = _train_case(rank, world, backend="auto")
+    reference = _train_case(rank, world, backend="reference")
+    for name, t in native.items():
+        assert torch.equal(t, reference[name]), f"rank {rank}: native and reference FP8 MoE {name} gradients differ"
 
 
 @requires_gpus()

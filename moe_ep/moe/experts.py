@@ -81,7 +81,9 @@ class _Groups:
         return torch.stack([ae.t() @ be for ae, be in zip(a.split(self.sizes), b.split(self.sizes))])
 
 
-def _groups(rows: torch.Tensor, counts: torch.Tensor) -> _Groups:
+def groups_of(rows: torch.Tensor, counts: torch.Tensor) -> _Groups:
+    """The groups of `counts` [E_l] consecutive rows (like `rows`): torch._grouped_mm where it runs, else one
+    matmul per expert."""
     grouped = grouped_mm_supported(rows) and rows.shape[0] > 0
     return _Groups(torch.cumsum(counts, 0, dtype=torch.int32), None if grouped else counts.tolist())
 
@@ -111,7 +113,7 @@ class _SwiGLUExperts(torch.autograd.Function):
                 w2: torch.Tensor, rows: Optional[torch.Tensor], slots: Optional[torch.Tensor],
                 counts: torch.Tensor, recompute: bool) -> torch.Tensor:
         xs = (x if rows is None else x.index_select(0, rows)).to(w1.dtype)
-        groups = _groups(xs, counts)
+        groups = groups_of(xs, counts)
         h13 = groups.mm(xs, _fused_w13(w1, w3).transpose(1, 2))
         a = swiglu(h13, scale)
         y = groups.mm(a, w2.transpose(1, 2))

@@ -1,18 +1,22 @@
-"""FP8 experts: the rows and per-128 scales an FP8 dispatch delivers feed FP8 grouped GEMMs directly.
+"""FP8 experts: the pairs and per-128 scales an FP8 expert-major dispatch delivers feed FP8 grouped GEMMs directly.
 
 Scales are DeepSeek-V3's blocks: activations carry one float32 scale per row per 128 channels
-(moe_ep.comm.fp8, what FP8 dispatch sends), weights one per 128 x 128 block. The forward of normal mode,
-per (row, local expert) pair grouped by expert (moe_ep.comm.expert_major's layout of the received rows):
-  1. gate/up GEMM: the pairs' FP8 rows (no dequantization pass), times the FP8 w13 -> h13 [P, 2F] bf16. Each 128-deep K step's product is
-     scaled by (row scale x block scale) and added to a float32 accumulator.
+(moe_ep.comm.fp8, what FP8 dispatch sends), weights one per 128 x 128 block. The forward, per (row, local
+expert) pair grouped by expert (moe_ep.comm.expert_major's layout, made by the dispatch itself):
+  1. gate/up GEMM: the pairs' FP8 rows (no dequantization pass, no gather), times the FP8 w13 -> h13 [P, 2F]
+     bf16. Each 128-deep K step's product is scaled by (row scale x block scale) and added to a float32
+     accumulator.
   2. SwiGLU x router weight, quantized again to FP8 with per-128 scales, in one pass.
-  3. down GEMM, the same kernel without the gather -> [P, H] bf16.
-  4. the fixed-order sum of each row's pairs (moe_ep.comm.row_sum.sum_rows).
-Forward only (prefill and serving; no autograd). The weights are quantized once and kept until a
-weight changes (FP8WeightCache). The GEMMs run CUTLASS's sm90 kernel where it is built and the GPU is
-an H100/H200 (moe_ep.moe.fp8_grouped_gemm_sm90; gate/up then gathers its rows in one copy first), else
-the Triton kernels below, all with the same bits; without CUDA a torch version of the same formulas
-(dequantize, float32 matmul) serves, so CPU tests and CPU installs run the layer.
+  3. down GEMM, the same kernel -> [P, H] bf16 (the expert-major combine sums each row's pairs).
+The backward (pairs_backward) runs the two data-gradient GEMMs (dgrad) in FP8 on the same kernel: the
+gradients quantized per row per 128 channels like the forward's rows, against the transposed FP8 weights
+(FP8WeightCache.get_transposed: the same 128 x 128 blocks, transposed); the SwiGLU backward in one pass; and
+the weight gradients (wgrad) as bf16 grouped GEMMs (moe_ep.moe.experts.groups_of) over the values the forward's
+GEMMs read, which at this layer's shapes are bound by writing dW (docs/benchmarks.md). The weights are quantized once and kept until a weight
+changes (FP8WeightCache). The GEMMs run CUTLASS's sm90 kernel where it is built and the GPU is an H100/H200
+(moe_ep.moe.fp8_grouped_gemm_sm90), else the Triton kernels below, all with the same bits; without CUDA a
+torch version of the same formulas (dequantize, float32 matmul) serves, so CPU tests and CPU installs run
+the layer.
 """
 from __future__ import annotations
 
@@ -21,11 +25,11 @@ from typing import Optional
 
 import torch
 
-from ..comm import expert_major, fp8
-from ..comm.row_sum import sum_rows, use_triton
-from .expert_kernels import swiglu_wide
+from ..comm import fp8
+from ..comm.row_sum import use_triton
+from .expert_kernels import swiglu_backward, swiglu_wide
 from . import fp8_grouped_gemm_sm90 as sm90
-from .experts import GroupedExperts
+from .experts import GroupedExperts, groups_of
 from .grouped_gemm import launch_grid
 
 try:
@@ -59,21 +63,30 @@ def dequantize_weight_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 
 @dataclass
 class FP8ExpertWeights:
-    """The experts' weights in FP8 with their block scales: w13 [E_l, 2F, H] and w2 [E_l, H, F]."""
+    """The experts' weights in FP8 with their block scales: w13 [E_l, 2F, H] and w2 [E_l, H, F] (the forward's
+    GEMMs), or transposed, w13 [E_l, H, 2F] and w2 [E_l, F, H] (the backward's data-gradient GEMMs)."""
 
     w13: torch.Tensor
-    w13_scale: torch.Tensor  # [E_l, 2F / 128, H / 128] float32
+    w13_scale: torch.Tensor  # [E_l, w13.shape[1] / 128, w13.shape[2] / 128] float32
     w2: torch.Tensor
-    w2_scale: torch.Tensor  # [E_l, H / 128, F / 128] float32
+    w2_scale: torch.Tensor  # [E_l, w2.shape[1] / 128, w2.shape[2] / 128] float32
+
+    def transposed(self) -> "FP8ExpertWeights":
+        """Each expert's weight and scale grid transposed: the block quantization of the transposed weight,
+        since a 128 x 128 block's amax does not depend on its orientation."""
+        def t(x: torch.Tensor) -> torch.Tensor:
+            return x.transpose(1, 2).contiguous()
+        return FP8ExpertWeights(t(self.w13), t(self.w13_scale), t(self.w2), t(self.w2_scale))
 
 
 class FP8WeightCache:
-    """The FP8 copy of one GroupedExperts' weights, quantized again only when a weight changed (its
-    storage or its version counter: optimizer steps and load_state_dict bump it)."""
+    """The FP8 copy of one GroupedExperts' weights (and, once a backward asked, its transpose), quantized again
+    only when a weight changed (its storage or its version counter: optimizer steps and load_state_dict bump it)."""
 
     def __init__(self) -> None:
         self._key: Optional[tuple] = None
         self._weights: Optional[FP8ExpertWeights] = None
+        self._transposed: Optional[FP8ExpertWeights] = None
 
     def get(self, experts: GroupedExperts) -> FP8ExpertWeights:
         params = (experts.w1, experts.w3, experts.w2)
@@ -81,8 +94,15 @@ class FP8WeightCache:
         if key != self._key or self._weights is None:
             w13, w13_scale = quantize_weight_blocks(experts.fused_w13)
             w2, w2_scale = quantize_weight_blocks(experts.w2)
-            self._weights, self._key = FP8ExpertWeights(w13, w13_scale, w2, w2_scale), key
+            self._weights, self._transposed, self._key = FP8ExpertWeights(w13, w13_scale, w2, w2_scale), None, key
         return self._weights
+
+    def get_transposed(self, experts: GroupedExperts) -> FP8ExpertWeights:
+        """get(experts).transposed(), kept beside it."""
+        weights = self.get(experts)
+        if self._transposed is None:
+            self._transposed = weights.transposed()
+        return self._transposed
 
 
 # ---- torch versions ------------------------------------------------------------------------------
@@ -267,16 +287,52 @@ def check_shapes(hidden: int, ffn_hidden: int) -> None:
                          f"got {hidden} and {ffn_hidden}")
 
 
-def experts_forward(weights: FP8ExpertWeights, x: torch.Tensor, x_scale: torch.Tensor, topk_idx: torch.Tensor,
-                    topk_weights: torch.Tensor, counts: list[int], counts_tensor: torch.Tensor) -> torch.Tensor:
-    """Normal mode's FP8 experts over received rows: x [M, H] e4m3 with x_scale [M, H / 128],
-    topk_idx [M, K] LOCAL ids (-1: elsewhere), topk_weights [M, K] float32, counts pairs per local
-    expert (the dispatch's tokens_per_expert, on the host and the device) -> [M, H] bf16,
-    row m = sum_k w[m, k] * expert_{idx[m, k]}(x[m]), its pairs summed from +0.0 in ascending k.
-    The pairs' order is moe_ep.comm.expert_major's (found on the device, no sort); the gate/up GEMM
-    reads their rows by index (grouped_gemm)."""
-    layout, scale = expert_major.build_layout(topk_idx, topk_weights, counts, counts_tensor, 1)
-    h13 = grouped_gemm(x, x_scale, layout.rows, layout.counts_tensor, weights.w13, weights.w13_scale)
-    a, a_scale = swiglu_quant(h13, scale)
-    y = grouped_gemm(a, a_scale, None, layout.counts_tensor, weights.w2, weights.w2_scale)
-    return sum_rows(y, layout.slots, torch.bfloat16)
+@dataclass
+class PairsSaved:
+    """What pairs_forward keeps for pairs_backward besides its inputs."""
+
+    h13: torch.Tensor  # [P, 2F] bf16, the gate/up output
+    a: torch.Tensor  # [P, F] e4m3, the activation the down GEMM read
+    a_scale: torch.Tensor  # [P, F / 128] float32
+
+
+def pairs_forward(weights: FP8ExpertWeights, x: torch.Tensor, x_scale: torch.Tensor, pair_weights: torch.Tensor,
+                  counts: torch.Tensor) -> tuple[torch.Tensor, PairsSaved]:
+    """The FP8 experts over pairs grouped by local expert (an FP8 expert-major dispatch's): x [P, H] e4m3 with
+    x_scale [P, H / 128], pair_weights [P] float32, counts [E_l] pairs per expert on the device ->
+    (y [P, H] bf16, pair p = w_p * expert(x_p); what pairs_backward needs)."""
+    h13 = grouped_gemm(x, x_scale, None, counts, weights.w13, weights.w13_scale)
+    a, a_scale = swiglu_quant(h13, pair_weights)
+    return grouped_gemm(a, a_scale, None, counts, weights.w2, weights.w2_scale), PairsSaved(h13, a, a_scale)
+
+
+@dataclass
+class PairGrads:
+    """pairs_backward's results: the pairs' row gradient, their router weights' gradient and the weight
+    gradients (None where not asked for; the row gradient always, since a combine moves rows anyway)."""
+
+    x: torch.Tensor  # [P, H] bf16
+    pair_weights: torch.Tensor  # [P] float32
+    w13: Optional[torch.Tensor]  # [E_l, 2F, H] in the gradient's dtype (bf16)
+    w2: Optional[torch.Tensor]  # [E_l, H, F]
+
+
+def pairs_backward(transposed: FP8ExpertWeights, x: torch.Tensor, x_scale: torch.Tensor, saved: PairsSaved,
+                   pair_weights: torch.Tensor, counts: torch.Tensor, dy: torch.Tensor, need_w13: bool,
+                   need_w2: bool) -> PairGrads:
+    """The backward of pairs_forward for dy [P, H] bf16, the gradient of y: the two data-gradient GEMMs in FP8
+    (dy and the gate/up gradient quantized per row per 128 channels as moe_ep.comm.fp8.quantize does, against
+    `transposed`, FP8WeightCache.get_transposed), the SwiGLU backward in one pass, the weight gradients as bf16
+    grouped GEMMs over the values the forward's GEMMs read (x and the activation dequantized from FP8)."""
+    dyq, dys = fp8.quantize(dy)
+    da = grouped_gemm(dyq, dys, None, counts, transposed.w2, transposed.w2_scale)
+    del dyq, dys
+    dh13, dpair, _ = swiglu_backward(saved.h13, da, pair_weights)
+    del da
+    dhq, dhs = fp8.quantize(dh13)
+    dx = grouped_gemm(dhq, dhs, None, counts, transposed.w13, transposed.w13_scale)
+    del dhq, dhs
+    groups = groups_of(dh13, counts)
+    dw2 = groups.mm_t(dy, fp8.dequantize(saved.a, saved.a_scale).to(dy.dtype)) if need_w2 else None
+    dw13 = groups.mm_t(dh13, fp8.dequantize(x, x_scale).to(dh13.dtype)) if need_w13 else None
+    return PairGrads(dx, dpair, dw13, dw2)

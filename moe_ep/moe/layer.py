@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd, ops, overlap
+from . import autograd, fp8_normal, ops, overlap
 from ..comm import fp8
 from . import fp8_experts as fp8_experts_module
 from ..comm.buffer import Buffer
@@ -97,10 +97,10 @@ class MoE(nn.Module):
     nothing and the forward makes one host sync (the dispatch's counts) instead of two (docs/benchmarks.md,
     issue 21: 7.61 against 7.91 ms per forward at the issue's shape); expert_major=False keeps rows and
     sorts them by expert in the experts (experts.route).
-    fp8_experts=True (forward only: prefill and serving, under torch.no_grad()): normal mode dispatches
-    the tokens in FP8 and the experts' grouped GEMMs read those rows and their per-128 scales
-    directly, against FP8 copies of the weights with 128 x 128 block scales (moe_ep.moe.fp8_experts);
-    low-latency mode keeps its bf16 experts.
+    fp8_experts=True: normal mode dispatches the tokens in FP8 as (row, local expert) pairs and the experts'
+    grouped GEMMs read those rows and their per-128 scales directly, against FP8 copies of the weights with
+    128 x 128 block scales (moe_ep.moe.fp8_experts); its backward runs the data-gradient GEMMs in FP8 and
+    the weight gradients in bf16 (moe_ep.moe.fp8_normal). Low-latency mode keeps its bf16 experts.
     """
 
     def __init__(self, buffer: Buffer, ffn_hidden: int, *, score_func: str = "softmax", num_groups: int = 1,
@@ -250,15 +250,11 @@ class MoE(nn.Module):
 
     @torch.compiler.disable
     def _fp8_normal(self, tokens: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
-        """Normal mode with FP8 experts: FP8 dispatch, FP8 grouped GEMMs on the received rows, bf16 combine."""
-        if torch.is_grad_enabled():
-            raise RuntimeError("fp8_experts=True runs forward only: call it under torch.no_grad() "
-                               "or torch.inference_mode()")
-        q, scales = fp8.quantize(tokens.to(torch.bfloat16))
-        d = self.buffer.dispatch(q, routing.topk_idx, routing.topk_weights, x_scales=scales)
-        y = fp8_experts_module.experts_forward(self.fp8_weights.get(self.experts), d.x, d.x_scales, d.topk_idx,
-                                               d.topk_weights, d.tokens_per_expert, d.tokens_per_expert_tensor)
-        return self.buffer.combine(y, d.handle)
+        """Normal mode with FP8 experts (moe_ep.moe.fp8_normal): FP8 expert-major dispatch, FP8 grouped GEMMs on
+        the received pairs, bf16 combine; differentiable."""
+        e = self.experts
+        return fp8_normal.FP8Normal.apply(tokens, routing.topk_idx, routing.topk_weights, e.w1, e.w3, e.w2,
+                                          self.buffer, e, self.fp8_weights)
 
     def forward(self, x: torch.Tensor, mode: Optional[str] = None) -> torch.Tensor:
         """Route, dispatch, run the local experts, combine; plus the shared expert when present."""
