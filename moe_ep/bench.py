@@ -789,7 +789,8 @@ def fp8_gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int, device
             "dgrad fp8 dA = dY w2": (lambda: gemm(dyq, dys, None, counts, t.w2, t.w2_scale), 2.0 * p * h * f),
             "dgrad fp8 dX = dH13 w13": (lambda: gemm(dhq, dhs, None, counts, t.w13, t.w13_scale), 4.0 * p * h * f),
             "wgrad bf16 dW2 = dY^T a": (lambda: groups.mm_t(dy, a), 2.0 * p * h * f),
-            "wgrad bf16 dW13 = dH13^T X": (lambda: groups.mm_t(dh13, x), 4.0 * p * h * f)}
+            "wgrad bf16 dW1, dW3 = dH^T X": (lambda: (groups.mm_t(dh13[:, :f], x), groups.mm_t(dh13[:, f:], x)),
+                                             4.0 * p * h * f)}
 
 
 def torch_fp8_gemm_cases(sizes: torch.Tensor, hidden: int, ffn: int,

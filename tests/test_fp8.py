@@ -84,3 +84,31 @@ def interpreted_cases() -> None:
 
 def test_quantize_kernel_in_triton_interpreter() -> None:
     run_interpreted("tests.test_fp8", "interpreted_cases")
+
+
+def _dequantize_oracle(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 products (exact: 4 by 24 significant bits), rounded to float32 and then to bf16."""
+    return (q.double() * scales.double().repeat_interleave(128, dim=-1)).float().to(torch.bfloat16)
+
+
+def _dequantize_case(dev: torch.device, seed: int, n: int) -> None:
+    q, scales = fp8_quantize(_rows(seed, n=max(n, 1), hidden=384)[:n])
+    want = _dequantize_oracle(q, scales)
+    got = fp8.dequantize(q.to(dev), scales.to(dev), torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)), (
+        f"dequantize to bf16, seed {seed}: bits differ")
+
+
+def test_dequantize_to_bf16_matches_definition() -> None:
+    for seed, n in ((7, 37), (8, 0)):
+        _dequantize_case(torch.device("cpu"), seed, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dequantize_to_bf16_on_cuda() -> None:
+    """The Triton dequantize kernel, every bit the definition's (rows no multiple of its 16, and none). Not run
+    in Triton's interpreter: it rounds float32 to bf16 otherwise than a GPU does (seen on Triton 3.9)."""
+    for seed, n in ((9, 37), (10, 256), (11, 0)):
+        _dequantize_case(torch.device("cuda"), seed, n)
+

@@ -99,8 +99,38 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     return exponents.view(torch.int32)
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Inverse of quantize up to rounding: e4m3 [..., H] and scales [..., H / 128] -> float32."""
+def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of quantize up to rounding: e4m3 [..., H] and scales [..., H / 128] -> `dtype` (float32 products,
+    rounded once to `dtype` when narrower). On CUDA, 2-d contiguous rows to bf16: one Triton pass
+    (_dequantize_kernel), the same bits."""
+    if dtype == torch.bfloat16 and q.dim() == 2 and q.is_contiguous() and scales.is_contiguous() and use_triton(q):
+        return _dequantize_triton(q, scales)
     shape = q.shape
     blocks = q.float().view(*shape[:-1], shape[-1] // BLOCK, BLOCK)
-    return (blocks * scales.unsqueeze(-1)).view(shape)
+    return (blocks * scales.unsqueeze(-1)).view(shape).to(dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dequantize_kernel(q_ptr, s_ptr, out_ptr, N, H, BR: tl.constexpr):
+        """BR rows x one 128-column block: e4m3 times its float32 scale in float32, rounded to bf16 (nearest even)."""
+        row = tl.program_id(0) * BR + tl.arange(0, BR)
+        blk = tl.program_id(1)
+        col = blk * 128 + tl.arange(0, 128)
+        ok = row < N
+        r64 = row.to(tl.int64)
+        q = tl.load(q_ptr + r64[:, None] * H + col[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + r64 * (H // 128) + blk, mask=ok, other=0.0)
+        tl.store(out_ptr + r64[:, None] * H + col[None, :], (q * s[:, None]).to(tl.bfloat16, fp_downcast_rounding="rtne"),
+                 mask=ok[:, None])
+
+
+def _dequantize_triton(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """dequantize to bf16 in _dequantize_kernel; q and scales contiguous."""
+    n, h = q.shape
+    out = torch.empty(n, h, dtype=torch.bfloat16, device=q.device)
+    if n:
+        rows = 16
+        _dequantize_kernel[(triton.cdiv(n, rows), h // BLOCK)](q, scales, out, n, h, BR=rows, num_warps=4)
+    return out

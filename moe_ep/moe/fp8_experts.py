@@ -313,13 +313,14 @@ class PairGrads:
 
     x: torch.Tensor  # [P, H] bf16
     pair_weights: torch.Tensor  # [P] float32
-    w13: Optional[torch.Tensor]  # [E_l, 2F, H] in the gradient's dtype (bf16)
+    w1: Optional[torch.Tensor]  # [E_l, F, H] in the gradient's dtype (bf16)
+    w3: Optional[torch.Tensor]  # [E_l, F, H]
     w2: Optional[torch.Tensor]  # [E_l, H, F]
 
 
 def pairs_backward(transposed: FP8ExpertWeights, x: torch.Tensor, x_scale: torch.Tensor, saved: PairsSaved,
-                   pair_weights: torch.Tensor, counts: torch.Tensor, dy: torch.Tensor, need_w13: bool,
-                   need_w2: bool) -> PairGrads:
+                   pair_weights: torch.Tensor, counts: torch.Tensor, dy: torch.Tensor, need_w1: bool,
+                   need_w3: bool, need_w2: bool) -> PairGrads:
     """The backward of pairs_forward for dy [P, H] bf16, the gradient of y: the two data-gradient GEMMs in FP8
     (dy and the gate/up gradient quantized per row per 128 channels as moe_ep.comm.fp8.quantize does, against
     `transposed`, FP8WeightCache.get_transposed), the SwiGLU backward in one pass, the weight gradients as bf16
@@ -332,7 +333,11 @@ def pairs_backward(transposed: FP8ExpertWeights, x: torch.Tensor, x_scale: torch
     dhq, dhs = fp8.quantize(dh13)
     dx = grouped_gemm(dhq, dhs, None, counts, transposed.w13, transposed.w13_scale)
     del dhq, dhs
-    groups = groups_of(dh13, counts)
-    dw2 = groups.mm_t(dy, fp8.dequantize(saved.a, saved.a_scale).to(dy.dtype)) if need_w2 else None
-    dw13 = groups.mm_t(dh13, fp8.dequantize(x, x_scale).to(dh13.dtype)) if need_w13 else None
-    return PairGrads(dx, dpair, dw13, dw2)
+    groups, f = groups_of(dh13, counts), dh13.shape[1] // 2
+    dw2 = groups.mm_t(dy, fp8.dequantize(saved.a, saved.a_scale, dy.dtype)) if need_w2 else None
+    dw1 = dw3 = None
+    if need_w1 or need_w3:  # one tensor each: autograd then keeps them as they are (a view of a shared one is copied)
+        xs = fp8.dequantize(x, x_scale, dh13.dtype)
+        dw1 = groups.mm_t(dh13[:, :f], xs) if need_w1 else None
+        dw3 = groups.mm_t(dh13[:, f:], xs) if need_w3 else None
+    return PairGrads(dx, dpair, dw1, dw3, dw2)

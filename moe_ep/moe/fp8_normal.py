@@ -46,10 +46,9 @@ class FP8Normal(torch.autograd.Function):
         dy = ctx.buffer.dispatch(grad.to(torch.bfloat16).contiguous(), handle=ctx.handle).x
         saved = fp8_experts.PairsSaved(h13, a, a_scale)
         g = fp8_experts.pairs_backward(ctx.cache.get_transposed(ctx.experts), x, x_scale, saved, pair_weights, counts,
-                                       dy, need_w13=need_w1 or need_w3, need_w2=need_w2)
+                                       dy, need_w1, need_w3, need_w2)
         del dy
         gx, gw = ctx.buffer.combine(g.x, ctx.handle, topk_weights=g.pair_weights)
         ctx.handle = None
-        f = h13.shape[1] // 2
-        return (gx.to(ctx.dtype) if need_tokens else None, None, gw if need_weights else None,
-                g.w13[:, :f] if need_w1 else None, g.w13[:, f:] if need_w3 else None, g.w2, None, None, None)
+        return (gx.to(ctx.dtype) if need_tokens else None, None, gw if need_weights else None, g.w1, g.w3, g.w2,
+                None, None, None)
