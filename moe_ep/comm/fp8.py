@@ -57,14 +57,18 @@ if triton is not None:
         return tl.math.div_rn(a, s[:, None]), s
 
     @triton.jit
+    def row_block(N, BR: tl.constexpr):
+        """The tile of a program of a (row blocks, 128-column blocks) grid over N rows: (its column block, the
+        block's columns, which of its BR rows exist, their indices as int64)."""
+        row = tl.program_id(0) * BR + tl.arange(0, BR)
+        blk = tl.program_id(1)
+        return blk, blk * 128 + tl.arange(0, 128), row < N, row.to(tl.int64)
+
+    @triton.jit
     def _quantize_kernel(x_ptr, q_ptr, s_ptr, N, H, BR: tl.constexpr):
         """BR rows x one 128-column block of x: read once, written once as e4m3 (nearest even) and
         one scale per row."""
-        row = tl.program_id(0) * BR + tl.arange(0, BR)
-        blk = tl.program_id(1)
-        col = blk * 128 + tl.arange(0, 128)
-        ok = row < N
-        r64 = row.to(tl.int64)
+        blk, col, ok, r64 = row_block(N, BR)
         x = tl.load(x_ptr + r64[:, None] * H + col[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         q, s = quantize_blocks(x)
         tl.store(q_ptr + r64[:, None] * H + col[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
@@ -115,11 +119,7 @@ if triton is not None:
     @triton.jit
     def _dequantize_kernel(q_ptr, s_ptr, out_ptr, N, H, BR: tl.constexpr):
         """BR rows x one 128-column block: e4m3 times its float32 scale in float32, rounded to bf16 (nearest even)."""
-        row = tl.program_id(0) * BR + tl.arange(0, BR)
-        blk = tl.program_id(1)
-        col = blk * 128 + tl.arange(0, 128)
-        ok = row < N
-        r64 = row.to(tl.int64)
+        blk, col, ok, r64 = row_block(N, BR)
         q = tl.load(q_ptr + r64[:, None] * H + col[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         s = tl.load(s_ptr + r64 * (H // 128) + blk, mask=ok, other=0.0)
         tl.store(out_ptr + r64[:, None] * H + col[None, :], (q * s[:, None]).to(tl.bfloat16, fp_downcast_rounding="rtne"),
