@@ -56,13 +56,13 @@ def experts_breakdown(timer: Timer, experts: torch.nn.Module, x: torch.Tensor, t
     (unequal groups): where the experts' time goes."""
     from moe_ep.comm.row_sum import sum_rows
     from moe_ep.moe.expert_kernels import swiglu, swiglu_backward
-    from moe_ep.moe.experts import _groups, route
+    from moe_ep.moe.experts import groups_of, route
 
     f, p = experts.ffn_hidden, int((topk_idx >= 0).sum())
     r = route(topk_idx, experts.num_local_experts)
     scale = topk_weights.reshape(-1)[r.pairs].contiguous()
     xs = x.index_select(0, r.rows)
-    groups, w13, w2 = _groups(xs, r.counts), experts.fused_w13, experts.w2.detach()
+    groups, w13, w2 = groups_of(xs, r.counts), experts.fused_w13, experts.w2.detach()
     h13 = groups.mm(xs, w13.transpose(1, 2))
     a = swiglu(h13, scale)
     y = groups.mm(a, w2.transpose(1, 2))
