@@ -1,18 +1,28 @@
 // The per-group tables CUTLASS's grouped GEMM reads (problem shape, operand and scale addresses, strides, scale
 // layouts, one entry per expert), carved out of the caller's workspace and written on the device from the
-// expert counts, so the host never learns the group sizes (no synchronisation).
+// expert counts, so the host never learns the group sizes (no synchronisation); and the kernel that zeros the
+// output of the groups the GEMM skips where the caller wants zeros there (the weight gradient).
 //
-// Protocol (one block of kThreads, on the GEMM's stream before it): thread t owns the groups
-// [t * per, (t + 1) * per), per = ceil(groups / kThreads). Each thread sums its groups' counts (negative
-// counts count as 0), the block turns the kThreads sums into exclusive prefix sums in shared memory
-// (Hillis-Steele, log2(kThreads) steps), and each thread then walks its groups again: group g starts at row
-// r0 = the rows before it and gets m = min(count, rows - r0) rows (never past `rows`, so a bad count cannot
-// make the GEMM write past `out`). Its entries:
-//   shape  (m, n, k)                      a    a + r0 * k         a_scale  a_scale + r0 * k / 128
-//   b      b + g * n * k                  b_scale  b_scale + g * (n / 128) * (k / 128)
-//   out    out + r0 * n                   strides: a and b rows k elements apart, out rows n apart
-//   scale layouts: Gemm::ScaleConfig's K-major layouts for (m, n, k) (row p's K/128 scales contiguous).
-// A group with m = 0 has no tiles; CUTLASS's group scheduler skips it and reads none of its entries.
+// Protocol of write_group_tables (one block of kTableThreads, on the GEMM's stream before it): thread t owns the
+// groups [t * per, (t + 1) * per), per = ceil(groups / kTableThreads). Counts are clipped first: negative counts
+// count as 0, and group g keeps n_g = min(count, bound - min(before, bound)) of its items, `before` the
+// (unclipped) items of the groups before it, so the running sum never passes `bound` (a bad count cannot make
+// the GEMM read or write past the caller's tensors). Two block-wide exclusive prefix sums (Hillis-Steele in
+// shared memory, log2(kTableThreads) steps each) give each thread first the items before its groups (for the
+// clipping), then the placement before its groups (the Layout's Footprint summed over the groups before them);
+// each thread then walks its groups and writes the entry the Layout derives from (g, n_g, placement).
+// The two Layouts:
+//   RowGrouped (grouped_gemm: rows of a and out grouped by expert; Footprint: rows), group g at row r0:
+//     shape  (n_g, n, k)              a    a + r0 * k         a_scale  a_scale + r0 * k / 128
+//     b      b + g * n * k            b_scale  b_scale + g * (n / 128) * (k / 128)
+//     out    out + r0 * n             strides: a and b rows k elements apart, out rows n apart
+//   KGrouped (wgrad_gemm: the reduction dimension grouped; Footprint: 16-aligned columns and 128-token scale
+//     blocks), group g at column c and scale block s:
+//     shape  (n_g > 0 ? m : 0, n, n_g)   a  a + c   b  b + c   a_scale  a_scale + m * s   b_scale  b_scale + n * s
+//     out    out + g * m * n          strides: a and b rows `columns` apart, out rows n apart
+// Both: scale layouts Gemm::ScaleConfig's K-major layouts for the entry's (M, N, K) (the ones the mainloop
+// derives itself from the shape). A group with M = 0 has no tiles; CUTLASS's group scheduler skips it and reads
+// none of its entries (so K = 0, which would leave CUTLASS's accumulators unset, never reaches the GEMM).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -81,53 +91,135 @@ struct GroupTables {
   }
 };
 
-// What the table kernel reads besides the tables.
-struct TableInputs {
+// The group sizes of one call: counts [groups] int32 on the device, clipped to `bound` items in all.
+struct GroupCounts {
   const int32_t* counts;
-  uintptr_t a, a_scale, b, b_scale, out;
-  int64_t rows, n, k, groups;
+  int64_t groups;
+  int64_t bound;
 };
 
-template <class G>
-__global__ void __launch_bounds__(kTableThreads) write_group_tables(GroupTables<G> t, TableInputs in) {
-  __shared__ int64_t before[kTableThreads];  // rows of the groups of threads < t, once scanned
-  const int tid = static_cast<int>(threadIdx.x);
-  const int64_t per = (in.groups + kTableThreads - 1) / kTableThreads;
-  const int64_t first = tid * per;
-  const int64_t last = first + per < in.groups ? first + per : in.groups;
+// The device base addresses of one call's operands.
+struct Operands {
+  uintptr_t a, a_scale, b, b_scale, out;
+};
 
-  int64_t mine = 0;
-  for (int64_t g = first; g < last; ++g) mine += max(in.counts[g], 0);
-  before[tid] = mine;
+// One group's entry: its problem shape, the element offsets of its operands from Operands' bases, row strides.
+struct GroupEntry {
+  int64_t m, n, k;
+  int64_t a, a_scale, b, b_scale, out;
+  int64_t a_row, b_row, out_row;
+};
+
+// grouped_gemm's placement: rows of a and out grouped by expert, each expert's own weight b[g].
+struct RowGrouped {
+  using Footprint = int64_t;  // rows
+  int64_t n, k;
+
+  __device__ Footprint footprint(int64_t count) const { return count; }
+  __device__ GroupEntry entry(int64_t g, int64_t count, Footprint r0) const {
+    const int64_t kb = k / 128, nb = n / 128;
+    return {count, n, k, r0 * k, r0 * kb, g * n * k, g * nb * kb, r0 * n, k, k, n};
+  }
+};
+
+// wgrad_gemm's placement: the reduction dimension (tokens) grouped, columns of the transposed operands a [m, ...]
+// and b [n, ...] 16-aligned per group, scales in per-group [rows, blocks] blocks, one output matrix per group.
+struct KGrouped {
+  struct Footprint {  // trivially constructible (a __shared__ array holds them); T{} is zero
+    int64_t columns, blocks;
+    __device__ Footprint operator+(const Footprint& o) const { return {columns + o.columns, blocks + o.blocks}; }
+  };
+  int64_t m, n, columns;
+
+  __device__ Footprint footprint(int64_t count) const {
+    return {(count + 15) / 16 * 16, (count + 127) / 128};
+  }
+  __device__ GroupEntry entry(int64_t g, int64_t count, Footprint at) const {
+    return {count > 0 ? m : 0, n, count, at.columns, m * at.blocks, at.columns, n * at.blocks, g * m * n,
+            columns, columns, n};
+  }
+};
+
+// Exclusive prefix sum of each thread's `mine` over the block's threads (all kTableThreads call it).
+template <class T>
+__device__ T exclusive_sum(T mine) {
+  __shared__ T sums[kTableThreads];
+  const int tid = static_cast<int>(threadIdx.x);
+  sums[tid] = mine;
   __syncthreads();
   for (int step = 1; step < kTableThreads; step *= 2) {
-    const int64_t add = tid >= step ? before[tid - step] : 0;
+    const T add = tid >= step ? sums[tid - step] : T{};
     __syncthreads();
-    before[tid] += add;
+    sums[tid] = sums[tid] + add;
     __syncthreads();
   }
-  int64_t r0 = before[tid] - mine;  // inclusive scan minus this thread's own rows
+  const T before = tid > 0 ? sums[tid - 1] : T{};
+  __syncthreads();  // the next call may reuse `sums`
+  return before;
+}
 
-  const int64_t n = in.n, k = in.k, kb = k / 128, nb = n / 128;
+template <class G, class Layout>
+__global__ void __launch_bounds__(kTableThreads)
+    write_group_tables(GroupTables<G> t, GroupCounts in, Operands base, Layout layout) {
+  const int64_t per = (in.groups + kTableThreads - 1) / kTableThreads;
+  const int64_t first = static_cast<int64_t>(threadIdx.x) * per;
+  const int64_t last = first + per < in.groups ? first + per : in.groups;
+  const auto unclipped = [&](int64_t g) { return static_cast<int64_t>(max(in.counts[g], 0)); };
+  const auto clipped = [&](int64_t g, int64_t before) {
+    const int64_t start = before < in.bound ? before : in.bound;
+    return unclipped(g) < in.bound - start ? unclipped(g) : in.bound - start;
+  };
+
+  int64_t items = 0;
+  for (int64_t g = first; g < last; ++g) items += unclipped(g);
+  const int64_t items_before = exclusive_sum(items);
+
+  typename Layout::Footprint mine{};
+  int64_t before = items_before;
   for (int64_t g = first; g < last; ++g) {
-    const int64_t start = r0 < in.rows ? r0 : in.rows;
-    const int64_t count = max(in.counts[g], 0);
-    const int64_t m = count < in.rows - start ? count : in.rows - start;
-    r0 += count;
+    mine = mine + layout.footprint(clipped(g, before));
+    before += unclipped(g);
+  }
+  typename Layout::Footprint at = exclusive_sum(mine);
 
-    t.shapes[g] = cute::make_shape(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k));
-    t.a[g] = reinterpret_cast<const typename G::ElementAB*>(in.a) + start * k;
-    t.b[g] = reinterpret_cast<const typename G::ElementAB*>(in.b) + g * n * k;
-    t.out[g] = reinterpret_cast<typename G::ElementD*>(in.out) + start * n;
-    t.a_scale[g] = reinterpret_cast<const float*>(in.a_scale) + start * kb;
-    t.b_scale[g] = reinterpret_cast<const float*>(in.b_scale) + g * nb * kb;
-    t.stride_a[g] = G::row_stride_a(k);
-    t.stride_b[g] = G::row_stride_b(k);
-    t.stride_out[g] = G::row_stride_d(n);
-    const auto mnk = cute::make_shape(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), 1);
+  before = items_before;
+  for (int64_t g = first; g < last; ++g) {
+    const int64_t count = clipped(g, before);
+    before += unclipped(g);
+    const GroupEntry e = layout.entry(g, count, at);
+    at = at + layout.footprint(count);
+
+    t.shapes[g] = cute::make_shape(static_cast<int>(e.m), static_cast<int>(e.n), static_cast<int>(e.k));
+    t.a[g] = reinterpret_cast<const typename G::ElementAB*>(base.a) + e.a;
+    t.b[g] = reinterpret_cast<const typename G::ElementAB*>(base.b) + e.b;
+    t.out[g] = reinterpret_cast<typename G::ElementD*>(base.out) + e.out;
+    t.a_scale[g] = reinterpret_cast<const float*>(base.a_scale) + e.a_scale;
+    t.b_scale[g] = reinterpret_cast<const float*>(base.b_scale) + e.b_scale;
+    t.stride_a[g] = G::row_stride_a(e.a_row);
+    t.stride_b[g] = G::row_stride_b(e.b_row);
+    t.stride_out[g] = G::row_stride_d(e.out_row);
+    const auto mnk = cute::make_shape(static_cast<int>(e.m), static_cast<int>(e.n), static_cast<int>(e.k), 1);
     t.layout_a_scale[g] = G::ScaleConfig::tile_atom_to_shape_SFA(mnk);
     t.layout_b_scale[g] = G::ScaleConfig::tile_atom_to_shape_SFB(mnk);
   }
+}
+
+constexpr int kZeroThreads = 256;
+
+// Zeros out[g] (group_elements of G::ElementD each, a whole number of 16-byte vectors; out 16-byte aligned) of
+// every group whose table entry has M = 0 (the GEMM writes none of it). Grid (blocks per group, groups), after
+// write_group_tables on the same stream; every block of a group with tiles returns at once. 16-byte stores,
+// grid-stride.
+template <class G>
+__global__ void __launch_bounds__(kZeroThreads)
+    zero_empty_groups(const typename GroupTables<G>::Shape* shapes, uintptr_t out, int64_t group_elements) {
+  const int64_t g = blockIdx.y;
+  if (cute::get<0>(shapes[g]) != 0) return;
+  uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<typename G::ElementD*>(out) + g * group_elements);
+  const int64_t vectors = group_elements * static_cast<int64_t>(sizeof(typename G::ElementD)) / 16;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kZeroThreads + threadIdx.x; i < vectors;
+       i += static_cast<int64_t>(gridDim.x) * kZeroThreads)
+    dst[i] = make_uint4(0, 0, 0, 0);
 }
 
 }  // namespace gemm
