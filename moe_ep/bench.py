@@ -8,8 +8,8 @@ forward, backward and both (ms and TFLOP/s of the routing it ran) without and wi
 alternating in every iteration, the layer's communication alone (the share of it overlap hides, where
 each rank has its own GPU), the row path (expert_major=False) and the FP8 experts (forward, and forward +
 backward), on the native and the reference backend, beside (GPU only) the layer's grouped GEMMs alone (equal
-groups, and the router's; bf16, FP8 forward and dgrad with the bf16 wgrad, and torch's own FP8 grouped GEMM) and a dense bf16 matmul ceiling, and a decode step
-of two micro-batches (MoE.start/compute/finish) interleaved and in sequence, alternating, beside the time its
+groups, and the router's; bf16, FP8 forward and dgrad with the bf16 wgrad, the FP8 wgrad, and torch's own FP8
+grouped GEMM) and a dense bf16 matmul ceiling, and a decode step of two micro-batches (MoE.start/compute/finish) interleaved and in sequence, alternating, beside the time its
 expert weights take to read once per micro-batch at the HBM bandwidth measured in the same run; it runs
 with one rank too. The "sm-efficiency" case (one rank, EP1) times the normal-mode dispatch and combine at
 several SM budgets beside a copy of the same bytes on as many SMs (a persistent Triton kernel) and by the
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import fp8
-from .moe import autograd, fp8_experts
+from .moe import autograd, fp8_experts, fp8_wgrad
 from .comm.buffer import Buffer, auto_backend
 from .launch import init_distributed, shutdown
 from .moe.experts import groups_of
@@ -773,7 +773,9 @@ def fp8_gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int, device
     """The FP8 experts' grouped GEMMs alone as MoE(fp8_experts=True) runs them (moe_ep.moe.fp8_experts), on `pairs`
     rows in equal groups, or in groups of `counts` [E_l] rows (the router's): "fwd" the forward's two (FP8, block
     scales, the pairs' rows read where the dispatch put them), "dgrad" the backward's two data-gradient GEMMs
-    (FP8, against the transposed weights), "wgrad" its two weight-gradient GEMMs (bf16): name -> (call, FLOPs)."""
+    (FP8, against the transposed weights), "wgrad" its two weight-gradient GEMMs (bf16), and where the CUTLASS sm90
+    kernel runs, "fp8wgrad" the same weight gradients in FP8 (moe_ep.moe.fp8_wgrad: the four operands' K-grouped
+    quantization, then the two K-grouped GEMMs; not yet what the layer runs): name -> (call, FLOPs)."""
     e, h, f, bf = local_experts, hidden, ffn, torch.bfloat16
     counts = group_sizes(pairs, e, device, counts)
     p = int(counts.sum())
@@ -784,13 +786,23 @@ def fp8_gemm_cases(pairs: int, local_experts: int, hidden: int, ffn: int, device
     w2, w2s = fp8_experts.quantize_weight_blocks(torch.randn(e, h, f, device=device) * 0.02)
     t = fp8_experts.FP8ExpertWeights(w13, w13s, w2, w2s).transposed()
     gemm, groups = fp8_experts.grouped_gemm, groups_of(dy, counts)
-    return {"fwd fp8 gate/up": (lambda: gemm(xq, xs, None, counts, w13, w13s), 4.0 * p * h * f),
-            "fwd fp8 down": (lambda: gemm(aq, as_, None, counts, w2, w2s), 2.0 * p * h * f),
-            "dgrad fp8 dA = dY w2": (lambda: gemm(dyq, dys, None, counts, t.w2, t.w2_scale), 2.0 * p * h * f),
-            "dgrad fp8 dX = dH13 w13": (lambda: gemm(dhq, dhs, None, counts, t.w13, t.w13_scale), 4.0 * p * h * f),
-            "wgrad bf16 dW2 = dY^T a": (lambda: groups.mm_t(dy, a), 2.0 * p * h * f),
-            "wgrad bf16 dW1, dW3 = dH^T X": (lambda: (groups.mm_t(dh13[:, :f], x), groups.mm_t(dh13[:, f:], x)),
-                                             4.0 * p * h * f)}
+    cases = {"fwd fp8 gate/up": (lambda: gemm(xq, xs, None, counts, w13, w13s), 4.0 * p * h * f),
+             "fwd fp8 down": (lambda: gemm(aq, as_, None, counts, w2, w2s), 2.0 * p * h * f),
+             "dgrad fp8 dA = dY w2": (lambda: gemm(dyq, dys, None, counts, t.w2, t.w2_scale), 2.0 * p * h * f),
+             "dgrad fp8 dX = dH13 w13": (lambda: gemm(dhq, dhs, None, counts, t.w13, t.w13_scale), 4.0 * p * h * f),
+             "wgrad bf16 dW2 = dY^T a": (lambda: groups.mm_t(dy, a), 2.0 * p * h * f),
+             "wgrad bf16 dW1, dW3 = dH^T X": (lambda: (groups.mm_t(dh13[:, :f], x), groups.mm_t(dh13[:, f:], x)),
+                                              4.0 * p * h * f)}
+    if fp8_experts.gemm_kernel(device) == "cutlass_sm90":
+        k_grouped = {name: fp8_wgrad.quantize_k_grouped(t, counts) for name, t in
+                     (("dy", dy), ("a", a), ("dh13", dh13), ("x", x))}
+        cases |= {"fp8wgrad quantize dY, a, dH13, X": (
+                      lambda: [fp8_wgrad.quantize_k_grouped(t, counts) for t in (dy, a, dh13, x)], 0.0),
+                  "fp8wgrad dW2 = dY^T a": (
+                      lambda: fp8_wgrad.k_grouped_gemm(*k_grouped["dy"], *k_grouped["a"], counts, p), 2.0 * p * h * f),
+                  "fp8wgrad dW13 = dH13^T X": (
+                      lambda: fp8_wgrad.k_grouped_gemm(*k_grouped["dh13"], *k_grouped["x"], counts, p), 4.0 * p * h * f)}
+    return cases
 
 
 def torch_fp8_gemm_cases(sizes: torch.Tensor, hidden: int, ffn: int,
@@ -828,7 +840,8 @@ def bench_fp8_gemms(buf: Buffer, timer: Timer, tokens: int, pairs: int, hidden: 
                     counts: torch.Tensor) -> list[Row]:
     """At equal groups and at the router's `counts`, fp8_gemm_cases timed one by one, as rows "FP8 GEMMs forward
     <groups>", "FP8 GEMMs dgrad <groups>", "bf16 wgrad of FP8 experts <groups>" (its GB/s: the bytes of dW it
-    writes, what bounds it at the bench's shape) and "FP8 GEMMs forward_backward <groups>" (all six), and
+    writes, what bounds it at the bench's shape), "FP8 GEMMs forward_backward <groups>" (those six), where the
+    CUTLASS kernel runs "FP8 wgrad of FP8 experts <groups>" (quantization and GEMMs, beside the bf16 one), and
     torch_fp8_gemm_cases as "torch FP8 GEMMs forward <groups>". Where torch's FP8 grouped GEMM refuses (this
     torch or GPU lacks it), the forward row says why in extra["torch_fp8"] instead."""
     rows: list[Row] = []
@@ -841,13 +854,18 @@ def bench_fp8_gemms(buf: Buffer, timer: Timer, tokens: int, pairs: int, hidden: 
         cases = fp8_gemm_cases(pairs, e, hidden, ffn, buf.device, counts=groups)
         timed = {name: (timer.call_us(fn), flop) for name, (fn, flop) in cases.items()}
         del cases
-        part = {kind: {n: v for n, v in timed.items() if n.startswith(kind)} for kind in ("fwd", "dgrad", "wgrad")}
-        rows += [gemm_sum_row(buf, f"FP8 GEMMs forward {label}", tokens, part["fwd"], kernel, extra),
+        part = {kind: {n: v for n, v in timed.items() if n.split()[0] == kind}
+                for kind in ("fwd", "dgrad", "wgrad", "fp8wgrad")}
+        forward = gemm_sum_row(buf, f"FP8 GEMMs forward {label}", tokens, part["fwd"], kernel, extra)
+        rows += [forward,
                  gemm_sum_row(buf, f"FP8 GEMMs dgrad {label}", tokens, part["dgrad"], kernel, extra),
                  gemm_sum_row(buf, f"bf16 wgrad of FP8 experts {label}", tokens, part["wgrad"], "torch", extra,
                               recv_bytes=dw_bytes),
-                 gemm_sum_row(buf, f"FP8 GEMMs forward_backward {label}", tokens, timed, kernel, extra)]
-        forward = rows[-4]
+                 gemm_sum_row(buf, f"FP8 GEMMs forward_backward {label}", tokens,
+                              {**part["fwd"], **part["dgrad"], **part["wgrad"]}, kernel, extra)]
+        if part["fp8wgrad"]:
+            rows.append(gemm_sum_row(buf, f"FP8 wgrad of FP8 experts {label}", tokens, part["fp8wgrad"], kernel,
+                                     extra, recv_bytes=dw_bytes))
         try:
             cases = torch_fp8_gemm_cases(group_sizes(pairs, e, buf.device, groups), hidden, ffn, buf.device)
             for fn, _ in cases.values():
@@ -1088,7 +1106,9 @@ def layer_targets(rows: list[Row]) -> list[Target]:
     targets += [Target(f"{op} rate", by_op[op].tflops, "issue 44's goal", FP8_GEMM_TFLOPS_GOAL, "TFLOP/s", 1.0,
                        at_least=True)
                 for op in ("FP8 GEMMs forward equal groups", "FP8 GEMMs forward router's groups",
-                           "FP8 GEMMs dgrad equal groups", "FP8 GEMMs dgrad router's groups") if op in by_op]
+                           "FP8 GEMMs dgrad equal groups", "FP8 GEMMs dgrad router's groups",
+                           "FP8 wgrad of FP8 experts equal groups", "FP8 wgrad of FP8 experts router's groups")
+                if op in by_op]
     return targets
 
 
