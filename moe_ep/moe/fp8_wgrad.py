@@ -110,7 +110,7 @@ def quantize_k_grouped(t: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Ten
     Triton pass with no host sync; elsewhere quantize_k_grouped_torch (the same bits)."""
     _check_quantize(t, counts)
     if use_triton(t):
-        return _quantize_k_grouped_triton(t.contiguous(), counts.contiguous())
+        return _quantize_k_grouped_triton(t if t.stride(1) == 1 else t.contiguous(), counts.contiguous())
     return quantize_k_grouped_torch(t, counts)
 
 
@@ -145,9 +145,9 @@ if triton is not None:
         return tl.sum(tl.where(lanes == e, values, 0), axis=0)
 
     @triton.jit
-    def _quantize_k_grouped_kernel(t_ptr, counts_ptr, q_ptr, s_ptr, P, C, E, PC, EP: tl.constexpr,
+    def _quantize_k_grouped_kernel(t_ptr, counts_ptr, q_ptr, s_ptr, P, C, E, PC, T_STRIDE, EP: tl.constexpr,
                                    BC: tl.constexpr, TAIL: tl.constexpr):
-        """Program (blk, channel tile): scale block `blk` of the whole operand (group e's blocks are
+        """Program (blk, channel tile) over t's rows T_STRIDE elements apart: scale block `blk` of the whole operand (group e's blocks are
         [s_e, s_e + kb_e)) for BC channels. Every program derives the placement from the E counts (clipped to P
         rows, prefix sums over EP >= E lanes): the group of its block, then reads the block's <= 128 rows x BC
         channels once, transposes them and writes e4m3 columns (zeros up to the group's 16-aligned end) and one
@@ -176,7 +176,7 @@ if triton is not None:
             c_e = _lane(col_end - width, lanes, e)
             b = blk - s_e  # the block within its group
             tok = b * 128 + tl.arange(0, 128)
-            x = tl.load(t_ptr + (_lane(start, lanes, e) + tok)[:, None] * C + ch64[None, :],
+            x = tl.load(t_ptr + (_lane(start, lanes, e) + tok)[:, None] * T_STRIDE + ch64[None, :],
                         mask=(tok < n_e)[:, None] & ch_ok[None, :], other=0.0).to(tl.float32)
             q, s = quantize_blocks(tl.trans(x))  # [BC, 128] and [BC]: tokens past n_e give 0
             tl.store(q_ptr + ch64[:, None] * PC + (c_e + tok)[None, :],
@@ -193,7 +193,8 @@ if triton is not None:
 
 
 def _quantize_k_grouped_triton(t: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_k_grouped in _quantize_k_grouped_kernel; t and counts contiguous on one CUDA device."""
+    """quantize_k_grouped in _quantize_k_grouped_kernel; t's channels contiguous (its rows may be a column slice of a
+    wider tensor's), counts contiguous, on one CUDA device."""
     p, c = t.shape
     e = counts.numel()
     columns, blocks = k_grouped_columns(p, e), k_grouped_scale_blocks(p, e)
@@ -202,7 +203,7 @@ def _quantize_k_grouped_triton(t: torch.Tensor, counts: torch.Tensor) -> tuple[t
     if c:
         channels = 64
         _quantize_k_grouped_kernel[(blocks, triton.cdiv(c, channels))](
-            t, counts, q_t, scales, p, c, e, columns, EP=max(16, triton.next_power_of_2(e)), BC=channels,
+            t, counts, q_t, scales, p, c, e, columns, t.stride(0), EP=max(16, triton.next_power_of_2(e)), BC=channels,
             TAIL=_TAIL, num_warps=4)
     return q_t, scales
 
