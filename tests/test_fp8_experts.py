@@ -270,17 +270,44 @@ class _RoundGrad(torch.autograd.Function):
         return (fp8_dequantize(*fp8_quantize(g.float())) if ctx.fp8 else g), None
 
 
-def _mm_fp8_dgrad(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a @ w.t() whose gradient for `a` comes from the output gradient rounded to bf16 and then FP8 and for `w`
-    from the unrounded one (the FP8 experts' dgrad and bf16 wgrad); `a`'s gradient rounded to bf16 (the dgrad
-    GEMM's output)."""
+def _tokens_fp8(t: torch.Tensor) -> torch.Tensor:
+    """t [n, C] (one expert's rows, in the layer's pair order) rounded to bf16, then to FP8 with one scale per
+    channel per 128 rows (blocks from the first row, the last zero-padded), dequantized: [C, n] float64."""
+    n = t.shape[0]
+    padded = t.new_zeros(t.shape[1], -(-n // 128) * 128)
+    padded[:, :n] = t.to(torch.bfloat16).double().t()
+    return fp8_dequantize(*fp8_quantize(padded.float()))[:, :n]
+
+
+class _WgradFP8(torch.autograd.Function):
+    """a @ w.t() whose gradient for `w` is the FP8 weight gradient: the output gradient and `a` each rounded to
+    FP8 along the rows (_tokens_fp8), their float64 product; none for `a`."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        return a @ w.t()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[None, torch.Tensor]:
+        (a,) = ctx.saved_tensors
+        return None, _tokens_fp8(g) @ _tokens_fp8(a).t()
+
+
+def _mm_fp8(a: torch.Tensor, w: torch.Tensor, wgrad_fp8: bool) -> torch.Tensor:
+    """a @ w.t() whose gradient for `a` comes from the output gradient rounded to bf16 and then FP8 (the FP8
+    experts' dgrad; `a`'s gradient rounded to bf16, the dgrad GEMM's output) and for `w` from the unrounded one (bf16
+    wgrad) or, with wgrad_fp8, from both operands rounded to FP8 along the rows (_WgradFP8)."""
     a_only = _RoundGrad.apply(_RoundGrad.apply(a, False) @ w.detach().t(), True)
-    return a_only + a.detach() @ w.t() - a.detach() @ w.detach().t()
+    w_only = _WgradFP8.apply(a.detach(), w) if wgrad_fp8 else a.detach() @ w.t()
+    return a_only + w_only - a.detach() @ w.detach().t()
 
 
-def _dense_fp8_grads(world: int, full: dict) -> dict[str, torch.Tensor]:
+def _dense_fp8_grads(world: int, full: dict, wgrad_fp8: bool = False) -> dict[str, torch.Tensor]:
     """float64 autograd through the FP8 MoE over every rank's tokens, each forward rounding straight-through and
-    the gradients the dgrad GEMMs read rounded to FP8 (_mm_fp8_dgrad): the gradients of the tokens and weights of all ranks (concatenated in rank order) and of every expert's w1, w3, w2."""
+    the gradients the GEMMs read rounded as the layer does (_mm_fp8), one GEMM per expert over its rows in token
+    order (the layer's pair order: source rank, then token): the gradients of the tokens and weights of all ranks
+    (concatenated in rank order) and of every expert's w1, w3, w2."""
     inputs = [_train_inputs(r) for r in range(world)]
     x = torch.cat([i[0] for i in inputs]).double().requires_grad_()
     idx = torch.cat([i[1] for i in inputs])
@@ -295,16 +322,16 @@ def _dense_fp8_grads(world: int, full: dict) -> dict[str, torch.Tensor]:
         q2, s2 = fp8_quantize_weight_blocks(ws["w2"][e].unsqueeze(0))
         w13d = _st(w13, q13[0].double() * _expand(s13[0], 2 * FFN, HIDDEN))
         w2d = _st(ws["w2"][e], q2[0].double() * _expand(s2[0], HIDDEN, FFN))
-        for k in range(TOPK):
-            rows = (idx[:, k] == e).nonzero().squeeze(1)
-            if rows.numel() == 0:
-                continue
-            h13 = _mm_fp8_dgrad(xd[rows], w13d)
-            h13 = _st(h13, h13.to(torch.bfloat16).double())  # the gate/up GEMM's bf16 output
-            g, u = h13[:, :FFN], h13[:, FFN:]
-            a = g * torch.sigmoid(g) * u * w[rows, k].unsqueeze(1)
-            ad = _st(a, fp8_dequantize(*fp8_quantize(a.float())))
-            out = out.index_add(0, rows, _mm_fp8_dgrad(ad, w2d))
+        hit = idx == e  # distinct top-k: at most one slot per row
+        rows = hit.any(1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        h13 = _mm_fp8(xd[rows], w13d, wgrad_fp8)
+        h13 = _st(h13, h13.to(torch.bfloat16).double())  # the gate/up GEMM's bf16 output
+        g, u = h13[:, :FFN], h13[:, FFN:]
+        a = g * torch.sigmoid(g) * u * (w * hit).sum(1)[rows].unsqueeze(1)
+        ad = _st(a, fp8_dequantize(*fp8_quantize(a.float())))
+        out = out.index_add(0, rows, _mm_fp8(ad, w2d, wgrad_fp8))
     out.backward(grad)
     return {"x": x.grad, "weights": w.grad, **{name: t.grad for name, t in ws.items()}}
 
@@ -318,9 +345,10 @@ def _near(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert err <= 1e-2, f"{what}: relative error {err:.3e}"
 
 
-def _train_case(rank: int, world: int, backend: str = "reference") -> dict[str, torch.Tensor]:
-    """One FP8Normal forward + backward on this rank's inputs against _dense_fp8_grads: the tokens' and top-k
-    weights' gradients of this rank's rows and this rank's experts' weight gradients; returns them."""
+def _train_case(rank: int, world: int, backend: str = "reference", wgrad_fp8: bool = False) -> dict[str, torch.Tensor]:
+    """One FP8Normal forward + backward on this rank's inputs (weight gradients in bf16, or FP8 with wgrad_fp8)
+    against _dense_fp8_grads: the tokens' and top-k weights' gradients of this rank's rows and this rank's experts'
+    weight gradients; returns them."""
     buf = moe_ep.Buffer(None, device=device(), hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK,
                         max_tokens_per_rank=64, backend=backend)
     full = _full_weights(buf.device)
@@ -329,10 +357,10 @@ def _train_case(rank: int, world: int, backend: str = "reference") -> dict[str, 
     x.requires_grad_()
     w.requires_grad_()
     e = moe.experts
-    out = fp8_normal.FP8Normal.apply(x, idx, w, e.w1, e.w3, e.w2, buf, e, moe.fp8_weights)
+    out = fp8_normal.FP8Normal.apply(x, idx, w, e.w1, e.w3, e.w2, buf, e, moe.fp8_weights, wgrad_fp8)
     out.backward(grad)
     got = {"x": x.grad, "weights": w.grad, "w1": e.w1.grad, "w3": e.w3.grad, "w2": e.w2.grad}
-    want = _dense_fp8_grads(world, full)
+    want = _dense_fp8_grads(world, full, wgrad_fp8)
     first = sum(TRAIN_TOKENS[r % 4] for r in range(rank))
     mine = slice(first, first + x.shape[0])
     local = slice(e.first_expert, e.first_expert + e.num_local_experts)
@@ -353,12 +381,15 @@ def _bad_config_case() -> None:
     buf = moe_ep.Buffer(None, hidden=128, num_experts=4, num_topk=2, max_tokens_per_rank=8)
     with pytest.raises(ValueError, match="no overlap mode"):
         MoE(buf, 128, fp8_experts=True, overlap=True)
+    with pytest.raises(ValueError, match="fp8_wgrad=True needs fp8_experts=True"):
+        MoE(buf, 128, fp8_wgrad=True)
     buf.close()
 
 
 def _worker(rank: int, world: int) -> None:
     _layer_case(rank, world)
-    _train_case(rank, world)
+    for wgrad_fp8 in (False, True):
+        _train_case(rank, world, wgrad_fp8=wgrad_fp8)
     if world == 1:
         _bad_config_case()
 
@@ -375,10 +406,12 @@ def _gpu_worker(rank: int, world: int) -> None:
     native = _layer_case(rank, world, backend="auto")
     reference = _layer_case(rank, world, backend="reference")
     assert torch.equal(native, reference), f"rank {rank}: native and reference FP8 MoE outputs differ"
-    native = _train_case(rank, world, backend="auto")
-    reference = _train_case(rank, world, backend="reference")
-    for name, t in native.items():
-        assert torch.equal(t, reference[name]), f"rank {rank}: native and reference FP8 MoE {name} gradients differ"
+    for wgrad_fp8 in (False, True):
+        native = _train_case(rank, world, backend="auto", wgrad_fp8=wgrad_fp8)
+        reference = _train_case(rank, world, backend="reference", wgrad_fp8=wgrad_fp8)
+        for name, t in native.items():
+            assert torch.equal(t, reference[name]), \
+                f"rank {rank}, wgrad_fp8={wgrad_fp8}: native and reference FP8 MoE {name} gradients differ"
 
 
 @requires_gpus()

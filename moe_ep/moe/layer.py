@@ -100,7 +100,8 @@ class MoE(nn.Module):
     fp8_experts=True: normal mode dispatches the tokens in FP8 as (row, local expert) pairs and the experts'
     grouped GEMMs read those rows and their per-128 scales directly, against FP8 copies of the weights with
     128 x 128 block scales (moe_ep.moe.fp8_experts); its backward runs the data-gradient GEMMs in FP8 and
-    the weight gradients in bf16 (moe_ep.moe.fp8_normal). Low-latency mode keeps its bf16 experts.
+    the weight gradients in bf16 (moe_ep.moe.fp8_normal), or with fp8_wgrad=True in FP8 too, with 1 x 128 scales
+    along each expert's tokens (moe_ep.moe.fp8_wgrad). Low-latency mode keeps its bf16 experts.
     """
 
     def __init__(self, buffer: Buffer, ffn_hidden: int, *, score_func: str = "softmax", num_groups: int = 1,
@@ -109,13 +110,16 @@ class MoE(nn.Module):
                  bias_update_rate: float = 1e-3, capacity_factor: Optional[float] = None,
                  shared_ffn_hidden: int = 0, low_latency_max_tokens: int = 128, low_latency_fp8: bool = False,
                  worst_case: bool = False, dtype: Optional[torch.dtype] = None, recompute_swiglu: bool = False,
-                 overlap: bool = False, fp8_experts: bool = False, expert_major: bool = True) -> None:
+                 overlap: bool = False, fp8_experts: bool = False, expert_major: bool = True,
+                 fp8_wgrad: bool = False) -> None:
         super().__init__()
         cfg = buffer.cfg
         if fp8_experts:
             fp8_experts_module.check_shapes(cfg.hidden, ffn_hidden)
             if overlap:
                 raise ValueError("fp8_experts=True has no overlap mode: pass overlap=False")
+        elif fp8_wgrad:
+            raise ValueError("fp8_wgrad=True needs fp8_experts=True (the FP8 experts' backward)")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be a bool, got {overlap!r}")
         if low_latency_fp8 and cfg.hidden % fp8.BLOCK != 0:
@@ -145,6 +149,7 @@ class MoE(nn.Module):
                              if expert_bias else None, persistent=False)
         self.last_routing: Optional[RouterOutput] = None
         self.fp8_weights = fp8_experts_module.FP8WeightCache() if fp8_experts else None
+        self.fp8_wgrad = bool(fp8_wgrad)
         self.expert_major = bool(expert_major)
         self.sync_replicated()
 
@@ -254,7 +259,7 @@ class MoE(nn.Module):
         the received pairs, bf16 combine; differentiable."""
         e = self.experts
         return fp8_normal.FP8Normal.apply(tokens, routing.topk_idx, routing.topk_weights, e.w1, e.w3, e.w2,
-                                          self.buffer, e, self.fp8_weights)
+                                          self.buffer, e, self.fp8_weights, self.fp8_wgrad)
 
     def forward(self, x: torch.Tensor, mode: Optional[str] = None) -> torch.Tensor:
         """Route, dispatch, run the local experts, combine; plus the shared expert when present."""
