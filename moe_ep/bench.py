@@ -884,7 +884,8 @@ def bench_fp8_layer(timer: Timer, buf: Buffer, shape: LayerShape, x: torch.Tenso
     """MoE(fp8_experts=True) with the weights of the bf16 rows: its forward under no_grad (serving, row "forward
     FP8") with its error against the bf16 experts' forward on the same input (||y8 - y16|| / ||y16||), then its
     forward and backward in training (rows "forward FP8 train", "backward FP8", "forward_backward FP8";
-    time_layer)."""
+    time_layer), and where CUTLASS's sm90 GEMMs run, again with the weight gradients in FP8 (MoE(fp8_wgrad=True):
+    the same rows with ", FP8 wgrad")."""
     models = []
     for fp8_on in (False, True):  # the same seed: the same router and expert weights
         torch.manual_seed(0)
@@ -902,12 +903,14 @@ def bench_fp8_layer(timer: Timer, buf: Buffer, shape: LayerShape, x: torch.Tenso
     flop = layer_flop(pairs, shape.hidden, shape.ffn)
     rows = [_row(buf, "layer", "forward FP8", sms, shape.tokens, us, spread_us=spread, flop=flop,
                  extra={"pairs": pairs, "fp8_relative_error": _max_over_ranks(error)})]
-    times = time_layer(timer, moe, x, grad, modes=(False,))
-    spreads = by_mode(timer.last_spread, (False,))
-    for (op, k), us, spread in zip(LAYER_PASSES, times[False], spreads[False]):
-        name = "forward FP8 train" if op == "forward" else f"{op} FP8"
-        rows.append(_row(buf, "layer", name, sms, shape.tokens, us, spread_us=spread, flop=k * flop,
-                         extra={"pairs": pairs}))
+    for wgrad_fp8 in (False, True) if fp8_experts.gemm_kernel(x.device) == "cutlass_sm90" else (False,):
+        moe.fp8_wgrad = wgrad_fp8
+        times = time_layer(timer, moe, x, grad, modes=(False,))
+        spreads = by_mode(timer.last_spread, (False,))
+        for (op, k), us, spread in zip(LAYER_PASSES, times[False], spreads[False]):
+            name = ("forward FP8 train" if op == "forward" else f"{op} FP8") + (", FP8 wgrad" if wgrad_fp8 else "")
+            rows.append(_row(buf, "layer", name, sms, shape.tokens, us, spread_us=spread, flop=k * flop,
+                             extra={"pairs": pairs}))
     del moe
     gc.collect()
     return rows
