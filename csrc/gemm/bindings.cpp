@@ -106,8 +106,7 @@ PYBIND11_MODULE(_gemm, m) {
   m.attr("RASTERS") = std::map<std::string, int>{{"along_m", static_cast<int>(g::Raster::kAlongM)},
                                                  {"along_n", static_cast<int>(g::Raster::kAlongN)}};
   m.attr("WGRAD_TILE_CONFIGS") = std::map<std::string, int>{
-      {"cooperative_128x128", static_cast<int>(g::WgradTileConfig::kWgradCooperative128)},
-      {"pingpong_64x128", static_cast<int>(g::WgradTileConfig::kWgradPingpong64)}};
+      {"cooperative_128x128", static_cast<int>(g::WgradTileConfig::kWgradCooperative128)}};
   m.attr("GROUP_COLUMN_ALIGN") = g::kGroupColumnAlign;
 
   using A = g::GroupedGemmArgs;

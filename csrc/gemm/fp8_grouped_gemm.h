@@ -71,10 +71,8 @@ void grouped_gemm(const GroupedGemmArgs& args);
 // The compiled weight-gradient kernels (a TileConfig family of their own: their scales are per row of a and of b).
 enum class WgradTileConfig : int {
   kWgradCooperative128 = 0,  // 128 x 128 x 128 tile, both consumer warpgroups on one tile, cluster 1 x 2
-  kWgradPingpong64 = 1,      // 64 x 128 x 128 tile, the two consumer warpgroups on alternate tiles (one stores
-                             // its tile while the other multiplies: for short groups, where the stores dominate)
 };
-constexpr int kNumWgradTileConfigs = 2;
+constexpr int kNumWgradTileConfigs = 1;
 constexpr int kMaxWgradGroups = 65535;  // one grid row per group in the kernel that zeros empty groups' outputs
 
 // One weight-gradient call (K-grouped; what it computes: the top of this file). Addresses are device addresses
@@ -120,8 +118,6 @@ size_t pingpong64_workspace_bytes(int64_t groups);
 void pingpong64_run(const GroupedGemmArgs& args);
 size_t wgrad_cooperative128_workspace_bytes(int64_t groups);
 void wgrad_cooperative128_run(const WgradGemmArgs& args);
-size_t wgrad_pingpong64_workspace_bytes(int64_t groups);
-void wgrad_pingpong64_run(const WgradGemmArgs& args);
 }  // namespace sm90
 
 }  // namespace gemm

@@ -41,8 +41,6 @@ size_t wgrad_workspace_bytes(int64_t groups, int64_t config) {
   switch (static_cast<WgradTileConfig>(config)) {
     case WgradTileConfig::kWgradCooperative128:
       return sm90::wgrad_cooperative128_workspace_bytes(groups);
-    case WgradTileConfig::kWgradPingpong64:
-      return sm90::wgrad_pingpong64_workspace_bytes(groups);
   }
   bad_config("fp8_wgrad_gemm", config, kNumWgradTileConfigs);
 }
@@ -51,8 +49,6 @@ void wgrad_gemm(const WgradGemmArgs& args) {
   switch (static_cast<WgradTileConfig>(args.config)) {
     case WgradTileConfig::kWgradCooperative128:
       return sm90::wgrad_cooperative128_run(args);
-    case WgradTileConfig::kWgradPingpong64:
-      return sm90::wgrad_pingpong64_run(args);
   }
   bad_config("fp8_wgrad_gemm", args.config, kNumWgradTileConfigs);
 }

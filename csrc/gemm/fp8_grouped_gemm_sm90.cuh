@@ -133,12 +133,6 @@ using WgradCooperative128 =
     GemmOf<Shape<_128, _128, _128>, Shape<_1, _2, _1>,
            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
            cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, 1>;
-// The weight gradient with Pingpong64's tile and schedule: while one consumer warpgroup stores its 64 x 128 tile the
-// other runs its tile's few K blocks (a group's tokens), so the stores of out, most of the bytes, overlap the WGMMAs.
-using WgradPingpong64 =
-    GemmOf<Shape<_64, _128, _128>, Shape<_1, _2, _1>,
-           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
-           cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, 1>;
 
 // SM count and the most clusters of this kernel that fit at once, per device, queried once (the occupancy
 // query needs the kernel's shared-memory size set first).
