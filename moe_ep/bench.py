@@ -903,12 +903,12 @@ def bench_fp8_layer(timer: Timer, buf: Buffer, shape: LayerShape, x: torch.Tenso
     flop = layer_flop(pairs, shape.hidden, shape.ffn)
     rows = [_row(buf, "layer", "forward FP8", sms, shape.tokens, us, spread_us=spread, flop=flop,
                  extra={"pairs": pairs, "fp8_relative_error": _max_over_ranks(error)})]
-    for wgrad_fp8 in (False, True) if fp8_experts.gemm_kernel(x.device) == "cutlass_sm90" else (False,):
-        moe.fp8_wgrad = wgrad_fp8
+    for fp8_wgrad in (False, True) if fp8_experts.gemm_kernel(x.device) == "cutlass_sm90" else (False,):
+        moe.fp8_wgrad = fp8_wgrad
         times = time_layer(timer, moe, x, grad, modes=(False,))
         spreads = by_mode(timer.last_spread, (False,))
         for (op, k), us, spread in zip(LAYER_PASSES, times[False], spreads[False]):
-            name = ("forward FP8 train" if op == "forward" else f"{op} FP8") + (", FP8 wgrad" if wgrad_fp8 else "")
+            name = ("forward FP8 train" if op == "forward" else f"{op} FP8") + (", FP8 wgrad" if fp8_wgrad else "")
             rows.append(_row(buf, "layer", name, sms, shape.tokens, us, spread_us=spread, flop=k * flop,
                              extra={"pairs": pairs}))
     del moe

@@ -294,16 +294,16 @@ class _WgradFP8(torch.autograd.Function):
         return None, _tokens_fp8(g) @ _tokens_fp8(a).t()
 
 
-def _mm_fp8(a: torch.Tensor, w: torch.Tensor, wgrad_fp8: bool) -> torch.Tensor:
+def _mm_fp8(a: torch.Tensor, w: torch.Tensor, fp8_wgrad: bool) -> torch.Tensor:
     """a @ w.t() whose gradient for `a` comes from the output gradient rounded to bf16 and then FP8 (the FP8
     experts' dgrad; `a`'s gradient rounded to bf16, the dgrad GEMM's output) and for `w` from the unrounded one (bf16
-    wgrad) or, with wgrad_fp8, from both operands rounded to FP8 along the rows (_WgradFP8)."""
+    wgrad) or, with fp8_wgrad, from both operands rounded to FP8 along the rows (_WgradFP8)."""
     a_only = _RoundGrad.apply(_RoundGrad.apply(a, False) @ w.detach().t(), True)
-    w_only = _WgradFP8.apply(a.detach(), w) if wgrad_fp8 else a.detach() @ w.t()
+    w_only = _WgradFP8.apply(a.detach(), w) if fp8_wgrad else a.detach() @ w.t()
     return a_only + w_only - a.detach() @ w.detach().t()
 
 
-def _dense_fp8_grads(world: int, full: dict, wgrad_fp8: bool = False) -> dict[str, torch.Tensor]:
+def _dense_fp8_grads(world: int, full: dict, fp8_wgrad: bool = False) -> dict[str, torch.Tensor]:
     """float64 autograd through the FP8 MoE over every rank's tokens, each forward rounding straight-through and
     the gradients the GEMMs read rounded as the layer does (_mm_fp8), one GEMM per expert over its rows in token
     order (the layer's pair order: source rank, then token): the gradients of the tokens and weights of all ranks
@@ -326,12 +326,12 @@ def _dense_fp8_grads(world: int, full: dict, wgrad_fp8: bool = False) -> dict[st
         rows = hit.any(1).nonzero().squeeze(1)
         if rows.numel() == 0:
             continue
-        h13 = _mm_fp8(xd[rows], w13d, wgrad_fp8)
+        h13 = _mm_fp8(xd[rows], w13d, fp8_wgrad)
         h13 = _st(h13, h13.to(torch.bfloat16).double())  # the gate/up GEMM's bf16 output
         g, u = h13[:, :FFN], h13[:, FFN:]
         a = g * torch.sigmoid(g) * u * (w * hit).sum(1)[rows].unsqueeze(1)
         ad = _st(a, fp8_dequantize(*fp8_quantize(a.float())))
-        out = out.index_add(0, rows, _mm_fp8(ad, w2d, wgrad_fp8))
+        out = out.index_add(0, rows, _mm_fp8(ad, w2d, fp8_wgrad))
     out.backward(grad)
     return {"x": x.grad, "weights": w.grad, **{name: t.grad for name, t in ws.items()}}
 
@@ -345,8 +345,8 @@ def _near(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert err <= 1e-2, f"{what}: relative error {err:.3e}"
 
 
-def _train_case(rank: int, world: int, backend: str = "reference", wgrad_fp8: bool = False) -> dict[str, torch.Tensor]:
-    """One FP8Normal forward + backward on this rank's inputs (weight gradients in bf16, or FP8 with wgrad_fp8)
+def _train_case(rank: int, world: int, backend: str = "reference", fp8_wgrad: bool = False) -> dict[str, torch.Tensor]:
+    """One FP8Normal forward + backward on this rank's inputs (weight gradients in bf16, or FP8 with fp8_wgrad)
     against _dense_fp8_grads: the tokens' and top-k weights' gradients of this rank's rows and this rank's experts'
     weight gradients; returns them."""
     buf = moe_ep.Buffer(None, device=device(), hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK,
@@ -357,10 +357,10 @@ def _train_case(rank: int, world: int, backend: str = "reference", wgrad_fp8: bo
     x.requires_grad_()
     w.requires_grad_()
     e = moe.experts
-    out = fp8_normal.FP8Normal.apply(x, idx, w, e.w1, e.w3, e.w2, buf, e, moe.fp8_weights, wgrad_fp8)
+    out = fp8_normal.FP8Normal.apply(x, idx, w, e.w1, e.w3, e.w2, buf, e, moe.fp8_weights, fp8_wgrad)
     out.backward(grad)
     got = {"x": x.grad, "weights": w.grad, "w1": e.w1.grad, "w3": e.w3.grad, "w2": e.w2.grad}
-    want = _dense_fp8_grads(world, full, wgrad_fp8)
+    want = _dense_fp8_grads(world, full, fp8_wgrad)
     first = sum(TRAIN_TOKENS[r % 4] for r in range(rank))
     mine = slice(first, first + x.shape[0])
     local = slice(e.first_expert, e.first_expert + e.num_local_experts)
@@ -388,8 +388,8 @@ def _bad_config_case() -> None:
 
 def _worker(rank: int, world: int) -> None:
     _layer_case(rank, world)
-    for wgrad_fp8 in (False, True):
-        _train_case(rank, world, wgrad_fp8=wgrad_fp8)
+    for fp8_wgrad in (False, True):
+        _train_case(rank, world, fp8_wgrad=fp8_wgrad)
     if world == 1:
         _bad_config_case()
 
@@ -406,12 +406,12 @@ def _gpu_worker(rank: int, world: int) -> None:
     native = _layer_case(rank, world, backend="auto")
     reference = _layer_case(rank, world, backend="reference")
     assert torch.equal(native, reference), f"rank {rank}: native and reference FP8 MoE outputs differ"
-    for wgrad_fp8 in (False, True):
-        native = _train_case(rank, world, backend="auto", wgrad_fp8=wgrad_fp8)
-        reference = _train_case(rank, world, backend="reference", wgrad_fp8=wgrad_fp8)
+    for fp8_wgrad in (False, True):
+        native = _train_case(rank, world, backend="auto", fp8_wgrad=fp8_wgrad)
+        reference = _train_case(rank, world, backend="reference", fp8_wgrad=fp8_wgrad)
         for name, t in native.items():
             assert torch.equal(t, reference[name]), \
-                f"rank {rank}, wgrad_fp8={wgrad_fp8}: native and reference FP8 MoE {name} gradients differ"
+                f"rank {rank}, fp8_wgrad={fp8_wgrad}: native and reference FP8 MoE {name} gradients differ"
 
 
 @requires_gpus()

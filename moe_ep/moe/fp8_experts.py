@@ -12,12 +12,12 @@ The backward (pairs_backward) runs the two data-gradient GEMMs (dgrad) in FP8 on
 gradients quantized per row per 128 channels like the forward's rows, against the transposed FP8 weights
 (FP8WeightCache.get_transposed: the same 128 x 128 blocks, transposed); the SwiGLU backward in one pass; and
 the weight gradients (wgrad) as bf16 grouped GEMMs (moe_ep.moe.experts.groups_of) over the values the forward's
-GEMMs read, or with wgrad_fp8 (MoE(fp8_wgrad=True)) as FP8 K-grouped GEMMs over those values quantized along each
-expert's tokens (moe_ep.moe.fp8_wgrad); at this layer's shapes both are bound by writing dW (docs/benchmarks.md). The weights are quantized once and kept until a weight
-changes (FP8WeightCache). The GEMMs run CUTLASS's sm90 kernel where it is built and the GPU is an H100/H200
-(moe_ep.moe.fp8_grouped_gemm_sm90), else the Triton kernels below, all with the same bits; without CUDA a
-torch version of the same formulas (dequantize, float32 matmul) serves, so CPU tests and CPU installs run
-the layer.
+GEMMs read, or with fp8_wgrad (MoE(fp8_wgrad=True)) as FP8 K-grouped GEMMs over those values quantized along each
+expert's tokens (moe_ep.moe.fp8_wgrad); at this layer's shapes both are bound by writing dW (docs/benchmarks.md).
+The weights are quantized once and kept until a weight changes (FP8WeightCache). The GEMMs run CUTLASS's sm90
+kernel where it is built and the GPU is an H100/H200 (moe_ep.moe.fp8_grouped_gemm_sm90), else the Triton kernels
+below, all with the same bits; without CUDA a torch version of the same formulas (dequantize, float32 matmul)
+serves, so CPU tests and CPU installs run the layer.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from ..comm import fp8
 from ..comm.row_sum import use_triton
 from .expert_kernels import swiglu_backward, swiglu_wide
 from . import fp8_grouped_gemm_sm90 as sm90
-from . import fp8_wgrad
+from . import fp8_wgrad as fp8_wgrad_module
 from .experts import GroupedExperts, groups_of
 from .grouped_gemm import launch_grid
 
@@ -322,12 +322,12 @@ class PairGrads:
 
 def pairs_backward(transposed: FP8ExpertWeights, x: torch.Tensor, x_scale: torch.Tensor, saved: PairsSaved,
                    pair_weights: torch.Tensor, counts: torch.Tensor, dy: torch.Tensor, need_w1: bool,
-                   need_w3: bool, need_w2: bool, wgrad_fp8: bool = False) -> PairGrads:
+                   need_w3: bool, need_w2: bool, fp8_wgrad: bool = False) -> PairGrads:
     """The backward of pairs_forward for dy [P, H] bf16, the gradient of y: the two data-gradient GEMMs in FP8
     (dy and the gate/up gradient quantized per row per 128 channels as moe_ep.comm.fp8.quantize does, against
     `transposed`, FP8WeightCache.get_transposed), the SwiGLU backward in one pass, the weight gradients over the
     values the forward's GEMMs read (x and the activation dequantized from FP8): bf16 grouped GEMMs, or with
-    wgrad_fp8 FP8 ones with 1 x 128 scales along each expert's tokens (moe_ep.moe.fp8_wgrad)."""
+    fp8_wgrad FP8 ones with 1 x 128 scales along each expert's tokens (moe_ep.moe.fp8_wgrad)."""
     dyq, dys = fp8.quantize(dy)
     da = grouped_gemm(dyq, dys, None, counts, transposed.w2, transposed.w2_scale)
     del dyq, dys
@@ -336,7 +336,7 @@ def pairs_backward(transposed: FP8ExpertWeights, x: torch.Tensor, x_scale: torch
     dhq, dhs = fp8.quantize(dh13)
     dx = grouped_gemm(dhq, dhs, None, counts, transposed.w13, transposed.w13_scale)
     del dhq, dhs
-    wgrad = _FP8Wgrad(counts, dh13.shape[0]) if wgrad_fp8 else _Bf16Wgrad(groups_of(dh13, counts))
+    wgrad = _FP8Wgrad(counts, dh13.shape[0]) if fp8_wgrad else _Bf16Wgrad(groups_of(dh13, counts))
     f = dh13.shape[1] // 2
     dw2 = wgrad.mm_t(wgrad.operand(dy), wgrad.operand(fp8.dequantize(saved.a, saved.a_scale, dy.dtype))) \
         if need_w2 else None
@@ -363,14 +363,14 @@ class _Bf16Wgrad:
 
 @dataclass
 class _FP8Wgrad:
-    """Weight gradients in FP8: an operand is its K-grouped quantization (fp8_wgrad.quantize_k_grouped: each
+    """Weight gradients in FP8: an operand is its K-grouped quantization (quantize_k_grouped: each
     expert's tokens in 128-token blocks), quantized once however many GEMMs read it."""
 
     counts: torch.Tensor
     tokens: int
 
     def operand(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return fp8_wgrad.quantize_k_grouped(t, self.counts)
+        return fp8_wgrad_module.quantize_k_grouped(t, self.counts)
 
     def mm_t(self, g: tuple[torch.Tensor, torch.Tensor], v: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return fp8_wgrad.k_grouped_gemm(*g, *v, self.counts, self.tokens)
+        return fp8_wgrad_module.k_grouped_gemm(*g, *v, self.counts, self.tokens)

@@ -23,13 +23,13 @@ from .experts import GroupedExperts
 
 class FP8Normal(torch.autograd.Function):
     """forward(tokens [N, H], topk_idx [N, K] int64, topk_weights [N, K] float32, w1, w3, w2 (the experts'
-    parameters, for autograd), buffer, experts, cache: fp8_experts.FP8WeightCache, wgrad_fp8: the weight gradients
+    parameters, for autograd), buffer, experts, cache: fp8_experts.FP8WeightCache, fp8_wgrad: the weight gradients
     in FP8 too, fp8_experts.pairs_backward) -> [N, H] bf16."""
 
     @staticmethod
     def forward(ctx: Any, tokens: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, buffer: Buffer, experts: GroupedExperts,
-                cache: fp8_experts.FP8WeightCache, wgrad_fp8: bool) -> torch.Tensor:
+                cache: fp8_experts.FP8WeightCache, fp8_wgrad: bool) -> torch.Tensor:
         q, scales = fp8.quantize(tokens.to(torch.bfloat16))
         d = buffer.dispatch(q, topk_idx, topk_weights, x_scales=scales, expert_major=True)
         counts = d.tokens_per_expert_tensor
@@ -38,7 +38,7 @@ class FP8Normal(torch.autograd.Function):
         if any(ctx.needs_input_grad):
             ctx.save_for_backward(d.x, d.x_scales, saved.h13, saved.a, saved.a_scale, d.pair_weights, counts)
             ctx.handle, ctx.buffer, ctx.experts, ctx.cache, ctx.dtype = d.handle, buffer, experts, cache, tokens.dtype
-            ctx.wgrad_fp8 = wgrad_fp8
+            ctx.fp8_wgrad = fp8_wgrad
         return out
 
     @staticmethod
@@ -48,7 +48,7 @@ class FP8Normal(torch.autograd.Function):
         dy = ctx.buffer.dispatch(grad.to(torch.bfloat16).contiguous(), handle=ctx.handle).x
         saved = fp8_experts.PairsSaved(h13, a, a_scale)
         g = fp8_experts.pairs_backward(ctx.cache.get_transposed(ctx.experts), x, x_scale, saved, pair_weights, counts,
-                                       dy, need_w1, need_w3, need_w2, ctx.wgrad_fp8)
+                                       dy, need_w1, need_w3, need_w2, ctx.fp8_wgrad)
         del dy
         gx, gw = ctx.buffer.combine(g.x, ctx.handle, topk_weights=g.pair_weights)
         ctx.handle = None

@@ -147,12 +147,12 @@ if triton is not None:
     @triton.jit
     def _quantize_k_grouped_kernel(t_ptr, counts_ptr, q_ptr, s_ptr, P, C, E, PC, T_STRIDE, EP: tl.constexpr,
                                    BC: tl.constexpr, TAIL: tl.constexpr):
-        """Program (blk, channel tile) over t's rows T_STRIDE elements apart: scale block `blk` of the whole operand (group e's blocks are
-        [s_e, s_e + kb_e)) for BC channels. Every program derives the placement from the E counts (clipped to P
-        rows, prefix sums over EP >= E lanes): the group of its block, then reads the block's <= 128 rows x BC
-        channels once, transposes them and writes e4m3 columns (zeros up to the group's 16-aligned end) and one
-        scale per channel (quantize_blocks: moe_ep.comm.fp8's arithmetic). The programs past the last block
-        (blk = s_E + j; the grid has P // 128 + E + 1 > s_E blocks) zero scale block blk and the columns
+        """Program (blk, channel tile) over t's rows T_STRIDE elements apart: scale block `blk` of the whole operand
+        (group e's blocks are [s_e, s_e + kb_e)) for BC channels. Every program derives the placement from the E
+        counts (clipped to P rows, prefix sums over EP >= E lanes): the group of its block, then reads the block's
+        <= 128 rows x BC channels once, transposes them and writes e4m3 columns (zeros up to the group's 16-aligned
+        end) and one scale per channel (quantize_blocks: moe_ep.comm.fp8's arithmetic). The programs past the last
+        block (blk = s_E + j; the grid has P // 128 + E + 1 > s_E blocks) zero scale block blk and the columns
         [c_E + j * TAIL, c_E + (j + 1) * TAIL) below Pc: with TAIL = 16 * 128 they cover [c_E, Pc), since there
         are at least (P - sum n_e + E + 1) / 128 of them and Pc - c_E <= P - sum n_e + 15 E + 15."""
         blk = tl.program_id(0)
