@@ -345,7 +345,8 @@ def _near(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert err <= 1e-2, f"{what}: relative error {err:.3e}"
 
 
-def _train_case(rank: int, world: int, backend: str = "reference", fp8_wgrad: bool = False) -> dict[str, torch.Tensor]:
+def _train_case(rank: int, world: int, backend: str = "reference",
+                fp8_wgrad: bool = False) -> dict[str, torch.Tensor]:
     """One FP8Normal forward + backward on this rank's inputs (weight gradients in bf16, or FP8 with fp8_wgrad)
     against _dense_fp8_grads: the tokens' and top-k weights' gradients of this rank's rows and this rank's experts'
     weight gradients; returns them."""

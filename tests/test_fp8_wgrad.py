@@ -327,10 +327,10 @@ def test_triton_quantizer_matches_torch_version(index: int) -> None:
     a column slice (rows further apart than its width)."""
     case = GPU_CASES[index]
     dy, x, counts = _inputs(case)
-    for t in (dy, x, dy[:, 3:]):
+    for t, on_gpu in ((dy, dy.cuda()), (x, x.cuda()), (dy[:, 3:], dy.cuda()[:, 3:])):  # the slice sliced on the GPU
         want_q, want_s = fw.quantize_k_grouped_torch(t, counts)
         for c in (counts, counts.long()):
-            q, s = fw.quantize_k_grouped(t.cuda(), c.cuda())
+            q, s = fw.quantize_k_grouped(on_gpu, c.cuda())
             assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8)), f"{case}: q_t"
             assert torch.equal(s.cpu().view(torch.int32), want_s.view(torch.int32)), f"{case}: scales"
 
