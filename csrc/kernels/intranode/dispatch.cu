@@ -28,8 +28,10 @@
 //     (intranode.h "Row flags", in this folder). A flag is raised only after its row and metadata, and
 //     the warp pays one system fence per G flags instead of one per token.
 //  2. Receive (the other warps from the start, the sending warps once their tokens are done). Work
-//     item k (from a grid-wide counter, taken one ahead: intranode.h WorkItems) is the run of positions [jB, jB + B) of source s, with
-//     j = k / R and s = k % R. In worst-case mode the run's padding rows (p >= count_s) get zero x and
+//     item k (from a grid-wide counter, taken one ahead: intranode.h WorkItems) is the run of positions
+//     [jB, jB + B) of the q-th source visited, j = k / V and q = k % V: in worst-case mode the V = R
+//     sources (q = s), else the V = R - 1 peers in rank order (s = q, or q + 1 from q = me on), since
+//     this rank's own rows were written by its senders (at R = 1 there is no item). In worst-case mode the run's padding rows (p >= count_s) get zero x and
 //     scales, src_rank = src_index = -1, topk_idx = -1, weights = 0 (common/routing.cuh
 //     fill_dispatch_rows; on a cached dispatch x and scales only). For peer rows (s != me,
 //     p < count_s) lane l waits for the row flag of position jB + l to reach `epoch` (comm.h
@@ -240,15 +242,19 @@ dispatch_kernel(const __grid_constant__ DeviceContext ctx, const __grid_constant
     }
   }
 
-  // 2. receive; after a give-up (or a failed start) the warp poisons its runs instead
+  // 2. receive; after a give-up (or a failed start) the warp poisons its runs instead. Outside worst-case
+  //    mode the sources visited are the peers (this rank's own rows are its senders' work), so at R = 1
+  //    no work item is handed out at all
+  const int sources = a.worst_case ? R : R - 1;
   int rows = 0;  // output positions per source to visit
-  for (int s = 0; s < R; ++s) rows = max(rows, recv_info[s]);
+  for (int s = 0; s < R; ++s) rows = max(rows, s == me && !a.worst_case ? 0 : recv_info[s]);
   if (a.worst_case) rows = T;
-  const int items = (rows + B - 1) / B * R;
+  const int items = (rows + B - 1) / B * sources;
   for (WorkItems work(ctx.block_counters + kDispatchWork);;) {
     const int k = work.next(items);
     if (k >= items) break;
-    const int s = k % R, p0 = k / R * B;
+    const int q = k % sources, p0 = k / sources * B;
+    const int s = !a.worst_case && q >= me ? q + 1 : q;  // the q-th source visited
     if (ok) ok = receive_run<kU>(ctx, a, s, p0, B, lane);
     if (!ok) poison_run(ctx, a, s, p0, B, lane);
   }
@@ -268,6 +274,7 @@ void launch_dispatch(const Context& c, const DispatchArgs& a, uintptr_t stream) 
   const DeviceContext d = make_device_context(c);
   switch (c.tuning.unroll) {
     case 6: dispatch_kernel<6><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
+    case 7: dispatch_kernel<7><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
     default: dispatch_kernel<4><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
   }
   check_launch("moe_ep intranode dispatch kernel");
