@@ -24,7 +24,7 @@ def test_defaults_and_checks() -> None:
     c = Config()
     assert (c.send_warps, c.combine_send_warps, c.unroll, c.flag_batch, c.recv_run) == (24, 16, 6, 4, 1)
     assert c.replace(unroll=4).unroll == 4 and c.unroll == 6
-    for field, bad in (("send_warps", 0), ("send_warps", 33), ("combine_send_warps", -1), ("unroll", 5), ("unroll", 8),
+    for field, bad in (("send_warps", 0), ("send_warps", 33), ("combine_send_warps", -1), ("unroll", 5), ("unroll", 7),
                        ("flag_batch", 33), ("recv_run", 0), ("num_sms", 0), ("internode_workspace_bytes", 1),
                        ("send_warps", True), ("flag_batch", 2.0), ("low_latency_num_sms", 0)):
         with pytest.raises(ValueError, match=rf"Config\.{field}"):

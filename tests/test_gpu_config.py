@@ -20,7 +20,7 @@ pytestmark = requires_gpus()
 
 # per call: every per-call knob, at or near both ends of its range
 PER_CALL = [dict(send_warps=1), dict(send_warps=32), dict(combine_send_warps=1), dict(combine_send_warps=31),
-            dict(unroll=4), dict(unroll=7), dict(flag_batch=1), dict(flag_batch=32), dict(recv_run=3), dict(recv_run=32),
+            dict(unroll=4), dict(flag_batch=1), dict(flag_batch=32), dict(recv_run=3), dict(recv_run=32),
             dict(num_sms=1), dict(num_sms=3), dict(eager_output_bytes=0)]
 # per Buffer: each knob once, internode_workspace_bytes (per Buffer only) small enough for many token rounds
 PER_BUFFER = [dict(send_warps=1), dict(combine_send_warps=31), dict(unroll=4), dict(flag_batch=32),

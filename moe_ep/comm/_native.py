@@ -29,7 +29,7 @@ FALLBACK_CONSTANTS = {
     "INTERNODE_MAX_CHANNELS": 64,  # SMs (channels) of a cross-node call (csrc/kernels/internode/internode.h kMaxChannels)
     "LL_META_BYTES": 48,  # one staged low-latency token's meta row (csrc/kernels/low_latency/low_latency.h kMetaBytes)
     "TUNING_MAX_WARPS": 32,  # warps of a normal-mode dispatch / combine block (csrc/kernels/intranode/intranode.h kHostWarps)
-    "TUNING_UNROLL_MASK": 0b11010000,  # Config.unroll values, bit u for u (csrc/kernels/intranode/intranode.h kUnrollValues)
+    "TUNING_UNROLL_MASK": 0b1010000,  # Config.unroll values, bit u for u (csrc/kernels/intranode/intranode.h kUnrollValues)
     # NVFP4 rows and their scale tiles (csrc/kernels/low_latency/low_latency.h kNvfp4*; moe_ep/comm/nvfp4.py)
     "NVFP4_BLOCK": 16,
     "NVFP4_E2M1_MAX": 6,

@@ -79,7 +79,7 @@ class Config:
     num_sms: Optional[int] = None  # SMs of a normal-mode call; None: default_num_sms
     send_warps: int = 24  # NVLink dispatch: warps per 32-warp block that send first, the rest receive
     combine_send_warps: int = 16  # NVLink combine: warps per block that send first, the rest reduce
-    unroll: int = 6  # NVLink kernels: int4 loads in flight per lane in every row copy (4, 6 or 7)
+    unroll: int = 6  # NVLink kernels: int4 loads in flight per lane in every row copy (4 or 6)
     flag_batch: int = 4  # NVLink kernels: row flags a sending warp raises per system fence (1..32)
     recv_run: int = 1  # NVLink dispatch: positions per receive work item; combine: tokens per item (1..32)
     # normal dispatch outside worst-case mode: outputs of R * T rows up to this size are allocated before the

@@ -227,7 +227,6 @@ void launch_combine(const Context& c, const CombineArgs& a, uintptr_t stream) {
   const DeviceContext d = make_device_context(c);
   switch (c.tuning.unroll) {
     case 6: combine_kernel<6><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
-    case 7: combine_kernel<7><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
     default: combine_kernel<4><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
   }
   check_launch("moe_ep intranode combine kernel");

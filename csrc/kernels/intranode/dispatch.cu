@@ -31,9 +31,10 @@
 //     item k (from a grid-wide counter, taken one ahead: intranode.h WorkItems) is the run of positions
 //     [jB, jB + B) of the q-th source visited, j = k / V and q = k % V: in worst-case mode the V = R
 //     sources (q = s), else the V = R - 1 peers in rank order (s = q, or q + 1 from q = me on), since
-//     this rank's own rows were written by its senders (at R = 1 there is no item). In worst-case mode the run's padding rows (p >= count_s) get zero x and
-//     scales, src_rank = src_index = -1, topk_idx = -1, weights = 0 (common/routing.cuh
-//     fill_dispatch_rows; on a cached dispatch x and scales only). For peer rows (s != me,
+//     this rank's own rows were written by its senders (at R = 1 there is no item). In worst-case mode
+//     the run's padding rows (p >= count_s) get zero x and scales, src_rank = src_index = -1,
+//     topk_idx = -1, weights = 0 (common/routing.cuh fill_dispatch_rows; on a cached dispatch x and
+//     scales only). For peer rows (s != me,
 //     p < count_s) lane l waits for the row flag of position jB + l to reach `epoch` (comm.h
 //     wait_geq: relaxed polls, then acquire); after __syncwarp (which hands every lane's acquire to
 //     the whole warp) the warp copies the run's rows,
@@ -274,7 +275,6 @@ void launch_dispatch(const Context& c, const DispatchArgs& a, uintptr_t stream) 
   const DeviceContext d = make_device_context(c);
   switch (c.tuning.unroll) {
     case 6: dispatch_kernel<6><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
-    case 7: dispatch_kernel<7><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
     default: dispatch_kernel<4><<<a.num_blocks, kThreads, 0, st>>>(d, a); break;
   }
   check_launch("moe_ep intranode dispatch kernel");

@@ -97,9 +97,9 @@ struct Tuning {
 };
 
 constexpr int kHostWarps = 32;  // == kWarps (warps per dispatch / combine block)
-// Tuning::unroll values the launchers instantiate, bit u for u: 4, 6 and 7 (7: whole steps of 32 x 7 int4 over
-// a 7168-wide row, bf16 in 4 and FP8 in 2, where 6 takes 5 and 3). moe_ep.Config reads it as TUNING_UNROLL_MASK.
-constexpr int kUnrollValues = (1 << 4) | (1 << 6) | (1 << 7);
+// Tuning::unroll values the launchers instantiate, bit u for u: 4 and 6 (7, whole steps over a 7168-wide
+// row, measured no faster than 6 on one H100 and was dropped). moe_ep.Config reads it as TUNING_UNROLL_MASK.
+constexpr int kUnrollValues = (1 << 4) | (1 << 6);
 
 // Context::block_counters: grid-wide counters, each back at zero when its kernel ends (the last block
 // to arrive resets it): blocks done, next receive work item, notify's next slice and blocks done.
