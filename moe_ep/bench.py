@@ -1320,6 +1320,30 @@ def config_line(rows: list[Row]) -> str:
     return f"config ({'every Buffer' if len(configs) == 1 else f'{len(configs)} different, per row in the JSON'}): {text}"
 
 
+TILE_ROWS = (64, 128, 256)  # row-tile heights the tile floor is printed for (WGMMA's M is 64 per warpgroup)
+
+
+def tile_floor(groups: list[int], equal: int, tile_rows: int) -> float:
+    """Row tiles of tile_rows rows that `groups` (rows per expert) need, over those of as many groups of `equal`
+    rows: what the router's groups cost a grouped GEMM that computes whole tiles, from tile height alone."""
+    return sum(-(-g // tile_rows) for g in groups) / (len(groups) * -(-equal // tile_rows))
+
+
+def tile_floor_notes(rows: list[Row]) -> list[str]:
+    """For each grouped-GEMM row at the router's groups (their sizes in extra["groups"]), the tile floor at each of
+    TILE_ROWS beside as many rows in equal groups (bench.group_sizes: pairs // E_l each)."""
+    notes = []
+    for r in rows:
+        groups = r.extra.get("groups")
+        if not groups or not r.op.startswith(("GEMMs forward ", "FP8 GEMMs forward ")):
+            continue
+        equal = max(sum(groups) // len(groups), 1)
+        floors = ", ".join(f"{t} rows {tile_floor(groups, equal, t):.3f}" for t in TILE_ROWS)
+        notes.append(f"{r.op}: row tiles these groups need over equal groups of {equal} rows (the loss tile height "
+                     f"alone explains): {floors}")
+    return notes
+
+
 def layer_notes(use_gpu: bool, shared_gpu: bool, rows: list[Row]) -> list[str]:
     """What the layer case's table leaves out or how to read it, one line each."""
     notes = [f"forward FP8 experts ({r.backend}): relative error against the bf16 experts' forward, same weights "
@@ -1340,6 +1364,7 @@ def layer_notes(use_gpu: bool, shared_gpu: bool, rows: list[Row]) -> list[str]:
                  "no %hidden for them: it is measured only with a GPU per rank (CPU or shared GPU here)")]
     notes += [f"{r.op}: torch's FP8 grouped GEMM (torch._scaled_grouped_mm) {r.extra['torch_fp8']}"
               for r in rows if "torch_fp8" in r.extra]
+    notes += tile_floor_notes(rows)
     if not use_gpu:
         notes.insert(0, "no grouped-GEMM or dense-ceiling rows: torch._grouped_mm needs an sm90 GPU, and a CPU "
                         "matmul rate says nothing about a GPU's roofline")

@@ -419,6 +419,31 @@ def test_layer_notes_say_when_torch_has_no_fp8_grouped_gemm() -> None:
     assert f"{row.op}: torch's FP8 grouped GEMM (torch._scaled_grouped_mm) not available: RuntimeError: no" in notes
 
 
+def test_tile_floor_counts_whole_tiles_like_filling_them_row_by_row() -> None:
+    """tile_floor against tiles filled one row at a time; and the note names each router's-groups GEMM row."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    groups = torch.randint(0, 600, (int(torch.randint(1, 40, (), generator=gen)),), generator=gen).tolist()
+    equal = int(torch.randint(1, 400, (), generator=gen))
+
+    def tiles(rows: int, height: int) -> int:
+        count, free = 0, 0
+        for _ in range(rows):
+            if free == 0:
+                count, free = count + 1, height
+            free -= 1
+        return count
+
+    for height in bench.TILE_ROWS:
+        want = sum(tiles(g, height) for g in groups) / (len(groups) * tiles(equal, height))
+        assert bench.tile_floor(groups, equal, height) == pytest.approx(want, rel=1e-12)
+    row = _layer_rows()[-2]
+    row.op, row.extra["groups"] = "FP8 GEMMs forward router's groups", [300, 200, 256, 268]
+    notes = bench.tile_floor_notes([row, dataclasses.replace(row, op="FP8 GEMMs dgrad router's groups")])
+    assert notes == ["FP8 GEMMs forward router's groups: row tiles these groups need over equal groups of 256 rows "
+                     "(the loss tile height alone explains): 64 rows 1.125, 128 rows 1.250, 256 rows 1.500"]
+    assert notes[0] in bench.layer_notes(True, False, [row])
+
+
 def test_info_help() -> None:
     text = _help("moe_ep.info")
     assert text.startswith("usage: python -m moe_ep.info") and "Buffer(backend=" in text, text
