@@ -1331,13 +1331,13 @@ def tile_floor(groups: list[int], equal: int, tile_rows: int) -> float:
 
 def tile_floor_notes(rows: list[Row]) -> list[str]:
     """For each grouped-GEMM row at the router's groups (their sizes in extra["groups"]), the tile floor at each of
-    TILE_ROWS beside as many rows in equal groups (bench.group_sizes: pairs // E_l each)."""
+    TILE_ROWS beside as many rows in equal groups (group_sizes)."""
     notes = []
     for r in rows:
         groups = r.extra.get("groups")
         if not groups or not r.op.startswith(("GEMMs forward ", "FP8 GEMMs forward ")):
             continue
-        equal = max(sum(groups) // len(groups), 1)
+        equal = int(group_sizes(sum(groups), len(groups), torch.device("cpu"))[0])
         floors = ", ".join(f"{t} rows {tile_floor(groups, equal, t):.3f}" for t in TILE_ROWS)
         notes.append(f"{r.op}: row tiles these groups need over equal groups of {equal} rows (the loss tile height "
                      f"alone explains): {floors}")

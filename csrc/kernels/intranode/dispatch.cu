@@ -34,14 +34,13 @@
 //     this rank's own rows were written by its senders (at R = 1 there is no item). In worst-case mode
 //     the run's padding rows (p >= count_s) get zero x and scales, src_rank = src_index = -1,
 //     topk_idx = -1, weights = 0 (common/routing.cuh fill_dispatch_rows; on a cached dispatch x and
-//     scales only). For peer rows (s != me,
-//     p < count_s) lane l waits for the row flag of position jB + l to reach `epoch` (comm.h
-//     wait_geq: relaxed polls, then acquire); after __syncwarp (which hands every lane's acquire to
-//     the whole warp) the warp copies the run's rows,
-//     which are contiguous in slot s and in the output (output rows first[s] + p), as one span with U
-//     int4 loads per lane in flight
-//     (not with expert_major: the rows stay in slot s for expand.cu, which the host launches next),
-//     then the run's metadata spans (topk, weights, src_index, scales; reads through L2: ld.cg) and src_rank = s. This rank's own rows were written by its senders.
+//     scales only). For peer rows (s != me, p < count_s) lane l waits for the row flag of position
+//     jB + l to reach `epoch` (comm.h wait_geq: relaxed polls, then acquire); after __syncwarp (which
+//     hands every lane's acquire to the whole warp) the warp copies the run's rows, which are contiguous
+//     in slot s and in the output (output rows first[s] + p), as one span with U int4 loads per lane in
+//     flight (not with expert_major: the rows stay in slot s for expand.cu, which the host launches
+//     next), then the run's metadata spans (topk, weights, src_index, scales; reads through L2: ld.cg)
+//     and src_rank = s.
 //     Receiving overlaps sending, so peers' rows reach the output while the link is still busy.
 //  3. arrive_last: the last block resets the work counter and advances the device epochs.
 // Give-up (a wait timed out, or saw the error word set by another thread): every output row then
