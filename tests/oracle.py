@@ -91,7 +91,7 @@ def make_inputs(seed: int, tokens: list[int], hidden: int, num_experts: int, num
                 routing: str = "random") -> Inputs:
     """Fresh random rows and routing. routing: 'random' (distinct experts, ~15% -1), 'one_expert'
     (every token picks expert num_experts // 2 once), 'skewed' (most picks in the first experts,
-    duplicates allowed)."""
+    duplicates allowed), 'first_experts' (random_topk's)."""
     g = torch.Generator().manual_seed(seed)
     xs, idxs, ws = [], [], []
     for n in tokens:
@@ -106,6 +106,8 @@ def make_inputs(seed: int, tokens: list[int], hidden: int, num_experts: int, num
         elif routing == "skewed":
             idx = (torch.rand(n, num_topk, generator=g) ** 3 * num_experts).long()
             idx = torch.where(torch.rand(n, num_topk, generator=g) < 0.1, -1, idx)
+        elif routing == "first_experts":
+            idx = random_topk(routing, n, num_experts, num_topk, g, device="cpu")
         else:
             raise ValueError(routing)
         xs.append(x)
@@ -116,10 +118,14 @@ def make_inputs(seed: int, tokens: list[int], hidden: int, num_experts: int, num
 
 def random_topk(kind: str, n: int, experts: int, k: int, g: torch.Generator, device: str = "cuda") -> torch.Tensor:
     """Expert ids on `device`: distinct with ~15% -1 ('random'), duplicates toward low ids ('skewed'),
-    one expert listed in every other slot and -1 between ('one_expert'), or all -1 ('none')."""
+    one expert listed in every other slot and -1 between ('one_expert'), all -1 ('none'), or k distinct ids
+    among the first 2k experts, none -1 ('first_experts': at 2k <= E_l every token's k pairs on rank 0)."""
     if kind == "random":
         idx = torch.rand(n, experts, generator=g, device=device).topk(k, dim=1).indices
         drop = torch.rand(n, k, generator=g, device=device) < 0.15
+    elif kind == "first_experts":
+        idx = torch.rand(n, min(2 * k, experts), generator=g, device=device).topk(k, dim=1).indices
+        drop = torch.zeros(n, k, dtype=torch.bool, device=device)
     elif kind == "skewed":
         idx = (torch.rand(n, k, generator=g, device=device) ** 3 * experts).long()
         drop = torch.rand(n, k, generator=g, device=device) < 0.1

@@ -69,6 +69,7 @@ CASES = [
     Case(4, (9, 9), 32, 8, 3, "one_expert"),
     Case(5, (0, 5, 12), 16, 32, 1, "random", alignment=3),
     Case(6, (10, 3), 128, 8, 4, "skewed", alignment=2, use_fp8=True),
+    Case(7, (6, 6), 16, 16, 3, "first_experts", alignment=4),  # at R = 2 every token to rank 0, 3 pairs each
 ]
 
 
@@ -416,6 +417,7 @@ def test_expert_major(world: int) -> None:
 LAYOUT_CASES = [  # (seed, rows, local experts, k, routing, alignment): a BLOCK (512) boundary, padding, no rows
     (1, 700, 16, 8, "random", 1), (2, 600, 8, 6, "skewed", 4), (3, 513, 4, 4, "one_expert", 3),
     (4, 40, 16, 8, "none", 1), (5, 0, 8, 2, "random", 2), (6, 300, 1, 3, "skewed", 8),
+    (7, 64, 8, 4, "first_experts", 3),
 ]
 
 
@@ -490,7 +492,8 @@ def test_layout_kernel_in_triton_interpreter() -> None:
 GPU_SHAPES = {  # (hidden, experts, topk, max_tokens_per_rank) -> (seed, tokens per rank, routing, alignment, fp8)
     (2048, 32, 8, 256): [(11, (256, 0), "random", 1, False), (12, (77, 200), "skewed", 4, False),
                          (13, (128, 128), "one_expert", 1, True), (14, (5, 256), "skewed", 3, True)],
-    (128, 16, 4, 256): [(15, (200, 150), "random", 1, False)],
+    # 16: both ranks send all T tokens to rank 0, k pairs each: R * T * K pairs there before the alignment padding
+    (128, 16, 4, 256): [(15, (200, 150), "random", 1, False), (16, (256, 256), "first_experts", 3, False)],
 }
 
 

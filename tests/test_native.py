@@ -417,9 +417,10 @@ _ARGS_CASES = [
      "src_rank", dict(num_rows=-1), "num_rows = -1 is negative"),
     ("IntranodeExpandArgs", _intranode_dims,
      dict(_ptrs("rows", "src_rank", "recv_info", "scales", "out_x", "out_scales"), num_pairs=9, num_rows=7,
-          row_bytes=_H, num_scales=_H // 128, num_blocks=20),
+          expert_alignment=1, row_bytes=_H, num_scales=_H // 128, num_blocks=20),
      "out_scales", dict(num_pairs=_R * _T * _K + 1),
-     f"num_pairs = {_R * _T * _K + 1} exceeds nranks * max_tokens * num_topk = {_R * _T * _K}"),
+     f"num_pairs = {_R * _T * _K + 1} exceeds nranks * max_tokens * min(num_topk, local experts) + "
+     f"(expert_alignment - 1) * local experts = {_R * _T * _K}"),
     ("InternodeRouteArgs", _internode_dims,
      dict(_ptrs("topk_idx", "in_rank", "pos", "in_node", "tokens_per_rank", "tokens_per_expert"), num_tokens=5),
      "in_node", dict(num_tokens=-1), "num_tokens = -1 is negative"),
@@ -539,13 +540,21 @@ def test_launch_args_checks_follow_the_call_sizes() -> None:
     with pytest.raises(ValueError, match=r"out_x must be 0 with expert_major"):
         native.IntranodeDispatchArgs(**{**cached, "expert_major": True}).check(d)
     # an expand with no pairs reads and writes nothing but recv_info; bf16 pairs need no scales
-    native.IntranodeExpandArgs(rows=0, num_pairs=0, num_rows=0, src_rank=0, recv_info=1, row_bytes=2 * _H,
-                               num_scales=0, out_x=0, num_blocks=1).check(d)
-    native.IntranodeExpandArgs(rows=1, num_pairs=3, num_rows=2, src_rank=2, recv_info=3, row_bytes=2 * _H,
-                               num_scales=0, out_x=4, num_blocks=1).check(d)
+    native.IntranodeExpandArgs(rows=0, num_pairs=0, num_rows=0, expert_alignment=1, src_rank=0, recv_info=1,
+                               row_bytes=2 * _H, num_scales=0, out_x=0, num_blocks=1).check(d)
+    expand = dict(rows=1, num_pairs=3, num_rows=2, expert_alignment=1, src_rank=2, recv_info=3, row_bytes=2 * _H,
+                  num_scales=0, out_x=4, num_blocks=1)
+    native.IntranodeExpandArgs(**expand).check(d)
+    # the most pairs a layout of R * T rows holds: every row's top-k local, plus each local expert's alignment
+    # padding (E_l = 4 here)
+    most = _R * _T * _K + 2 * 4
+    native.IntranodeExpandArgs(**{**expand, "num_pairs": most, "expert_alignment": 3}).check(d)
+    with pytest.raises(ValueError, match=rf"num_pairs = {most + 1} exceeds .* = {most}$"):
+        native.IntranodeExpandArgs(**{**expand, "num_pairs": most + 1, "expert_alignment": 3}).check(d)
+    with pytest.raises(ValueError, match=r"expert_alignment = 0"):
+        native.IntranodeExpandArgs(**{**expand, "expert_alignment": 0}).check(d)
     with pytest.raises(ValueError, match=r"^IntranodeContext.expand: out_scales is null$"):
-        native.IntranodeExpandArgs(rows=1, num_pairs=3, num_rows=2, src_rank=2, recv_info=3, row_bytes=_H,
-                                   num_scales=_H // 128, scales=5, out_x=4, num_blocks=1).check(d)
+        native.IntranodeExpandArgs(**{**expand, "row_bytes": _H, "num_scales": _H // 128, "scales": 5}).check(d)
     combine = dict(x=1, num_rows=3, src_rank=2, src_index=3, is_token_in_rank=4, pos=5, recv_info=6, num_tokens=2,
                    out=7, with_weights=False, num_blocks=1)
     native.IntranodeCombineArgs(**combine).check(d)  # no weights: neither weight pointer is needed

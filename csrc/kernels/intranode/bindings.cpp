@@ -17,6 +17,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -119,7 +120,11 @@ void check(const Dims& d, const ExpandArgs& a) {
   const ArgCheck c("IntranodeContext.expand");
   const long long max_rows = static_cast<long long>(d.nranks) * d.max_tokens;
   c.count("num_rows", a.num_rows, "nranks * max_tokens", max_rows);
-  c.count("num_pairs", a.num_pairs, "nranks * max_tokens * num_topk", max_rows * d.num_topk);
+  c.at_least("expert_alignment", a.expert_alignment, 1);
+  const long long local_experts = d.num_experts / d.nranks;  // every pair the layout of max_rows rows can hold
+  c.count("num_pairs", a.num_pairs, "nranks * max_tokens * min(num_topk, local experts) + (expert_alignment - 1) * "
+          "local experts", max_rows * std::min<long long>(d.num_topk, local_experts) +
+          (a.expert_alignment - 1LL) * local_experts);
   check_row_format(c, d.hidden, a.row_bytes, a.num_scales);
   c.at_least("num_blocks", a.num_blocks, 1);
   const bool out = a.num_pairs > 0, fp8 = a.num_scales > 0;
@@ -291,7 +296,8 @@ void register_intranode(py::module_& m) {
   auto expand = na::bind_args<EA>(
       m, "IntranodeExpandArgs", "Arguments of IntranodeContext.expand (intranode.h ExpandArgs).",
       na::required("rows", &EA::rows), na::required("num_pairs", &EA::num_pairs),
-      na::required("num_rows", &EA::num_rows), na::required("src_rank", &EA::src_rank),
+      na::required("num_rows", &EA::num_rows), na::required("expert_alignment", &EA::expert_alignment),
+      na::required("src_rank", &EA::src_rank),
       na::required("recv_info", &EA::recv_info), na::required("row_bytes", &EA::row_bytes),
       na::required("num_scales", &EA::num_scales), na::optional("scales", &EA::scales),
       na::required("out_x", &EA::out_x), na::optional("out_scales", &EA::out_scales),

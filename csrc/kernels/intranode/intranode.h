@@ -199,8 +199,9 @@ struct DispatchArgs {
 // alignment padding and gets zeros. Scales, for FP8 rows, come from the dispatch's out_scales.
 struct ExpandArgs {
   uintptr_t rows;               // [P] int64, received row of each pair or -1
-  int num_pairs;                // P
+  int num_pairs;                // P, at most M_max * min(K, E_l) + (expert_alignment - 1) * E_l (M_max = R * T)
   int num_rows;                 // M, rows the dispatch received
+  int expert_alignment;         // the layout's: each local expert's block of pairs a multiple of it
   uintptr_t src_rank;           // [M] int32, the dispatch's
   uintptr_t recv_info;          // the dispatch's
   int row_bytes;                // 2H (bf16) or H (e4m3)

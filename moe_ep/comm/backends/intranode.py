@@ -151,6 +151,7 @@ class IntranodeEngine(NormalEngine):
         scales = torch.empty(p, cfg.num_scales, dtype=torch.float32, device=cfg.device) if fp8 else None
         self._ctx.expand(self._native.IntranodeExpandArgs(
             rows=layout.rows.data_ptr(), num_pairs=p, num_rows=result.src_rank.shape[0],
+            expert_alignment=layout.alignment,
             src_rank=result.src_rank.data_ptr(), recv_info=result.handle.state.recv_info.data_ptr(),
             row_bytes=cfg.hidden * x.element_size(), num_scales=cfg.num_scales if fp8 else 0,
             scales=ptr_or_null(result.x_scales), out_x=x.data_ptr(), out_scales=ptr_or_null(scales),
