@@ -473,6 +473,12 @@ def _layout_cases(dev: torch.device, force_torch: bool = False) -> None:
             t_rows, t_pos, _, t_w = em._layout_triton(idx.to(dev), w.to(dev), ct, p + 5, True)
             assert t_rows.tolist() == rows + [-1] * 5 and t_pos.tolist() == positions, f"{what}: tail"
             assert_same_bits(t_w.cpu(), torch.cat([weights, torch.zeros(5)]), f"{what}: tail weights")
+        if not force_torch:  # counts a failed call never wrote (garbage): the stores stay inside the P pairs
+            for junk in ([10 ** 6] * e_l, [-(10 ** 6)] * e_l, [p + 3] + [0] * (e_l - 1)):
+                j_rows, _, _, j_w = em._layout_triton(idx.to(dev), w.to(dev), torch.tensor(junk, dtype=torch.int32,
+                                                      device=dev), p, True)
+                assert j_rows.shape == (p,) and j_w.shape == (p,), f"{what}: junk counts {junk[:2]}"
+                assert ((j_rows >= -1) & (j_rows < m)).all(), f"{what}: junk counts {junk[:2]}"
 
 
 def interpreted_layout_cases() -> None:

@@ -107,7 +107,7 @@ def _pair_weights_torch(topk_weights: torch.Tensor, positions: torch.Tensor, p: 
 if triton is not None:
 
     @triton.jit
-    def _layout_kernel(idx_ptr, w_ptr, counts_ptr, rows_ptr, pos_ptr, slots_ptr, pw_ptr, M, E_L,
+    def _layout_kernel(idx_ptr, w_ptr, counts_ptr, rows_ptr, pos_ptr, slots_ptr, pw_ptr, M, E_L, P,
                        K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr,
                        WEIGHTS: tl.constexpr):
         """Program e: local expert e's pairs. Its block starts at the sum of the counts before e; the
@@ -115,7 +115,9 @@ if triton is not None:
         prefix sum of the hits plus the rows before the block), written to every slot naming e
         (positions), to the first of them (slots; -1 to the others), and as the pair's row and
         weight (the slots' weights added in ascending k from +0.0). After the rows, the block's
-        alignment padding gets row -1 and weight 0. Program 0 also writes -1 to the slots of no local expert."""
+        alignment padding gets row -1 and weight 0. Program 0 also writes -1 to the slots of no local expert.
+        Rows and weights are stored only inside [0, P): counts that do not add up (a call that failed before
+        its counts were written, whose layout is never used) cannot make it write out of bounds."""
         e = tl.program_id(0)
         ce = tl.arange(0, EP)
         offset = tl.sum(tl.where(ce < e, tl.load(counts_ptr + ce, mask=ce < E_L, other=0), 0), axis=0).to(tl.int64)
@@ -137,7 +139,7 @@ if triton is not None:
             none = live & (idx < 0) & (idx * 0 + e == 0)  # program 0 only
             tl.store(pos_ptr + at, tl.where(mine, pos2, -1), mask=mine | none)
             tl.store(slots_ptr + at, tl.where(first, pos2, -1), mask=mine | none)
-            has = in_rows & (hit == 1)
+            has = in_rows & (hit == 1) & (pos >= 0) & (pos < P)
             tl.store(rows_ptr + pos, r, mask=has)
             if WEIGHTS:
                 acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -146,9 +148,9 @@ if triton is not None:
                     acc += tl.load(w_ptr + r * K + j, mask=in_rows & (ij == e), other=0.0)
                 tl.store(pw_ptr + pos, acc, mask=has)
             carry += tl.sum(hit, axis=0).to(tl.int64)
-        for start in range(0, count - carry, BLOCK):  # alignment padding
+        for start in range(0, tl.minimum(count - carry, P), BLOCK):  # alignment padding
             q = offset + carry + start + tl.arange(0, BLOCK)
-            pad = q < offset + count
+            pad = (q < offset + count) & (q >= 0) & (q < P)
             tl.store(rows_ptr + q, q * 0 - 1, mask=pad)
             if WEIGHTS:
                 tl.store(pw_ptr + q, tl.zeros([BLOCK], dtype=tl.float32), mask=pad)
@@ -168,7 +170,7 @@ def _layout_triton(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
         weights = (torch.zeros if tail else torch.empty)(p, dtype=torch.float32, device=dev)
     if e_l and (m or p):
         _layout_kernel[(e_l,)](topk_idx, topk_weights if weights is not None else rows, counts_tensor, rows,
-                               positions, slots, weights if weights is not None else rows, m, e_l, K=k,
+                               positions, slots, weights if weights is not None else rows, m, e_l, p, K=k,
                                KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(e_l), BLOCK=512,
                                WEIGHTS=weights is not None, num_warps=4)
     return rows, positions, slots, weights
