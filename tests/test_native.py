@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep.comm import _native, call_check, nvfp4
+from moe_ep.comm import _native, call_check, expert_major, nvfp4
 from moe_ep.comm.backends.symmetric import NvshmemSession
 from moe_ep.comm.errors import BadExpertIdError, CallMismatchError, CommTimeoutError, ErrorWatch, _ErrorState
 
@@ -545,9 +545,8 @@ def test_launch_args_checks_follow_the_call_sizes() -> None:
     expand = dict(rows=1, num_pairs=3, num_rows=2, expert_alignment=1, src_rank=2, recv_info=3, row_bytes=2 * _H,
                   num_scales=0, out_x=4, num_blocks=1)
     native.IntranodeExpandArgs(**expand).check(d)
-    # the most pairs a layout of R * T rows holds: every row's top-k local, plus each local expert's alignment
-    # padding (E_l = 4 here)
-    most = _R * _T * _K + 2 * 4
+    # the most pairs a layout of R * T rows holds (the Python side's own formula, so the two cannot drift)
+    most = expert_major.worst_case_pairs(_R * _T, _K, _E // _R, 3)
     native.IntranodeExpandArgs(**{**expand, "num_pairs": most, "expert_alignment": 3}).check(d)
     with pytest.raises(ValueError, match=rf"num_pairs = {most + 1} exceeds .* = {most}$"):
         native.IntranodeExpandArgs(**{**expand, "num_pairs": most + 1, "expert_alignment": 3}).check(d)
