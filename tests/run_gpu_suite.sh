@@ -15,6 +15,15 @@ set -uo pipefail
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NVLS=1 \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 out=${OUT:-out}; mkdir -p "$out"; : >"$out/summary.txt"
+# What tests/pack_device_carry.sh packed into .carry/ (this machine may have no network): CUTLASS's headers for
+# the build, unless $MOE_EP_CUTLASS_DIR names some, and the frameworks folder, unless .frameworks exists.
+if [ -f .carry/cutlass_include.tar.xz ] && [ -z "${MOE_EP_CUTLASS_DIR:-}" ]; then
+  export MOE_EP_CUTLASS_DIR=${TMPDIR:-/tmp}/moe_ep_cutlass
+  mkdir -p "$MOE_EP_CUTLASS_DIR" && tar -C "$MOE_EP_CUTLASS_DIR" -xJf .carry/cutlass_include.tar.xz
+fi
+if [ -f .carry/frameworks.tar.xz ] && [ ! -d .frameworks ]; then
+  mkdir .frameworks && tar -C .frameworks -xJf .carry/frameworks.tar.xz
+fi
 logs=$(mktemp -d)  # one log per lane, joined into $out/lanes.log as each lane ends (at most 8 files come back)
 start=$SECONDS
 lanes=${LANES:-7} budget=${BUDGET_S:-520} stagger=${STAGGER_S:-4}
