@@ -15,12 +15,8 @@ set -uo pipefail
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NVLS=1 \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 out=${OUT:-out}; mkdir -p "$out"; : >"$out/summary.txt"
-# What tests/pack_device_carry.sh packed into .carry/ (this machine may have no network): CUTLASS's headers for
-# the build, unless $MOE_EP_CUTLASS_DIR names some, and the frameworks folder, unless .frameworks exists.
-if [ -f .carry/cutlass_include.tar.xz ] && [ -z "${MOE_EP_CUTLASS_DIR:-}" ]; then
-  export MOE_EP_CUTLASS_DIR=${TMPDIR:-/tmp}/moe_ep_cutlass
-  mkdir -p "$MOE_EP_CUTLASS_DIR" && tar -C "$MOE_EP_CUTLASS_DIR" -xJf .carry/cutlass_include.tar.xz
-fi
+# What tests/pack_device_carry.sh packed into .carry/ (this machine may have no network): the frameworks folder,
+# unless .frameworks exists, and (below, for a build only) CUTLASS's headers, unless $MOE_EP_CUTLASS_DIR names some.
 if [ -f .carry/frameworks.tar.xz ] && [ ! -d .frameworks ]; then
   mkdir .frameworks && tar -C .frameworks -xJf .carry/frameworks.tar.xz
 fi
@@ -28,6 +24,10 @@ logs=$(mktemp -d)  # one log per lane, joined into $out/lanes.log as each lane e
 start=$SECONDS
 lanes=${LANES:-7} budget=${BUDGET_S:-520} stagger=${STAGGER_S:-4}
 if [ -z "${SKIP_BUILD:-}" ]; then
+  if [ -f .carry/cutlass_include.tar.xz ] && [ -z "${MOE_EP_CUTLASS_DIR:-}" ]; then
+    export MOE_EP_CUTLASS_DIR=${TMPDIR:-/tmp}/moe_ep_cutlass
+    mkdir -p "$MOE_EP_CUTLASS_DIR" && tar -C "$MOE_EP_CUTLASS_DIR" -xJf .carry/cutlass_include.tar.xz
+  fi
   # with the optional deep_ep package (deep_ep_compat/), which the framework tests import
   MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps -e . -e ./deep_ep_compat \
     >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
