@@ -5,7 +5,8 @@ reference Buffer see identical inputs; dispatch rows below count, scales, counts
 be bitwise equal, and so must combine. Native outputs are poisoned after each check, so rows a later
 call fails to rewrite show up. Also: the receive hook, two results held at once, normal calls
 interleaved with low-latency ones on one Buffer, a 2-SM grid (Config.low_latency_num_sms), one CUDA graph holding both calls replayed 100 times
-with fresh inputs, the hook-order guard, and a timeout that names the phase (raised by the call). Everything runs twice:
+with fresh inputs, the hook-order guard, an eager call returning while work queued before it still runs (its
+stamp exchange off the caller's stream), and a timeout that names the phase (raised by the call). Everything runs twice:
 with the detected node size (both GPUs in one node: NVLink loads/stores) and with ranks_per_node=1
 (two "nodes": every byte between the GPUs goes through the NVSHMEM put/signal code).
 """
@@ -139,6 +140,23 @@ def _hook_order(buf, shape, local: torch.Generator) -> None:
         first.hook()
 
 
+def _off_stream_case(buf, ref, shape, local: torch.Generator) -> None:
+    """An eager call's host wait for its stamp exchange does not wait for the caller's work queued before the
+    call (the exchange runs on the Buffer's own stream, docs/design.md): with a ~0.7 s kernel queued first, the
+    send half returns while that kernel still runs; the results then match the reference."""
+    hidden, experts, k, t = shape
+    x, idx = _x(t, hidden, local), random_topk("random", t, experts, k, local)
+    buf.low_latency_dispatch(x, idx)  # after the normal calls of _eager_cases: this one is stream-ordered
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(1.4e9))  # clock cycles
+    queued = torch.cuda.Event()
+    queued.record()
+    nat = buf.low_latency_dispatch(x, idx, return_recv_hook=True)
+    assert not queued.query(), "the call waited for the work queued before it"
+    nat.hook()
+    _check_dispatch(nat, ref.low_latency_dispatch(x, idx), f"shape={shape} off-stream exchange")
+
+
 def _graph_cases(buf, ref, shape, rank: int, local: torch.Generator) -> None:
     """Both calls captured in one CUDA graph; each replay gets fresh inputs copied into the captured ones."""
     hidden, experts, k, t = shape
@@ -199,6 +217,7 @@ def _worker(rank: int, world: int, ranks_per_node: Optional[int]) -> None:
             assert buf.ranks_per_node == (ranks_per_node or WORLD), buf.ranks_per_node
             _eager_cases(buf, ref, shape, rank, shared, local)
             _hook_order(buf, shape, local)
+            _off_stream_case(buf, ref, shape, local)  # before any capture (which keeps exchanges on the stream)
             if shape in (SHAPES[0], SHAPES[3]):
                 _graph_cases(buf, ref, shape, rank, local)
             _eager_cases(buf, ref, shape, rank, shared, local)  # eager again after the graph's replays

@@ -158,6 +158,9 @@ class LowLatencyEngine(Engine):
         if self._device_index is None:
             self._device_index = torch.cuda.current_device()
         self._dispatches = 0
+        # called with the stream handle after every launch of this engine's kernels (NvshmemBackend: the
+        # stamp exchange orders the next call's exchange after them, StampExchange.launched)
+        self.launched: Optional[Callable[[int], None]] = None
         self._pending: dict[str, Optional[_Hook]] = {"dispatch": None, "combine": None}
 
     @property
@@ -200,12 +203,18 @@ class LowLatencyEngine(Engine):
         half as the hook; launch(stream, send, receive)."""
         if not return_recv_hook:
             launch(stream, True, True)
+            self._mark_launched(stream)
             self._error.check()  # bad ids of this call (if its kernel got there) or of earlier ones
             return None
         launch(stream, True, False)
+        self._mark_launched(stream)
         hook = _Hook(self, kind, lambda s: launch(s, False, True), stream)
         self._pending[kind] = hook
         return hook
+
+    def _mark_launched(self, stream: int) -> None:
+        if self.launched is not None:
+            self.launched(stream)
 
     def drop_hook(self, kind: str) -> None:
         """The call that made the kind's pending hook raised (its stamp exchange said the peers made
@@ -221,6 +230,7 @@ class LowLatencyEngine(Engine):
             raise RuntimeError(f"this low_latency_{hook.kind} hook already ran")
         self._error.check(timeouts_only=True)
         hook.launch(hook.stream)
+        self._mark_launched(hook.stream)
         hook.ran = True
         self._pending[hook.kind] = None
         self._error.check()

@@ -83,6 +83,7 @@ class NvshmemBackend(Backend):
                 self._normal = IntranodeEngine(cfg, self._session, self._epochs, runtime)
             if cfg.low_latency:
                 self._low_latency = LowLatencyEngine(cfg, self._session, self._epochs, self._error, runtime)
+                self._low_latency.launched = self._stamps.launched
         except BaseException:
             self._session.release()
             raise
@@ -106,12 +107,13 @@ class NvshmemBackend(Backend):
         torch.cuda.current_stream(self.cfg.device).synchronize()
         self._check()
 
-    def _begin(self, stamp: CallStamp, num_tokens: int = 0,
-               masked: Optional[torch.Tensor] = None) -> tuple[torch.cuda.Stream, torch.cuda.Event]:
+    def _begin(self, stamp: CallStamp, num_tokens: int = 0, masked: Optional[torch.Tensor] = None,
+               off_stream: bool = False) -> tuple[torch.cuda.Stream, torch.cuda.Event]:
         """A call's start: earlier records raised, then its stamp exchange (backends/stamp_exchange.py)
-        launched on the call's stream; returns the stream and the exchange's event."""
+        launched before the call's kernels on its stream (off_stream: see StampExchange.launch); returns
+        the stream and the exchange's event."""
         stream = self._stream()
-        return stream, self._stamps.launch(stamp, num_tokens, stream, masked)
+        return stream, self._stamps.launch(stamp, num_tokens, stream, masked, off_stream)
 
     def stamp_exchange_alone(self) -> None:
         """A stamp exchange on the current stream with nothing after it (collective; moe_ep.bench times it):
@@ -218,11 +220,16 @@ class NvshmemBackend(Backend):
         return self._low_latency
 
     def _low_latency_begin(self, kind: str, stamp: CallStamp) -> torch.cuda.Event:
-        """A low-latency call's stamp exchange, once the engine says the call may start (a fault-tolerant
-        Buffer's exchange skips masked ranks and masks a silent one, as its kernels do)."""
+        """A low-latency call's stamp exchange, once the engine says the call may start: off the call's
+        stream, after the Buffer's earlier kernels only (the engine reports its launches), so the host's
+        wait for it leaves the caller's queued work alone; a fault-tolerant Buffer's exchange (which skips
+        masked ranks and masks a silent one, as its kernels do) stays on the call's stream, since the
+        caller may write the mask there."""
         engine = self._engine()
         engine.check_ready(kind)
-        return self._begin(stamp, masked=engine.rank_mask if self.cfg.fault_tolerant else None)[1]
+        if self.cfg.fault_tolerant:
+            return self._begin(stamp, masked=engine.rank_mask)[1]
+        return self._begin(stamp, off_stream=True)[1]
 
     def low_latency_dispatch(self, x, topk_idx, *, use_fp8, round_scale, use_ue8m0, use_nvfp4, x_global_scale,
                              return_recv_hook, async_op, stamp) -> LowLatencyDispatchResult:

@@ -8,6 +8,16 @@ rank's call (`raise_mismatch`, called by ErrorWatch.check once the device is idl
 reads the most tokens any rank brings from it, for its token rounds (`max_tokens`), where a host
 all-reduce used to be. A call that is neither async nor being captured waits for its exchange before it
 returns (NvshmemBackend), so it never returns after its peers made another call or never came.
+
+Where an exchange runs: on its call's stream, after everything queued there; or, for a low-latency call
+made eagerly (`off_stream`), on a high-priority stream of its own, after only this Buffer's earlier kernels
+(the launches the engines report to `launched`), and the call's stream waits for it. The host's wait for
+the verdict then does not wait for the caller's own work queued before the call (a decode step's expert
+GEMMs), so the host keeps the GPU fed. Every exchange still runs after every earlier kernel of the Buffer,
+so no exchange overwrites the verdict word before the kernels of an earlier call read it (a hook's
+receive half included), and the exchanges' epochs stay in order. A Buffer falls back to the call's stream
+for good once one of its calls was captured (a replay's kernels are launched without the host) and until
+every launch since is known (a normal-mode call's kernels are not reported).
 """
 from __future__ import annotations
 
@@ -40,20 +50,53 @@ class StampExchange:
         self._ctx: Any = native.StampExchangeContext(runtime=runtime, epoch=self._epoch.data_ptr(),
                                                      symmetric=self._memory.ptr)
         self._order: Optional[CallOrder] = None  # the Buffer's call counter (from the calls' stamps)
+        self._own_stream: Optional[torch.cuda.Stream] = None  # off_stream exchanges run here (made on first use)
+        self._after: Optional[torch.cuda.Event] = None  # recorded after the Buffer's latest reported launch
+        self._unreported = False  # kernels of the Buffer went out since without a report (a normal-mode call)
+        self._captured = False  # a call of the Buffer was captured: exchanges stay on their calls' streams
+        self._streams: dict[int, torch.cuda.ExternalStream] = {}  # launched's handles as torch streams
 
     @staticmethod
     def heap_bytes(cfg: BufferConfig) -> int:
         return _native.load().stamp_exchange_heap_bytes(cfg.world_size) + ALLOCATION_SLACK_BYTES
 
     def launch(self, stamp: CallStamp, num_tokens: int, stream: torch.cuda.Stream,
-               masked: Optional[torch.Tensor] = None) -> torch.cuda.Event:
-        """The call's exchange on `stream`, first of its kernels; the event completes with it (its verdict:
-        the ErrorState, and max_tokens). `masked`: a fault-tolerant low-latency Buffer's rank mask."""
+               masked: Optional[torch.Tensor] = None, off_stream: bool = False) -> torch.cuda.Event:
+        """The call's exchange, first of its kernels on `stream`; the event completes with it (its verdict:
+        the ErrorState, and max_tokens). `masked`: a fault-tolerant low-latency Buffer's rank mask.
+        off_stream: the call reports each launch of its kernels to `launched`; its exchange may then run on
+        the exchange's own stream (module comment), which `stream` waits for."""
         self._order = stamp.order
-        self._ctx.exchange(stamp.words, num_tokens, 0 if masked is None else masked.data_ptr(), stream.cuda_stream)
+        self._captured = self._captured or torch.cuda.is_current_stream_capturing()
+        runs_on = stream
+        if off_stream and not self._unreported and not self._captured:
+            runs_on = self._own()
+            if self._after is not None:
+                runs_on.wait_event(self._after)
+        self._unreported = not off_stream
+        self._ctx.exchange(stamp.words, num_tokens, 0 if masked is None else masked.data_ptr(), runs_on.cuda_stream)
         verdict = torch.cuda.Event()
-        verdict.record(stream)
+        verdict.record(runs_on)
+        if runs_on is not stream:
+            stream.wait_event(verdict)
         return verdict
+
+    def launched(self, stream: int) -> None:
+        """An off_stream call's kernels were launched on `stream` (a raw handle) up to here: the next exchange
+        waits for them. Nothing is recorded while a capture runs (that Buffer's exchanges stay on their
+        calls' streams from then on)."""
+        if self._captured or torch.cuda.is_current_stream_capturing():
+            self._captured = True
+            return
+        if stream not in self._streams:
+            self._streams[stream] = torch.cuda.ExternalStream(stream, device=self.cfg.device)
+        self._after = torch.cuda.Event()
+        self._after.record(self._streams[stream])
+
+    def _own(self) -> torch.cuda.Stream:
+        if self._own_stream is None:  # high priority (torch maps -1 into the device's range): its one block
+            self._own_stream = torch.cuda.Stream(self.cfg.device, priority=-1)  # starts between a GEMM's blocks
+        return self._own_stream
 
     def max_tokens(self) -> int:
         """The most tokens any rank brought to the last exchange (once its event completed)."""
