@@ -10,7 +10,6 @@ import ctypes
 import faulthandler
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -42,10 +41,18 @@ FAILED_PEER_GRACE_S = 20.0
 _STACKS_FILE: list = []  # a worker's stack-dump file, open while the worker lives (faulthandler needs it)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous() -> dist.TCPStore:
+    """The ranks' rendezvous store, served by the parent for the run's whole life on a port the OS
+    picks: a port found free and then let go could be taken by another run's sockets (NVSHMEM's
+    bootstrap, another lane's store) before rank 0 binds it, as seen once in the GPU suite (EADDRINUSE)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def join_group(backend: str, rank: int, world_size: int, port: int, dev: Optional[torch.device]) -> None:
+    """This rank joins the default process group through the parent's rendezvous store at `port`."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            device_id=dev if backend == "nccl" else None)
 
 
 def device() -> torch.device:
@@ -90,13 +97,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
             dev, backend = setup_gpu_rank(rank, world_size, backend)
         else:
             torch.set_num_threads(1)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            device_id=dev if backend == "nccl" else None,
-        )
+        join_group(backend, rank, world_size, port, dev)
         fn(rank, world_size, *args)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
@@ -146,9 +147,9 @@ def run_workers(world_size: int, fn: Callable, *args: Any, backend: str = "gloo"
     or "nccl" (a GPU per rank)."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = _free_port()
+    store = rendezvous()  # held here until every rank has ended
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, store.port, backend, fn, args, errors), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

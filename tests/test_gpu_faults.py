@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests._dist import _free_port, device, requires_gpus, setup_gpu_rank
+from tests._dist import device, join_group, rendezvous, requires_gpus, setup_gpu_rank
 
 pytestmark = requires_gpus()
 
@@ -44,8 +44,7 @@ def _run(rank: int, port: int, fn: Callable, reports: Any, scratch: str) -> None
 
     try:
         dev, backend = setup_gpu_rank(rank, 2)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                device_id=dev if backend == "nccl" else None)
+        join_group(backend, rank, 2, port, dev)
         fn(rank, report, Path(scratch))
         torch.cuda.synchronize()
         report("done", True)
@@ -58,9 +57,9 @@ def _launch(fn: Callable, wait_s: float = 150) -> dict[tuple[int, str], Any]:
     """Runs fn on 2 fresh processes; returns {(rank, key): value} of everything they reported."""
     ctx = mp.get_context("spawn")
     reports = ctx.SimpleQueue()
-    port = _free_port()
+    store = rendezvous()  # held here until both ranks have ended
     scratch = tempfile.mkdtemp()
-    procs = [ctx.Process(target=_run, args=(r, port, fn, reports, scratch)) for r in range(2)]
+    procs = [ctx.Process(target=_run, args=(r, store.port, fn, reports, scratch)) for r in range(2)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + wait_s
