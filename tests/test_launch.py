@@ -3,7 +3,6 @@ programs that use moe_ep.launch exit with status 0 when every rank succeeded."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 
 from moe_ep.comm import topology
 from moe_ep.launch import plan
+from tests._dist import rendezvous
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,11 +59,9 @@ EXIT_WORLD = 2
 def _run_ranks(failing_rank: int, *flags: str) -> list[subprocess.CompletedProcess]:
     """Starts EXIT_WORLD ranks of tests/launch_program.py as torchrun would (its environment variables) and waits for all."""
     script = ROOT / "tests" / "launch_program.py"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = rendezvous()  # served here, as torchrun's agent serves it, until every rank has ended
     base = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "WORLD_SIZE": str(EXIT_WORLD), "LOCAL_WORLD_SIZE": str(EXIT_WORLD),
+            "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(EXIT_WORLD), "LOCAL_WORLD_SIZE": str(EXIT_WORLD),
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     fail = ["--fail-rank", str(failing_rank)] if failing_rank >= 0 else []
     procs = [subprocess.Popen([sys.executable, str(script), *fail, *flags], stdout=subprocess.PIPE,
