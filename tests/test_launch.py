@@ -61,7 +61,8 @@ def _run_ranks(failing_rank: int, *flags: str) -> list[subprocess.CompletedProce
     script = ROOT / "tests" / "launch_program.py"
     store = rendezvous()  # served here, as torchrun's agent serves it, until every rank has ended
     base = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(EXIT_WORLD), "LOCAL_WORLD_SIZE": str(EXIT_WORLD),
+            "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "WORLD_SIZE": str(EXIT_WORLD), "LOCAL_WORLD_SIZE": str(EXIT_WORLD),
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     fail = ["--fail-rank", str(failing_rank)] if failing_rank >= 0 else []
     procs = [subprocess.Popen([sys.executable, str(script), *fail, *flags], stdout=subprocess.PIPE,
