@@ -1,4 +1,6 @@
-"""TopKRouter against hand computations: plain-Python loops over tokens and experts (single process)."""
+"""TopKRouter against hand computations: plain-Python loops over tokens and experts (single process); its
+one-pass Triton selection (moe_ep.moe.router_kernels) against the same, in Triton's interpreter on the CPU and on
+the GPU."""
 from __future__ import annotations
 
 import math
@@ -7,6 +9,8 @@ import pytest
 import torch
 
 from moe_ep import TopKRouter
+from moe_ep.moe import router_kernels
+from tests._interpret import run_interpreted
 
 
 def _logits(router: TopKRouter, x: torch.Tensor) -> list[list[float]]:
@@ -218,3 +222,101 @@ def test_gradient_reaches_gate_through_weights() -> None:
 def test_bad_arguments(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         TopKRouter(16, **kw)
+
+
+# ---- the one-pass Triton selection ----------------------------------------------------------------
+FUSED_CONFIGS = [c for c in CONFIGS if router_kernels.supports(c["num_experts"], c.get("num_groups", 1))] + [
+    dict(num_experts=128, top_k=8),  # the layer bench's router
+    dict(num_experts=256, top_k=8, score_func="sigmoid", num_groups=8, topk_groups=4, expert_bias=True,
+         routed_scaling_factor=2.5),  # DeepSeek-V3's
+    dict(num_experts=12, top_k=3, expert_bias=True),  # padded lanes
+    dict(num_experts=16, top_k=4, aux_loss_coef=0.03, z_loss_coef=0.002, capacity_factor=1.0),
+    dict(num_experts=32, top_k=1, score_func="sigmoid", num_groups=32, topk_groups=3),  # one expert per group
+]
+
+
+def _route_both(router: TopKRouter, x: torch.Tensor) -> tuple[list, list]:
+    """The router's output and its gradients (x, gate weight) of weights * g + losses, through the one-pass
+    selection (forced, so it runs on CPU tensors in the interpreter) and through the torch path."""
+    g = torch.randn(x.shape[0], router.top_k, generator=torch.Generator().manual_seed(1)).to(x.device)
+    results = []
+    for fused in (True, False):
+        router._fused = lambda _logits, fused=fused: fused  # the instance's choice, for this test only
+        router.weight.grad = None
+        xg = x.detach().clone().requires_grad_(True)
+        out = router(xg)
+        ((out.topk_weights * g).sum() + out.aux_loss + out.z_loss).backward()
+        results.append([out, xg.grad, router.weight.grad.clone()])
+    del router._fused
+    return results[0], results[1]
+
+
+def interpreted_cases() -> None:
+    """Under TRITON_INTERPRET=1: for every config the kernel serves, ids and counts equal the hand oracle's,
+    weights, losses and both gradients match it and the torch path; also 0 tokens, and row counts that are no
+    multiple of a program's rows."""
+    assert not router_kernels.supports(12, 3) and not router_kernels.supports(4096, 1)
+    for i, cfg in enumerate(FUSED_CONFIGS):
+        n = (37, 70, 5)[i % 3]
+        router, x = _make(100 + i, 24, n, **cfg)
+        (out, gx, gw), (ref, ref_gx, ref_gw) = _route_both(router, x)
+        ids, weights = _hand_route(router, x)
+        where = f"config {cfg}"
+        counts = [sum(r.count(j) for r in ids) for j in range(router.num_experts)]
+        assert out.tokens_per_expert.tolist() == counts, where
+        assert out.topk_idx.tolist() == ref.topk_idx.tolist(), where
+        if router.capacity_factor is None:
+            assert out.topk_idx.tolist() == ids, where
+            torch.testing.assert_close(out.topk_weights, torch.tensor(weights), rtol=1e-5, atol=1e-6, msg=where)
+        torch.testing.assert_close(out.topk_weights, ref.topk_weights, rtol=1e-5, atol=1e-6, msg=where)
+        assert int(out.num_dropped) == int(ref.num_dropped), where
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-5, atol=1e-7, msg=where)
+        torch.testing.assert_close(gx, ref_gx, rtol=1e-4, atol=1e-6, msg=where)
+        torch.testing.assert_close(gw, ref_gw, rtol=1e-4, atol=1e-6, msg=where)
+    router, _ = _make(9, 24, 0, num_experts=16, top_k=4, aux_loss_coef=0.01)
+    (out, _, _), _ = _route_both(router, torch.zeros(0, 24))
+    assert out.topk_idx.shape == (0, 4) and out.tokens_per_expert.tolist() == [0] * 16
+
+
+def test_fused_selection_in_triton_interpreter() -> None:
+    run_interpreted("tests.test_router", "interpreted_cases")
+
+
+def _near_ties(router: TopKRouter, x: torch.Tensor, rel: float) -> torch.Tensor:
+    """[N] bool: rows whose K + 1 best choices (float64 from the same float32 logits) include two within `rel`
+    of each other, where a few ulps of exp may reorder the kernel's ids against torch's."""
+    logits = torch.nn.functional.linear(x.float(), router.weight).double()
+    scores = logits.softmax(-1) if router.score_func == "softmax" else logits.sigmoid()
+    choice = scores + (router.expert_bias.double() if router.expert_bias is not None else 0.0)
+    top = choice.topk(min(router.top_k + 1, router.num_experts), dim=-1).values
+    return ((top[:, :-1] - top[:, 1:]) <= rel * top[:, :-1].abs()).any(-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or router_kernels.triton is None, reason="needs CUDA and Triton")
+def test_fused_selection_on_cuda() -> None:
+    """At the layer bench's size (4096 tokens, hidden 7168) on the GPU, where the router picks the kernel by itself:
+    ids equal the torch path's except on rows with near-ties (fewer than 1 %), counts are those ids', weights,
+    losses and gradients match, and two runs give the same bits."""
+    cases = [dict(num_experts=128, top_k=8), dict(num_experts=256, top_k=8, score_func="sigmoid", num_groups=8,
+                                                   topk_groups=4, expert_bias=True, aux_loss_coef=0.01)]
+    for seed, cfg in enumerate(cases):
+        torch.manual_seed(seed)
+        router = TopKRouter(7168, device=torch.device("cuda"), **cfg)
+        if router.expert_bias is not None:
+            router.expert_bias.uniform_(-0.01, 0.01)
+        x = torch.randn(4096, 7168, device="cuda").to(torch.bfloat16)
+        assert router._fused(torch.empty(1, router.num_experts, device="cuda")), cfg
+        (out, gx, gw), (ref, ref_gx, ref_gw) = _route_both(router, x)
+        again = router(x)
+        assert torch.equal(again.topk_idx, out.topk_idx) and torch.equal(again.topk_weights, out.topk_weights)
+        ties = _near_ties(router, x, 1e-5)
+        assert ties.float().mean() < 0.01, cfg
+        same = (out.topk_idx == ref.topk_idx).all(-1)
+        assert bool((same | ties).all()), f"{cfg}: ids differ on rows without near-ties"
+        assert torch.equal(out.tokens_per_expert, torch.bincount(out.topk_idx.flatten(), minlength=router.num_experts))
+        torch.testing.assert_close(out.topk_weights[same], ref.topk_weights[same], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-4, atol=1e-7)
+        if bool(same.all()):
+            torch.testing.assert_close(gx.float(), ref_gx.float(), rtol=2e-2, atol=1e-5)
+            torch.testing.assert_close(gw, ref_gw, rtol=1e-3, atol=1e-5)

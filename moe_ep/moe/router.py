@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import router_kernels
+
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
@@ -143,21 +145,40 @@ class TopKRouter(nn.Module):
         return self.z_loss_coef * torch.logsumexp(logits, dim=-1).square().sum() / max(logits.shape[0], 1)
 
     # ---- forward --------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> RouterOutput:
-        """Route x [N, H] (any float dtype; the gate runs in float32)."""
-        logits = F.linear(x.float(), self.weight.float())
-        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        choice = scores.detach()
-        if self.expert_bias is not None:
-            choice = choice + self.expert_bias
-        topk_idx = self._select(choice)
+    def gate_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The gate's scores: softmax or sigmoid of the float32 logits."""
+        return logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+
+    def chosen_weights(self, scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' unbiased scores, renormalised (norm_topk_prob) and scaled."""
         # gather's backward scatter-adds (atomics on CUDA), but a row's top-k ids are distinct: each
         # element gets at most one add, so the bits do not depend on the order
         weights = scores.gather(1, topk_idx)
         if self.norm_topk_prob and self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
-        weights = weights * self.routed_scaling_factor
-        counts = count_ids(topk_idx.flatten(), self.num_experts)
+        return weights * self.routed_scaling_factor
+
+    def _route_torch(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(topk_idx, topk_weights, counts, scores) in torch ops: CPU, torch.compile, the cases the kernel lacks."""
+        scores = self.gate_scores(logits)
+        choice = scores.detach()
+        if self.expert_bias is not None:
+            choice = choice + self.expert_bias
+        topk_idx = self._select(choice)
+        return topk_idx, self.chosen_weights(scores, topk_idx), count_ids(topk_idx.flatten(), self.num_experts), scores
+
+    def _fused(self, logits: torch.Tensor) -> bool:
+        """Whether this forward selects in one Triton pass (moe_ep.moe.router_kernels)."""
+        return (logits.is_cuda and not torch.compiler.is_compiling()
+                and router_kernels.supports(self.num_experts, self.num_groups))
+
+    def forward(self, x: torch.Tensor) -> RouterOutput:
+        """Route x [N, H] (any float dtype; the gate runs in float32)."""
+        logits = F.linear(x.float(), self.weight.float())
+        if self._fused(logits):
+            topk_idx, weights, counts, scores = FusedRoute.apply(logits, self)
+        else:
+            topk_idx, weights, counts, scores = self._route_torch(logits)
         zero = logits.new_zeros(())
         aux = self._aux_loss(scores, counts) if self.aux_loss_coef else zero
         z = self._z_loss(logits) if self.z_loss_coef else zero
@@ -181,3 +202,34 @@ class TopKRouter(nn.Module):
             raise RuntimeError("this router was built without expert_bias=True")
         load = tokens_per_expert.to(self.expert_bias.device, torch.float32)
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+
+
+class FusedRoute(torch.autograd.Function):
+    """TopKRouter's selection as one Triton pass (moe_ep.moe.router_kernels) -> (topk_idx, topk_weights, counts,
+    scores). Backward recomputes the scores and weights from the saved logits with the torch path's formulas
+    (TopKRouter.gate_scores / chosen_weights) at the same ids and differentiates them. The scores are stored
+    only where the balancing loss reads them (an empty tensor otherwise)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, router: TopKRouter):  # type: ignore[override]
+        want_scores = bool(router.aux_loss_coef)
+        topk_idx, weights, counts, scores = router_kernels.route(
+            logits.contiguous(), router.expert_bias, router.top_k, router.score_func == "softmax", router.num_groups,
+            router.topk_groups, router.norm_topk_prob and router.top_k > 1, router.routed_scaling_factor, want_scores)
+        ctx.router = router
+        ctx.save_for_backward(logits, topk_idx)
+        ctx.mark_non_differentiable(topk_idx, counts)
+        return topk_idx, weights, counts, scores if scores is not None else logits.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad_idx, grad_weights, _grad_counts, grad_scores):  # type: ignore[override]
+        logits, topk_idx = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_(True)
+            scores = ctx.router.gate_scores(leaf)
+            outputs, grads = [ctx.router.chosen_weights(scores, topk_idx)], [grad_weights]
+            if grad_scores is not None and grad_scores.numel():
+                outputs.append(scores)
+                grads.append(grad_scores)
+            (grad_logits,) = torch.autograd.grad(outputs, leaf, grads)
+        return grad_logits, None

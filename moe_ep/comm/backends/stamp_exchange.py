@@ -90,7 +90,8 @@ class StampExchange:
             return
         if stream not in self._streams:
             self._streams[stream] = torch.cuda.ExternalStream(stream, device=self.cfg.device)
-        self._after = torch.cuda.Event()
+        if self._after is None:  # one event, re-recorded: a stream's wait takes its latest record
+            self._after = torch.cuda.Event()
         self._after.record(self._streams[stream])
 
     def _own(self) -> torch.cuda.Stream:

@@ -1,0 +1,136 @@
+"""The router's selection in one Triton pass: float32 logits [N, E] -> scores, (group-limited) top-k ids,
+their weights and the per-expert counts. It replaces the ~15 small torch kernels of TopKRouter's torch
+path, whose launches left the GPU idle between them (docs/benchmarks.md: ~0.5 ms per layer forward).
+
+Semantics are TopKRouter's (moe_ep.moe.router): scores = softmax or sigmoid(logits); choice = scores + bias;
+with groups, keep the `topk_groups` groups whose two best choices sum highest; ids = the top K choices in
+descending order (ties to the lower id, NaN above everything as in torch.topk); weights = the ids' unbiased
+scores, renormalised and scaled. The kernel's exp and sums are not torch's, so scores and weights may differ
+from the torch path's in the last bits (same formulas, not the same bits); its own bits repeat from run to
+run: counts are integer atomics, everything else has one fixed order.
+
+Layout per program: BLOCK_N token rows x EP lanes (E rounded up to a power of two, padded lanes never
+chosen). Selection compares int32 keys that order like the floats (`_order_key`), so a taken or padded lane
+(key _NONE) sorts below every real value, -inf included, and K distinct real ids come out for K <= E.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: TopKRouter's torch path serves
+    triton = None
+
+_ROW_LANES = 4096  # BLOCK_N x EP per program
+_MAX_LANES = 2048  # wider expert counts take the torch path
+
+
+def supports(num_experts: int, num_groups: int) -> bool:
+    """Whether the kernel serves this router: at most _MAX_LANES experts, and groups only over a power-of-two
+    expert count (the lanes reshape into [groups, experts per group])."""
+    pow2 = num_experts & (num_experts - 1) == 0
+    return triton is not None and num_experts <= _MAX_LANES and (num_groups == 1 or pow2)
+
+
+if triton is not None:
+    _NONE = tl.constexpr(-2 ** 31)  # below every _order_key of a float
+    _NAN = tl.constexpr(2 ** 31 - 1)  # NaN sorts above +inf, as in torch.topk
+
+    @triton.jit
+    def _order_key(v):
+        """float32 -> int32 with the floats' order (-0.0 just below +0.0)."""
+        bits = v.to(tl.int32, bitcast=True)
+        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        return tl.where(v != v, _NAN, key)
+
+    @triton.jit
+    def _value_at(values, lanes, at):
+        """values[row, at[row]] for each row: one lane of each row, exactly (the others add +0.0)."""
+        return tl.sum(tl.where(lanes == at[:, None], values, 0.0), axis=1)
+
+    @triton.jit
+    def _route_kernel(logits_ptr, bias_ptr, scores_ptr, idx_ptr, w_ptr, counts_ptr, N, scale,
+                      E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, G: tl.constexpr,
+                      TG: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                      STORE_SCORES: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        lanes = tl.arange(0, EP)
+        row_ok = rows < N
+        real = row_ok[:, None] & (lanes < E)[None, :]
+        at = rows.to(tl.int64)[:, None] * E + lanes[None, :]
+        logits = tl.load(logits_ptr + at, mask=real, other=float("-inf"))
+        if SOFTMAX:
+            top = tl.max(logits, axis=1)
+            top = tl.where(row_ok, top, 0.0)  # rows past N: all -inf, keep them finite
+            ex = tl.exp(logits - top[:, None])
+            scores = ex / tl.sum(ex, axis=1)[:, None]
+        else:
+            scores = 1.0 / (1.0 + tl.exp(-logits))
+        if STORE_SCORES:
+            tl.store(scores_ptr + at, scores, mask=real)
+        choice = scores
+        if HAS_BIAS:
+            choice = choice + tl.load(bias_ptr + lanes, mask=lanes < E, other=0.0)[None, :]
+        key = tl.where((lanes < E)[None, :], _order_key(choice), _NONE)
+        if G > 1:  # EP == E here (supports): lane j is expert j of group j // (E // G)
+            EG: tl.constexpr = E // G
+            key3 = tl.reshape(key, [BLOCK_N, G, EG])
+            choice3 = tl.reshape(choice, [BLOCK_N, G, EG])
+            lane3 = tl.arange(0, EG)[None, None, :]
+            first = tl.argmax(key3, axis=2)
+            group_score = tl.sum(tl.where(lane3 == first[:, :, None], choice3, 0.0), axis=2)
+            if EG > 1:
+                second = tl.argmax(tl.where(lane3 == first[:, :, None], _NONE, key3), axis=2)
+                group_score = group_score + tl.sum(tl.where(lane3 == second[:, :, None], choice3, 0.0), axis=2)
+            group_key = _order_key(group_score)
+            groups = tl.arange(0, G)[None, :]
+            keep = tl.zeros([BLOCK_N, G], dtype=tl.int1)
+            for _t in tl.static_range(TG):
+                best = tl.argmax(group_key, axis=1)
+                hit = groups == best[:, None]
+                keep = keep | hit
+                group_key = tl.where(hit, _NONE, group_key)
+            key = tl.reshape(tl.where(keep[:, :, None], key3, _NONE), [BLOCK_N, EP])
+        slots = tl.arange(0, KP)[None, :]
+        ids = tl.zeros([BLOCK_N, KP], dtype=tl.int32)
+        weights = tl.zeros([BLOCK_N, KP], dtype=tl.float32)
+        for k in tl.static_range(K):
+            pick = tl.argmax(key, axis=1)
+            ids = tl.where(slots == k, pick[:, None], ids)
+            weights = tl.where(slots == k, _value_at(scores, lanes[None, :], pick)[:, None], weights)
+            key = tl.where(lanes[None, :] == pick[:, None], _NONE, key)
+        if NORM:
+            weights = weights / tl.maximum(tl.sum(weights, axis=1), 1e-20)[:, None]
+        weights = weights * scale
+        chosen = row_ok[:, None] & (slots < K)
+        out = rows.to(tl.int64)[:, None] * K + slots
+        tl.store(idx_ptr + out, ids.to(tl.int64), mask=chosen)
+        tl.store(w_ptr + out, weights, mask=chosen)
+        bins = tl.arange(0, 2 * EP)  # bin EP collects the slots that are no selection
+        hist = tl.histogram(tl.reshape(tl.where(chosen, ids, EP), [BLOCK_N * KP]), 2 * EP)
+        tl.atomic_add(counts_ptr + bins, hist.to(tl.int64), mask=bins < E)
+
+
+def route(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, softmax: bool, num_groups: int,
+          topk_groups: int, norm: bool, scale: float, want_scores: bool
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """logits [N, E] float32 contiguous (bias [E] float32 or None) -> (topk_idx [N, K] int64, topk_weights
+    [N, K] float32, counts [E] int64, scores [N, E] float32 when want_scores else None). supports() holds."""
+    n, e = logits.shape
+    lanes = triton.next_power_of_2(e)
+    block_n = max(1, min(64, _ROW_LANES // lanes))
+    idx = logits.new_empty(n, top_k, dtype=torch.int64)
+    weights = logits.new_empty(n, top_k)
+    counts = torch.zeros(e, dtype=torch.int64, device=logits.device)
+    scores = logits.new_empty(n, e) if want_scores else None
+    if n:
+        _route_kernel[(triton.cdiv(n, block_n),)](
+            logits, logits if bias is None else bias, weights if scores is None else scores, idx, weights, counts,
+            n, scale, E=e, EP=lanes, K=top_k, KP=triton.next_power_of_2(top_k), G=num_groups, TG=topk_groups,
+            SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm, STORE_SCORES=want_scores, BLOCK_N=block_n,
+            num_warps=4)
+    return idx, weights, counts, scores
