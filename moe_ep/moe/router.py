@@ -206,17 +206,18 @@ class TopKRouter(nn.Module):
 
 class FusedRoute(torch.autograd.Function):
     """TopKRouter's selection as one Triton pass (moe_ep.moe.router_kernels) -> (topk_idx, topk_weights, counts,
-    scores). Backward recomputes the scores and weights from the saved logits with the torch path's formulas
-    (TopKRouter.gate_scores / chosen_weights) at the same ids and differentiates them. The scores are stored
-    only where the balancing loss reads them (an empty tensor otherwise)."""
+    scores), and its backward as another (the scores recomputed from the saved logits, differentiated at the
+    same ids). The scores are stored only where the balancing loss reads them (an empty tensor otherwise)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, router: TopKRouter):  # type: ignore[override]
-        want_scores = bool(router.aux_loss_coef)
+        logits = logits.contiguous()
+        ctx.args = (router.top_k, router.score_func == "softmax", router.norm_topk_prob and router.top_k > 1,
+                    router.routed_scaling_factor)
+        top_k, softmax, norm, scale = ctx.args
         topk_idx, weights, counts, scores = router_kernels.route(
-            logits.contiguous(), router.expert_bias, router.top_k, router.score_func == "softmax", router.num_groups,
-            router.topk_groups, router.norm_topk_prob and router.top_k > 1, router.routed_scaling_factor, want_scores)
-        ctx.router = router
+            logits, router.expert_bias, top_k, softmax, router.num_groups, router.topk_groups, norm, scale,
+            want_scores=bool(router.aux_loss_coef))
         ctx.save_for_backward(logits, topk_idx)
         ctx.mark_non_differentiable(topk_idx, counts)
         return topk_idx, weights, counts, scores if scores is not None else logits.new_empty(0)
@@ -224,12 +225,6 @@ class FusedRoute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad_idx, grad_weights, _grad_counts, grad_scores):  # type: ignore[override]
         logits, topk_idx = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = logits.detach().requires_grad_(True)
-            scores = ctx.router.gate_scores(leaf)
-            outputs, grads = [ctx.router.chosen_weights(scores, topk_idx)], [grad_weights]
-            if grad_scores is not None and grad_scores.numel():
-                outputs.append(scores)
-                grads.append(grad_scores)
-            (grad_logits,) = torch.autograd.grad(outputs, leaf, grads)
-        return grad_logits, None
+        scores_read = grad_scores is not None and grad_scores.numel() > 0
+        return router_kernels.route_backward(logits, topk_idx, grad_weights, grad_scores if scores_read else None,
+                                             *ctx.args), None

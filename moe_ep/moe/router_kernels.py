@@ -53,6 +53,15 @@ if triton is not None:
         return tl.sum(tl.where(lanes == at[:, None], values, 0.0), axis=1)
 
     @triton.jit
+    def _scores(logits, row_ok, SOFTMAX: tl.constexpr):
+        """softmax or sigmoid of a [BLOCK_N, EP] tile whose padded lanes hold -inf (score 0 there)."""
+        if SOFTMAX:
+            top = tl.where(row_ok, tl.max(logits, axis=1), 0.0)  # rows past N: all -inf, keep them finite
+            ex = tl.exp(logits - top[:, None])
+            return ex / tl.sum(ex, axis=1)[:, None]
+        return 1.0 / (1.0 + tl.exp(-logits))
+
+    @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, scores_ptr, idx_ptr, w_ptr, counts_ptr, N, scale,
                       E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, G: tl.constexpr,
                       TG: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
@@ -62,14 +71,7 @@ if triton is not None:
         row_ok = rows < N
         real = row_ok[:, None] & (lanes < E)[None, :]
         at = rows.to(tl.int64)[:, None] * E + lanes[None, :]
-        logits = tl.load(logits_ptr + at, mask=real, other=float("-inf"))
-        if SOFTMAX:
-            top = tl.max(logits, axis=1)
-            top = tl.where(row_ok, top, 0.0)  # rows past N: all -inf, keep them finite
-            ex = tl.exp(logits - top[:, None])
-            scores = ex / tl.sum(ex, axis=1)[:, None]
-        else:
-            scores = 1.0 / (1.0 + tl.exp(-logits))
+        scores = _scores(tl.load(logits_ptr + at, mask=real, other=float("-inf")), row_ok, SOFTMAX)
         if STORE_SCORES:
             tl.store(scores_ptr + at, scores, mask=real)
         choice = scores
@@ -114,6 +116,48 @@ if triton is not None:
         hist = tl.histogram(tl.reshape(tl.where(chosen, ids, EP), [BLOCK_N * KP]), 2 * EP)
         tl.atomic_add(counts_ptr + bins, hist.to(tl.int64), mask=bins < E)
 
+    @triton.jit
+    def _route_backward_kernel(logits_ptr, idx_ptr, gw_ptr, gs_ptr, dl_ptr, N, scale, E: tl.constexpr,
+                               EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SOFTMAX: tl.constexpr,
+                               NORM: tl.constexpr, HAS_GS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """d logits of weights (gw: their gradient) and of the scores (gs, when the balancing loss read them), at the
+        forward's ids, with the scores recomputed as the forward computed them. Per row, s = scores, c_k = s[id_k],
+        S = sum_k c_k: weight_k = scale * c_k / max(S, 1e-20) (NORM) or scale * c_k; ds = the ids' dc plus gs;
+        softmax: dl = s * (ds - sum(ds * s)), sigmoid: dl = ds * s * (1 - s)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        lanes = tl.arange(0, EP)[None, :]
+        row_ok = rows < N
+        real = row_ok[:, None] & (lanes < E)
+        at = rows.to(tl.int64)[:, None] * E + lanes
+        scores = _scores(tl.load(logits_ptr + at, mask=real, other=float("-inf")), row_ok, SOFTMAX)
+        slots = tl.arange(0, KP)[None, :]
+        chosen = row_ok[:, None] & (slots < K)
+        out = rows.to(tl.int64)[:, None] * K + slots
+        ids = tl.load(idx_ptr + out, mask=chosen, other=-1)
+        gw = tl.load(gw_ptr + out, mask=chosen, other=0.0) * scale
+        chosen_scores = tl.zeros([BLOCK_N, KP], dtype=tl.float32)
+        for k in tl.static_range(K):
+            at_k = tl.sum(tl.where(slots == k, ids, 0), axis=1)
+            chosen_scores = tl.where(slots == k, _value_at(scores, lanes, at_k)[:, None], chosen_scores)
+        if NORM:
+            total = tl.sum(chosen_scores, axis=1)
+            norm = tl.maximum(total, 1e-20)
+            through = tl.where(total >= 1e-20, tl.sum(gw * chosen_scores, axis=1) / (norm * norm), 0.0)
+            gc = gw / norm[:, None] - through[:, None]
+        else:
+            gc = gw
+        ds = tl.zeros([BLOCK_N, EP], dtype=tl.float32)
+        if HAS_GS:
+            ds = tl.load(gs_ptr + at, mask=real, other=0.0)
+        for k in tl.static_range(K):
+            at_k = tl.sum(tl.where(slots == k, ids, 0), axis=1)
+            ds += tl.where(lanes == at_k[:, None], tl.sum(tl.where(slots == k, gc, 0.0), axis=1)[:, None], 0.0)
+        if SOFTMAX:
+            dl = scores * (ds - tl.sum(ds * scores, axis=1)[:, None])
+        else:
+            dl = ds * scores * (1.0 - scores)
+        tl.store(dl_ptr + at, dl, mask=real)
+
 
 def route(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, softmax: bool, num_groups: int,
           topk_groups: int, norm: bool, scale: float, want_scores: bool
@@ -134,3 +178,21 @@ def route(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, softma
             SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm, STORE_SCORES=want_scores, BLOCK_N=block_n,
             num_warps=4)
     return idx, weights, counts, scores
+
+
+def route_backward(logits: torch.Tensor, topk_idx: torch.Tensor, grad_weights: torch.Tensor,
+                   grad_scores: Optional[torch.Tensor], top_k: int, softmax: bool, norm: bool, scale: float
+                   ) -> torch.Tensor:
+    """d logits [N, E] float32 of route()'s weights (their gradient grad_weights [N, K]) and scores (grad_scores
+    [N, E] or None) at its ids topk_idx [N, K]; logits as route() got them."""
+    n, e = logits.shape
+    lanes = triton.next_power_of_2(e)
+    block_n = max(1, min(64, _ROW_LANES // lanes))
+    grad_logits = torch.empty_like(logits)
+    if n:
+        gw = grad_weights.contiguous()
+        _route_backward_kernel[(triton.cdiv(n, block_n),)](
+            logits, topk_idx, gw, gw if grad_scores is None else grad_scores.contiguous(), grad_logits, n, scale,
+            E=e, EP=lanes, K=top_k, KP=triton.next_power_of_2(top_k), SOFTMAX=softmax, NORM=norm,
+            HAS_GS=grad_scores is not None, BLOCK_N=block_n, num_warps=4)
+    return grad_logits
