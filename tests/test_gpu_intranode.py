@@ -331,6 +331,33 @@ def _graph(rank: int, topo: dict) -> None:
             _same(out_w, want_w, f"{what}: combine with weights: weights")
 
 
+# ---- the stamp exchange off the caller's stream ------------------------------------------------
+def _off_stream(rank: int, topo: dict) -> None:
+    """A combine and a cached dispatch made behind a ~0.7 s kernel on the caller's stream return while it still
+    runs (their stamp exchanges run on the Buffer's own stream after its earlier kernels only, docs/design.md);
+    their results equal the reference's."""
+    hidden, experts, k, t = next(iter(SHAPES))
+    common = dict(hidden=hidden, num_experts=experts, num_topk=k, max_tokens_per_rank=t, **topo)
+    g = torch.Generator(device="cuda").manual_seed(7 + rank)
+    n = (t, t // 2)[rank]
+    x, idx, w = _x(n, hidden, g), random_topk("random", n, experts, k, g), torch.rand(n, k, generator=g, device="cuda")
+    with moe_ep.Buffer(dist.group.WORLD, device=device(), backend="nvshmem", **common) as nat, \
+            moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **common) as ref:
+        got, want = nat.dispatch(x, idx, w), ref.dispatch(x, idx, w)
+        y, grad = _x(want.x.shape[0], hidden, g), _x(n, hidden, g)
+        _poison_workspace(nat)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(1.4e9))  # clock cycles
+        queued = torch.cuda.Event()
+        queued.record()
+        out = nat.combine(y, got.handle)
+        assert not queued.query(), "the combine waited for the work queued before it"
+        cached = nat.dispatch(grad, handle=got.handle)
+        assert not queued.query(), "the cached dispatch waited for the work queued before it"
+        _same(out, ref.combine(y, want.handle), "off-stream exchange: combine")
+        _same_dispatch(cached, ref.dispatch(grad, handle=want.handle), "off-stream exchange: cached dispatch")
+
+
 # ---- timeout ----------------------------------------------------------------------------------
 def _timeout(rank: int, topo: dict) -> None:
     """Rank 0 dispatches alone: its stamp exchange (every call's first kernel) gives up, and the call
@@ -483,7 +510,7 @@ def _worker(rank: int, world: int, topo: dict) -> None:
             moe_ep.Buffer(dist.group.WORLD, device=device(), backend="reference", **common) as ref:
         for case in SHAPES[shape]:
             _run_case(nat, ref, shape, case, rank)
-    for part in (_stress, _graph, _timeout, _combine_timeout, _dispatch_timeout):
+    for part in (_off_stream, _stress, _graph, _timeout, _combine_timeout, _dispatch_timeout):
         if rank == 0:
             print(f"{label} {part.__name__.strip('_')}", flush=True)
         part(rank, topo)

@@ -146,7 +146,7 @@ def _off_stream_case(buf, ref, shape, local: torch.Generator) -> None:
     send half returns while that kernel still runs; the results then match the reference."""
     hidden, experts, k, t = shape
     x, idx = _x(t, hidden, local), random_topk("random", t, experts, k, local)
-    buf.low_latency_dispatch(x, idx)  # after the normal calls of _eager_cases: this one is stream-ordered
+    buf.low_latency_dispatch(x, idx)  # the Buffer's latest call reported its launches
     torch.cuda.synchronize()
     torch.cuda._sleep(int(1.4e9))  # clock cycles
     queued = torch.cuda.Event()

@@ -127,6 +127,12 @@ class NvshmemBackend(Backend):
         verdict.synchronize()
         self._error.check(timeouts_only=True)
 
+    def _launched(self, stream: torch.cuda.Stream) -> None:
+        """A normal-mode call's last native kernel is launched on `stream`: the next call's stamp exchange may
+        run off its stream after it (backends/stamp_exchange.py). A call that raises before this stays
+        unreported, and the next exchange runs on its call's stream."""
+        self._stamps.launched(stream.cuda_stream)
+
     def _settle(self, verdict: torch.cuda.Event, async_op: bool) -> None:
         """A call that is neither async nor being captured waits, once all of its kernels are launched, for
         its stamp exchange (_await_exchange), so the call does not return as if it had succeeded. An async
@@ -164,7 +170,7 @@ class NvshmemBackend(Backend):
         (each round reuses the workspace; worst-case pairs have static shapes). The stamp rides the
         notifies' count rows: compared for fresh dispatches outside worst-case mode (the host reads
         the counts)."""
-        stream, verdict = self._begin(stamp, x.shape[0])
+        stream, verdict = self._begin(stamp, x.shape[0], off_stream=True)
         engine = self._normal
         static = handle.worst_case if handle is not None else worst_case
         first = None
@@ -180,6 +186,7 @@ class NvshmemBackend(Backend):
                                      expert_alignment=expert_alignment, worst_case=worst_case, num_sms=num_sms,
                                      knobs=knobs, stream=stream, async_op=async_op, check=self._check,
                                      stamp=stamp, expert_major=expert_major, notified=first)
+            self._launched(stream)
             self._settle(verdict, async_op)
             return result
         if rounds == 1:
@@ -192,6 +199,7 @@ class NvshmemBackend(Backend):
                                        expert_alignment=expert_alignment, num_sms=num_sms, knobs=knobs,
                                        stream=stream, async_op=async_op, check=self._check, stamp=stamp,
                                        first=first)
+        self._launched(stream)
         self._settle(verdict, async_op)
         return pairs.expand(result, expert_alignment) if expert_major else result
 
@@ -199,7 +207,7 @@ class NvshmemBackend(Backend):
         """One kernel after the stamp exchange: the rows, and topk_weights when given, travel back
         together (an expert-major handle's pairs summed into rows first, on the current stream)."""
         cfg = self.cfg
-        stream, verdict = self._begin(stamp)
+        stream, verdict = self._begin(stamp, off_stream=True)
         x, topk_weights = pairs.combine_inputs(x, handle, topk_weights, pair_weights)
         n = handle.num_tokens
         out = torch.empty(n, cfg.hidden, dtype=torch.bfloat16, device=cfg.device)
@@ -210,6 +218,7 @@ class NvshmemBackend(Backend):
         else:
             self._normal.combine(x, handle, out, topk_weights, out_w, num_sms=num_sms, knobs=knobs, stream=stream)
         self._check()  # launched: what earlier calls without a host sync recorded
+        self._launched(stream)
         self._settle(verdict, async_op)
         return out, out_w, record_event(async_op, cfg.device, self._check)
 

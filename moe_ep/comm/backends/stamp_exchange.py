@@ -9,15 +9,17 @@ reads the most tokens any rank brings from it, for its token rounds (`max_tokens
 all-reduce used to be. A call that is neither async nor being captured waits for its exchange before it
 returns (NvshmemBackend), so it never returns after its peers made another call or never came.
 
-Where an exchange runs: on its call's stream, after everything queued there; or, for a low-latency call
-made eagerly (`off_stream`), on a high-priority stream of its own, after only this Buffer's earlier kernels
-(the launches the engines report to `launched`), and the call's stream waits for it. The host's wait for
-the verdict then does not wait for the caller's own work queued before the call (a decode step's expert
-GEMMs), so the host keeps the GPU fed. Every exchange still runs after every earlier kernel of the Buffer,
-so no exchange overwrites the verdict word before the kernels of an earlier call read it (a hook's
-receive half included), and the exchanges' epochs stay in order. A Buffer falls back to the call's stream
-for good once one of its calls was captured (a replay's kernels are launched without the host) and until
-every launch since is known (a normal-mode call's kernels are not reported).
+Where an exchange runs: on its call's stream, after everything queued there; or, for a call made eagerly
+(`off_stream`: every normal-mode call, and the low-latency calls of a Buffer that is not fault-tolerant), on a
+high-priority stream of its own, after only this Buffer's earlier kernels (the launches the backend reports
+to `launched`: the low-latency engine after each launch, a normal-mode call once its last kernel is out),
+and the call's stream waits for it. The host's wait for the verdict then does not wait for the caller's own
+work queued before the call (a decode step's expert GEMMs, the layer's GEMMs before its combine), so the host
+runs ahead and keeps the GPU fed. Every exchange still runs after every earlier kernel of the Buffer, so no
+exchange overwrites the verdict word before the kernels of an earlier call read it (a hook's receive half
+included), and the exchanges' epochs stay in order. A Buffer falls back to the call's stream for good once
+one of its calls was captured (a replay's kernels are launched without the host), and for the next call
+when the latest one was not reported (it raised before its last launch).
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ class StampExchange:
         self._order: Optional[CallOrder] = None  # the Buffer's call counter (from the calls' stamps)
         self._own_stream: Optional[torch.cuda.Stream] = None  # off_stream exchanges run here (made on first use)
         self._after: Optional[torch.cuda.Event] = None  # recorded after the Buffer's latest reported launch
-        self._unreported = False  # kernels of the Buffer went out since without a report (a normal-mode call)
+        self._unreported = False  # kernels of the Buffer may have gone out since the latest report
         self._captured = False  # a call of the Buffer was captured: exchanges stay on their calls' streams
         self._streams: dict[int, torch.cuda.ExternalStream] = {}  # launched's handles as torch streams
 
@@ -64,8 +66,8 @@ class StampExchange:
                masked: Optional[torch.Tensor] = None, off_stream: bool = False) -> torch.cuda.Event:
         """The call's exchange, first of its kernels on `stream`; the event completes with it (its verdict:
         the ErrorState, and max_tokens). `masked`: a fault-tolerant low-latency Buffer's rank mask.
-        off_stream: the call reports each launch of its kernels to `launched`; its exchange may then run on
-        the exchange's own stream (module comment), which `stream` waits for."""
+        off_stream: the call reports its kernels' launches to `launched`; its exchange may then run on the
+        exchange's own stream (module comment), which `stream` waits for."""
         self._order = stamp.order
         self._captured = self._captured or torch.cuda.is_current_stream_capturing()
         runs_on = stream
@@ -73,7 +75,7 @@ class StampExchange:
             runs_on = self._own()
             if self._after is not None:
                 runs_on.wait_event(self._after)
-        self._unreported = not off_stream
+        self._unreported = True
         self._ctx.exchange(stamp.words, num_tokens, 0 if masked is None else masked.data_ptr(), runs_on.cuda_stream)
         verdict = torch.cuda.Event()
         verdict.record(runs_on)
@@ -82,7 +84,7 @@ class StampExchange:
         return verdict
 
     def launched(self, stream: int) -> None:
-        """An off_stream call's kernels were launched on `stream` (a raw handle) up to here: the next exchange
+        """The latest call's kernels were launched on `stream` (a raw handle) up to here: the next exchange
         waits for them. Nothing is recorded while a capture runs (that Buffer's exchanges stay on their
         calls' streams from then on)."""
         if self._captured or torch.cuda.is_current_stream_capturing():
@@ -93,6 +95,7 @@ class StampExchange:
         if self._after is None:  # one event, re-recorded: a stream's wait takes its latest record
             self._after = torch.cuda.Event()
         self._after.record(self._streams[stream])
+        self._unreported = False
 
     def _own(self) -> torch.cuda.Stream:
         if self._own_stream is None:  # high priority (torch maps -1 into the device's range): its one block
