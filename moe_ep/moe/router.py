@@ -6,6 +6,8 @@ add a per-expert bias that steers selection only (aux-loss-free balancing). The 
 are the unbiased scores of the chosen experts, optionally renormalised and scaled. Two losses are
 available: a switch-style load-balancing loss and the router z-loss. A capacity factor drops the
 assignments that overflow an expert; they come back as -1 and are counted, never silently.
+On CUDA the selection and its backward are one Triton pass each (moe_ep.moe.router_kernels, FusedRoute); CPU
+and torch.compile run the torch ops below.
 """
 from __future__ import annotations
 
