@@ -47,23 +47,24 @@ echo "$collected" | grep -c '::' | xargs echo "GPU tests collected:"
 
 # Lanes by longest unit first, each unit to the lane with the least work so far. A unit is a file, or one
 # test of a file that would take over 150 s (so its tests can run in parallel lanes; each pytest start
-# costs about 10 s). Seconds per file (a split file: the sum of its units): one H100, 6 lanes, 2026-12-05,
-# every native call opening with its stamp exchange (a file not listed counts 60 s; test_gpu_intranode and
-# test_gpu_fuzz estimated for their cut stress and fuzz budget). Prints one line per lane
+# costs about 10 s). Seconds per file (a split file: the sum of its units): one H100, 7 lanes, the whole suite on
+# 2026-12-07 (bench/results/h100_2026-12-07_session23_gpu_run.md; test_router and test_gpu_intranode's off-stream
+# part from session 24's run); a file not listed counts 60 s. Prints one line per lane
 # of UNIT@LIMIT: each unit may take 2.5 x its seconds (at least 60 s), so a hang cannot starve its lane.
 plan_file=$(mktemp)
 # shellcheck disable=SC2046
 python3 - "$lanes" "$stagger" $(echo "$collected" | grep '::') >"$plan_file" <<'EOF'
 import sys
 from collections import defaultdict
-secs = {"test_gpu_intranode.py": 420, "test_gpu_crossnode.py": 221, "test_gpu_faults.py": 206, "test_nvfp4.py": 178,
-        "test_streaming.py": 150, "test_gpu_fuzz.py": 95, "test_overlap.py": 143, "test_gpu_low_latency.py": 137,
-        "test_compile.py": 130, "test_frameworks_hybrid.py": 125, "test_train.py": 113, "test_fp8_experts.py": 109,
-        "test_gpu_low_latency_deepep.py": 86, "test_bench.py": 69, "test_deep_ep.py": 60, "test_gpu_determinism.py": 55,
-        "test_frameworks_v2.py": 47, "test_expert_major.py": 40, "test_one_rank_bad_input.py": 37, "test_hybrid_ep.py": 33,
-        "test_layer.py": 29, "test_low_latency_overlap.py": 24, "test_deep_ep_v2.py": 18, "test_gpu_config.py": 17,
-        "test_gpu_runtime.py": 14, "test_fp8.py": 11, "test_experts.py": 10, "test_frameworks_low_latency.py": 9,
-        "test_gpu_scale.py": 6}
+secs = {"test_gpu_intranode.py": 290, "test_gpu_crossnode.py": 242, "test_gpu_faults.py": 227, "test_nvfp4.py": 163,
+        "test_gpu_low_latency.py": 189, "test_fp8_experts.py": 171, "test_overlap.py": 149, "test_bench.py": 144,
+        "test_gpu_fuzz.py": 124, "test_streaming.py": 118, "test_frameworks_hybrid.py": 118,
+        "test_gpu_low_latency_deepep.py": 113, "test_compile.py": 110, "test_train.py": 100, "test_deep_ep.py": 90,
+        "test_expert_major.py": 68, "test_one_rank_bad_input.py": 64, "test_gpu_config.py": 58, "test_frameworks_v2.py": 55,
+        "test_fp8_wgrad.py": 55, "test_fp8_grouped_gemm_sm90.py": 51, "test_low_latency_overlap.py": 41,
+        "test_gpu_determinism.py": 37, "test_hybrid_ep.py": 27, "test_layer.py": 25, "test_router.py": 25,
+        "test_deep_ep_v2.py": 17, "test_gpu_runtime.py": 12, "test_experts.py": 12, "test_fp8.py": 9, "test_gpu_scale.py": 8,
+        "test_frameworks_low_latency.py": 6}
 SPLIT, START = 150, 10
 lanes, stagger = int(sys.argv[1]), int(sys.argv[2])
 tests = defaultdict(list)
