@@ -53,6 +53,11 @@ if triton is not None:
         return tl.sum(tl.where(lanes == at[:, None], values, 0.0), axis=1)
 
     @triton.jit
+    def _slot(values, slots, k):
+        """values[row, k] for each row of a [BLOCK_N, KP] tile, exactly (the other slots add 0)."""
+        return tl.sum(tl.where(slots == k, values, 0), axis=1)
+
+    @triton.jit
     def _scores(logits, row_ok, SOFTMAX: tl.constexpr):
         """softmax or sigmoid of a [BLOCK_N, EP] tile whose padded lanes hold -inf (score 0 there)."""
         if SOFTMAX:
@@ -137,8 +142,7 @@ if triton is not None:
         gw = tl.load(gw_ptr + out, mask=chosen, other=0.0) * scale
         chosen_scores = tl.zeros([BLOCK_N, KP], dtype=tl.float32)
         for k in tl.static_range(K):
-            at_k = tl.sum(tl.where(slots == k, ids, 0), axis=1)
-            chosen_scores = tl.where(slots == k, _value_at(scores, lanes, at_k)[:, None], chosen_scores)
+            chosen_scores = tl.where(slots == k, _value_at(scores, lanes, _slot(ids, slots, k))[:, None], chosen_scores)
         if NORM:
             total = tl.sum(chosen_scores, axis=1)
             norm = tl.maximum(total, 1e-20)
@@ -150,13 +154,19 @@ if triton is not None:
         if HAS_GS:
             ds = tl.load(gs_ptr + at, mask=real, other=0.0)
         for k in tl.static_range(K):
-            at_k = tl.sum(tl.where(slots == k, ids, 0), axis=1)
-            ds += tl.where(lanes == at_k[:, None], tl.sum(tl.where(slots == k, gc, 0.0), axis=1)[:, None], 0.0)
+            ds += tl.where(lanes == _slot(ids, slots, k)[:, None], _slot(gc, slots, k)[:, None], 0.0)
         if SOFTMAX:
             dl = scores * (ds - tl.sum(ds * scores, axis=1)[:, None])
         else:
             dl = ds * scores * (1.0 - scores)
         tl.store(dl_ptr + at, dl, mask=real)
+
+
+def _tiling(n: int, e: int, top_k: int) -> tuple[tuple[int], dict]:
+    """Both kernels' grid and shared sizes: BLOCK_N rows x EP lanes per program, KP slots."""
+    lanes = triton.next_power_of_2(e)
+    block_n = max(1, min(64, _ROW_LANES // lanes))
+    return (triton.cdiv(n, block_n),), dict(E=e, EP=lanes, K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_N=block_n)
 
 
 def route(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, softmax: bool, num_groups: int,
@@ -165,18 +175,16 @@ def route(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, softma
     """logits [N, E] float32 contiguous (bias [E] float32 or None) -> (topk_idx [N, K] int64, topk_weights
     [N, K] float32, counts [E] int64, scores [N, E] float32 when want_scores else None). supports() holds."""
     n, e = logits.shape
-    lanes = triton.next_power_of_2(e)
-    block_n = max(1, min(64, _ROW_LANES // lanes))
     idx = logits.new_empty(n, top_k, dtype=torch.int64)
     weights = logits.new_empty(n, top_k)
     counts = torch.zeros(e, dtype=torch.int64, device=logits.device)
     scores = logits.new_empty(n, e) if want_scores else None
     if n:
-        _route_kernel[(triton.cdiv(n, block_n),)](
+        grid, sizes = _tiling(n, e, top_k)
+        _route_kernel[grid](
             logits, logits if bias is None else bias, weights if scores is None else scores, idx, weights, counts,
-            n, scale, E=e, EP=lanes, K=top_k, KP=triton.next_power_of_2(top_k), G=num_groups, TG=topk_groups,
-            SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm, STORE_SCORES=want_scores, BLOCK_N=block_n,
-            num_warps=4)
+            n, scale, G=num_groups, TG=topk_groups, SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm,
+            STORE_SCORES=want_scores, num_warps=4, **sizes)
     return idx, weights, counts, scores
 
 
@@ -186,13 +194,11 @@ def route_backward(logits: torch.Tensor, topk_idx: torch.Tensor, grad_weights: t
     """d logits [N, E] float32 of route()'s weights (their gradient grad_weights [N, K]) and scores (grad_scores
     [N, E] or None) at its ids topk_idx [N, K]; logits as route() got them."""
     n, e = logits.shape
-    lanes = triton.next_power_of_2(e)
-    block_n = max(1, min(64, _ROW_LANES // lanes))
     grad_logits = torch.empty_like(logits)
     if n:
         gw = grad_weights.contiguous()
-        _route_backward_kernel[(triton.cdiv(n, block_n),)](
+        grid, sizes = _tiling(n, e, top_k)
+        _route_backward_kernel[grid](
             logits, topk_idx, gw, gw if grad_scores is None else grad_scores.contiguous(), grad_logits, n, scale,
-            E=e, EP=lanes, K=top_k, KP=triton.next_power_of_2(top_k), SOFTMAX=softmax, NORM=norm,
-            HAS_GS=grad_scores is not None, BLOCK_N=block_n, num_warps=4)
+            SOFTMAX=softmax, NORM=norm, HAS_GS=grad_scores is not None, num_warps=4, **sizes)
     return grad_logits
