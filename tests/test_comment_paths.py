@@ -75,17 +75,20 @@ def _texts(name: str) -> list[tuple[int, str]]:
     return [(source.count("\n", 0, m.start()) + 1, m.group()) for m in C_COMMENT.finditer(source)]
 
 
-def _resolves(token: str, name: str, names: set[str]) -> bool:
+def _resolves(token: str, name: str, files: set[str]) -> bool:
+    """Whether `token`, named in file `name`, is one of the repository's `files` (ignored files on this disk,
+    such as .carry/, do not count: a clean clone lacks them)."""
     if "/" not in token:
-        return token in names
+        return token in {Path(f).name for f in files}
     folder = (ROOT / name).parent
     bases = [ROOT / "csrc", ROOT / "moe_ep", folder, *folder.parents]
-    return any((base / token).is_file() for base in bases if base == ROOT or ROOT in base.parents)
+    return any((base / token).resolve().relative_to(ROOT).as_posix() in files
+               for base in bases if base == ROOT or ROOT in base.parents)
 
 
 def _stale() -> list[tuple[str, int, str]]:
     files = _files()
-    names = {Path(f).name for f in files}
+    known = set(files)
     stale = []
     for name in filter(_scanned, files):
         for line, text in _texts(name):
@@ -94,7 +97,7 @@ def _stale() -> list[tuple[str, int, str]]:
                 token = match.group(1)
                 if token in OTHER_PROJECTS or token in MADE_ELSEWHERE:
                     continue
-                if not _resolves(token, name, names):
+                if not _resolves(token, name, known):
                     stale.append((name, line + text.count("\n", 0, match.start()), token))
     return stale
 
@@ -114,7 +117,19 @@ def test_every_path_named_in_comments_exists() -> None:
 ])
 def test_how_a_path_resolves(token: str, name: str, resolves: bool) -> None:
     """A path is found from the root, csrc/, moe_ep/ or the naming file's folders; a bare name anywhere."""
-    assert _resolves(token, name, {Path(f).name for f in _files()}) is resolves
+    assert _resolves(token, name, set(_files())) is resolves
+
+
+def test_an_ignored_file_does_not_resolve() -> None:
+    """A file on this disk that git ignores (a .carry/ script, say) is absent from a clean clone, so naming it fails."""
+    folder = ROOT / "moe_ep" / "__pycache__"
+    folder.mkdir(exist_ok=True)
+    made = folder / "named_but_ignored.py"
+    made.write_text("")
+    try:
+        assert not _resolves("moe_ep/__pycache__/named_but_ignored.py", "README.md", set(_files()))
+    finally:
+        made.unlink()
 
 
 def test_the_scan_finds_tokens() -> None:
