@@ -1,0 +1,342 @@
+"""`torchrun --nproc-per-node 1 -m moe_ep.timeline`: where one MoE step's device time goes, gap by gap.
+
+A step's device span runs from the start of its first kernel, copy or memset to the end of its last. Inside it
+the device is busy (some stream runs something) or idle, in gaps. A gap ends when an op starts, and that op's
+launch call on the host (the same correlation id in torch.profiler's trace) says why the device waited:
+  host     the launch call began after the gap began: the device ran dry while the host was still issuing
+           (Python, allocations, argument checks); `launched by` names the torch ops around the launch call.
+  sync     as `host`, and the host sat in a synchronising call (stream, event or device synchronize, a
+           blocking copy) when the gap began: it waited for the device to drain, then issued the next op
+           (a count read such as `.item()` or `.tolist()`, an exact-size dispatch's receive sizes).
+  device   the op was launched before the gap began and still waited (on another stream's event, say).
+  unknown  the trace has no launch call for the op.
+Each gap also says what the launching thread was running when the device went idle (`host was in`).
+
+The CLI profiles the layer case of moe_ep.bench (moe_ep.MoE, normal mode, one rank's shape; issue 44's
+defaults: 4096 tokens x top-8 over 128 experts, hidden 7168, ffn 2048) pass by pass, each step after an L2
+flush and a device sync, and prints, per pass, the span, busy and idle time of every step, the idle time by
+cause, the kernels by device time and the largest gaps of the median step; --out keeps each pass's trace.
+With several ranks on one GPU the gaps include the other ranks' time slices: read them with one rank per GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import tempfile
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Optional
+
+import torch
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+CALL_CATEGORIES = ("cuda_runtime", "cuda_driver")
+OP_CATEGORIES = ("cpu_op", "user_annotation")
+SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+                        "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize", "cuMemcpyDtoH_v2"})
+CAUSES = ("host", "sync", "device", "unknown")
+STEP_LABEL = "moe_ep.timeline step"
+
+
+@dataclass(frozen=True)
+class DeviceOp:
+    """A kernel, copy or memset as the device ran it (times in us, the trace's clock)."""
+
+    name: str
+    stream: int
+    start: float
+    end: float
+    correlation: Optional[int]
+
+
+@dataclass(frozen=True)
+class HostSpan:
+    """A host-side interval on one thread: a CUDA runtime or driver call (with the correlation id of what it
+    launched) or a torch op / annotation (correlation None)."""
+
+    name: str
+    thread: int
+    start: float
+    end: float
+    correlation: Optional[int] = None
+
+
+@dataclass
+class Trace:
+    """The events of a torch.profiler Chrome trace that the analysis reads."""
+
+    device: list[DeviceOp]
+    calls: list[HostSpan]  # runtime and driver calls
+    ops: list[HostSpan]  # torch ops and record_function annotations
+
+    @classmethod
+    def from_events(cls, events: Iterable[dict]) -> "Trace":
+        device, calls, ops = [], [], []
+        for e in events:
+            if e.get("ph") != "X" or "dur" not in e:
+                continue
+            cat, args = e.get("cat"), e.get("args", {})
+            start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            if cat in DEVICE_CATEGORIES:
+                device.append(DeviceOp(e["name"], int(args.get("stream", e.get("tid", -1))), start, end,
+                                       args.get("correlation")))
+            elif cat in CALL_CATEGORIES:
+                calls.append(HostSpan(e["name"], e.get("tid", 0), start, end, args.get("correlation")))
+            elif cat in OP_CATEGORIES:
+                ops.append(HostSpan(e["name"], e.get("tid", 0), start, end))
+        return cls(sorted(device, key=lambda d: (d.start, d.end)), calls, ops)
+
+    @classmethod
+    def from_profiler(cls, prof: "torch.profiler.profile", keep: Optional[str] = None) -> "Trace":
+        """The trace of a finished torch.profiler run (written to `keep` when given, else to a temporary file)."""
+        if keep is not None:
+            prof.export_chrome_trace(keep)
+            with open(keep) as fh:
+                return cls.from_events(json.load(fh)["traceEvents"])
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as fh:
+                return cls.from_events(json.load(fh)["traceEvents"])
+
+    def steps(self, label: str = STEP_LABEL) -> list["Trace"]:
+        """One Trace per `label` annotation, in order: the device ops launched inside it and the host spans
+        within it."""
+        windows = sorted((o.start, o.end) for o in self.ops if o.name == label)
+        launched = {c.correlation: c.start for c in self.calls if c.correlation is not None}
+        parts = []
+        for lo, hi in windows:
+            def inside(t: float) -> bool:
+                return lo <= t <= hi
+
+            parts.append(Trace([d for d in self.device if inside(launched.get(d.correlation, d.start))],
+                               [c for c in self.calls if inside(c.start)],
+                               [o for o in self.ops if inside(o.start) and o.name != label]))
+        return parts
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Time inside the device span when no stream ran anything, up to the start of `next_op`."""
+
+    start: float
+    end: float
+    cause: str  # one of CAUSES
+    next_op: str
+    before_launch_us: float  # of the gap, the part before the launch call began (0 for "device" and "unknown")
+    launched_by: str  # torch ops around the launch call, outermost first ("" when none)
+    host_was_in: str  # what the launching thread ran when the gap began ("" when between ops)
+
+    @property
+    def us(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Report:
+    """One step: its device span, busy time (any stream running), per-stream busy time, device time per kernel
+    name and every gap."""
+
+    start: float  # the span's first instant (the trace's clock, us)
+    span_us: float
+    busy_us: float
+    issue_us: float = 0.0  # from the first launch call of the step's device ops to the end of the last
+    streams: dict[int, float] = field(default_factory=dict)
+    kernels: dict[str, tuple[int, float]] = field(default_factory=dict)  # kernel_name -> (launches, total us)
+    gaps: list[Gap] = field(default_factory=list)
+
+    @property
+    def idle_us(self) -> float:
+        return self.span_us - self.busy_us
+
+    def idle_by_cause(self) -> dict[str, float]:
+        return {cause: sum(g.us for g in self.gaps if g.cause == cause) for cause in CAUSES}
+
+    def summary(self) -> str:
+        causes = ", ".join(f"{c} {us / 1e3:.3f}" for c, us in self.idle_by_cause().items() if us > 0)
+        return (f"span {self.span_us / 1e3:.3f} ms, busy {self.busy_us / 1e3:.3f}, idle {self.idle_us / 1e3:.3f}"
+                f" ({len(self.gaps)} gaps{': ' + causes if causes else ''}); host issued in {self.issue_us / 1e3:.3f}")
+
+    def lines(self, top_kernels: int = 12, top_gaps: int = 15) -> list[str]:
+        out = [self.summary(), "busy ms per stream: " + ", ".join(f"{s}: {us / 1e3:.3f}"
+                                                                  for s, us in sorted(self.streams.items()))]
+        out.append(f"kernels by device time (top {top_kernels}): launches, ms, name")
+        for name, (n, us) in sorted(self.kernels.items(), key=lambda kv: -kv[1][1])[:top_kernels]:
+            out.append(f"  {n:5d} {us / 1e3:8.3f}  {name}")
+        out.append(f"largest gaps (top {top_gaps}): at ms, us, cause, us before the launch call, next op | "
+                   "launched by | host was in")
+        for g in sorted(self.gaps, key=lambda g: -g.us)[:top_gaps]:
+            out.append(f"  {(g.start - self.start) / 1e3:8.3f} {g.us:8.1f} {g.cause:7s} {g.before_launch_us:8.1f}  "
+                       f"{kernel_name(g.next_op)} | {g.launched_by or '-'} | {g.host_was_in or '-'}")
+        return out
+
+
+def kernel_name(name: str) -> str:
+    """A demangled kernel name without return type, namespaces and arguments: `void a::b::f<4>(...)` -> `f<4>`."""
+    text = re.sub(r"^void\s+", "", name.replace("(anonymous namespace)", "anon"))
+    depth, cut, end = 0, 0, len(text)
+    for i, ch in enumerate(text):  # the argument list and the last "::", both outside template brackets
+        depth += (ch == "<") - (ch == ">")
+        if depth == 0 and ch == "(":
+            end = i
+            break
+        if depth == 0 and text.startswith("::", i):
+            cut = i + 2
+    return text[cut:end].strip()[:80] or name[:80]
+
+
+def _containing(spans: list[HostSpan], thread: int, t: float) -> list[HostSpan]:
+    """The spans of `thread` that contain time t, outermost first."""
+    return sorted((s for s in spans if s.thread == thread and s.start <= t <= s.end), key=lambda s: (s.start, -s.end))
+
+
+def _chain(spans: list[HostSpan]) -> str:
+    names = [s.name for s in spans]
+    keep = names if len(names) <= 3 else [names[0], names[-2], names[-1]]
+    return " > ".join(keep)
+
+
+def analyze(trace: Trace) -> Report:
+    """The device span, busy time and gaps of the device ops in `trace`, each gap's cause from the host side of
+    the trace (module docstring)."""
+    ops = trace.device
+    if not ops:
+        return Report(0.0, 0.0, 0.0)
+    launches = {c.correlation: c for c in trace.calls if c.correlation is not None}
+    syncs = [c for c in trace.calls if c.name in SYNC_CALLS]
+    streams: dict[int, float] = {}
+    kernels: dict[str, tuple[int, float]] = {}
+    for d in ops:
+        streams[d.stream] = streams.get(d.stream, 0.0) + (d.end - d.start)
+        n, us = kernels.get(kernel_name(d.name), (0, 0.0))
+        kernels[kernel_name(d.name)] = (n + 1, us + d.end - d.start)
+
+    span = max(d.end for d in ops) - ops[0].start
+    busy, gaps, reach = 0.0, [], ops[0].start
+    for d in ops:  # sorted by start: the union of [start, end) and the holes between
+        if d.start > reach:
+            gaps.append(_gap(reach, d, launches, syncs, trace.ops + trace.calls))
+        busy += max(0.0, d.end - max(d.start, reach))
+        reach = max(reach, d.end)
+    issued = [launches[d.correlation] for d in ops if d.correlation in launches]
+    issue = max(c.end for c in issued) - min(c.start for c in issued) if issued else 0.0
+    return Report(ops[0].start, span, busy, issue, streams, kernels, gaps)
+
+
+def _gap(start: float, nxt: DeviceOp, launches: dict[int, HostSpan], syncs: list[HostSpan],
+         host: list[HostSpan]) -> Gap:
+    launch = launches.get(nxt.correlation)
+    if launch is None:
+        return Gap(start, nxt.start, "unknown", nxt.name, 0.0, "", "")
+    around = [s for s in _containing(host, launch.thread, launch.start) if s is not launch]
+    was_in = _containing(host, launch.thread, start)
+    was_in_name = was_in[-1].name if was_in else ""
+    launched_by = _chain([s for s in around if s.correlation is None])
+    if launch.start < start:
+        return Gap(start, nxt.start, "device", nxt.name, 0.0, launched_by, was_in_name)
+    waiting = any(s.start <= start <= s.end + 1.0 for s in syncs)
+    return Gap(start, nxt.start, "sync" if waiting else "host", nxt.name, min(launch.start, nxt.start) - start,
+               launched_by, was_in_name)
+
+
+def profile_steps(step: Callable[[], object], steps: int, before: Optional[Callable[[], None]] = None,
+                  keep: Optional[str] = None) -> list[Report]:
+    """Runs step() `steps` times under torch.profiler (CPU and CUDA), each after before() (untimed, e.g. an L2
+    flush) and a device sync and followed by one, and returns each step's Report (empty on CPU: no device)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            if before is not None:
+                before()
+            sync()
+            with record_function(STEP_LABEL):
+                step()
+                sync()
+    return [analyze(part) for part in Trace.from_profiler(prof, keep).steps()]
+
+
+def median_step(reports: list[Report]) -> Report:
+    """The step whose span is the median one (the lower middle for an even count)."""
+    ranked = sorted(reports, key=lambda r: r.span_us)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def pass_lines(name: str, reports: list[Report], min_gap_us: float) -> list[str]:
+    """The printout of one pass: every step's summary, the idle time by cause (median over steps), then the
+    median step's kernels and gaps of at least min_gap_us."""
+    if not any(r.span_us for r in reports):
+        return [f"=== {name}: no device work recorded (CPU run: nothing to attribute)"]
+    out = [f"=== {name}: {len(reports)} steps"]
+    out += [f"step {i}: {r.summary()}" for i, r in enumerate(reports)]
+    med = {c: statistics.median(r.idle_by_cause()[c] for r in reports) for c in CAUSES}
+    out.append("median idle ms by cause: " + ", ".join(f"{c} {us / 1e3:.3f}" for c, us in med.items()))
+    chosen = median_step(reports)
+    chosen = replace(chosen, gaps=[g for g in chosen.gaps if g.us >= min_gap_us])
+    return out + ["median step:"] + ["  " + line for line in chosen.lines()]
+
+
+def _parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m moe_ep.timeline", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens on this rank")
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size")
+    p.add_argument("--experts", type=int, default=128, help="experts in all (one rank holds them all)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token")
+    p.add_argument("--ffn", type=int, default=2048, help="each expert's SwiGLU hidden size")
+    p.add_argument("--passes", default="forward,forward_backward", help="comma-separated: forward, forward_backward")
+    p.add_argument("--fp8", action="store_true", help="MoE(fp8_experts=True) instead of bf16 experts")
+    p.add_argument("--overlap", action="store_true", help="MoE(overlap=True)")
+    p.add_argument("--warmup", type=int, default=3, help="unprofiled steps of each pass first")
+    p.add_argument("--steps", type=int, default=5, help="profiled steps of each pass")
+    p.add_argument("--min-gap-us", type=float, default=5.0, help="gaps shorter than this are counted, not listed")
+    p.add_argument("--out", default=None, help="folder for each pass's Chrome trace and the printout")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from .bench import LayerShape, fresh_forward, layer_inputs
+    from .comm.buffer import Buffer
+    from .launch import init_distributed, shutdown
+    from .moe.layer import MoE
+
+    args = _parse_args(argv)
+    placement = init_distributed()
+    device = placement.device
+    shape = LayerShape(tokens=args.tokens, hidden=args.hidden, experts=args.experts, topk=args.topk, ffn=args.ffn)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    lines = [f"moe_ep.timeline: {shape}, fp8_experts={args.fp8}, overlap={args.overlap}, device {device}"
+             + (" (ranks share this GPU: gaps include their time slices)" if placement.shared_gpu else "")]
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    with Buffer(hidden=shape.hidden, num_experts=shape.experts, num_topk=shape.topk,
+                max_tokens_per_rank=shape.tokens, device=device) as buf:
+        torch.manual_seed(0)
+        moe = MoE(buf, shape.ffn, dtype=torch.bfloat16, fp8_experts=args.fp8)
+        x, grad = layer_inputs(shape, buf.device, seed=buf.rank)
+        passes = {"forward": lambda: fresh_forward(moe, x, args.overlap),
+                  "forward_backward": lambda: fresh_forward(moe, x, args.overlap).backward(grad)}
+        for name in args.passes.split(","):
+            if name not in passes:
+                raise SystemExit(f"--passes: unknown pass {name!r} (forward, forward_backward)")
+            for _ in range(args.warmup):
+                passes[name]()
+            keep = os.path.join(args.out, f"trace_{name}_rank{buf.rank}.json") if args.out else None
+            reports = profile_steps(passes[name], args.steps, before=None if flush is None else flush.zero_,
+                                    keep=keep)
+            lines += pass_lines(f"{name} (rank {buf.rank})", reports, args.min_gap_us)
+    if buf.rank == 0:
+        print("\n".join(lines), flush=True)
+        if args.out:
+            with open(os.path.join(args.out, "timeline.txt"), "w") as fh:
+                fh.write("\n".join(lines) + "\n")
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
