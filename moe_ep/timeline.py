@@ -26,6 +26,7 @@ import os
 import re
 import statistics
 import tempfile
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
@@ -187,9 +188,34 @@ def kernel_name(name: str) -> str:
     return text[cut:end].strip()[:80] or name[:80]
 
 
-def _containing(spans: list[HostSpan], thread: int, t: float) -> list[HostSpan]:
-    """The spans of `thread` that contain time t, outermost first."""
-    return sorted((s for s in spans if s.thread == thread and s.start <= t <= s.end), key=lambda s: (s.start, -s.end))
+class _HostIndex:
+    """A trace's host spans by thread, answering "which spans contain time t" for many (thread, t) at once: one
+    sweep per thread over its spans in start order, with a stack of those that may still be open."""
+
+    def __init__(self, spans: Iterable[HostSpan]) -> None:
+        self.by_thread: dict[object, list[HostSpan]] = defaultdict(list)
+        for s in spans:
+            self.by_thread[s.thread].append(s)
+        for thread_spans in self.by_thread.values():
+            thread_spans.sort(key=lambda s: (s.start, -s.end))
+
+    def containing(self, queries: Iterable[tuple[object, float]]) -> dict[tuple[object, float], list[HostSpan]]:
+        """{(thread, t): the spans of that thread that contain t, outermost (earliest start) first}. A span leaves
+        the stack only when it ended before a later span began, so before t: the stack holds every container."""
+        times: dict[object, set[float]] = defaultdict(set)
+        for thread, t in queries:
+            times[thread].add(t)
+        answers = {}
+        for thread, wanted in times.items():
+            spans, stack, i = self.by_thread.get(thread, []), [], 0
+            for t in sorted(wanted):
+                while i < len(spans) and spans[i].start <= t:
+                    while stack and stack[-1].end < spans[i].start:
+                        stack.pop()
+                    stack.append(spans[i])
+                    i += 1
+                answers[(thread, t)] = [s for s in stack if s.end >= t]
+        return answers
 
 
 def _chain(spans: list[HostSpan]) -> str:
@@ -214,26 +240,29 @@ def analyze(trace: Trace) -> Report:
         kernels[kernel_name(d.name)] = (n + 1, us + d.end - d.start)
 
     span = max(d.end for d in ops) - ops[0].start
-    busy, gaps, reach = 0.0, [], ops[0].start
+    busy, holes, reach = 0.0, [], ops[0].start
     for d in ops:  # sorted by start: the union of [start, end) and the holes between
         if d.start > reach:
-            gaps.append(_gap(reach, d, launches, syncs, trace.ops + trace.calls))
+            holes.append((reach, d, launches.get(d.correlation)))
         busy += max(0.0, d.end - max(d.start, reach))
         reach = max(reach, d.end)
+    queries = [(launch.thread, t) for start, _, launch in holes if launch is not None for t in (start, launch.start)]
+    context = _HostIndex([*trace.ops, *trace.calls]).containing(queries)
+    gaps = [_gap(start, nxt, launch, syncs, context) for start, nxt, launch in holes]
     issued = [launches[d.correlation] for d in ops if d.correlation in launches]
     issue = max(c.end for c in issued) - min(c.start for c in issued) if issued else 0.0
     return Report(ops[0].start, span, busy, issue, streams, kernels, gaps)
 
 
-def _gap(start: float, nxt: DeviceOp, launches: dict[int, HostSpan], syncs: list[HostSpan],
-         host: list[HostSpan]) -> Gap:
-    launch = launches.get(nxt.correlation)
+def _gap(start: float, nxt: DeviceOp, launch: Optional[HostSpan], syncs: list[HostSpan],
+         context: dict[tuple[object, float], list[HostSpan]]) -> Gap:
+    """The gap [start, nxt.start) and its cause (module docstring); `context` holds the host spans around the
+    launch call and around the gap's start on the launching thread."""
     if launch is None:
         return Gap(start, nxt.start, "unknown", nxt.name, 0.0, "", "")
-    around = [s for s in _containing(host, launch.thread, launch.start) if s is not launch]
-    was_in = _containing(host, launch.thread, start)
+    launched_by = _chain([s for s in context[(launch.thread, launch.start)] if s.correlation is None])
+    was_in = context[(launch.thread, start)]
     was_in_name = was_in[-1].name if was_in else ""
-    launched_by = _chain([s for s in around if s.correlation is None])
     if launch.start < start:
         return Gap(start, nxt.start, "device", nxt.name, 0.0, launched_by, was_in_name)
     waiting = any(s.start <= start <= s.end + 1.0 for s in syncs)

@@ -112,6 +112,22 @@ def test_busy_time_and_gaps_match_a_brute_force_timeline() -> None:
         assert sum(n for n, _ in report.kernels.values()) == len(ops)
 
 
+def test_host_context_matches_a_scan_of_every_span() -> None:
+    """The sweep that finds the host spans around a time gives what checking every span gives, nested or not."""
+    rng = random.Random(7)
+    for _ in range(100):
+        spans = []
+        for i in range(rng.randint(0, 40)):
+            start = rng.randint(0, 200)
+            spans.append(timeline.HostSpan(f"s{i}", rng.randint(0, 2), start, start + rng.randint(0, 60)))
+        queries = [(rng.randint(0, 2), rng.randint(-5, 270)) for _ in range(30)]
+        got = timeline._HostIndex(spans).containing(queries)
+        for thread, t in queries:
+            want = [s for s in spans if s.thread == thread and s.start <= t <= s.end]
+            assert sorted(got[(thread, t)], key=id) == sorted(want, key=id)
+            assert [s.start for s in got[(thread, t)]] == sorted(s.start for s in want)
+
+
 def test_a_gap_names_its_cause_and_host_context() -> None:
     """Three kernels, two gaps. The first: the host sat in a stream sync (inside `aten::item`) when it began and
     launched the next kernel 45 us later, from inside `launcher` inside `moe_ep::dispatch_expert_major` (the
