@@ -16,7 +16,9 @@ The CLI profiles the layer case of moe_ep.bench (moe_ep.MoE, normal mode, one ra
 defaults: 4096 tokens x top-8 over 128 experts, hidden 7168, ffn 2048) pass by pass, each step after an L2
 flush and a device sync, and prints, per pass, the span, busy and idle time of every step, the idle time by
 cause, the kernels by device time and the largest gaps of the median step; --out keeps each pass's trace.
-With several ranks on one GPU the gaps include the other ranks' time slices: read them with one rank per GPU.
+`--trace FILE` analyses a trace saved elsewhere instead (a framework's training step under torch.profiler, say),
+step by step where its steps carry a record_function label (--step-label). With several ranks on one GPU the
+gaps include the other ranks' time slices: read them with one rank per GPU.
 """
 from __future__ import annotations
 
@@ -325,7 +327,21 @@ def _parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="profiled steps of each pass")
     p.add_argument("--min-gap-us", type=float, default=5.0, help="gaps shorter than this are counted, not listed")
     p.add_argument("--out", default=None, help="folder for each pass's Chrome trace and the printout")
+    p.add_argument("--trace", default=None,
+                   help="analyse this torch.profiler Chrome trace (export_chrome_trace) instead of profiling the layer")
+    p.add_argument("--step-label", default=STEP_LABEL,
+                   help="with --trace: the record_function label of each step (none found: the whole trace is one)")
     return p.parse_args(argv)
+
+
+def trace_lines(path: str, label: str, min_gap_us: float) -> list[str]:
+    """The printout for a saved Chrome trace: one step per `label` annotation, or the whole trace as one."""
+    with open(path) as fh:
+        trace = Trace.from_events(json.load(fh)["traceEvents"])
+    steps = trace.steps(label) or [trace]
+    return pass_lines(f"{path}, {len(steps)} step(s) labelled {label!r}" if steps[0] is not trace
+                      else f"{path}, the whole trace (no {label!r} annotation)", [analyze(t) for t in steps],
+                      min_gap_us)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -335,6 +351,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     from .moe.layer import MoE
 
     args = _parse_args(argv)
+    if args.trace:
+        print("\n".join(trace_lines(args.trace, args.step_label, args.min_gap_us)), flush=True)
+        return
     placement = init_distributed()
     device = placement.device
     shape = LayerShape(tokens=args.tokens, hidden=args.hidden, experts=args.experts, topk=args.topk, ffn=args.ffn)

@@ -5,6 +5,7 @@ GPU, real torch.profiler traces: a host sleep between two kernels is a `host` ga
 `sync` gap."""
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -194,6 +195,23 @@ def test_cli_runs_on_cpu(tmp_path: Path) -> None:
         assert f"=== {name} (rank 0): no device work recorded" in out.stdout
         assert (tmp_path / f"trace_{name}_rank0.json").is_file()
     assert (tmp_path / "timeline.txt").read_text().startswith("moe_ep.timeline:")
+
+
+def test_cli_analyses_a_saved_trace(tmp_path: Path) -> None:
+    """--trace reads a Chrome trace from elsewhere: by its step annotations when it has them, else as one step."""
+    events = [_op("train step", 1, 0, 100), _op("train step", 1, 200, 300)]
+    for corr, (launch, start) in enumerate([(10, 20), (50, 90), (210, 230), (290, 320)]):
+        events += [_call("cudaLaunchKernel", 1, launch, launch + 1, corr), _device(f"k{corr}", 7, start, start + 5, corr)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    for label, want in (("train step", ["step 0: span 0.075 ms", "step 1: span 0.095 ms"]),
+                        ("no such label", ["the whole trace", "step 0: span 0.305 ms"])):
+        out = subprocess.run([sys.executable, "-m", "moe_ep.timeline", "--trace", str(path), "--step-label", label],
+                             capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0, out.stderr
+        for text in want:
+            assert text in out.stdout, out.stdout
+        assert "host issued in" in out.stdout and "largest gaps" in out.stdout
 
 
 @requires_gpus(1)
