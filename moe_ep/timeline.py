@@ -23,6 +23,7 @@ gaps include the other ranks' time slices: read them with one rank per GPU.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import re
@@ -131,6 +132,7 @@ class Gap:
     before_launch_us: float  # of the gap, the part before the launch call began (0 for "device" and "unknown")
     launched_by: str  # torch ops around the launch call, outermost first ("" when none)
     host_was_in: str  # what the launching thread ran when the gap began ("" when between ops)
+    host_calls: str = ""  # the launching thread's longest CUDA calls between the gap's start and the launch
 
     @property
     def us(self) -> float:
@@ -169,15 +171,38 @@ class Report:
         for name, (n, us) in sorted(self.kernels.items(), key=lambda kv: -kv[1][1])[:top_kernels]:
             out.append(f"  {n:5d} {us / 1e3:8.3f}  {name}")
         out.append(f"largest gaps (top {top_gaps}): at ms, us, cause, us before the launch call, next op | "
-                   "launched by | host was in")
+                   "launched by | host was in | its CUDA calls before the launch (us)")
         for g in sorted(self.gaps, key=lambda g: -g.us)[:top_gaps]:
             out.append(f"  {(g.start - self.start) / 1e3:8.3f} {g.us:8.1f} {g.cause:7s} {g.before_launch_us:8.1f}  "
-                       f"{kernel_name(g.next_op)} | {g.launched_by or '-'} | {g.host_was_in or '-'}")
+                       f"{kernel_name(g.next_op)} | {g.launched_by or '-'} | {g.host_was_in or '-'} | "
+                       f"{g.host_calls or '-'}")
         return out
 
 
+def _mangled_function(name: str) -> Optional[str]:
+    """The function's own name in an Itanium-mangled one (`_ZN6moe_ep2ll8dispatchI...` -> `dispatch`; a static
+    kernel's `__nv_static_..._ZN...` too), or None when there is none to read."""
+    nested = name.find("_ZN")
+    at = nested + 3 if nested >= 0 else name.find("_Z") + 2
+    if at < 2:
+        return None
+    last = None
+    while at < len(name) and name[at].isdigit():
+        digits = at
+        while at < len(name) and name[at].isdigit():
+            at += 1
+        length = int(name[digits:at])
+        last, at = name[at:at + length], at + length
+        if nested < 0:
+            break
+    return last or None
+
+
 def kernel_name(name: str) -> str:
-    """A demangled kernel name without return type, namespaces and arguments: `void a::b::f<4>(...)` -> `f<4>`."""
+    """A kernel's own name: demangled names lose return type, namespaces and arguments (`void a::b::f<4>(...)` ->
+    `f<4>`), mangled ones are read (_mangled_function)."""
+    if name.startswith(("_Z", "__nv_static_")):
+        return (_mangled_function(name) or name)[:80]
     text = re.sub(r"^void\s+", "", name.replace("(anonymous namespace)", "anon"))
     depth, cut, end = 0, 0, len(text)
     for i, ch in enumerate(text):  # the argument list and the last "::", both outside template brackets
@@ -220,6 +245,33 @@ class _HostIndex:
         return answers
 
 
+class _CallIndex:
+    """A trace's CUDA runtime and driver calls by thread, in start order, for "which calls ran between t0 and t1"."""
+
+    def __init__(self, calls: Iterable[HostSpan]) -> None:
+        self.by_thread: dict[object, list[HostSpan]] = defaultdict(list)
+        for c in calls:
+            self.by_thread[c.thread].append(c)
+        self.starts = {}
+        self.longest = {}
+        for thread, thread_calls in self.by_thread.items():
+            thread_calls.sort(key=lambda c: c.start)
+            self.starts[thread] = [c.start for c in thread_calls]
+            self.longest[thread] = max(c.end - c.start for c in thread_calls)
+
+    def during(self, thread: object, t0: float, t1: float, shown: int = 3, min_us: float = 5.0) -> str:
+        """The calls of `thread` overlapping [t0, t1), their overlap summed by name, the `shown` longest of at least
+        min_us: "cudaMalloc 292, cudaEventSynchronize 13"."""
+        if thread not in self.by_thread or t1 <= t0:
+            return ""
+        spent: dict[str, float] = defaultdict(float)
+        first = bisect.bisect_left(self.starts[thread], t0 - self.longest[thread])
+        for c in self.by_thread[thread][first:bisect.bisect_left(self.starts[thread], t1)]:
+            spent[c.name] += max(0.0, min(c.end, t1) - max(c.start, t0))
+        top = sorted(((us, name) for name, us in spent.items() if us >= min_us), reverse=True)[:shown]
+        return ", ".join(f"{name} {us:.0f}" for us, name in top)
+
+
 def _chain(spans: list[HostSpan]) -> str:
     names = [s.name for s in spans]
     keep = names if len(names) <= 3 else [names[0], names[-2], names[-1]]
@@ -250,16 +302,17 @@ def analyze(trace: Trace) -> Report:
         reach = max(reach, d.end)
     queries = [(launch.thread, t) for start, _, launch in holes if launch is not None for t in (start, launch.start)]
     context = _HostIndex([*trace.ops, *trace.calls]).containing(queries)
-    gaps = [_gap(start, nxt, launch, syncs, context) for start, nxt, launch in holes]
+    calls = _CallIndex(trace.calls)
+    gaps = [_gap(start, nxt, launch, syncs, context, calls) for start, nxt, launch in holes]
     issued = [launches[d.correlation] for d in ops if d.correlation in launches]
     issue = max(c.end for c in issued) - min(c.start for c in issued) if issued else 0.0
     return Report(ops[0].start, span, busy, issue, streams, kernels, gaps)
 
 
 def _gap(start: float, nxt: DeviceOp, launch: Optional[HostSpan], syncs: list[HostSpan],
-         context: dict[tuple[object, float], list[HostSpan]]) -> Gap:
+         context: dict[tuple[object, float], list[HostSpan]], calls: "_CallIndex") -> Gap:
     """The gap [start, nxt.start) and its cause (module docstring); `context` holds the host spans around the
-    launch call and around the gap's start on the launching thread."""
+    launch call and around the gap's start on the launching thread, `calls` that thread's CUDA calls."""
     if launch is None:
         return Gap(start, nxt.start, "unknown", nxt.name, 0.0, "", "")
     launched_by = _chain([s for s in context[(launch.thread, launch.start)] if s.correlation is None])
@@ -269,7 +322,7 @@ def _gap(start: float, nxt: DeviceOp, launch: Optional[HostSpan], syncs: list[Ho
         return Gap(start, nxt.start, "device", nxt.name, 0.0, launched_by, was_in_name)
     waiting = any(s.start <= start <= s.end + 1.0 for s in syncs)
     return Gap(start, nxt.start, "sync" if waiting else "host", nxt.name, min(launch.start, nxt.start) - start,
-               launched_by, was_in_name)
+               launched_by, was_in_name, calls.during(launch.thread, start, launch.start))
 
 
 def profile_steps(step: Callable[[], object], steps: int, before: Optional[Callable[[], None]] = None,

@@ -143,6 +143,8 @@ def test_a_gap_names_its_cause_and_host_context() -> None:
         _call("cudaStreamSynchronize", 11, 152, 214),
         _op("moe_ep::dispatch_expert_major", 11, 230, 258),
         _op("aten::empty", 11, 232, 236),
+        _call("cudaMalloc", 11, 233, 236),
+        _call("cudaStreamIsCapturing", 11, 237, 238),
         _op("launcher", 11, 240, 257),
         _call("cudaLaunchKernel", 11, 245, 250, 2),
         _call("cudaLaunchKernel", 11, 251, 252, 3),
@@ -153,6 +155,7 @@ def test_a_gap_names_its_cause_and_host_context() -> None:
     first, second = report.gaps
     assert first.host_was_in == "cudaStreamSynchronize"
     assert first.launched_by == "moe_ep::dispatch_expert_major > launcher"
+    assert first.host_calls == "cudaStreamSynchronize 14"  # the 3 us cudaMalloc and 1 us check fall under 5 us
     assert second.launched_by == "moe_ep::dispatch_expert_major > launcher" and second.host_was_in == ""
     assert report.idle_by_cause() == {"host": 0, "sync": 60, "device": 50, "unknown": 0}
     assert report.streams == {7: 140, 9: 50} and report.issue_us == 252 - 90
@@ -176,6 +179,10 @@ def test_steps_are_split_by_their_annotations() -> None:
     ("void moe_ep::intranode::(anonymous namespace)::dispatch_kernel<4>(moe_ep::intranode::DeviceContext)",
      "dispatch_kernel<4>"),
     ("_route_kernel", "_route_kernel"),
+    ("__nv_static_39__f2c3e3b3_17_stamp_exchange_cu_f6ab6c95__ZN6moe_ep10call_check50_GLOBAL__N__f2c3e3b3_17_stamp_"
+     "exchange_cu_f6ab6c9515exchange_kernelENS0_7ContextENS0_4ArgsE", "exchange_kernel"),
+    ("_Z14plain_function4Args", "plain_function"),
+    ("_ZN6moe_ep2ll8dispatchILNS0_9RowFormatE0ELb0EEEvv", "dispatch"),
     ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl<X>(at::TensorIteratorBase&)::"
      "{lambda(int)#1}>(int, T)", "elementwise_kernel<128, 2, at::native::gpu_kernel_impl<X>(at::TensorIteratorBase&)::"
      "{lambda(int)#1}>"),
