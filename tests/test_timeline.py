@@ -6,6 +6,7 @@ GPU, real torch.profiler traces: a host sleep between two kernels is a `host` ga
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -21,6 +22,12 @@ from moe_ep.timeline import CAUSES, SYNC_CALLS, Trace, analyze, kernel_name
 from tests._dist import requires_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This process's environment for a CLI run on CPU from this checkout."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", **extra,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
 def _device(name: str, stream: int, start: int, end: int, corr: int | None) -> dict:
@@ -196,7 +203,7 @@ def test_cli_runs_on_cpu(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "moe_ep.timeline", "--tokens", "32", "--hidden", "256", "--experts",
                           "8", "--ffn", "128", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "MASTER_PORT": "29547"})
+                         env=_env(MASTER_PORT="29547"))
     assert out.returncode == 0, out.stderr
     for name in ("forward", "forward_backward"):
         assert f"=== {name} (rank 0): no device work recorded" in out.stdout
@@ -214,7 +221,7 @@ def test_cli_analyses_a_saved_trace(tmp_path: Path) -> None:
     for label, want in (("train step", ["step 0: span 0.075 ms", "step 1: span 0.095 ms"]),
                         ("no such label", ["the whole trace", "step 0: span 0.305 ms"])):
         out = subprocess.run([sys.executable, "-m", "moe_ep.timeline", "--trace", str(path), "--step-label", label],
-                             capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT)})
+                             capture_output=True, text=True, timeout=120, env=_env())
         assert out.returncode == 0, out.stderr
         for text in want:
             assert text in out.stdout, out.stdout
