@@ -74,10 +74,11 @@ class Trace:
     device: list[DeviceOp]
     calls: list[HostSpan]  # runtime and driver calls
     ops: list[HostSpan]  # torch ops and record_function annotations
+    python: list[HostSpan] = field(default_factory=list)  # Python frames (a profile made with_stack=True)
 
     @classmethod
     def from_events(cls, events: Iterable[dict]) -> "Trace":
-        device, calls, ops = [], [], []
+        device, calls, ops, python = [], [], [], []
         for e in events:
             if e.get("ph") != "X" or "dur" not in e:
                 continue
@@ -90,7 +91,9 @@ class Trace:
                 calls.append(HostSpan(e["name"], e.get("tid", 0), start, end, args.get("correlation")))
             elif cat in OP_CATEGORIES:
                 ops.append(HostSpan(e["name"], e.get("tid", 0), start, end))
-        return cls(sorted(device, key=lambda d: (d.start, d.end)), calls, ops)
+            elif cat == "python_function":
+                python.append(HostSpan(e["name"], e.get("tid", 0), start, end))
+        return cls(sorted(device, key=lambda d: (d.start, d.end)), calls, ops, python)
 
     @classmethod
     def from_profiler(cls, prof: "torch.profiler.profile", keep: Optional[str] = None) -> "Trace":
@@ -117,7 +120,8 @@ class Trace:
 
             parts.append(Trace([d for d in self.device if inside(launched.get(d.correlation, d.start))],
                                [c for c in self.calls if inside(c.start)],
-                               [o for o in self.ops if inside(o.start) and o.name != label]))
+                               [o for o in self.ops if inside(o.start) and o.name != label],
+                               [f for f in self.python if inside(f.start)]))
         return parts
 
 
@@ -133,6 +137,7 @@ class Gap:
     launched_by: str  # torch ops around the launch call, outermost first ("" when none)
     host_was_in: str  # what the launching thread ran when the gap began ("" when between ops)
     host_calls: str = ""  # the launching thread's longest CUDA calls between the gap's start and the launch
+    python: str = ""  # with Python frames in the trace: the code running when the gap began -> at the launch
 
     @property
     def us(self) -> float:
@@ -171,11 +176,12 @@ class Report:
         for name, (n, us) in sorted(self.kernels.items(), key=lambda kv: -kv[1][1])[:top_kernels]:
             out.append(f"  {n:5d} {us / 1e3:8.3f}  {name}")
         out.append(f"largest gaps (top {top_gaps}): at ms, us, cause, us before the launch call, next op | "
-                   "launched by | host was in | its CUDA calls before the launch (us)")
+                   "launched by | host was in | its CUDA calls before the launch (us)"
+                   + (" | Python when the gap began -> at the launch" if any(g.python for g in self.gaps) else ""))
         for g in sorted(self.gaps, key=lambda g: -g.us)[:top_gaps]:
             out.append(f"  {(g.start - self.start) / 1e3:8.3f} {g.us:8.1f} {g.cause:7s} {g.before_launch_us:8.1f}  "
                        f"{kernel_name(g.next_op)} | {g.launched_by or '-'} | {g.host_was_in or '-'} | "
-                       f"{g.host_calls or '-'}")
+                       f"{g.host_calls or '-'}" + (f" | {g.python}" if g.python else ""))
         return out
 
 
@@ -272,6 +278,15 @@ class _CallIndex:
         return ", ".join(f"{name} {us:.0f}" for us, name in top)
 
 
+def _own_frame(frames: list[HostSpan]) -> str:
+    """Of Python frames outermost first, the innermost in moe_ep, else the innermost outside torch and builtins."""
+    for test in (lambda n: "moe_ep/" in n, lambda n: not n.startswith("<") and "torch/" not in n):
+        for f in reversed(frames):
+            if test(f.name):
+                return f.name
+    return ""
+
+
 def _chain(spans: list[HostSpan]) -> str:
     names = [s.name for s in spans]
     keep = names if len(names) <= 3 else [names[0], names[-2], names[-1]]
@@ -302,17 +317,20 @@ def analyze(trace: Trace) -> Report:
         reach = max(reach, d.end)
     queries = [(launch.thread, t) for start, _, launch in holes if launch is not None for t in (start, launch.start)]
     context = _HostIndex([*trace.ops, *trace.calls]).containing(queries)
+    frames = _HostIndex(trace.python).containing(queries)
     calls = _CallIndex(trace.calls)
-    gaps = [_gap(start, nxt, launch, syncs, context, calls) for start, nxt, launch in holes]
+    gaps = [_gap(start, nxt, launch, syncs, context, calls, frames) for start, nxt, launch in holes]
     issued = [launches[d.correlation] for d in ops if d.correlation in launches]
     issue = max(c.end for c in issued) - min(c.start for c in issued) if issued else 0.0
     return Report(ops[0].start, span, busy, issue, streams, kernels, gaps)
 
 
 def _gap(start: float, nxt: DeviceOp, launch: Optional[HostSpan], syncs: list[HostSpan],
-         context: dict[tuple[object, float], list[HostSpan]], calls: "_CallIndex") -> Gap:
-    """The gap [start, nxt.start) and its cause (module docstring); `context` holds the host spans around the
-    launch call and around the gap's start on the launching thread, `calls` that thread's CUDA calls."""
+         context: dict[tuple[object, float], list[HostSpan]], calls: "_CallIndex",
+         frames: dict[tuple[object, float], list[HostSpan]]) -> Gap:
+    """The gap [start, nxt.start) and its cause (module docstring); `context` and `frames` hold the host spans and
+    Python frames around the launch call and around the gap's start on the launching thread, `calls` that
+    thread's CUDA calls."""
     if launch is None:
         return Gap(start, nxt.start, "unknown", nxt.name, 0.0, "", "")
     launched_by = _chain([s for s in context[(launch.thread, launch.start)] if s.correlation is None])
@@ -321,20 +339,25 @@ def _gap(start: float, nxt: DeviceOp, launch: Optional[HostSpan], syncs: list[Ho
     if launch.start < start:
         return Gap(start, nxt.start, "device", nxt.name, 0.0, launched_by, was_in_name)
     waiting = any(s.start <= start <= s.end + 1.0 for s in syncs)
+    python = " -> ".join((_own_frame(frames[(launch.thread, start)]) or "-",
+                          _own_frame(frames[(launch.thread, launch.start)]) or "-"))
     return Gap(start, nxt.start, "sync" if waiting else "host", nxt.name, min(launch.start, nxt.start) - start,
-               launched_by, was_in_name, calls.during(launch.thread, start, launch.start))
+               launched_by, was_in_name, calls.during(launch.thread, start, launch.start),
+               python if python != "- -> -" else "")
 
 
 def profile_steps(step: Callable[[], object], steps: int, before: Optional[Callable[[], None]] = None,
-                  keep: Optional[str] = None) -> list[Report]:
+                  keep: Optional[str] = None, python: bool = False) -> list[Report]:
     """Runs step() `steps` times under torch.profiler (CPU and CUDA), each after before() (untimed, e.g. an L2
-    flush) and a device sync and followed by one, and returns each step's Report (empty on CPU: no device)."""
+    flush) and a device sync and followed by one, and returns each step's Report (empty on CPU: no device).
+    python=True records Python frames too (with_stack), which names the code behind each gap but slows the
+    host, so its gaps grow: read causes from it, sizes from a run without."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=python) as prof:
         for _ in range(steps):
             if before is not None:
                 before()
@@ -379,6 +402,8 @@ def _parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="unprofiled steps of each pass first")
     p.add_argument("--steps", type=int, default=5, help="profiled steps of each pass")
     p.add_argument("--min-gap-us", type=float, default=5.0, help="gaps shorter than this are counted, not listed")
+    p.add_argument("--python", action="store_true",
+                   help="record Python frames (slows the host: gaps grow) to name the code running in each gap")
     p.add_argument("--out", default=None, help="folder for each pass's Chrome trace and the printout")
     p.add_argument("--trace", default=None,
                    help="analyse this torch.profiler Chrome trace (export_chrome_trace) instead of profiling the layer")
@@ -429,7 +454,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 passes[name]()
             keep = os.path.join(args.out, f"trace_{name}_rank{buf.rank}.json") if args.out else None
             reports = profile_steps(passes[name], args.steps, before=None if flush is None else flush.zero_,
-                                    keep=keep)
+                                    keep=keep, python=args.python)
             lines += pass_lines(f"{name} (rank {buf.rank})", reports, args.min_gap_us)
     if buf.rank == 0:
         print("\n".join(lines), flush=True)

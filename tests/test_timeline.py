@@ -170,6 +170,31 @@ def test_a_gap_names_its_cause_and_host_context() -> None:
     assert "first_kernel<4>" in lines and "second" in lines and "sync" in lines
 
 
+def _frame(name: str, thread: int, start: int, end: int) -> dict:
+    return {"ph": "X", "cat": "python_function", "name": name, "pid": 1, "tid": thread, "ts": start,
+            "dur": end - start}
+
+
+def test_python_frames_name_the_code_of_a_gap() -> None:
+    """With Python frames in the trace, a host gap names the innermost moe_ep frame when it began and at the
+    launch (torch's and builtin frames skipped), else the innermost frame outside torch."""
+    kernels = {"a": (100, 200, 90), "b": (300, 310, 280), "c": (400, 410, 390)}  # start, end, launch call
+    frames = {"train.py(10): step": (0, 500), "moe_ep/moe/layer.py(270): forward": (150, 290),
+              "torch/nn/modules/module.py(1775): _call_impl": (190, 220),
+              "<built-in method item of Tensor object>": (195, 215),
+              "moe_ep/comm/backends/nvshmem.py(200): dispatch": (270, 285), "torch/_ops.py(1123): __call__": (275, 284)}
+    events = [_frame(name, 5, *at) for name, at in frames.items()]
+    for corr, (name, (start, end, launch)) in enumerate(kernels.items()):
+        events += [_device(name, 7, start, end, corr), _call("cudaLaunchKernel", 5, launch, launch + 1, corr)]
+    report = analyze(Trace.from_events(events))
+    assert [g.python for g in report.gaps] == [
+        "moe_ep/moe/layer.py(270): forward -> moe_ep/comm/backends/nvshmem.py(200): dispatch",
+        "train.py(10): step -> train.py(10): step"]
+    assert "moe_ep/moe/layer.py(270): forward -> " in "\n".join(report.lines())
+    plain = analyze(Trace.from_events([e for e in events if e["cat"] != "python_function"]))
+    assert [g.python for g in plain.gaps] == ["", ""] and "Python when" not in "\n".join(plain.lines())
+
+
 def test_steps_are_split_by_their_annotations() -> None:
     """Device ops belong to the step whose annotation holds their launch call; a flush launched between the
     steps belongs to none."""
