@@ -471,6 +471,7 @@ class SmEfficiency:
     copy_us: float
     kernel_us: Optional[float]  # device time of the op's kernels (profiler); None on CPU
     copy_kernel_us: Optional[float]
+    longest_kernel_us: Optional[float] = None  # of those kernels, the longest (the one that moves the rows)
 
     @property
     def kept(self) -> float:
@@ -483,11 +484,27 @@ class SmEfficiency:
         return self.copy_kernel_us / self.kernel_us
 
     @property
+    def kept_longest(self) -> Optional[float]:
+        """What the op's longest kernel alone keeps of the copy's rate."""
+        if self.longest_kernel_us is None or self.copy_kernel_us is None:
+            return None
+        return self.copy_kernel_us / self.longest_kernel_us
+
+    @property
+    def kept_at_copy_rate(self) -> Optional[float]:
+        """kept_kernels if the longest kernel ran at the copy's rate and the op's other kernels (its stamp
+        exchange, a dispatch's notify) took what they took: how far a faster row kernel alone can go."""
+        if self.longest_kernel_us is None or self.copy_kernel_us is None or self.kernel_us is None:
+            return None
+        return self.copy_kernel_us / (self.copy_kernel_us + self.kernel_us - self.longest_kernel_us)
+
+    @property
     def goal(self) -> Optional[float]:
         return SM_EFFICIENCY_GOAL if self.sms == SM_EFFICIENCY_GOAL_SMS else None
 
     def as_json(self) -> dict:
-        return {**asdict(self), "kept": self.kept, "kept_kernels": self.kept_kernels, "goal": self.goal}
+        return {**asdict(self), "kept": self.kept, "kept_kernels": self.kept_kernels, "kept_longest": self.kept_longest,
+                "kept_at_copy_rate": self.kept_at_copy_rate, "goal": self.goal}
 
 
 def sm_efficiency(rows: list[Row]) -> list[SmEfficiency]:
@@ -495,7 +512,7 @@ def sm_efficiency(rows: list[Row]) -> list[SmEfficiency]:
     case = [r for r in rows if r.case == "sm-efficiency"]
     copies = {(r.sms, r.recv_bytes): r for r in case if r.op == SM_COPY_OP}
     return [SmEfficiency(r.op, r.sms, r.recv_bytes, r.extra.get("metadata_bytes", 0), r.call_us, c.call_us,
-                         r.kernel_us, c.kernel_us)
+                         r.kernel_us, c.kernel_us, max(r.extra["kernels"].values()) if r.extra.get("kernels") else None)
             for r in case if r.op in SM_EFFICIENCY_OPS and (c := copies.get((r.sms, r.recv_bytes))) is not None]
 
 
@@ -506,13 +523,16 @@ def sm_efficiency_lines(rows: list[Row]) -> list[str]:
     if not effs:
         return []
     head = (f"{'op':<14}{'SMs':>5}{'bytes':>11}{'meta B':>9}{'call us':>9}{'copy us':>9}{'kept':>6}"
-            f"{'kernel us':>11}{'copy kern':>10}{'kept':>6}{'goal':>6}")
+            f"{'kernel us':>11}{'copy kern':>10}{'kept':>6}{'longest':>9}{'kept':>6}{'at copy':>8}{'goal':>6}")
     lines = ["sm-efficiency, EP1 (every row to this rank): each op beside sm_copy of its bytes on as many SMs; "
-             "kept = copy us / op us, whole calls, then kernels alone (profiler); meta B: what a dispatch writes "
-             "besides, not copied", head, "-" * len(head)]
+             "kept = copy us / op us, whole calls, then kernels alone (profiler), then the op's longest kernel "
+             "alone; at copy: what kernels alone would keep with that kernel at the copy's rate and the others "
+             "as they are; meta B: what a dispatch writes besides, not copied", head, "-" * len(head)]
     lines += [f"{e.op:<14}{e.sms:>5}{e.bytes:>11}{e.metadata_bytes:>9}{e.call_us:>9.1f}{e.copy_us:>9.1f}"
               f"{e.kept:>6.2f}{_num(e.kernel_us) or '-':>11}{_num(e.copy_kernel_us) or '-':>10}"
-              f"{_num(e.kept_kernels, '.2f') or '-':>6}{_num(e.goal, 'g') or '-':>6}" for e in effs]
+              f"{_num(e.kept_kernels, '.2f') or '-':>6}{_num(e.longest_kernel_us) or '-':>9}"
+              f"{_num(e.kept_longest, '.2f') or '-':>6}{_num(e.kept_at_copy_rate, '.2f') or '-':>8}"
+              f"{_num(e.goal, 'g') or '-':>6}" for e in effs]
     case = [r for r in rows if r.case == "sm-efficiency"]
     lines += [f"copy engine (dst.copy_(src), no SM budget): {r.recv_bytes} bytes in {r.call_us:.1f} us "
               f"({r.gbps:.0f} GB/s)" for r in case if r.op == COPY_ENGINE_OP]

@@ -291,8 +291,13 @@ def _sm_rows(copied_exactly: bool = True) -> list[bench.Row]:
         return bench.Row("sm-efficiency", op, backend, sms, 4096, 7168, us, kernel_us, nbytes, 0, topology="1x1",
                          experts=256, topk=8, extra=dict(extra))
 
-    rows = [row(op, "nvshmem", sms, 100.0 * i + sms, 90.0 * i + sms, nbytes, **({"metadata_bytes": 4096 * 104}
-                                                                                  if op.startswith("dispatch") else {}))
+    def split(op: str, kernel_us: float) -> dict:
+        """The op's kernels as the profiler splits them: a stamp exchange, a dispatch's notify, the rest one kernel."""
+        fixed = {"exchange_kernel": 4.5, **({"notify_kernel": 14.0} if op.startswith("dispatch") else {})}
+        return {**fixed, "main_kernel": kernel_us - sum(fixed.values())}
+
+    rows = [row(op, "nvshmem", sms, 100.0 * i + sms, 90.0 * i + sms, nbytes, kernels=split(op, 90.0 * i + sms),
+                **({"metadata_bytes": 4096 * 104} if op.startswith("dispatch") else {}))
             for sms in (4, 8)
             for i, (op, nbytes) in enumerate((("dispatch_bf16", bf16), ("dispatch_fp8", fp8), ("combine_bf16", bf16)),
                                              start=1)]
@@ -314,9 +319,13 @@ def test_sm_efficiency_pairs_each_op_with_the_copy_of_its_bytes_and_sms() -> Non
         assert (e.bytes, e.call_us, e.kernel_us, e.copy_us, e.copy_kernel_us) == (
             op.recv_bytes, op.call_us, op.kernel_us, copy.call_us, copy.kernel_us)
         assert e.kept == copy.call_us / op.call_us and e.kept_kernels == copy.kernel_us / op.kernel_us
+        fixed = 18.5 if e.op.startswith("dispatch") else 4.5  # the stand-in's exchange (and notify)
+        assert e.longest_kernel_us == op.kernel_us - fixed
+        assert math.isclose(e.kept_longest, copy.kernel_us / (op.kernel_us - fixed))
+        assert math.isclose(e.kept_at_copy_rate, copy.kernel_us / (copy.kernel_us + fixed))
         assert e.metadata_bytes == (4096 * 104 if e.op.startswith("dispatch") else 0)
         assert e.goal == (bench.SM_EFFICIENCY_GOAL if e.sms == bench.SM_EFFICIENCY_GOAL_SMS else None)
-        assert {"kept", "kept_kernels", "goal"} <= e.as_json().keys()
+        assert {"kept", "kept_kernels", "kept_longest", "kept_at_copy_rate", "goal"} <= e.as_json().keys()
     # the goal's SM budget only: whole call and kernels alone for each op, as floors on copy / op
     targets = bench.sm_efficiency_targets(rows)
     assert len(targets) == 2 * len(bench.SM_EFFICIENCY_OPS)
@@ -329,7 +338,7 @@ def test_sm_efficiency_pairs_each_op_with_the_copy_of_its_bytes_and_sms() -> Non
 def test_sm_efficiency_lines_show_every_op_the_copy_engine_and_a_bad_copy() -> None:
     lines = bench.sm_efficiency_lines(_sm_rows())
     (head,) = [line for line in lines if line.startswith("op ")]
-    for column in ("SMs", "bytes", "meta B", "call us", "copy us", "kept", "kernel us", "goal"):
+    for column in ("SMs", "bytes", "meta B", "call us", "copy us", "kept", "kernel us", "longest", "at copy", "goal"):
         assert column in head, head
     body = lines[lines.index(head) + 2:]
     assert sum(line.startswith(bench.SM_EFFICIENCY_OPS) for line in body) == 6
@@ -517,6 +526,7 @@ def test_sm_efficiency_runs_at_ep1(tmp_path: Path) -> None:
     assert len(copies) == 2 * 3 and all(r["extra"]["copied_exactly"] for r in copies)
     assert all(r["remote_bytes"] == 0 and r["topology"] == "1x1" for r in rows)
     assert len(result["sm_efficiency"]) == 6 and all(_positive(e["kept"]) for e in result["sm_efficiency"])
+    assert all(_positive(e["kept_longest"]) and e["kept_at_copy_rate"] <= 1 for e in result["sm_efficiency"])
     assert len(result["targets"]) == 6 and "sm-efficiency, EP1" in stdout
 
 
