@@ -10,7 +10,9 @@ launch call on the host (the same correlation id in torch.profiler's trace) says
            (a count read such as `.item()` or `.tolist()`, an exact-size dispatch's receive sizes).
   device   the op was launched before the gap began and still waited (on another stream's event, say).
   unknown  the trace has no launch call for the op.
-Each gap also says what the launching thread was running when the device went idle (`host was in`).
+Each gap also says what the launching thread was running when the device went idle (`host was in`), its CUDA
+calls before the launch (a cudaMalloc, say) and, in a trace with Python frames (--python: torch.profiler's
+with_stack, which slows the host), the moe_ep code running when the gap began and at the launch.
 
 The CLI profiles the layer case of moe_ep.bench (moe_ep.MoE, normal mode, one rank's shape; issue 44's
 defaults: 4096 tokens x top-8 over 128 experts, hidden 7168, ffn 2048) pass by pass, each step after an L2
@@ -61,7 +63,7 @@ class HostSpan:
     launched) or a torch op / annotation (correlation None)."""
 
     name: str
-    thread: int
+    thread: object  # the trace's thread id
     start: float
     end: float
     correlation: Optional[int] = None
@@ -85,8 +87,7 @@ class Trace:
             cat, args = e.get("cat"), e.get("args", {})
             start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
             if cat in DEVICE_CATEGORIES:
-                device.append(DeviceOp(e["name"], int(args.get("stream", e.get("tid", -1))), start, end,
-                                       args.get("correlation")))
+                device.append(DeviceOp(e["name"], int(args.get("stream", -1)), start, end, args.get("correlation")))
             elif cat in CALL_CATEGORIES:
                 calls.append(HostSpan(e["name"], e.get("tid", 0), start, end, args.get("correlation")))
             elif cat in OP_CATEGORIES:
