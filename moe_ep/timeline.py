@@ -6,8 +6,9 @@ launch call on the host (the same correlation id in torch.profiler's trace) says
   host     the launch call began after the gap began: the device ran dry while the host was still issuing
            (Python, allocations, argument checks); `launched by` names the torch ops around the launch call.
   sync     as `host`, and the host sat in a synchronising call (stream, event or device synchronize, a
-           blocking copy) when the gap began: it waited for the device to drain, then issued the next op
-           (a count read such as `.item()` or `.tolist()`, an exact-size dispatch's receive sizes).
+           blocking copy, a copy to pageable host memory) when the gap began: it waited for the device to
+           drain, then issued the next op (a count read such as `.item()` or `.tolist()`, an exact-size
+           dispatch's receive sizes).
   device   the op was launched before the gap began and still waited (on another stream's event, say).
   unknown  the trace has no launch call for the op.
 Each gap also says what the launching thread was running when the device went idle (`host was in`), its CUDA
@@ -301,7 +302,9 @@ def analyze(trace: Trace) -> Report:
     if not ops:
         return Report(0.0, 0.0, 0.0)
     launches = {c.correlation: c for c in trace.calls if c.correlation is not None}
-    syncs = [c for c in trace.calls if c.name in SYNC_CALLS]
+    blocking = {d.correlation for d in ops if d.name.startswith("Memcpy DtoH") and "Pageable" in d.name}
+    syncs = [c for c in trace.calls if c.name in SYNC_CALLS or c.correlation in blocking]  # a copy to pageable
+    # host memory returns once it is done, so its call is a synchronisation too (torch's .item() makes one)
     streams: dict[int, float] = {}
     kernels: dict[str, tuple[int, float]] = {}
     for d in ops:
