@@ -100,15 +100,16 @@ class Trace:
     @classmethod
     def from_profiler(cls, prof: "torch.profiler.profile", keep: Optional[str] = None) -> "Trace":
         """The trace of a finished torch.profiler run (written to `keep` when given, else to a temporary file)."""
-        if keep is not None:
-            prof.export_chrome_trace(keep)
-            with open(keep) as fh:
-                return cls.from_events(json.load(fh)["traceEvents"])
         with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "trace.json")
+            path = keep or os.path.join(folder, "trace.json")
             prof.export_chrome_trace(path)
-            with open(path) as fh:
-                return cls.from_events(json.load(fh)["traceEvents"])
+            return cls.from_file(path)
+
+    @classmethod
+    def from_file(cls, path: str) -> "Trace":
+        """A Chrome trace saved by torch.profiler's export_chrome_trace."""
+        with open(path) as fh:
+            return cls.from_events(json.load(fh)["traceEvents"])
 
     def steps(self, label: str = STEP_LABEL) -> list["Trace"]:
         """One Trace per `label` annotation, in order: the device ops launched inside it and the host spans
@@ -224,8 +225,9 @@ def kernel_name(name: str) -> str:
 
 
 class _HostIndex:
-    """A trace's host spans by thread, answering "which spans contain time t" for many (thread, t) at once: one
-    sweep per thread over its spans in start order, with a stack of those that may still be open."""
+    """A trace's host spans by thread, in start order: "which spans contain time t" for many (thread, t) at once
+    (one sweep per thread with a stack of the spans that may still be open), and "which spans ran between t0 and
+    t1" (a bisection over their starts)."""
 
     def __init__(self, spans: Iterable[HostSpan]) -> None:
         self.by_thread: dict[object, list[HostSpan]] = defaultdict(list)
@@ -233,6 +235,8 @@ class _HostIndex:
             self.by_thread[s.thread].append(s)
         for thread_spans in self.by_thread.values():
             thread_spans.sort(key=lambda s: (s.start, -s.end))
+        self.starts = {thread: [s.start for s in spans] for thread, spans in self.by_thread.items()}
+        self.longest = {thread: max(s.end - s.start for s in spans) for thread, spans in self.by_thread.items()}
 
     def containing(self, queries: Iterable[tuple[object, float]]) -> dict[tuple[object, float], list[HostSpan]]:
         """{(thread, t): the spans of that thread that contain t, outermost (earliest start) first}. A span leaves
@@ -252,23 +256,8 @@ class _HostIndex:
                 answers[(thread, t)] = [s for s in stack if s.end >= t]
         return answers
 
-
-class _CallIndex:
-    """A trace's CUDA runtime and driver calls by thread, in start order, for "which calls ran between t0 and t1"."""
-
-    def __init__(self, calls: Iterable[HostSpan]) -> None:
-        self.by_thread: dict[object, list[HostSpan]] = defaultdict(list)
-        for c in calls:
-            self.by_thread[c.thread].append(c)
-        self.starts = {}
-        self.longest = {}
-        for thread, thread_calls in self.by_thread.items():
-            thread_calls.sort(key=lambda c: c.start)
-            self.starts[thread] = [c.start for c in thread_calls]
-            self.longest[thread] = max(c.end - c.start for c in thread_calls)
-
     def during(self, thread: object, t0: float, t1: float, shown: int = 3, min_us: float = 5.0) -> str:
-        """The calls of `thread` overlapping [t0, t1), their overlap summed by name, the `shown` longest of at least
+        """The spans of `thread` overlapping [t0, t1), their overlap summed by name, the `shown` longest of at least
         min_us: "cudaMalloc 292, cudaEventSynchronize 13"."""
         if thread not in self.by_thread or t1 <= t0:
             return ""
@@ -309,8 +298,9 @@ def analyze(trace: Trace) -> Report:
     kernels: dict[str, tuple[int, float]] = {}
     for d in ops:
         streams[d.stream] = streams.get(d.stream, 0.0) + (d.end - d.start)
-        n, us = kernels.get(kernel_name(d.name), (0, 0.0))
-        kernels[kernel_name(d.name)] = (n + 1, us + d.end - d.start)
+        name = kernel_name(d.name)
+        n, us = kernels.get(name, (0, 0.0))
+        kernels[name] = (n + 1, us + d.end - d.start)
 
     span = max(d.end for d in ops) - ops[0].start
     busy, holes, reach = 0.0, [], ops[0].start
@@ -322,7 +312,7 @@ def analyze(trace: Trace) -> Report:
     queries = [(launch.thread, t) for start, _, launch in holes if launch is not None for t in (start, launch.start)]
     context = _HostIndex([*trace.ops, *trace.calls]).containing(queries)
     frames = _HostIndex(trace.python).containing(queries)
-    calls = _CallIndex(trace.calls)
+    calls = _HostIndex(trace.calls)
     gaps = [_gap(start, nxt, launch, syncs, context, calls, frames) for start, nxt, launch in holes]
     issued = [launches[d.correlation] for d in ops if d.correlation in launches]
     issue = max(c.end for c in issued) - min(c.start for c in issued) if issued else 0.0
@@ -330,7 +320,7 @@ def analyze(trace: Trace) -> Report:
 
 
 def _gap(start: float, nxt: DeviceOp, launch: Optional[HostSpan], syncs: list[HostSpan],
-         context: dict[tuple[object, float], list[HostSpan]], calls: "_CallIndex",
+         context: dict[tuple[object, float], list[HostSpan]], calls: _HostIndex,
          frames: dict[tuple[object, float], list[HostSpan]]) -> Gap:
     """The gap [start, nxt.start) and its cause (module docstring); `context` and `frames` hold the host spans and
     Python frames around the launch call and around the gap's start on the launching thread, `calls` that
@@ -418,8 +408,7 @@ def _parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def trace_lines(path: str, label: str, min_gap_us: float) -> list[str]:
     """The printout for a saved Chrome trace: one step per `label` annotation, or the whole trace as one."""
-    with open(path) as fh:
-        trace = Trace.from_events(json.load(fh)["traceEvents"])
+    trace = Trace.from_file(path)
     steps = trace.steps(label) or [trace]
     return pass_lines(f"{path}, {len(steps)} step(s) labelled {label!r}" if steps[0] is not trace
                       else f"{path}, the whole trace (no {label!r} annotation)", [analyze(t) for t in steps],

@@ -75,11 +75,11 @@ def _texts(name: str) -> list[tuple[int, str]]:
     return [(source.count("\n", 0, m.start()) + 1, m.group()) for m in C_COMMENT.finditer(source)]
 
 
-def _resolves(token: str, name: str, files: set[str]) -> bool:
-    """Whether `token`, named in file `name`, is one of the repository's `files` (ignored files on this disk,
-    such as .carry/, do not count: a clean clone lacks them)."""
+def _resolves(token: str, name: str, files: set[str], names: set[str]) -> bool:
+    """Whether `token`, named in file `name`, is one of the repository's `files` (a bare name: one of their
+    `names`); ignored files on this disk, such as .carry/, do not count: a clean clone lacks them."""
     if "/" not in token:
-        return token in {Path(f).name for f in files}
+        return token in names
     folder = (ROOT / name).parent
     bases = [ROOT / "csrc", ROOT / "moe_ep", folder, *folder.parents]
     return any((base / token).resolve().relative_to(ROOT).as_posix() in files
@@ -88,7 +88,7 @@ def _resolves(token: str, name: str, files: set[str]) -> bool:
 
 def _stale() -> list[tuple[str, int, str]]:
     files = _files()
-    known = set(files)
+    known, names = set(files), {Path(f).name for f in files}
     stale = []
     for name in filter(_scanned, files):
         for line, text in _texts(name):
@@ -97,7 +97,7 @@ def _stale() -> list[tuple[str, int, str]]:
                 token = match.group(1)
                 if token in OTHER_PROJECTS or token in MADE_ELSEWHERE:
                     continue
-                if not _resolves(token, name, known):
+                if not _resolves(token, name, known, names):
                     stale.append((name, line + text.count("\n", 0, match.start()), token))
     return stale
 
@@ -117,7 +117,8 @@ def test_every_path_named_in_comments_exists() -> None:
 ])
 def test_how_a_path_resolves(token: str, name: str, resolves: bool) -> None:
     """A path is found from the root, csrc/, moe_ep/ or the naming file's folders; a bare name anywhere."""
-    assert _resolves(token, name, set(_files())) is resolves
+    files = _files()
+    assert _resolves(token, name, set(files), {Path(f).name for f in files}) is resolves
 
 
 def test_an_ignored_file_does_not_resolve() -> None:
@@ -127,7 +128,9 @@ def test_an_ignored_file_does_not_resolve() -> None:
     made = folder / "named_but_ignored.py"
     made.write_text("")
     try:
-        assert not _resolves("moe_ep/__pycache__/named_but_ignored.py", "README.md", set(_files()))
+        files = _files()
+        assert not _resolves("moe_ep/__pycache__/named_but_ignored.py", "README.md", set(files),
+                             {Path(f).name for f in files})
     finally:
         made.unlink()
 
