@@ -6,8 +6,9 @@ add a per-expert bias that steers selection only (aux-loss-free balancing). The 
 are the unbiased scores of the chosen experts, optionally renormalised and scaled. Two losses are
 available: a switch-style load-balancing loss and the router z-loss. A capacity factor drops the
 assignments that overflow an expert; they come back as -1 and are counted, never silently.
-On CUDA the selection and its backward are one Triton pass each (moe_ep.moe.router_kernels, FusedRoute); CPU
-and torch.compile run the torch ops below.
+On CUDA the selection and its backward are one Triton pass each (moe_ep.moe.router_kernels, FusedRoute) and the
+float32 gate of bf16 tokens runs on bf16 tensor cores (moe_ep.moe.split_gate); CPU and torch.compile run the torch
+ops below.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import router_kernels
+from . import router_kernels, split_gate
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -88,6 +89,7 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, device=device, dtype=torch.float32))
         self.expert_bias: Optional[torch.Tensor]
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device) if expert_bias else None)
+        self._gate_parts = split_gate.GateWeightParts()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -175,8 +177,12 @@ class TopKRouter(nn.Module):
                 and router_kernels.supports(self.num_experts, self.num_groups))
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
-        """Route x [N, H] (any float dtype; the gate runs in float32)."""
-        logits = F.linear(x.float(), self.weight.float())
+        """Route x [N, H] (any float dtype; the gate runs in float32: on bf16 tensor cores for bf16 x on CUDA,
+        moe_ep.moe.split_gate)."""
+        if split_gate.available(x, self.weight):
+            logits = split_gate.gate_logits(x, self.weight, self._gate_parts)
+        else:
+            logits = F.linear(x.float(), self.weight.float())
         if self._fused(logits):
             topk_idx, weights, counts, scores = FusedRoute.apply(logits, self)
         else:
