@@ -81,8 +81,8 @@ def test_available_only_for_bf16_tokens_on_cuda() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gate_on_cuda_matches_float64_and_repeats() -> None:
     """cuBLAS's bf16 GEMMs at the layer bench's router size (4096 x 7168 -> 128) and a ragged one: float32
-    accuracy against float64, the bits of two runs equal, and close to the float32 linear it replaces; inside
-    TopKRouter the gate's weight gets its gradient."""
+    accuracy against float64, the bits of two runs equal, and close to the float32 linear it replaces; a captured
+    graph reads the weight at replay; inside TopKRouter the gate's weight gets its gradient."""
     for seed, (n, h, e) in enumerate([(4096, 7168, 128), (77, 384, 40)]):
         torch.manual_seed(seed)
         x = torch.randn(n, h, device="cuda").to(torch.bfloat16)
@@ -94,6 +94,17 @@ def test_gate_on_cuda_matches_float64_and_repeats() -> None:
         fp32 = torch.nn.functional.linear(x.float(), w)
         scale = x.float().abs() @ w.abs().t()
         assert bool(((logits.detach() - fp32).abs() <= 2 ** -18 * scale + 1e-30).all())
+    # captured in a CUDA graph, the gate reads the weight at each replay (no split cached from before the capture)
+    w = torch.randn(16, 256, device="cuda")
+    x = torch.randn(64, 256, device="cuda").to(torch.bfloat16)
+    parts = split_gate.GateWeightParts()
+    parts(w)  # an eager call first: a cached split exists
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = split_gate.gate_logits(x, w, parts)
+    w.add_(torch.randn_like(w))
+    graph.replay()
+    assert torch.equal(captured, split_gate.gate_logits(x, w, split_gate.GateWeightParts()))
     router = TopKRouter(7168, num_experts=128, top_k=8, device=torch.device("cuda"))
     x = torch.randn(512, 7168, device="cuda").to(torch.bfloat16).requires_grad_(True)
     router(x).topk_weights.square().sum().backward()

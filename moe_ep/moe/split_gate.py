@@ -78,14 +78,18 @@ class SplitGate(torch.autograd.Function):
 
 
 class GateWeightParts:
-    """split(W) of one gate weight, made again only when W changes (an optimizer step bumps its version)."""
+    """split(W) of one gate weight, made again only when W changes (its storage or its version counter: optimizer
+    steps and load_state_dict bump it), as moe_ep.moe.fp8_experts.FP8WeightCache keeps the experts' FP8 copy. A
+    CUDA graph being captured gets a split of its own, so each replay reads W as it then is."""
 
     def __init__(self) -> None:
-        self._key: Optional[tuple[int, int]] = None
+        self._key: Optional[tuple] = None
         self._parts: Optional[torch.Tensor] = None
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return split(weight.detach())
+        key = (weight.data_ptr(), weight._version, weight.device)
         if self._parts is None or key != self._key:
             with torch.no_grad():
                 self._parts = split(weight.detach())
