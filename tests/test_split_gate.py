@@ -1,6 +1,6 @@
 """moe_ep.moe.split_gate (the router's float32 gate on bf16 tensor cores) against float64 oracles: the split is
-exact, the logits and dW carry float32 accuracy, dx bf16's; on the GPU the same through cuBLAS, bit-stable run to
-run and inside TopKRouter."""
+exact, the logits and dW carry float32 accuracy, dx bf16's; on the GPU the same through cuBLAS (the logits to the
+tensor cores' float32 accumulation), bit-stable run to run and inside TopKRouter."""
 from __future__ import annotations
 
 import pytest
@@ -30,18 +30,21 @@ def test_split_sums_back_exactly() -> None:
     assert bool((parts[1].double().abs() <= t.double().abs() * 2 ** -8).all())
 
 
-def _check_against_float64(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, where: str) -> torch.Tensor:
-    """SplitGate's logits, dx and dW against float64 products of the same inputs; returns the logits."""
+def _check_against_float64(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, where: str,
+                           logits_bound: float = 2 ** -20) -> torch.Tensor:
+    """SplitGate's logits, dx and dW against float64 products of the same inputs; returns the logits. The logits
+    may be off by logits_bound of sum |x w| per element (float32 accumulation: a few ulps here, more on tensor
+    cores; a float32 sum's worst case is K 2^-24), dW by 2^-20 of sum |g x| (a float32 GEMM), dx by bf16's
+    rounding."""
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     logits = split_gate.gate_logits(xg, wg, split_gate.GateWeightParts())
     logits.backward(g)
     xd, wd, gd = x.double(), w.double(), g.double()
-    # float32 accumulation: a few ulps of float32 of the sum of |terms| (the oracle's scale per element)
-    for got, want, scale, name in ((logits, xd @ wd.t(), xd.abs() @ wd.abs().t(), "logits"),
-                                   (wg.grad, gd.t() @ xd, gd.abs().t() @ xd.abs(), "dW")):
+    for got, want, scale, bound, name in ((logits, xd @ wd.t(), xd.abs() @ wd.abs().t(), logits_bound, "logits"),
+                                          (wg.grad, gd.t() @ xd, gd.abs().t() @ xd.abs(), 2 ** -20, "dW")):
         assert got.dtype == torch.float32, (where, name)
         err = (got.double() - want).abs()
-        assert bool((err <= 2 ** -20 * scale + 1e-30).all()), f"{where}: {name} off by {(err / scale).max()}"
+        assert bool((err <= bound * scale + 1e-30).all()), f"{where}: {name} off by {(err / scale).max()}"
     want_dx = gd @ wd
     err = (xg.grad.double() - want_dx).abs()
     assert xg.grad.dtype == torch.bfloat16
@@ -80,20 +83,21 @@ def test_available_only_for_bf16_tokens_on_cuda() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gate_on_cuda_matches_float64_and_repeats() -> None:
-    """cuBLAS's bf16 GEMMs at the layer bench's router size (4096 x 7168 -> 128) and a ragged one: float32
-    accuracy against float64, the bits of two runs equal, and close to the float32 linear it replaces; a captured
-    graph reads the weight at replay; inside TopKRouter the gate's weight gets its gradient."""
+    """cuBLAS's bf16 GEMM at the layer bench's router size (4096 x 7168 -> 128) and a ragged one: within 2^-16 of
+    sum |x w| of float64 (the tensor cores' float32 accumulation: 2^-19.2 measured on an H100, session 26), the
+    bits of two runs equal, as close to the float32 linear it replaces; a captured graph reads the weight at
+    replay; inside TopKRouter the gate's weight gets its gradient."""
     for seed, (n, h, e) in enumerate([(4096, 7168, 128), (77, 384, 40)]):
         torch.manual_seed(seed)
         x = torch.randn(n, h, device="cuda").to(torch.bfloat16)
         w = _random((e, h), seed=30 + seed, device="cuda") * 0.02
         g = torch.randn(n, e, device="cuda")
-        logits = _check_against_float64(x, w, g, f"cuda N {n}, H {h}, E {e}")
+        logits = _check_against_float64(x, w, g, f"cuda N {n}, H {h}, E {e}", logits_bound=2 ** -16)
         again = split_gate.gate_logits(x, w, split_gate.GateWeightParts())
         assert torch.equal(logits.detach(), again)
         fp32 = torch.nn.functional.linear(x.float(), w)
         scale = x.float().abs() @ w.abs().t()
-        assert bool(((logits.detach() - fp32).abs() <= 2 ** -18 * scale + 1e-30).all())
+        assert bool(((logits.detach() - fp32).abs() <= 2 ** -16 * scale + 1e-30).all())
     # captured in a CUDA graph, the gate reads the weight at each replay (no split cached from before the capture)
     w = torch.randn(16, 256, device="cuda")
     x = torch.randn(64, 256, device="cuda").to(torch.bfloat16)

@@ -1,13 +1,13 @@
 """The router's float32 gate on bf16 tensor cores: logits = x W^T for bf16 tokens x [N, H] and a float32 gate
-weight W [E, H], as one bf16 GEMM against W split three ways (W = hi + mid + lo, each bf16; what is left is
-below 2^-26 |W|) with float32 accumulation and output, instead of a float32 GEMM on the CUDA cores over
-x.float() (~0.2 ms of a 4096 x 7168 x 128 forward on an H100, docs/benchmarks.md). Products of bf16 numbers
-are exact in float32, so the logits have float32 GEMM's accuracy, not its bits; the bits repeat from run to run.
+weight W [E, H], as one bf16 GEMM against W split three ways (W = hi + mid + lo, each bf16, their sum exactly W)
+with float32 accumulation and output, instead of a float32 GEMM on the CUDA cores over x.float(). On one H100 at
+4096 x 7168 -> 128 (session 26): 54 us against 254 us. Products of bf16 numbers are exact in float32; what is
+lost is the tensor cores' float32 accumulation: the logits were within 6.9e-5 of the exact products (float64)
+where the float32 GEMM's were within 6.6e-6, both far inside a float32 sum's error bound (K 2^-24 of sum |x w|)
+and ~100x closer than bf16 logits. The bits repeat from run to run.
 
-Backward, from float32 dlogits g [N, E]: dW = g^T x with g split three ways (one GEMM, float32 out, the same
-accuracy as the forward); dx = g W from the two leading parts of each (hi.hi + hi.mid + mid.hi, one GEMM over
-the three products stacked along its reduction dimension, rounded once to bf16): its relative error, ~2^-16,
-lies far below dx's own bf16 rounding.
+The backward is the float32 linear's own (dx = g W rounded once to x's dtype, dW = g^T x in float32): its
+split form measured slower (845 against 688 us forward + backward).
 """
 from __future__ import annotations
 
@@ -18,32 +18,29 @@ import torch
 PARTS = 3  # bf16 parts of a float32 operand
 
 
-def split(t: torch.Tensor, parts: int = PARTS) -> torch.Tensor:
-    """float32 t as [parts, *t.shape] bf16, each part t minus the earlier ones rounded to nearest: their sum is
-    t to within 2^-(8 parts + 2) |t| (the subtractions are exact in float32)."""
+def split(t: torch.Tensor) -> torch.Tensor:
+    """float32 t as [3, *t.shape] bf16, each part what the earlier ones left of t, rounded to nearest: their sum is
+    exactly t (3 x 8 significant bits cover float32's 24; the subtractions are exact in float32)."""
     out, rest = [], t.float()
-    for _ in range(parts):
+    for _ in range(PARTS):
         part = rest.to(torch.bfloat16)
         out.append(part)
         rest = rest - part.float()
     return torch.stack(out)
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b for bf16 a and b, summed in float32, as out_dtype: cuBLAS on CUDA; elsewhere (tests) the same
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for bf16 a and b, summed in float32, as float32: cuBLAS on CUDA; elsewhere (tests) the same
     products in float32 (exact: bf16 x bf16 fits float32's 24 bits)."""
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=out_dtype) if out_dtype != a.dtype else torch.mm(a, b)
-    return torch.mm(a.float(), b.float()).to(out_dtype)
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
 
 
-def _sum_parts(stacked: torch.Tensor, dim: int) -> torch.Tensor:
-    """The PARTS results stacked along `dim` (hi's first) added smallest first: (lo + mid) + hi."""
-    chunks = stacked.chunk(PARTS, dim)
-    total = chunks[-1]
-    for chunk in reversed(chunks[:-1]):
-        total = total + chunk
-    return total
+def _sum_parts(stacked: torch.Tensor) -> torch.Tensor:
+    """[N, 3E] (the products with hi, mid, lo side by side) -> [N, E], added smallest first: (lo + mid) + hi."""
+    hi, mid, lo = stacked.chunk(PARTS, 1)
+    return (lo + mid) + hi
 
 
 def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -59,21 +56,14 @@ class SplitGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, weight_parts: torch.Tensor) -> torch.Tensor:
         e, h = weight.shape
-        ctx.save_for_backward(x, weight_parts)
-        return _sum_parts(_mm(x, weight_parts.view(PARTS * e, h).t(), torch.float32), dim=1)
+        ctx.save_for_backward(x, weight)
+        return _sum_parts(_mm(x, weight_parts.view(PARTS * e, h).t()))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], None]:
-        x, w = ctx.saved_tensors
-        e = w.shape[1]
-        g = split(grad.contiguous())  # [3, N, E]
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            a = torch.cat([g[0], g[0], g[1]], dim=1)  # [N, 3E]: hi.hi + hi.mid + mid.hi along the reduction
-            b = torch.cat([w[0], w[1], w[0]])  # [3E, H]
-            dx = _mm(a, b, x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = _sum_parts(_mm(g.transpose(1, 2).reshape(PARTS * e, -1), x, torch.float32), dim=0)
+        x, weight = ctx.saved_tensors
+        dx = torch.mm(grad, weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = torch.mm(grad.t(), x.float()) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
 
