@@ -44,10 +44,9 @@ def _sum_parts(stacked: torch.Tensor) -> torch.Tensor:
 
 
 def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether gate_logits serves this call: bf16 tokens and a plain float32 weight (no tensor subclass such as
-    a DTensor) on a CUDA device, outside torch.compile (which traces the plain float32 linear instead)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and weight.dtype == torch.float32
-            and type(weight.detach()) is torch.Tensor and not torch.compiler.is_compiling())
+    """Whether gate_logits serves this call: bf16 tokens and a float32 weight on a CUDA device (eager or compiled:
+    both must give the same bits)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and weight.dtype == torch.float32
 
 
 class SplitGate(torch.autograd.Function):
@@ -88,5 +87,7 @@ class GateWeightParts:
 
 
 def gate_logits(x: torch.Tensor, weight: torch.Tensor, parts: GateWeightParts) -> torch.Tensor:
-    """float32 logits x W^T through SplitGate (callers check `available` first)."""
-    return SplitGate.apply(x, weight, parts(weight))
+    """float32 logits x W^T through SplitGate (callers check `available` first). Traced by torch.compile, the
+    split is part of the graph (a cache keyed on storage and version cannot be traced); its bits are the same."""
+    weight_parts = split(weight.detach()) if torch.compiler.is_compiling() else parts(weight)
+    return SplitGate.apply(x, weight, weight_parts)
