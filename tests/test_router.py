@@ -10,7 +10,6 @@ import torch
 
 from moe_ep import TopKRouter
 from moe_ep.moe import router_kernels
-from moe_ep.moe.router import FusedRoute
 from tests._interpret import run_interpreted
 
 
@@ -253,14 +252,14 @@ def _route_both(router: TopKRouter, x: torch.Tensor) -> tuple[list, list]:
 
 
 def _check_logit_gradient(router: TopKRouter, x: torch.Tensor, where: str) -> None:
-    """FusedRoute's backward kernel against autograd through the torch path's formulas (TopKRouter.gate_scores,
+    """The one-pass selection's backward kernel (moe_ep::route's backward) against autograd through the torch path's formulas (TopKRouter.gate_scores,
     chosen_weights) at the kernel's own ids: d logits of weights * g, plus a term on the scores where the
     balancing loss reads them."""
     grads, ids = [], None
     for fused in (True, False):
         logits = torch.nn.functional.linear(x.float(), router.weight.detach()).requires_grad_(True)
         if fused:
-            ids, weights, _counts, scores = FusedRoute.apply(logits, router)
+            ids, weights, _counts, scores = router._route_fused(logits)
         else:
             scores = router.gate_scores(logits)
             weights = router.chosen_weights(scores, ids)
@@ -302,6 +301,49 @@ def interpreted_cases() -> None:
 
 def test_fused_selection_in_triton_interpreter() -> None:
     run_interpreted("tests.test_router", "interpreted_cases")
+
+
+def compiled_cases() -> None:
+    """Under TRITON_INTERPRET=1: torch.library.opcheck on moe_ep::route (schema, autograd, fake) and
+    moe_ep::route_backward (all of it), and the router
+    compiled (backend="aot_eager", fullgraph) with the one-pass selection forced gives eager's bits: ids, weights,
+    counts, losses and both gradients (the ops keep the kernels, so compiled code cannot fall back to the torch
+    path's other rounding)."""
+    for i, cfg in enumerate([FUSED_CONFIGS[3], FUSED_CONFIGS[-2]]):
+        router, x = _make(200 + i, 24, 21, **cfg)
+        logits = torch.nn.functional.linear(x, router.weight.detach()).requires_grad_(True)
+        args = (router.expert_bias, router.top_k, router.score_func == "softmax", router.num_groups,
+                router.topk_groups, router.norm_topk_prob and router.top_k > 1, router.routed_scaling_factor, True)
+        # not opcheck's AOT test, whose loss sums the outputs in place, int64 ids first (then float fails to cast):
+        # the compiled comparison below does that part
+        torch.library.opcheck(torch.ops.moe_ep.route.default, (logits, *args),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        idx = router_kernels.route_op(logits.detach(), *args)[0]
+        torch.library.opcheck(torch.ops.moe_ep.route_backward.default,
+                              (logits.detach(), idx, torch.randn(idx.shape), torch.randn(logits.shape), *args[1:3],
+                               *args[5:7]))
+        router._fused = lambda _logits: True
+        g = torch.randn(x.shape[0], router.top_k, generator=torch.Generator().manual_seed(3))
+
+        def step(xs: torch.Tensor) -> list[torch.Tensor]:
+            out = router(xs)
+            loss = (out.topk_weights * g).sum() + out.aux_loss + out.z_loss
+            return [out.topk_idx, out.topk_weights, out.tokens_per_expert, out.aux_loss, out.z_loss, loss]
+
+        results = []
+        for run in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
+            router.weight.grad = None
+            xs = x.detach().clone().requires_grad_(True)
+            outs = run(xs)
+            outs[-1].backward()
+            results.append(outs[:-1] + [xs.grad, router.weight.grad.clone()])
+        for got, want in zip(*results):
+            assert torch.equal(got, want), f"config {cfg}: compiled and eager differ"
+        torch._dynamo.reset()
+
+
+def test_fused_selection_compiles_to_eager_bits() -> None:
+    run_interpreted("tests.test_router", "compiled_cases")
 
 
 def _near_ties(router: TopKRouter, x: torch.Tensor, rel: float) -> torch.Tensor:

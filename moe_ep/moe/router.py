@@ -6,9 +6,9 @@ add a per-expert bias that steers selection only (aux-loss-free balancing). The 
 are the unbiased scores of the chosen experts, optionally renormalised and scaled. Two losses are
 available: a switch-style load-balancing loss and the router z-loss. A capacity factor drops the
 assignments that overflow an expert; they come back as -1 and are counted, never silently.
-On CUDA the selection and its backward are one Triton pass each (moe_ep.moe.router_kernels, FusedRoute) and the
-float32 gate of bf16 tokens runs on bf16 tensor cores (moe_ep.moe.split_gate); CPU and torch.compile run the torch
-ops below.
+On CUDA the selection and its backward are one Triton pass each (moe_ep.moe.router_kernels, as the custom op
+moe_ep::route, so torch.compile calls the same kernels) and the float32 gate of bf16 tokens runs on bf16 tensor
+cores (moe_ep.moe.split_gate); the CPU runs the torch ops below.
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ class TopKRouter(nn.Module):
         return weights * self.routed_scaling_factor
 
     def _route_torch(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(topk_idx, topk_weights, counts, scores) in torch ops: CPU, torch.compile, the cases the kernel lacks."""
+        """(topk_idx, topk_weights, counts, scores) in torch ops: the CPU and the cases the kernel lacks."""
         scores = self.gate_scores(logits)
         choice = scores.detach()
         if self.expert_bias is not None:
@@ -172,9 +172,16 @@ class TopKRouter(nn.Module):
         return topk_idx, self.chosen_weights(scores, topk_idx), count_ids(topk_idx.flatten(), self.num_experts), scores
 
     def _fused(self, logits: torch.Tensor) -> bool:
-        """Whether this forward selects in one Triton pass (moe_ep.moe.router_kernels)."""
-        return (logits.is_cuda and not torch.compiler.is_compiling()
-                and router_kernels.supports(self.num_experts, self.num_groups))
+        """Whether this forward selects in one Triton pass (moe_ep.moe.router_kernels), eager or compiled alike."""
+        return logits.is_cuda and router_kernels.supports(self.num_experts, self.num_groups)
+
+    def _route_fused(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(topk_idx, topk_weights, counts, scores) from the one-pass kernel (the op moe_ep::route, whose backward
+        is the other pass: the scores recomputed from the logits, differentiated at the same ids). The scores
+        are stored only where the balancing loss reads them (an empty tensor otherwise)."""
+        return router_kernels.route_op(logits, self.expert_bias, self.top_k, self.score_func == "softmax",
+                                       self.num_groups, self.topk_groups, self.norm_topk_prob and self.top_k > 1,
+                                       self.routed_scaling_factor, bool(self.aux_loss_coef))
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         """Route x [N, H] (any float dtype; the gate runs in float32: on bf16 tensor cores for bf16 x on CUDA,
@@ -184,7 +191,7 @@ class TopKRouter(nn.Module):
         else:
             logits = F.linear(x.float(), self.weight.float())
         if self._fused(logits):
-            topk_idx, weights, counts, scores = FusedRoute.apply(logits, self)
+            topk_idx, weights, counts, scores = self._route_fused(logits)
         else:
             topk_idx, weights, counts, scores = self._route_torch(logits)
         zero = logits.new_zeros(())
@@ -210,29 +217,3 @@ class TopKRouter(nn.Module):
             raise RuntimeError("this router was built without expert_bias=True")
         load = tokens_per_expert.to(self.expert_bias.device, torch.float32)
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
-
-
-class FusedRoute(torch.autograd.Function):
-    """TopKRouter's selection as one Triton pass (moe_ep.moe.router_kernels) -> (topk_idx, topk_weights, counts,
-    scores), and its backward as another (the scores recomputed from the saved logits, differentiated at the
-    same ids). The scores are stored only where the balancing loss reads them (an empty tensor otherwise)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, router: TopKRouter):  # type: ignore[override]
-        logits = logits.contiguous()
-        ctx.args = (router.top_k, router.score_func == "softmax", router.norm_topk_prob and router.top_k > 1,
-                    router.routed_scaling_factor)
-        top_k, softmax, norm, scale = ctx.args
-        topk_idx, weights, counts, scores = router_kernels.route(
-            logits, router.expert_bias, top_k, softmax, router.num_groups, router.topk_groups, norm, scale,
-            want_scores=bool(router.aux_loss_coef))
-        ctx.save_for_backward(logits, topk_idx)
-        ctx.mark_non_differentiable(topk_idx, counts)
-        return topk_idx, weights, counts, scores if scores is not None else logits.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _grad_idx, grad_weights, _grad_counts, grad_scores):  # type: ignore[override]
-        logits, topk_idx = ctx.saved_tensors
-        scores_read = grad_scores is not None and grad_scores.numel() > 0
-        return router_kernels.route_backward(logits, topk_idx, grad_weights, grad_scores if scores_read else None,
-                                             *ctx.args), None

@@ -202,3 +202,53 @@ def route_backward(logits: torch.Tensor, topk_idx: torch.Tensor, grad_weights: t
             logits, topk_idx, gw, gw if grad_scores is None else grad_scores.contiguous(), grad_logits, n, scale,
             SOFTMAX=softmax, NORM=norm, HAS_GS=grad_scores is not None, num_warps=4, **sizes)
     return grad_logits
+
+
+# ---- as custom ops: torch.compile calls the same kernels as eager (the same bits) -------------------------------
+@torch.library.custom_op("moe_ep::route", mutates_args=())
+def route_op(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, softmax: bool, num_groups: int,
+             topk_groups: int, norm: bool, scale: float, want_scores: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """route() as an op with route_backward() as its backward (differentiable in logits: weights and scores);
+    scores is empty unless want_scores."""
+    idx, weights, counts, scores = route(logits.contiguous(), bias, top_k, softmax, num_groups, topk_groups, norm,
+                                         scale, want_scores)
+    return idx, weights, counts, scores if scores is not None else logits.new_empty(0)
+
+
+@route_op.register_fake
+def _route_fake(logits, bias, top_k, softmax, num_groups, topk_groups, norm, scale, want_scores):
+    n, e = logits.shape
+    return (logits.new_empty(n, top_k, dtype=torch.int64), logits.new_empty(n, top_k),
+            logits.new_empty(e, dtype=torch.int64), logits.new_empty(n, e) if want_scores else logits.new_empty(0))
+
+
+@torch.library.custom_op("moe_ep::route_backward", mutates_args=())
+def route_backward_op(logits: torch.Tensor, topk_idx: torch.Tensor, grad_weights: torch.Tensor,
+                      grad_scores: Optional[torch.Tensor], top_k: int, softmax: bool, norm: bool, scale: float
+                      ) -> torch.Tensor:
+    """route_backward() as an op."""
+    return route_backward(logits.contiguous(), topk_idx, grad_weights, grad_scores, top_k, softmax, norm, scale)
+
+
+@route_backward_op.register_fake
+def _route_backward_fake(logits, topk_idx, grad_weights, grad_scores, top_k, softmax, norm, scale):
+    return torch.empty_like(logits)
+
+
+def _route_setup(ctx, inputs, output) -> None:
+    logits, _bias, top_k, softmax, _groups, _topk_groups, norm, scale, _want_scores = inputs
+    ctx.save_for_backward(logits, output[0])
+    ctx.args = (top_k, softmax, norm, scale)
+
+
+def _route_grad(ctx, _grad_idx, grad_weights, _grad_counts, grad_scores):
+    logits, topk_idx = ctx.saved_tensors
+    if grad_weights is None:
+        grad_weights = torch.zeros(topk_idx.shape, dtype=logits.dtype, device=logits.device)
+    scores_read = grad_scores is not None and grad_scores.numel() > 0
+    grad_logits = route_backward_op(logits, topk_idx, grad_weights, grad_scores if scores_read else None, *ctx.args)
+    return grad_logits, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("moe_ep::route", _route_grad, setup_context=_route_setup)
