@@ -278,9 +278,12 @@ class Timer:
         send_us, recv_us, _ = self.parts_us([lambda: pending.append(send()), lambda: pending.pop().hook()])
         return send_us, recv_us
 
-    def kernel_us(self, fn: Callable[[], object], calls: int = 10) -> Optional[float]:
+    def kernel_us(self, fn: Callable[[], object], calls: int = 10, idle: bool = False) -> Optional[float]:
         """Device time per call of every kernel and copy the call launched (torch.profiler); the L2
-        flush is left out. The per-kernel split goes to `last_kernels`."""
+        flush is left out. The per-kernel split goes to `last_kernels`. idle=True syncs the device after each
+        flush, so no kernel of the call (an eager call's stamp exchange runs off the caller's stream) overlaps
+        the flush and counts its contention; for one rank only (with peers the sync would move the ranks' skew
+        into the kernels' waits)."""
         self.last_kernels: dict[str, float] = {}
         if self.flush_buf is None:
             return None
@@ -290,6 +293,8 @@ class Timer:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
                 self.flush_buf.zero_()
+                if idle:
+                    torch.cuda.synchronize()
                 fn()
             torch.cuda.synchronize()
         for ev in prof.key_averages():
@@ -364,8 +369,9 @@ def n1_inputs(tokens: int, hidden: int, experts: int, topk: int, device: torch.d
 
 
 def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: list[Optional[int]],
-                 with_fp8: bool, deepep: bool) -> list[Row]:
-    """Whole-call and kernel-only times of BF16/FP8 dispatch and BF16 combine on one Buffer."""
+                 with_fp8: bool, deepep: bool, idle_kernels: bool = False) -> list[Row]:
+    """Whole-call and kernel-only times of BF16/FP8 dispatch and BF16 combine on one Buffer (kernels on an idle
+    device with idle_kernels: Timer.kernel_us)."""
     cfg = buf.cfg
     x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, buf.device, seed=buf.rank)
     q, scales = fp8.quantize(x)
@@ -385,7 +391,7 @@ def bench_normal(buf: Buffer, timer: Timer, case: str, tokens: int, sms_list: li
         for op, fn, row_bytes, ref_us in ops:
             call_us = timer.call_us(fn)
             spread = timer.last_spread[0]
-            rows.append(_row(buf, case, op, sms, tokens, call_us, kernel_us=timer.kernel_us(fn),
+            rows.append(_row(buf, case, op, sms, tokens, call_us, kernel_us=timer.kernel_us(fn, idle=idle_kernels),
                              recv_bytes=recv * row_bytes, remote_bytes=remote * row_bytes, deepep_us=ref_us,
                              cold_us=timer.cold_us(fn), spread_us=spread, extra={"kernels": timer.last_kernels}))
     return rows
@@ -419,7 +425,8 @@ def sm_copy(src: torch.Tensor, dst: torch.Tensor, num_sms: int) -> None:
 
 def time_copies(buf: Buffer, timer: Timer, tokens: int, nbytes: int, sms_list: list[int]) -> list[Row]:
     """Rows of copying nbytes random bytes by sm_copy at each SM budget and by the copy engine (dst.copy_(src),
-    no SM budget), each with extra["copied_exactly"]: whether dst came out equal to src."""
+    no SM budget), each with extra["copied_exactly"]: whether dst came out equal to src. Kernels timed on an idle
+    device, as the ops they are held against."""
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=buf.device)
     dst = torch.empty_like(src)
     copies: list[tuple[str, Optional[int], str, Callable[[], object]]] = [
@@ -431,7 +438,7 @@ def time_copies(buf: Buffer, timer: Timer, tokens: int, nbytes: int, sms_list: l
         us = timer.call_us(fn)
         spread = timer.last_spread[0]
         rows.append(_row(buf, "sm-efficiency", op, sms, tokens, us, backend=backend, config=None,
-                         kernel_us=timer.kernel_us(fn), recv_bytes=nbytes, spread_us=spread,
+                         kernel_us=timer.kernel_us(fn, idle=True), recv_bytes=nbytes, spread_us=spread,
                          extra={"kernels": timer.last_kernels, "copied_exactly": torch.equal(src, dst)}))
     return rows
 
@@ -446,7 +453,7 @@ def bench_sm_efficiency(buf: Buffer, timer: Timer, tokens: int, sms_list: list[i
     if buf.group_size != 1:
         raise ValueError(f"the sm-efficiency case runs at EP1 (a one-rank Buffer), got {buf.group_size} ranks")
     cfg = buf.cfg
-    rows = bench_normal(buf, timer, "sm-efficiency", tokens, sms_list, with_fp8=True, deepep=False)
+    rows = bench_normal(buf, timer, "sm-efficiency", tokens, sms_list, with_fp8=True, deepep=False, idle_kernels=True)
     x, idx, w = n1_inputs(tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, buf.device, seed=buf.rank)
     d = buf.dispatch(x, idx, w)
     metadata = sum(t.nbytes for t in (d.topk_idx, d.topk_weights, d.src_rank, d.src_index))
