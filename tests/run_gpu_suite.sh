@@ -63,8 +63,8 @@ secs = {"test_gpu_intranode.py": 290, "test_gpu_crossnode.py": 242, "test_gpu_fa
         "test_expert_major.py": 68, "test_one_rank_bad_input.py": 64, "test_gpu_config.py": 58, "test_frameworks_v2.py": 55,
         "test_fp8_wgrad.py": 55, "test_fp8_grouped_gemm_sm90.py": 51, "test_low_latency_overlap.py": 41,
         "test_gpu_determinism.py": 37, "test_hybrid_ep.py": 27, "test_layer.py": 25, "test_router.py": 25,
-        "test_deep_ep_v2.py": 17, "test_gpu_runtime.py": 12, "test_experts.py": 12, "test_fp8.py": 9, "test_gpu_scale.py": 8, "test_timeline.py": 15, "test_split_gate.py": 20,
-        "test_frameworks_low_latency.py": 6}
+        "test_split_gate.py": 20, "test_deep_ep_v2.py": 17, "test_timeline.py": 15, "test_gpu_runtime.py": 12,
+        "test_experts.py": 12, "test_fp8.py": 9, "test_gpu_scale.py": 8, "test_frameworks_low_latency.py": 6}
 SPLIT, START = 150, 10
 lanes, stagger = int(sys.argv[1]), int(sys.argv[2])
 tests = defaultdict(list)

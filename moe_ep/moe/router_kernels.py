@@ -243,11 +243,11 @@ def _route_setup(ctx, inputs, output) -> None:
 
 
 def _route_grad(ctx, _grad_idx, grad_weights, _grad_counts, grad_scores):
+    """Autograd hands every output's gradient, zeros where unused; grad_scores is empty where route() stored no
+    scores."""
     logits, topk_idx = ctx.saved_tensors
-    if grad_weights is None:
-        grad_weights = torch.zeros(topk_idx.shape, dtype=logits.dtype, device=logits.device)
-    scores_read = grad_scores is not None and grad_scores.numel() > 0
-    grad_logits = route_backward_op(logits, topk_idx, grad_weights, grad_scores if scores_read else None, *ctx.args)
+    grad_logits = route_backward_op(logits, topk_idx, grad_weights, grad_scores if grad_scores.numel() else None,
+                                    *ctx.args)
     return grad_logits, None, None, None, None, None, None, None, None
 
 

@@ -68,26 +68,23 @@ class SplitGate(torch.autograd.Function):
 
 class GateWeightParts:
     """split(W) of one gate weight, made again only when W changes (its storage or its version counter: optimizer
-    steps and load_state_dict bump it), as moe_ep.moe.fp8_experts.FP8WeightCache keeps the experts' FP8 copy. A
-    CUDA graph being captured gets a split of its own, so each replay reads W as it then is."""
+    steps and load_state_dict bump it), as moe_ep.moe.fp8_experts.FP8WeightCache keeps the experts' FP8 copy. Code
+    that torch.compile traces or a CUDA graph captures splits W itself (a cache keyed on storage and version cannot
+    be traced, and each replay must read W as it then is); the bits are the same."""
 
     def __init__(self) -> None:
         self._key: Optional[tuple] = None
         self._parts: Optional[torch.Tensor] = None
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             return split(weight.detach())
         key = (weight.data_ptr(), weight._version, weight.device)
-        if self._parts is None or key != self._key:
-            with torch.no_grad():
-                self._parts = split(weight.detach())
-            self._key = key
+        if key != self._key:
+            self._parts, self._key = split(weight.detach()), key
         return self._parts
 
 
 def gate_logits(x: torch.Tensor, weight: torch.Tensor, parts: GateWeightParts) -> torch.Tensor:
-    """float32 logits x W^T through SplitGate (callers check `available` first). Traced by torch.compile, the
-    split is part of the graph (a cache keyed on storage and version cannot be traced); its bits are the same."""
-    weight_parts = split(weight.detach()) if torch.compiler.is_compiling() else parts(weight)
-    return SplitGate.apply(x, weight, weight_parts)
+    """float32 logits x W^T through SplitGate (callers check `available` first)."""
+    return SplitGate.apply(x, weight, parts(weight))
