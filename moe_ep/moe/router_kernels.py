@@ -169,51 +169,27 @@ def _tiling(n: int, e: int, top_k: int) -> tuple[tuple[int], dict]:
     return (triton.cdiv(n, block_n),), dict(E=e, EP=lanes, K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_N=block_n)
 
 
-def route(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, softmax: bool, num_groups: int,
-          topk_groups: int, norm: bool, scale: float, want_scores: bool
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """logits [N, E] float32 contiguous (bias [E] float32 or None) -> (topk_idx [N, K] int64, topk_weights
-    [N, K] float32, counts [E] int64, scores [N, E] float32 when want_scores else None). supports() holds."""
-    n, e = logits.shape
-    idx = logits.new_empty(n, top_k, dtype=torch.int64)
-    weights = logits.new_empty(n, top_k)
-    counts = torch.zeros(e, dtype=torch.int64, device=logits.device)
-    scores = logits.new_empty(n, e) if want_scores else None
-    if n:
-        grid, sizes = _tiling(n, e, top_k)
-        _route_kernel[grid](
-            logits, logits if bias is None else bias, weights if scores is None else scores, idx, weights, counts,
-            n, scale, G=num_groups, TG=topk_groups, SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm,
-            STORE_SCORES=want_scores, num_warps=4, **sizes)
-    return idx, weights, counts, scores
-
-
-def route_backward(logits: torch.Tensor, topk_idx: torch.Tensor, grad_weights: torch.Tensor,
-                   grad_scores: Optional[torch.Tensor], top_k: int, softmax: bool, norm: bool, scale: float
-                   ) -> torch.Tensor:
-    """d logits [N, E] float32 of route()'s weights (their gradient grad_weights [N, K]) and scores (grad_scores
-    [N, E] or None) at its ids topk_idx [N, K]; logits as route() got them."""
-    n, e = logits.shape
-    grad_logits = torch.empty_like(logits)
-    if n:
-        gw = grad_weights.contiguous()
-        grid, sizes = _tiling(n, e, top_k)
-        _route_backward_kernel[grid](
-            logits, topk_idx, gw, gw if grad_scores is None else grad_scores.contiguous(), grad_logits, n, scale,
-            SOFTMAX=softmax, NORM=norm, HAS_GS=grad_scores is not None, num_warps=4, **sizes)
-    return grad_logits
-
-
 # ---- as custom ops: torch.compile calls the same kernels as eager (the same bits) -------------------------------
 @torch.library.custom_op("moe_ep::route", mutates_args=())
 def route_op(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, softmax: bool, num_groups: int,
              topk_groups: int, norm: bool, scale: float, want_scores: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """route() as an op with route_backward() as its backward (differentiable in logits: weights and scores);
-    scores is empty unless want_scores."""
-    idx, weights, counts, scores = route(logits.contiguous(), bias, top_k, softmax, num_groups, topk_groups, norm,
-                                         scale, want_scores)
-    return idx, weights, counts, scores if scores is not None else logits.new_empty(0)
+    """logits [N, E] float32 (bias [E] float32 or None) -> (topk_idx [N, K] int64, topk_weights [N, K] float32,
+    counts [E] int64, scores [N, E] float32, empty unless want_scores); differentiable in logits (weights and
+    scores) through route_backward_op. supports() holds."""
+    logits = logits.contiguous()
+    n, e = logits.shape
+    idx = logits.new_empty(n, top_k, dtype=torch.int64)
+    weights = logits.new_empty(n, top_k)
+    counts = torch.zeros(e, dtype=torch.int64, device=logits.device)
+    scores = logits.new_empty(n, e) if want_scores else logits.new_empty(0)
+    if n:
+        grid, sizes = _tiling(n, e, top_k)
+        _route_kernel[grid](
+            logits, logits if bias is None else bias, scores if want_scores else weights, idx, weights, counts,
+            n, scale, G=num_groups, TG=topk_groups, SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm,
+            STORE_SCORES=want_scores, num_warps=4, **sizes)
+    return idx, weights, counts, scores
 
 
 @route_op.register_fake
@@ -227,8 +203,18 @@ def _route_fake(logits, bias, top_k, softmax, num_groups, topk_groups, norm, sca
 def route_backward_op(logits: torch.Tensor, topk_idx: torch.Tensor, grad_weights: torch.Tensor,
                       grad_scores: Optional[torch.Tensor], top_k: int, softmax: bool, norm: bool, scale: float
                       ) -> torch.Tensor:
-    """route_backward() as an op."""
-    return route_backward(logits.contiguous(), topk_idx, grad_weights, grad_scores, top_k, softmax, norm, scale)
+    """d logits [N, E] float32 of route_op's weights (their gradient grad_weights [N, K]) and scores (grad_scores
+    [N, E] or None) at its ids topk_idx [N, K]; logits as route_op got them."""
+    logits = logits.contiguous()
+    n, e = logits.shape
+    grad_logits = torch.empty_like(logits)
+    if n:
+        gw = grad_weights.contiguous()
+        grid, sizes = _tiling(n, e, top_k)
+        _route_backward_kernel[grid](
+            logits, topk_idx, gw, gw if grad_scores is None else grad_scores.contiguous(), grad_logits, n, scale,
+            SOFTMAX=softmax, NORM=norm, HAS_GS=grad_scores is not None, num_warps=4, **sizes)
+    return grad_logits
 
 
 @route_backward_op.register_fake
@@ -243,7 +229,7 @@ def _route_setup(ctx, inputs, output) -> None:
 
 
 def _route_grad(ctx, _grad_idx, grad_weights, _grad_counts, grad_scores):
-    """Autograd hands every output's gradient, zeros where unused; grad_scores is empty where route() stored no
+    """Autograd hands every output's gradient, zeros where unused; grad_scores is empty where route_op stored no
     scores."""
     logits, topk_idx = ctx.saved_tensors
     grad_logits = route_backward_op(logits, topk_idx, grad_weights, grad_scores if grad_scores.numel() else None,
