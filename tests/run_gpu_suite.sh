@@ -11,6 +11,7 @@
 #   its own limit, below), STAGGER_S (default 4: lane n starts its first unit (n - 1) x STAGGER_S seconds in,
 #   the torchrun after the last, so the processes' NVSHMEM starts do not all fall in the same seconds), SKIP_BUILD=1,
 #   NO_TRAIN=1 (skip the torchrun), WITH_LAYER_BENCH=1 (then the one-rank layer bench, alone, into $OUT/bench/).
+#   With .carry/prebuilt/ (tests/prebuild_device_extensions.sh) its extensions replace the build where they fit.
 set -uo pipefail
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NVLS=1 \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -23,6 +24,19 @@ fi
 logs=$(mktemp -d)  # one log per lane, joined into $out/lanes.log as each lane ends (at most 8 files come back)
 start=$SECONDS
 lanes=${LANES:-7} budget=${BUDGET_S:-520} stagger=${STAGGER_S:-4}
+# Extensions built on the dev machine for this one (tests/prebuild_device_extensions.sh): in place of the build
+# below when the native sources are the ones they were built from and they load here (moe_ep from this folder;
+# the pure-Python deep_ep package installed as the build would).
+if [ -z "${SKIP_BUILD:-}" ] && [ -f .carry/prebuilt/SOURCES ] \
+   && [ "$(bash tests/native_sources_hash.sh)" = "$(cat .carry/prebuilt/SOURCES)" ]; then
+  cp -r .carry/prebuilt/moe_ep .
+  if python3 -c "from moe_ep.comm import _native; _native.load(); import moe_ep.moe._gemm" >"$out/build.log" 2>&1 \
+     && python3 -m pip install --no-build-isolation --no-deps -e ./deep_ep_compat >>"$out/build.log" 2>&1; then
+    SKIP_BUILD=1; echo "prebuilt extensions in place ($((SECONDS - start)) s)"
+  else
+    tail -5 "$out/build.log"; echo "prebuilt extensions did not load: building"
+  fi
+fi
 if [ -z "${SKIP_BUILD:-}" ]; then
   if [ -f .carry/cutlass_include.tar.xz ] && [ -z "${MOE_EP_CUTLASS_DIR:-}" ]; then
     export MOE_EP_CUTLASS_DIR=${TMPDIR:-/tmp}/moe_ep_cutlass
