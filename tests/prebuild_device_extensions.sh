@@ -21,5 +21,5 @@ mkdir "$tmp/src" && git ls-files -z | tar --null -T - -cf - | tar -C "$tmp/src" 
 rm -rf .carry/prebuilt && mkdir -p .carry/prebuilt
 (cd "$tmp/src" && cp --parents moe_ep/comm/_C.cpython-*.so moe_ep/moe/_gemm.cpython-*.so moe_ep/comm/_build_info.json \
   "$root/.carry/prebuilt/")
-bash tests/native_sources_hash.sh >.carry/prebuilt/SOURCES
+bash "$tmp/src/tests/native_sources_hash.sh" >.carry/prebuilt/SOURCES  # the sources built: the copy
 find .carry/prebuilt -type f | xargs ls -l
