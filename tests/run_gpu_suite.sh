@@ -25,13 +25,16 @@ logs=$(mktemp -d)  # one log per lane, joined into $out/lanes.log as each lane e
 start=$SECONDS
 lanes=${LANES:-7} budget=${BUDGET_S:-520} stagger=${STAGGER_S:-4}
 # Extensions built on the dev machine for this one (tests/prebuild_device_extensions.sh): in place of the build
-# below when the native sources are the ones they were built from and they load here (moe_ep from this folder;
-# the pure-Python deep_ep package installed as the build would).
+# below when the native sources are the ones they were built from and they load here. What the build's editable
+# installs give stays the same: moe_ep importable from any folder (a .pth file naming this one) and the
+# pure-Python deep_ep package installed.
 if [ -z "${SKIP_BUILD:-}" ] && [ -f .carry/prebuilt/SOURCES ] \
    && [ "$(bash tests/native_sources_hash.sh)" = "$(cat .carry/prebuilt/SOURCES)" ]; then
   cp -r .carry/prebuilt/moe_ep .
   if python3 -c "from moe_ep.comm import _native; _native.load(); import moe_ep.moe._gemm" >"$out/build.log" 2>&1 \
-     && python3 -m pip install --no-build-isolation --no-deps -e ./deep_ep_compat >>"$out/build.log" 2>&1; then
+     && python3 -m pip install --no-build-isolation --no-deps -e ./deep_ep_compat >>"$out/build.log" 2>&1 \
+     && python3 -c "import pathlib, site, sys; pathlib.Path(site.getsitepackages()[0], 'moe_ep_prebuilt.pth').write_text(sys.argv[1])" \
+          "$PWD" >>"$out/build.log" 2>&1; then
     SKIP_BUILD=1; echo "prebuilt extensions in place ($((SECONDS - start)) s)"
   else
     tail -5 "$out/build.log"; echo "prebuilt extensions did not load: building"
